@@ -1,0 +1,194 @@
+"""Open a Hugging Face Qwen3 checkpoint and prove it complete before any work starts.
+
+`Checkpoint.open` reads config.json into a ModelSpec, then every shard's header (never the
+tensor data), and checks that each expected tensor is present exactly once with the right shape
+and dtype. Tensors are then read lazily, by row range, through `TensorEntry.read_rows`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from qcompile.errors import CheckpointError
+from qcompile.io.safetensors_stream import DTYPE_NAMES, TensorEntry, read_header
+from qcompile.model import LM_HEAD, expected_tensors
+from qcompile.spec import ModelSpec, load_config
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Files copied into the artifact when the source has them.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+GENERATION_FILE = "generation_config.json"
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A validated checkpoint: its spec, raw config and where every tensor lives."""
+
+    path: Path
+    config: dict
+    spec: ModelSpec
+    shards: tuple[Path, ...]
+    tensors: dict[str, TensorEntry]
+    unused: tuple[str, ...]  # present but deliberately not used (a tied lm_head), logged at open
+
+    @classmethod
+    def open(cls, path: str | Path) -> Checkpoint:
+        root = Path(path)
+        if not root.is_dir():
+            raise CheckpointError(f"{root}: checkpoint directory not found")
+        config = load_config(root / "config.json")
+        spec = ModelSpec.from_config(config, source=str(root / "config.json"))
+        shards, index = _shard_files(root)
+        tensors = _read_headers(shards, index)
+        unused = _check_complete(spec, tensors)
+        for name in unused:
+            log.warning(
+                "%s is in the checkpoint but tie_word_embeddings=true: the artifact ties the output "
+                "projection to model.embed_tokens.weight as config.json says; %s is not used",
+                name,
+                name,
+            )
+        return cls(root, config, spec, tuple(shards), tensors, unused)
+
+    def entry(self, name: str) -> TensorEntry:
+        return self.tensors[name]
+
+    def side_files(self) -> list[Path]:
+        """Tokenizer and generation files to copy into the artifact."""
+        names = (*TOKENIZER_FILES, GENERATION_FILE)
+        return [self.path / n for n in names if (self.path / n).is_file()]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self.tensors.values())
+
+
+def fingerprint(checkpoint: Checkpoint, progress=None) -> str:
+    """sha256 over config.json, the shard index (when present) and each shard's size and sha256."""
+    outer = hashlib.sha256()
+    outer.update((checkpoint.path / "config.json").read_bytes())
+    index = checkpoint.path / INDEX_FILE
+    if index.is_file():
+        outer.update(index.read_bytes())
+    for shard in checkpoint.shards:
+        digest = sha256_file(shard, progress)
+        outer.update(f"{shard.name}:{shard.stat().st_size}:{digest}\n".encode())
+    return outer.hexdigest()
+
+
+def sha256_file(path: Path, progress=None, block: int = 16 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb", buffering=0) as handle:
+        buffer = bytearray(block)
+        view = memoryview(buffer)
+        while got := handle.readinto(buffer):
+            digest.update(view[:got])
+            if progress is not None:
+                progress(got)
+    return digest.hexdigest()
+
+
+def _shard_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
+    index_path = root / INDEX_FILE
+    if index_path.is_file():
+        try:
+            index = json.loads(index_path.read_text(encoding="utf-8"))
+            weight_map = index["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index_path}: malformed shard index ({exc!r})") from exc
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index_path}: 'weight_map' must map tensor names to file names")
+        names = sorted(set(weight_map.values()))
+        for name in names:
+            if Path(name).name != name:
+                raise CheckpointError(f"{index_path}: shard {name!r} must be a file name in the checkpoint dir")
+            if not (root / name).is_file():
+                users = sorted(k for k, v in weight_map.items() if v == name)
+                raise CheckpointError(
+                    f"{root / name}: shard listed in {INDEX_FILE} is missing "
+                    f"(it should hold {len(users)} tensors, e.g. {users[0]!r})"
+                )
+        return [root / n for n in names], weight_map
+    if (root / SINGLE_FILE).is_file():
+        return [root / SINGLE_FILE], None
+    stray = sorted(p.name for p in root.glob("*.safetensors"))
+    if stray:
+        raise CheckpointError(
+            f"{root}: found {', '.join(stray)} but no {INDEX_FILE} saying which tensors each holds"
+        )
+    raise CheckpointError(f"{root}: no {SINGLE_FILE} or {INDEX_FILE}; only safetensors checkpoints are supported")
+
+
+def _read_headers(shards: list[Path], index: dict[str, str] | None) -> dict[str, TensorEntry]:
+    tensors: dict[str, TensorEntry] = {}
+    for shard in shards:
+        entries, _ = read_header(shard)
+        for name, entry in entries.items():
+            if name in tensors:
+                raise CheckpointError(
+                    f"tensor {name!r} is duplicated: in {tensors[name].file.name} and in {shard.name}"
+                )
+            if index is not None and index.get(name) != shard.name:
+                where = index.get(name)
+                raise CheckpointError(
+                    f"{shard.name}: holds tensor {name!r} which {INDEX_FILE} "
+                    + (f"places in {where}" if where else "does not list")
+                )
+            tensors[name] = entry
+    if index is not None:
+        for name, shard_name in sorted(index.items()):
+            if name not in tensors:
+                raise CheckpointError(f"{shard_name}: tensor {name!r} is listed in {INDEX_FILE} but not in the shard")
+    return tensors
+
+
+def _check_complete(spec: ModelSpec, tensors: dict[str, TensorEntry]) -> tuple[str, ...]:
+    """Every expected tensor present once with the right shape and dtype; nothing unexpected."""
+    expected = expected_tensors(spec)
+    want_dtype = DTYPE_NAMES[_torch_dtype(spec.dtype)]
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"tensor {missing[0]!r} is missing from the checkpoint{more}")
+    unused: list[str] = []
+    for name, entry in tensors.items():
+        if name not in expected:
+            if spec.tie_word_embeddings and name == f"{LM_HEAD}.weight":
+                unused.append(name)
+                continue
+            raise CheckpointError(
+                f"{entry.file.name}: unexpected tensor {name!r} for {spec.architecture} "
+                f"with this config.json"
+            )
+        if entry.shape != expected[name]:
+            raise CheckpointError(
+                f"{entry.file.name}: tensor {name!r} has shape {list(entry.shape)}, "
+                f"config.json implies {list(expected[name])}"
+            )
+        if entry.dtype != want_dtype:
+            raise CheckpointError(
+                f"{entry.file.name}: tensor {name!r} is {entry.dtype}, config.json says {spec.dtype} ({want_dtype})"
+            )
+    return tuple(unused)
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)

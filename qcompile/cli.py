@@ -1,0 +1,60 @@
+"""The `qcompile` command line: one click group, one module per verb under qcompile/commands/."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+import click
+
+from qcompile.errors import QCompileError
+
+# verb -> module under qcompile.commands defining a click command named `command`
+_VERBS = {
+    "compile": "Stream a Hugging Face Qwen3 checkpoint into a compiled artifact.",
+    "inspect": "Summarise an artifact: model, scheme, sizes, passes, KV layout, tuned devices.",
+    "verify": "Check every file of an artifact against the sha256 in its manifest.",
+    "synth": "Write a random-weight Qwen3 checkpoint of a named preset, with a local tokenizer.",
+}
+
+
+class _LazyGroup(click.Group):
+    """Imports a verb's module only when that verb runs (or its --help is shown)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(_VERBS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in _VERBS:
+            return None
+        return importlib.import_module(f"qcompile.commands.{name}").command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, text) for name, text in _VERBS.items()])
+
+
+@click.group(cls=_LazyGroup)
+@click.version_option(package_name="qcompile")
+@click.option("-v", "--verbose", is_flag=True, help="Log debug details.")
+def main(verbose: bool) -> None:
+    """qcompile: compile Qwen3 checkpoints into PTPC-FP8 artifacts for the qruntime engine."""
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(message)s")
+
+
+def run() -> None:
+    """Console entry point: user errors become one clean line on stderr and exit code 1."""
+    try:
+        main(standalone_mode=False)
+    except QCompileError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    except click.exceptions.Abort:
+        click.echo("interrupted; nothing was written", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)

@@ -1,0 +1,1 @@
+"""One module per CLI verb; each defines a click command named `command`."""

@@ -1,0 +1,25 @@
+"""The error types users see. Each message names the file, key or tensor at fault."""
+
+
+class QCompileError(Exception):
+    """Base of every error the CLI reports as a clean message (exit code 1)."""
+
+
+class CheckpointError(QCompileError):
+    """The source checkpoint is malformed, incomplete or unsupported."""
+
+
+class RecipeError(QCompileError):
+    """A recipe file or override is invalid."""
+
+
+class PlanError(QCompileError):
+    """The recipe cannot be applied to this model (for example a fusion that does not fit)."""
+
+
+class TensorValueError(QCompileError):
+    """A source tensor holds values that cannot be compiled (NaN or Inf)."""
+
+
+class ArtifactError(QCompileError):
+    """The output artifact cannot be written or does not verify."""

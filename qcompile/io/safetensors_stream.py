@@ -1,0 +1,216 @@
+"""Streaming access to safetensors files: header parsing, row-range reads and positional writes.
+
+The `safetensors` library reads through mmap (every touched page stays resident) and writes whole
+dicts of tensors at once; a compile that must stay within a fixed memory budget whatever the model's
+size needs neither. The format is small — an 8-byte little-endian header length, a JSON header
+mapping names to dtype/shape/data_offsets, then the raw bytes — so reads here are plain `pread`s of
+row ranges and writes are `pwrite`s at offsets fixed by a header written first.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qcompile.errors import CheckpointError
+
+# safetensors dtype name <-> torch dtype
+DTYPES: dict[str, torch.dtype] = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor's bytes live in a safetensors file."""
+
+    name: str
+    file: Path
+    dtype: str  # safetensors dtype name, e.g. "BF16"
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offset in the file
+    end: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one slice along dim 0."""
+        return self.nbytes // self.shape[0] if self.shape and self.shape[0] else self.nbytes
+
+    def read_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) along dim 0, read with one pread (no mmap, nothing kept resident)."""
+        shape = (stop - start, *self.shape[1:]) if self.shape else ()
+        count = (stop - start) * self.row_bytes if self.shape else self.nbytes
+        offset = self.begin + (start * self.row_bytes if self.shape else 0)
+        buffer = bytearray(count)
+        with open(self.file, "rb", buffering=0) as handle:
+            view = memoryview(buffer)
+            done = 0
+            while done < count:
+                got = os.preadv(handle.fileno(), [view[done:]], offset + done)
+                if got == 0:
+                    raise CheckpointError(
+                        f"{self.file.name}: unexpected end of file while reading tensor {self.name!r}"
+                    )
+                done += got
+        if count == 0:
+            return torch.empty(shape, dtype=self.torch_dtype)
+        return torch.frombuffer(buffer, dtype=self.torch_dtype).reshape(shape)
+
+    def read(self) -> torch.Tensor:
+        return self.read_rows(0, self.shape[0]) if self.shape else self.read_rows(0, 0)
+
+
+def read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+    """Parse and check a safetensors header against the file's size: (entries, metadata).
+
+    A truncated file, a header that does not parse, offsets outside the file, overlapping
+    tensors or a byte count that does not match dtype x shape are errors naming the file and tensor.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path.name}: truncated safetensors file ({size} bytes, no header)")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > min(size - 8, _MAX_HEADER):
+            raise CheckpointError(
+                f"{path.name}: truncated or corrupt safetensors file (header of {header_len} bytes "
+                f"in a file of {size} bytes)"
+            )
+        raw = handle.read(header_len)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path.name}: safetensors header is not valid JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path.name}: safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    data_start = 8 + header_len
+    entries: dict[str, TensorEntry] = {}
+    for name, info in header.items():
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{path.name}: malformed header entry for tensor {name!r}") from exc
+        if dtype not in DTYPES:
+            raise CheckpointError(f"{path.name}: tensor {name!r} has unknown dtype {dtype!r}")
+        expected = math.prod(shape) * DTYPES[dtype].itemsize
+        if end - begin != expected or begin < 0:
+            raise CheckpointError(
+                f"{path.name}: tensor {name!r} spans {end - begin} bytes but {dtype} x {list(shape)} "
+                f"needs {expected}"
+            )
+        if data_start + end > size:
+            raise CheckpointError(
+                f"{path.name}: truncated file: tensor {name!r} ends at byte {data_start + end} "
+                f"but the file has {size} bytes"
+            )
+        entries[name] = TensorEntry(name, path, dtype, shape, data_start + begin, data_start + end)
+    spans = sorted((e.begin, e.end, e.name) for e in entries.values() if e.nbytes)
+    for (_, end_a, name_a), (begin_b, _, name_b) in zip(spans, spans[1:], strict=False):
+        if begin_b < end_a:
+            raise CheckpointError(f"{path.name}: tensors {name_a!r} and {name_b!r} overlap")
+    return entries, metadata
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    """One tensor to be written by a StreamingWriter."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+class StreamingWriter:
+    """Writes a safetensors file whose header is fixed up front; tensor bytes arrive in any order.
+
+    `write` is a positional write, safe to call from several threads at once. The file is sized
+    at creation, so a writer killed half-way leaves a file of the right size with holes: callers
+    write into a temporary directory and only publish it when every byte is in.
+    """
+
+    def __init__(self, path: Path, tensors: list[OutputTensor], metadata: dict[str, str] | None = None):
+        self.path = path
+        header: dict[str, object] = {}
+        if metadata:
+            header["__metadata__"] = dict(metadata)
+        offset = 0
+        self._offsets: dict[str, tuple[int, OutputTensor]] = {}
+        for tensor in tensors:
+            if tensor.name in self._offsets:
+                raise ValueError(f"tensor {tensor.name!r} listed twice for {path.name}")
+            header[tensor.name] = {
+                "dtype": DTYPE_NAMES[tensor.dtype],
+                "shape": list(tensor.shape),
+                "data_offsets": [offset, offset + tensor.nbytes],
+            }
+            self._offsets[tensor.name] = (offset, tensor)
+            offset += tensor.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as the reference writer does
+        self.data_start = 8 + len(raw)
+        self.size = self.data_start + offset
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.pwrite(self._fd, struct.pack("<Q", len(raw)) + raw, 0)
+        os.ftruncate(self._fd, self.size)
+
+    def location(self, name: str) -> tuple[int, int]:
+        """(absolute offset, length) of a tensor's bytes in the file."""
+        offset, tensor = self._offsets[name]
+        return self.data_start + offset, tensor.nbytes
+
+    def write(self, name: str, byte_offset: int, data: torch.Tensor) -> None:
+        """Write `data`'s bytes at `byte_offset` within tensor `name`."""
+        offset, tensor = self._offsets[name]
+        if data.dtype != tensor.dtype:
+            raise TypeError(f"{name}: writing {data.dtype} into a {tensor.dtype} tensor")
+        view = memoryview(data.contiguous().reshape(-1).view(torch.uint8).numpy())
+        if byte_offset + len(view) > tensor.nbytes:
+            raise ValueError(f"{name}: write past the end of the tensor")
+        position = self.data_start + offset + byte_offset
+        while view:
+            done = os.pwrite(self._fd, view, position)
+            view, position = view[done:], position + done
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> StreamingWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,225 @@
+"""Recipes: YAML files validated into frozen dataclasses, with `--set key=value` overrides.
+
+A recipe says how to compile: the quantization scheme and what it ignores, the graph passes in
+order, the KV cache (dtype, layout, block size), the tensor-parallel degree and the weight shard
+size. Unknown keys and bad values are errors naming the key and the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from qcompile.errors import RecipeError
+
+RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
+DEFAULT_RECIPE = "ptpc-fp8"
+DEFAULT_PASSES = (
+    "fuse_qkv_proj",
+    "fuse_gate_up_proj",
+    "fuse_moe_experts",
+    "fuse_add_rmsnorm_quant",
+    "fuse_silu_mul_quant",
+    "fuse_qknorm_rope_kvwrite",
+)
+DEFAULT_IGNORE = ("lm_head", "re:.*mlp.gate$")
+
+
+@dataclass(frozen=True)
+class QuantizationRecipe:
+    """Which linear layers are quantized and how; `ignore` uses llm-compressor's matching
+    (an exact module name, or `re:` + a regex matched from the start of the name)."""
+
+    scheme: str = "ptpc-fp8"
+    ignore: tuple[str, ...] = DEFAULT_IGNORE
+
+
+@dataclass(frozen=True)
+class KVCacheRecipe:
+    dtype: str = "bf16"
+    layout: str = "nhd"
+    block_size: int = 16
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str = DEFAULT_RECIPE
+    description: str = ""
+    quantization: QuantizationRecipe = field(default_factory=QuantizationRecipe)
+    passes: tuple[str, ...] = DEFAULT_PASSES
+    kv_cache: KVCacheRecipe = field(default_factory=KVCacheRecipe)
+    tp: int = 1
+    max_shard_mb: int = 4096
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["quantization"]["ignore"] = list(self.quantization.ignore)
+        data["passes"] = list(self.passes)
+        return data
+
+    def ignores(self, module: str) -> bool:
+        """Whether the linear module `module` is kept unquantized by the ignore list."""
+        return any(_matches(pattern, module) for pattern in self.quantization.ignore)
+
+
+def _matches(pattern: str, name: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return pattern == name
+
+
+def list_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+
+
+def resolve_recipe_path(name_or_path: str) -> Path:
+    """A shipped recipe name (`ptpc-fp8`) or a path to a YAML file."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise RecipeError(f"{path}: recipe file not found")
+        return path
+    shipped = RECIPE_DIR / f"{name_or_path}.yaml"
+    if not shipped.is_file():
+        raise RecipeError(
+            f"unknown recipe {name_or_path!r}: not a file and not a shipped recipe "
+            f"({', '.join(list_recipes())})"
+        )
+    return shipped
+
+
+def load_recipe(name_or_path: str = DEFAULT_RECIPE, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Load a recipe (ours or an llm-compressor one), apply `key=value` overrides, validate."""
+    path = resolve_recipe_path(name_or_path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"{path}: not valid YAML ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path}: a recipe must be a YAML mapping")
+    from qcompile.recipe_llmc import is_llmcompressor_recipe, translate_llmcompressor_recipe
+
+    if is_llmcompressor_recipe(raw):
+        raw = translate_llmcompressor_recipe(raw, source=str(path))
+    raw.setdefault("name", path.stem)
+    for item in overrides:
+        _apply_override(raw, item)
+    return recipe_from_dict(raw, source=str(path))
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise RecipeError(f"--set {item!r}: expected key=value, e.g. kv_cache.layout=hnd")
+    try:
+        parsed = yaml.safe_load(value) if value else ""
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"--set {item!r}: value is not valid YAML ({exc})") from exc
+    if key in ("passes", "quantization.ignore") and isinstance(parsed, str):
+        parsed = [p.strip() for p in parsed.split(",") if p.strip()]
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise RecipeError(f"--set {key}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = parsed
+
+
+def recipe_from_dict(raw: dict[str, Any], source: str = "<recipe>") -> Recipe:
+    """Validate a plain dict into a Recipe; errors name the key and `source`."""
+    return _build(Recipe, raw, source, prefix="")
+
+
+def _build(cls: type, raw: Any, source: str, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{source}: {prefix.rstrip('.') or 'recipe'} must be a mapping, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise RecipeError(
+            f"{source}: unknown key {prefix + unknown[0]!r}; "
+            f"known keys here: {', '.join(prefix + k for k in fields)}"
+        )
+    values: dict[str, Any] = {}
+    for name, value in raw.items():
+        key = prefix + name
+        kind = fields[name].type
+        if kind in ("QuantizationRecipe", "KVCacheRecipe"):
+            values[name] = _build(globals()[kind], value, source, key + ".")
+        else:
+            values[name] = _convert(kind, value, source, key)
+    recipe = cls(**values)
+    _VALIDATORS.get(cls, lambda r, s: None)(recipe, source)
+    return recipe
+
+
+def _convert(kind: str, value: Any, source: str, key: str) -> Any:
+    if kind == "str":
+        if not isinstance(value, str):
+            raise RecipeError(f"{source}: {key!r} must be a string, got {value!r}")
+        return value
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RecipeError(f"{source}: {key!r} must be an integer, got {value!r}")
+        return value
+    if kind == "tuple[str, ...]":
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise RecipeError(f"{source}: {key!r} must be a list of strings, got {value!r}")
+        return tuple(value)
+    raise RecipeError(f"{source}: {key!r} has an unsupported type")  # pragma: no cover - schema bug
+
+
+def _validate_quantization(q: QuantizationRecipe, source: str) -> None:
+    from qcompile.quant import SCHEMES
+
+    if q.scheme not in SCHEMES:
+        raise RecipeError(
+            f"{source}: quantization.scheme {q.scheme!r} is unknown; known: {', '.join(SCHEMES)}"
+        )
+    for pattern in q.ignore:
+        if pattern.startswith("re:"):
+            try:
+                re.compile(pattern[3:])
+            except re.error as exc:
+                raise RecipeError(f"{source}: quantization.ignore entry {pattern!r} is not a valid regex ({exc})") from exc
+
+
+def _validate_kv(kv: KVCacheRecipe, source: str) -> None:
+    from qruntime.kv_layout import KV_DTYPES, KV_LAYOUTS
+
+    if kv.dtype not in KV_DTYPES:
+        raise RecipeError(f"{source}: kv_cache.dtype {kv.dtype!r} is unknown; known: {', '.join(KV_DTYPES)}")
+    if kv.layout not in KV_LAYOUTS:
+        raise RecipeError(f"{source}: kv_cache.layout {kv.layout!r} is unknown; known: {', '.join(KV_LAYOUTS)}")
+    if kv.block_size < 1 or kv.block_size & (kv.block_size - 1) or kv.block_size > 1024:
+        raise RecipeError(f"{source}: kv_cache.block_size must be a power of two up to 1024, got {kv.block_size}")
+    try:
+        KV_LAYOUTS[kv.layout].check(kv.block_size, None, kv.dtype)
+    except ValueError as exc:
+        raise RecipeError(f"{source}: kv_cache: {exc}") from exc
+
+
+def _validate_recipe(recipe: Recipe, source: str) -> None:
+    from qcompile.graph.passes import PASSES
+
+    for name in recipe.passes:
+        if name not in PASSES:
+            raise RecipeError(f"{source}: passes: unknown pass {name!r}; known: {', '.join(PASSES)}")
+    if len(set(recipe.passes)) != len(recipe.passes):
+        raise RecipeError(f"{source}: passes: a pass is listed twice ({', '.join(recipe.passes)})")
+    if recipe.tp < 1 or recipe.tp & (recipe.tp - 1) or recipe.tp > 64:
+        raise RecipeError(f"{source}: 'tp' must be a power of two between 1 and 64, got {recipe.tp}")
+    if recipe.max_shard_mb < 1:
+        raise RecipeError(f"{source}: 'max_shard_mb' must be at least 1, got {recipe.max_shard_mb}")
+    if not recipe.name:
+        raise RecipeError(f"{source}: 'name' must not be empty")
+
+
+_VALIDATORS = {QuantizationRecipe: _validate_quantization, KVCacheRecipe: _validate_kv, Recipe: _validate_recipe}
