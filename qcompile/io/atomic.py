@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -32,6 +33,9 @@ def atomic_output_dir(target: str | Path, force: bool = False) -> Iterator[Path]
     check_target(target, force)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the artifact is an ordinary directory
     try:
         yield tmp
         check_target(target, force)  # someone may have created it while we worked

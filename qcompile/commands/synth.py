@@ -1,0 +1,88 @@
+"""`qcompile synth PRESET -o DIR`: write a random-weight Qwen3 checkpoint, no model hub needed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from tqdm import tqdm
+
+from qcompile.synth.checkpoint import DEFAULT_MAX_SHARD_BYTES, plan_checkpoint, preflight, write_checkpoint
+from qcompile.synth.presets import UnknownPresetError, get_preset, preset_names
+
+
+def preset_table() -> list[tuple[str, str, str, str]]:
+    """(name, source, parameters, size on disk) for every preset, for --help."""
+    rows = []
+    for name in preset_names():
+        plan = plan_checkpoint(name)
+        kind = "MoE" if plan.spec.is_moe else "dense"
+        source = get_preset(name).source
+        source = f"{source}, {kind}" if source != "test" else f"test, {kind}"
+        rows.append((name, source, _count(plan.parameters), _size(plan.weight_bytes)))
+    return rows
+
+
+class _SynthCommand(click.Command):
+    """Lists the presets after the options; the table is computed only when help is shown."""
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with formatter.section("Presets (parameters, size on disk in bf16)"):
+            rows = [(name, f"{params:>8}  {size:>9}  {source}") for name, source, params, size in preset_table()]
+            formatter.write_dl(rows)
+
+
+@click.command("synth", cls=_SynthCommand)
+@click.argument("preset")
+@click.option(
+    "-o", "--output", "output", required=True, type=click.Path(path_type=Path), help="Checkpoint directory to create."
+)
+@click.option(
+    "--seed", default=0, show_default=True, type=int, help="Seed of the random weights (same seed: same bytes)."
+)
+@click.option(
+    "--max-shard-mb",
+    default=DEFAULT_MAX_SHARD_BYTES / 1e6,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Largest safetensors shard, in MB (10^6 bytes); one file when everything fits.",
+)
+@click.option("--force", is_flag=True, help="Replace an existing output directory (only once the new one is complete).")
+def command(preset: str, output: Path, seed: int, max_shard_mb: float, force: bool) -> None:
+    """Write a random-weight Qwen3 checkpoint of PRESET, with a locally trained tokenizer.
+
+    The directory is a Hugging Face checkpoint (config.json, safetensors shards, tokenizer files)
+    that transformers and `qcompile compile` load like a published one. Weights are bf16 random
+    values (normal(0, 0.02); norms around 1) fixed by --seed; nothing is downloaded.
+    """
+    try:
+        get_preset(preset)
+    except UnknownPresetError as exc:
+        raise click.BadParameter(str(exc), param_hint="PRESET") from None
+    max_shard_bytes = max(1, int(max_shard_mb * 1e6))
+    plan = plan_checkpoint(preset, max_shard_bytes)
+    preflight(plan, output, force)  # refuse before the progress bar appears
+    bar = tqdm(total=plan.weight_bytes, unit="B", unit_scale=True, unit_divisor=1000, desc=preset, leave=False)
+    with bar:
+        result = write_checkpoint(
+            plan.config, output, seed=seed, max_shard_bytes=max_shard_bytes, progress=bar.update, force=force
+        )
+    files = "1 file" if result.shards == 1 else f"{result.shards} shards"
+    click.echo(
+        f"wrote {preset}: {_count(result.parameters)} parameters, {_size(result.weight_bytes)} in {files} "
+        f"(seed {seed}) at {result.path}"
+    )
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"

@@ -1,0 +1,63 @@
+"""Shared fixtures: synthetic Qwen3 checkpoints (random weights, local tokenizer), built once per session.
+
+The directories are shared between tests: treat them as read-only (copy one before changing it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from qcompile.synth import get_preset, write_checkpoint
+
+MakeCkpt = Callable[..., Path]
+
+
+@pytest.fixture(scope="session")
+def make_ckpt(tmp_path_factory: pytest.TempPathFactory) -> MakeCkpt:
+    """`make_ckpt(preset, *, seed=0, **config_overrides) -> Path` of a synthesized checkpoint.
+
+    The overrides replace (or add) keys of the preset's config.json; the tokenizer follows the
+    config's bos/eos ids and vocab_size. Equal arguments return the same directory.
+    """
+    root = tmp_path_factory.mktemp("synth")
+    built: dict[str, Path] = {}
+
+    def make(preset: str, *, seed: int = 0, **config_overrides: Any) -> Path:
+        key = json.dumps([preset, seed, config_overrides], sort_keys=True)
+        if key not in built:
+            config = {**get_preset(preset).config(), **config_overrides}
+            path = root / f"{preset}-{len(built)}"
+            write_checkpoint(config, path, seed=seed)
+            built[key] = path
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(make_ckpt: MakeCkpt) -> Path:
+    """Dense Qwen3, untied: 2 layers, hidden 64, 4 heads / 2 KV heads of 16, vocab 544."""
+    return make_ckpt("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_tied_ckpt(make_ckpt: MakeCkpt) -> Path:
+    """`tiny` with tie_word_embeddings=true (no lm_head.weight in the shards)."""
+    return make_ckpt("tiny-tied")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_ckpt(make_ckpt: MakeCkpt) -> Path:
+    """Qwen3-MoE: 3 layers (layer 1 dense via mlp_only_layers), 8 experts of 32, top 2."""
+    return make_ckpt("tiny-moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_odd_ckpt(make_ckpt: MakeCkpt) -> Path:
+    """Dense, non-power-of-two sizes: hidden 96, 6 heads / 3 KV heads, intermediate 72, vocab 538."""
+    return make_ckpt("tiny-odd")
