@@ -13,6 +13,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from qruntime.artifact import sha256_file
+
 from qcompile.errors import CheckpointError
 from qcompile.io.safetensors_stream import DTYPE_NAMES, TensorEntry, read_header
 from qcompile.model import LM_HEAD, expected_tensors
@@ -79,7 +82,7 @@ class Checkpoint:
         return sum(e.nbytes for e in self.tensors.values())
 
 
-def fingerprint(checkpoint: Checkpoint, progress=None) -> str:
+def fingerprint(checkpoint: Checkpoint) -> str:
     """sha256 over config.json, the shard index (when present) and each shard's size and sha256."""
     outer = hashlib.sha256()
     outer.update((checkpoint.path / "config.json").read_bytes())
@@ -87,21 +90,9 @@ def fingerprint(checkpoint: Checkpoint, progress=None) -> str:
     if index.is_file():
         outer.update(index.read_bytes())
     for shard in checkpoint.shards:
-        digest = sha256_file(shard, progress)
+        digest = sha256_file(shard)
         outer.update(f"{shard.name}:{shard.stat().st_size}:{digest}\n".encode())
     return outer.hexdigest()
-
-
-def sha256_file(path: Path, progress=None, block: int = 16 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as handle:
-        buffer = bytearray(block)
-        view = memoryview(buffer)
-        while got := handle.readinto(buffer):
-            digest.update(view[:got])
-            if progress is not None:
-                progress(got)
-    return digest.hexdigest()
 
 
 def _shard_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
@@ -129,9 +120,7 @@ def _shard_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
         return [root / SINGLE_FILE], None
     stray = sorted(p.name for p in root.glob("*.safetensors"))
     if stray:
-        raise CheckpointError(
-            f"{root}: found {', '.join(stray)} but no {INDEX_FILE} saying which tensors each holds"
-        )
+        raise CheckpointError(f"{root}: found {', '.join(stray)} but no {INDEX_FILE} saying which tensors each holds")
     raise CheckpointError(f"{root}: no {SINGLE_FILE} or {INDEX_FILE}; only safetensors checkpoints are supported")
 
 
@@ -161,7 +150,7 @@ def _read_headers(shards: list[Path], index: dict[str, str] | None) -> dict[str,
 def _check_complete(spec: ModelSpec, tensors: dict[str, TensorEntry]) -> tuple[str, ...]:
     """Every expected tensor present once with the right shape and dtype; nothing unexpected."""
     expected = expected_tensors(spec)
-    want_dtype = DTYPE_NAMES[_torch_dtype(spec.dtype)]
+    want_dtype = DTYPE_NAMES[getattr(torch, spec.dtype)]
     missing = [n for n in expected if n not in tensors]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -173,8 +162,7 @@ def _check_complete(spec: ModelSpec, tensors: dict[str, TensorEntry]) -> tuple[s
                 unused.append(name)
                 continue
             raise CheckpointError(
-                f"{entry.file.name}: unexpected tensor {name!r} for {spec.architecture} "
-                f"with this config.json"
+                f"{entry.file.name}: unexpected tensor {name!r} for {spec.architecture} with this config.json"
             )
         if entry.shape != expected[name]:
             raise CheckpointError(
@@ -186,9 +174,3 @@ def _check_complete(spec: ModelSpec, tensors: dict[str, TensorEntry]) -> tuple[s
                 f"{entry.file.name}: tensor {name!r} is {entry.dtype}, config.json says {spec.dtype} ({want_dtype})"
             )
     return tuple(unused)
-
-
-def _torch_dtype(name: str):
-    import torch
-
-    return getattr(torch, name)

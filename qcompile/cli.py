@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import sys
-
 import click
 
 from qcompile.errors import QCompileError
@@ -19,8 +17,28 @@ _VERBS = {
 }
 
 
+class UserError(click.ClickException):
+    """A QCompileError or an interruption, shown as one line on stderr."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+    def show(self, file=None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
 class _LazyGroup(click.Group):
-    """Imports a verb's module only when that verb runs (or its --help is shown)."""
+    """Imports a verb's module only when that verb runs (or its --help is shown); turns user
+    errors into a clean message and exit code 1, and Ctrl-C into exit code 130."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except QCompileError as exc:
+            raise UserError(str(exc)) from exc
+        except KeyboardInterrupt as exc:
+            raise UserError("interrupted; nothing was written", exit_code=130) from exc
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(_VERBS)
@@ -41,20 +59,3 @@ class _LazyGroup(click.Group):
 def main(verbose: bool) -> None:
     """qcompile: compile Qwen3 checkpoints into PTPC-FP8 artifacts for the qruntime engine."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(message)s")
-
-
-def run() -> None:
-    """Console entry point: user errors become one clean line on stderr and exit code 1."""
-    try:
-        main(standalone_mode=False)
-    except QCompileError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(1)
-    except click.exceptions.Abort:
-        click.echo("interrupted; nothing was written", err=True)
-        sys.exit(130)
-    except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
-    except click.exceptions.Exit as exc:
-        sys.exit(exc.exit_code)
