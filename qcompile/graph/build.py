@@ -1,0 +1,127 @@
+"""build_graph: the unfused decoder graph of a ModelSpec under a Recipe (docs/OPS.md)."""
+
+from __future__ import annotations
+
+import torch
+from qruntime.kv_layout import KV_DTYPES, KV_LAYOUTS
+
+from qcompile import model as hf
+from qcompile.errors import PlanError
+from qcompile.graph.builder import GraphBuilder
+from qcompile.graph.ir import Graph
+from qcompile.graph.layers import attention, dense_mlp, sparse_moe
+from qcompile.quant import SCHEMES
+from qcompile.recipe import Recipe
+from qcompile.spec import ModelSpec
+
+# name, dtype, shape of the graph inputs, in the order of docs/OPS.md
+GRAPH_INPUTS = (
+    ("input_ids", torch.int64, ("T",)),
+    ("positions", torch.int64, ("T",)),
+    ("slot_mapping", torch.int64, ("T",)),
+    ("block_tables", torch.int32, ("B", "max_blocks")),
+    ("context_lens", torch.int32, ("B",)),
+    ("query_start_loc", torch.int32, ("B+1",)),
+    ("logits_indices", torch.int64, ("B",)),
+)
+LOGITS = "logits"
+
+
+def build_graph(spec: ModelSpec, recipe: Recipe) -> Graph:
+    """The unfused graph: one op per step of the math, every weight under its source (HF) name.
+
+    Raises PlanError when the recipe cannot be applied to this model (KV layout constraints, an unknown
+    scheme, tensor parallelism).
+    """
+    check_plan(spec, recipe)
+    b = GraphBuilder(spec, recipe)
+    for name, dtype, shape in GRAPH_INPUTS:
+        b.input(name, dtype, shape)
+    embed = b.job(hf.EMBED, ((f"{hf.EMBED}.weight",),), "none", "embedding")
+    (hidden,) = b.node(
+        "Gather",
+        [embed.weight_name, "input_ids"],
+        [b.act("embeds", ("T", spec.hidden_size))],
+        {"axis": 0},
+        name=hf.EMBED,
+    )
+    for i in range(spec.num_hidden_layers):
+        p = f"layers.{i}."
+        x = b.rms_norm(hidden, hf.norm(i, "input_layernorm"), p + "attn_norm")
+        h = b.binary("Add", attention(b, i, x), hidden, p + "attn_residual")
+        x = b.rms_norm(h, hf.norm(i, "post_attention_layernorm"), p + "mlp_norm")
+        mlp = sparse_moe if spec.is_sparse_layer(i) else dense_mlp
+        hidden = b.binary("Add", mlp(b, i, x, p + "mlp_out"), h, p + "hidden")
+    normed = b.rms_norm(hidden, hf.FINAL_NORM, "final_norm")
+    (rows,) = b.node(
+        "Gather",
+        [normed, "logits_indices"],
+        [b.act("final_norm.rows", ("B", spec.hidden_size))],
+        {"axis": 0},
+        name="select_logits_rows",
+    )
+    _lm_head(b, rows)
+    metadata = {
+        "architecture": spec.architecture,
+        "recipe": recipe.name,
+        "quantization": recipe.quantization.scheme,
+        "kv_cache": f"{recipe.kv_cache.layout}/{recipe.kv_cache.dtype}/block_size={recipe.kv_cache.block_size}",
+    }
+    return b.finish([LOGITS], metadata)
+
+
+def _lm_head(b: GraphBuilder, rows: str) -> None:
+    """logits [B,V]; a tied unquantized head reads the embedding table itself (stored once)."""
+    spec = b.spec
+    tied = spec.tie_word_embeddings
+    if tied and not b.scheme_of(hf.LM_HEAD).quantized:
+        b.gemm(rows, f"{hf.EMBED}.weight", spec.vocab_size, LOGITS, name=hf.LM_HEAD)
+        return
+    source = f"{hf.EMBED}.weight" if tied else f"{hf.LM_HEAD}.weight"
+    b.linear(rows, hf.LM_HEAD, spec.vocab_size, LOGITS, role="lm_head", source=source)
+
+
+def check_plan(spec: ModelSpec, recipe: Recipe) -> None:
+    """Raise PlanError when `recipe` cannot be applied to `spec`, naming the recipe key to change."""
+    if recipe.quantization.scheme not in SCHEMES:
+        raise PlanError(
+            f"recipe {recipe.name!r}: quantization.scheme {recipe.quantization.scheme!r} is unknown; "
+            f"known: {', '.join(SCHEMES)}"
+        )
+    kv = recipe.kv_cache
+    if kv.dtype not in KV_DTYPES:
+        raise PlanError(
+            f"recipe {recipe.name!r}: kv_cache.dtype {kv.dtype!r} is unknown; known: {', '.join(KV_DTYPES)}"
+        )
+    if kv.layout not in KV_LAYOUTS:
+        raise PlanError(
+            f"recipe {recipe.name!r}: kv_cache.layout {kv.layout!r} is unknown; known: {', '.join(KV_LAYOUTS)}"
+        )
+    try:
+        KV_LAYOUTS[kv.layout].check(kv.block_size, spec.head_dim, kv.dtype)
+    except ValueError as exc:
+        raise PlanError(
+            f"recipe {recipe.name!r}: kv_cache (layout={kv.layout}, dtype={kv.dtype}, block_size={kv.block_size}) "
+            f"does not fit this model: {exc}; choose another kv_cache.layout or block_size"
+        ) from exc
+    _check_tp(spec, recipe)
+
+
+def _check_tp(spec: ModelSpec, recipe: Recipe) -> None:
+    tp = recipe.tp
+    if tp == 1:
+        return
+    sizes = {
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "intermediate_size": spec.intermediate_size,
+    }
+    if spec.moe is not None:
+        sizes["moe_intermediate_size"] = spec.moe.moe_intermediate_size
+    for key, size in sizes.items():
+        if size % tp:
+            raise PlanError(f"tp={tp} does not divide the model's {key} ({size}); choose a tp that divides it")
+    raise PlanError(
+        f"tp={tp}: the model can be sharded {tp} ways, but tensor-parallel sharding is validated, not yet "
+        "implemented, in this version of qcompile; compile with tp: 1"
+    )

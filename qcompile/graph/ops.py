@@ -1,0 +1,132 @@
+"""The operator contract of docs/OPS.md as data: the op types a graph may use, their domains, and the
+signature (inputs, outputs, attributes, element types) of every `qcompile` op."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+OPSET = 23  # ONNX default domain
+DOMAIN = "qcompile"
+DOMAIN_VERSION = 1
+
+STANDARD_OPS = frozenset({"Gather", "RMSNormalization", "Add", "Mul", "Sigmoid", "Split", "Reshape", "Gemm"})
+
+# element types of op parameters: T = the model dtype, W = a weight (model dtype or fp8)
+TYPE_PARAMS = MappingProxyType(
+    {"T": ("bfloat16", "float16", "float"), "W": ("bfloat16", "float16", "float", "float8e4m3fn")}
+)
+FIXED_TYPES = MappingProxyType({"F8": "float8e4m3fn", "F32": "float", "I64": "int64", "I32": "int32", "U8": "uint8"})
+
+
+@dataclass(frozen=True)
+class OpSignature:
+    """Inputs and outputs as (name, element type code); a name ending in '?' is an optional input.
+    `attrs` maps attribute name -> Python type; `optional_attrs` may be left out."""
+
+    inputs: tuple[tuple[str, str], ...]
+    outputs: tuple[tuple[str, str], ...]
+    attrs: Mapping[str, type] = field(default_factory=dict)
+    optional_attrs: frozenset[str] = frozenset()
+
+    min_inputs: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "attrs", MappingProxyType(dict(self.attrs)))
+        object.__setattr__(self, "min_inputs", sum(not name.endswith("?") for name, _ in self.inputs))
+
+
+_KV = {"layer": int, "layout": str, "block_size": int, "kv_dtype": str, "k_scale": float, "v_scale": float}
+_QUANT_OUT = (("yq", "F8"), ("ys", "F32"))
+
+SIGNATURES: Mapping[str, OpSignature] = MappingProxyType(
+    {
+        # simple ops
+        "DynamicQuant": OpSignature((("x", "T"),), (("xq", "F8"), ("xs", "F32")), {"group_size": int}),
+        "PTPCLinear": OpSignature((("xq", "F8"), ("xs", "F32"), ("w", "F8"), ("ws", "T")), (("y", "T"),)),
+        "BlockFP8Linear": OpSignature(
+            (("xq", "F8"), ("xs", "F32"), ("w", "F8"), ("ws", "T")), (("y", "T"),), {"block_n": int, "block_k": int}
+        ),
+        "RoPE": OpSignature((("x", "T"), ("positions", "I64")), (("y", "T"),), {"theta": float, "head_dim": int}),
+        "KVCacheWrite": OpSignature((("k", "T"), ("v", "T"), ("slot_mapping", "I64")), (("kv_ready", "U8"),), _KV),
+        "PagedAttention": OpSignature(
+            (
+                ("q", "T"),
+                ("kv_ready", "U8"),
+                ("block_tables", "I32"),
+                ("context_lens", "I32"),
+                ("query_start_loc", "I32"),
+            ),
+            (("o", "T"),),
+            {**_KV, "num_heads": int, "num_kv_heads": int, "head_dim": int, "scale": float},
+        ),
+        "MoERouting": OpSignature(
+            (("router_logits", "T"),),
+            (("topk_weights", "T"), ("topk_ids", "I64")),
+            {"top_k": int, "norm_topk_prob": int},
+        ),
+        "ExpertWeight": OpSignature((("topk_weights", "T"), ("topk_ids", "I64")), (("coef", "T"),), {"expert": int}),
+        # fused ops
+        "AddRMSNorm": OpSignature(
+            (("x", "T"), ("residual?", "T"), ("w", "T")), (("y", "T"), ("residual_out", "T")), {"epsilon": float}
+        ),
+        "AddRMSNormQuant": OpSignature(
+            (("x", "T"), ("residual?", "T"), ("w", "T")),
+            (*_QUANT_OUT, ("residual_out", "T")),
+            {"epsilon": float, "group_size": int},
+        ),
+        "SiluMul": OpSignature((("gate_up", "T"),), (("y", "T"),)),
+        "SiluMulQuant": OpSignature((("gate_up", "T"),), _QUANT_OUT, {"group_size": int}),
+        "QKNormRoPEKVWrite": OpSignature(
+            (("qkv", "T"), ("q_norm_w", "T"), ("k_norm_w", "T"), ("positions", "I64"), ("slot_mapping", "I64")),
+            (("q", "T"), ("kv_ready", "U8")),
+            {**_KV, "num_heads": int, "num_kv_heads": int, "head_dim": int, "epsilon": float, "theta": float},
+        ),
+        "MoE": OpSignature(
+            (("x", "T"), ("router_w", "T"), ("w13", "W"), ("w13_scale?", "T"), ("w2", "W"), ("w2_scale?", "T")),
+            (("y", "T"),),
+            {
+                "num_experts": int,
+                "top_k": int,
+                "norm_topk_prob": int,
+                "linear": str,
+                "group_size": int,
+                "block_n": int,
+                "block_k": int,
+            },
+            optional_attrs=frozenset({"block_n", "block_k"}),
+        ),
+    }
+)
+FUSED_OPS = frozenset({"AddRMSNorm", "AddRMSNormQuant", "SiluMul", "SiluMulQuant", "QKNormRoPEKVWrite", "MoE"})
+SIMPLE_OPS = frozenset(SIGNATURES) - FUSED_OPS
+
+# op type -> domain ('' is the ONNX default domain)
+OP_DOMAINS = MappingProxyType({**{op: "" for op in STANDARD_OPS}, **{op: DOMAIN for op in SIGNATURES}})
+
+# the linear op of each weight layout, and where its weight sits among its inputs
+LINEAR_OPS = MappingProxyType({"Gemm": 1, "PTPCLinear": 2, "BlockFP8Linear": 2})
+
+
+def check_signature(
+    op_type: str, inputs: tuple[str, ...], outputs: tuple[str, ...], attrs: Mapping[str, object]
+) -> str | None:
+    """What is wrong with a `qcompile` node against its signature, or None when it conforms."""
+    sig = SIGNATURES[op_type]
+    if not sig.min_inputs <= len(inputs) <= len(sig.inputs):
+        return f"takes {sig.min_inputs}..{len(sig.inputs)} inputs, got {len(inputs)}"
+    for (name, _), value in zip(sig.inputs, inputs, strict=False):
+        if not value and not name.endswith("?"):
+            return f"input {name!r} is required"
+    if len(outputs) != len(sig.outputs):
+        return f"has {len(sig.outputs)} outputs, got {len(outputs)}"
+    unknown = sorted(set(attrs) - set(sig.attrs))
+    missing = sorted(set(sig.attrs) - set(attrs) - sig.optional_attrs)
+    if unknown or missing:
+        return f"attributes: unknown {unknown}, missing {missing}"
+    for key, value in attrs.items():
+        kind = sig.attrs[key]
+        if isinstance(value, bool) or not isinstance(value, kind):
+            return f"attribute {key!r} must be {kind.__name__}, got {value!r}"
+    return None
