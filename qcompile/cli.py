@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+
 import click
 
 from qcompile.errors import QCompileError

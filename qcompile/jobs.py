@@ -56,7 +56,7 @@ class WeightJob:
         for group in self.sources:
             yield from group
 
-    def part_rows(self, shapes: Mapping[str, tuple[int, ...]]) -> list[list[tuple[str, int, int]]]:
+    def part_rows(self, shapes: Mapping[str, tuple[int, ...]]) -> Layout:
         """For each slice, (source, first row, end row) of every part in the fused tensor."""
         layout = []
         for group in self.sources:
@@ -89,22 +89,26 @@ class WeightJob:
             out.append(OutputTensor(self.scale_name, model_dtype, (*shape[:-2], *scale)))
         return out
 
-    def split(self, shapes: Mapping[str, tuple[int, ...]], weight: torch.Tensor, scale: torch.Tensor | None):
-        """Split written tensors back into {source name: (weight rows, scale rows or None)}.
 
-        Lossless: fusing only concatenates and stacks rows, and a row's bytes and scale never
-        depend on its neighbours (block scales need every part aligned to the block, which the
-        fusion passes check).
-        """
-        out: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        align = self.quant.row_align
-        for s, parts in enumerate(self.part_rows(shapes)):
-            w = weight[s] if self.stacked else weight
-            sc = None if scale is None else (scale[s] if self.stacked else scale)
-            for src, begin, end in parts:
-                rows = w[begin:end]
-                srows = None
-                if sc is not None:
-                    srows = sc[begin:end] if align == 1 else sc[begin // align : -(-end // align)]
-                out[src] = (rows, srows)
-        return out
+Layout = list[list[tuple[str, int, int]]]  # per slice: (source, first row, end row) of each part
+
+
+def split_rows(
+    layout: Layout, stacked: bool, row_align: int, weight: torch.Tensor, scale: torch.Tensor | None
+) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """Split a written weight (and scale) back into {source name: (weight rows, scale rows)}.
+
+    Lossless: fusing only concatenates and stacks rows, and a row's bytes and scale never depend
+    on its neighbours (block scales need every part aligned to the block, which the fusion
+    passes check).
+    """
+    out: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for s, parts in enumerate(layout):
+        w = weight[s] if stacked else weight
+        sc = None if scale is None else (scale[s] if stacked else scale)
+        for src, begin, end in parts:
+            srows = None
+            if sc is not None:
+                srows = sc[begin:end] if row_align == 1 else sc[begin // row_align : -(-end // row_align)]
+            out[src] = (w[begin:end], srows)
+    return out

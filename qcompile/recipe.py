@@ -87,8 +87,7 @@ def resolve_recipe_path(name_or_path: str) -> Path:
     shipped = RECIPE_DIR / f"{name_or_path}.yaml"
     if not shipped.is_file():
         raise RecipeError(
-            f"unknown recipe {name_or_path!r}: not a file and not a shipped recipe "
-            f"({', '.join(list_recipes())})"
+            f"unknown recipe {name_or_path!r}: not a file and not a shipped recipe ({', '.join(list_recipes())})"
         )
     return shipped
 
@@ -144,8 +143,7 @@ def _build(cls: type, raw: Any, source: str, prefix: str) -> Any:
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         raise RecipeError(
-            f"{source}: unknown key {prefix + unknown[0]!r}; "
-            f"known keys here: {', '.join(prefix + k for k in fields)}"
+            f"{source}: unknown key {prefix + unknown[0]!r}; known keys here: {', '.join(prefix + k for k in fields)}"
         )
     values: dict[str, Any] = {}
     for name, value in raw.items():
@@ -180,15 +178,15 @@ def _validate_quantization(q: QuantizationRecipe, source: str) -> None:
     from qcompile.quant import SCHEMES
 
     if q.scheme not in SCHEMES:
-        raise RecipeError(
-            f"{source}: quantization.scheme {q.scheme!r} is unknown; known: {', '.join(SCHEMES)}"
-        )
+        raise RecipeError(f"{source}: quantization.scheme {q.scheme!r} is unknown; known: {', '.join(SCHEMES)}")
     for pattern in q.ignore:
         if pattern.startswith("re:"):
             try:
                 re.compile(pattern[3:])
             except re.error as exc:
-                raise RecipeError(f"{source}: quantization.ignore entry {pattern!r} is not a valid regex ({exc})") from exc
+                raise RecipeError(
+                    f"{source}: quantization.ignore entry {pattern!r} is not a valid regex ({exc})"
+                ) from exc
 
 
 def _validate_kv(kv: KVCacheRecipe, source: str) -> None:

@@ -86,8 +86,7 @@ class ModelSpec:
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise CheckpointError(
-                f"{source}: architecture {arch!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"{source}: architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         if config.get("hidden_act", "silu") != "silu":
             raise CheckpointError(f"{source}: hidden_act {config['hidden_act']!r} is not supported (only 'silu')")
@@ -116,13 +115,9 @@ class ModelSpec:
             experts = reader.positive_int("num_experts", alias="num_local_experts")
             top_k = reader.positive_int("num_experts_per_tok")
             if top_k > experts:
-                raise CheckpointError(
-                    f"{source}: num_experts_per_tok ({top_k}) exceeds num_experts ({experts})"
-                )
+                raise CheckpointError(f"{source}: num_experts_per_tok ({top_k}) exceeds num_experts ({experts})")
             mlp_only = config.get("mlp_only_layers") or []
-            if not isinstance(mlp_only, list) or not all(
-                isinstance(i, int) and 0 <= i < layers for i in mlp_only
-            ):
+            if not isinstance(mlp_only, list) or not all(isinstance(i, int) and 0 <= i < layers for i in mlp_only):
                 raise CheckpointError(f"{source}: 'mlp_only_layers' must list layer indices below {layers}")
             moe = MoESpec(
                 num_experts=experts,

@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from qcompile.synth.checkpoint import DEFAULT_MAX_SHARD_BYTES, plan_checkpoint, preflight, write_checkpoint
 from qcompile.synth.presets import UnknownPresetError, get_preset, preset_names
+from qcompile.units import human_bytes, human_count
 
 
 def preset_table() -> list[tuple[str, str, str, str]]:
@@ -19,7 +20,7 @@ def preset_table() -> list[tuple[str, str, str, str]]:
         kind = "MoE" if plan.spec.is_moe else "dense"
         source = get_preset(name).source
         source = f"{source}, {kind}" if source != "test" else f"test, {kind}"
-        rows.append((name, source, _count(plan.parameters), _size(plan.weight_bytes)))
+        rows.append((name, source, human_count(plan.parameters), human_bytes(plan.weight_bytes)))
     return rows
 
 
@@ -69,20 +70,6 @@ def command(preset: str, output: Path, seed: int, max_shard_mb: float, force: bo
         )
     files = "1 file" if result.shards == 1 else f"{result.shards} shards"
     click.echo(
-        f"wrote {preset}: {_count(result.parameters)} parameters, {_size(result.weight_bytes)} in {files} "
+        f"wrote {preset}: {human_count(result.parameters)} parameters, {human_bytes(result.weight_bytes)} in {files} "
         f"(seed {seed}) at {result.path}"
     )
-
-
-def _count(n: int) -> str:
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return str(n)
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes} B"

@@ -68,9 +68,9 @@ class TensorEntry:
         shape = (stop - start, *self.shape[1:]) if self.shape else ()
         count = (stop - start) * self.row_bytes if self.shape else self.nbytes
         offset = self.begin + (start * self.row_bytes if self.shape else 0)
-        buffer = bytearray(count)
+        buffer = torch.empty(count, dtype=torch.uint8)  # not zero-filled, unlike bytearray
+        view = memoryview(buffer.numpy())
         with open(self.file, "rb", buffering=0) as handle:
-            view = memoryview(buffer)
             done = 0
             while done < count:
                 got = os.preadv(handle.fileno(), [view[done:]], offset + done)
@@ -79,9 +79,7 @@ class TensorEntry:
                         f"{self.file.name}: unexpected end of file while reading tensor {self.name!r}"
                     )
                 done += got
-        if count == 0:
-            return torch.empty(shape, dtype=self.torch_dtype)
-        return torch.frombuffer(buffer, dtype=self.torch_dtype).reshape(shape)
+        return buffer.view(self.torch_dtype).reshape(shape)
 
     def read(self) -> torch.Tensor:
         return self.read_rows(0, self.shape[0]) if self.shape else self.read_rows(0, 0)
@@ -124,8 +122,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
         expected = math.prod(shape) * DTYPES[dtype].itemsize
         if end - begin != expected or begin < 0:
             raise CheckpointError(
-                f"{path.name}: tensor {name!r} spans {end - begin} bytes but {dtype} x {list(shape)} "
-                f"needs {expected}"
+                f"{path.name}: tensor {name!r} spans {end - begin} bytes but {dtype} x {list(shape)} needs {expected}"
             )
         if data_start + end > size:
             raise CheckpointError(

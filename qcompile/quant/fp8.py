@@ -14,6 +14,22 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
 
 
+_INT_VIEW = {2: (torch.int16, 0x7FFF), 4: (torch.int32, 0x7FFFFFFF)}
+
+
+def amax_abs(w: torch.Tensor, dim: int | tuple[int, ...]) -> torch.Tensor:
+    """amax(|w|) over `dim`, exactly; NaN and Inf come through as NaN and Inf.
+
+    For IEEE floats the bit pattern with the sign cleared orders like the magnitude (NaN above
+    Inf), so an integer max over the masked bits is the float amax — about 2x faster on CPU than
+    abs().amax() for bf16, which matters when streaming hundreds of GB.
+    """
+    if w.element_size() not in _INT_VIEW:
+        return w.abs().amax(dim=dim, keepdim=True)
+    itype, mask = _INT_VIEW[w.element_size()]
+    return (w.view(itype) & mask).amax(dim=dim, keepdim=True).view(w.dtype)
+
+
 def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """amax (in the weight dtype) -> scale in the same dtype, zeros replaced by epsilon."""
     scale = amax / torch.tensor(FP8_MAX, dtype=amax.dtype)
@@ -28,8 +44,7 @@ def _cast(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """PTPC weights: one scale per output row. w [R, C] -> (fp8 [R, C], scale [R, 1] in w.dtype)."""
-    amax = w.abs().amax(dim=1, keepdim=True)
-    scale = _scale_from_amax(amax)
+    scale = _scale_from_amax(amax_abs(w, dim=1))
     return _cast(w, scale), scale
 
 
@@ -44,7 +59,7 @@ def quantize_per_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.T
     pr, pc = -rows % bn, -cols % bk
     padded = torch.nn.functional.pad(w, (0, pc, 0, pr)) if pr or pc else w
     tiles = padded.reshape(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
-    amax = tiles.abs().amax(dim=(1, 3))  # [R/bn, C/bk]
+    amax = amax_abs(tiles, dim=(1, 3)).reshape(tiles.shape[0], tiles.shape[2])  # [R/bn, C/bk]
     scale = _scale_from_amax(amax)
     full = scale.repeat_interleave(bn, dim=0).repeat_interleave(bk, dim=1)[:rows, :cols]
     return _cast(w, full), scale

@@ -28,6 +28,7 @@ from qcompile.spec import ModelSpec
 from qcompile.synth.presets import Preset, get_preset
 from qcompile.synth.tokenizer import write_tokenizer_files
 from qcompile.synth.weights import Progress, write_shard
+from qcompile.units import human_bytes
 
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # Hugging Face's "5GB" default
 SIDE_FILES_ALLOWANCE = 64 << 20  # config, tokenizer (~6 MB at Qwen's vocab size), headers, slack
@@ -123,7 +124,7 @@ def check_free_space(target: Path, needed: int) -> None:
     free = shutil.disk_usage(probe).free
     if free < needed:
         raise ArtifactError(
-            f"{target}: needs {_gb(needed)} of free disk space but only {_gb(free)} is free on the "
+            f"{target}: needs {human_bytes(needed)} of free disk space but only {human_bytes(free)} is free on the "
             f"file system holding {probe}; free some space or choose another output directory"
         )
 
@@ -170,7 +171,3 @@ def write_checkpoint(
 
 def _write_json(path: Path, content: Mapping[str, Any]) -> None:
     path.write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def _gb(nbytes: int) -> str:
-    return f"{nbytes / 1e9:.2f} GB"

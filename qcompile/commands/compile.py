@@ -1,0 +1,97 @@
+"""`qcompile compile CKPT -o ART`: the main job."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import click
+
+from qcompile.recipe import DEFAULT_RECIPE, load_recipe
+from qcompile.units import human_bytes
+
+
+def _summary_rows(prepared, output: Path, workers: int) -> list[tuple[str, str]]:
+    spec, recipe, plan = prepared.checkpoint.spec, prepared.recipe, prepared.plan
+    model = f"{spec.architecture}, {spec.num_hidden_layers} layers, hidden {spec.hidden_size}, "
+    model += f"heads {spec.num_attention_heads}/{spec.num_key_value_heads}"
+    if spec.moe is not None:
+        model += f", {spec.moe.num_experts} experts top-{spec.moe.num_experts_per_tok}"
+    kv = recipe.kv_cache
+    return [
+        ("checkpoint", str(prepared.checkpoint.path)),
+        ("model", model),
+        ("recipe", recipe.name),
+        ("scheme", recipe.quantization.scheme),
+        ("ignore", ", ".join(recipe.quantization.ignore) or "-"),
+        ("passes", ", ".join(prepared.graph.applied_passes) or "(none: unfused)"),
+        ("kv cache", f"{kv.dtype}, layout {kv.layout}, block {kv.block_size}"),
+        ("tp", str(recipe.tp)),
+        ("tensors", f"{len(plan.jobs)} weights from {len(prepared.checkpoint.tensors)} source tensors"),
+        (
+            "bytes",
+            f"{human_bytes(plan.source_bytes)} read -> {human_bytes(plan.output_bytes)} in {len(plan.shards)} file(s)",
+        ),
+        ("output", str(output)),
+        ("workers", str(workers)),
+    ]
+
+
+@click.command("compile")
+@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Artifact directory to create.")
+@click.option(
+    "-r",
+    "--recipe",
+    default=DEFAULT_RECIPE,
+    show_default=True,
+    help="A shipped recipe name or a YAML file (ours, or an llm-compressor recipe with a "
+    "QuantizationModifier using FP8_DYNAMIC).",
+)
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a recipe key, e.g. --set kv_cache.layout=hnd --set passes=fuse_qkv_proj,fuse_gate_up_proj "
+    "--set 'quantization.ignore=[lm_head]'. Repeatable.",
+)
+@click.option("--force", is_flag=True, help="Replace an existing output directory (only once the new one is complete).")
+@click.option("-j", "--workers", type=click.IntRange(1, 64), default=None, help="Worker threads [default: all cores].")
+@click.option("--dry-run", is_flag=True, help="Validate the checkpoint and recipe and print the plan; write nothing.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars or summary table.")
+def command(checkpoint, output, recipe, overrides, force, workers, dry_run, quiet):
+    """Compile a Hugging Face Qwen3 checkpoint into an artifact.
+
+    Streams CHECKPOINT (a directory with config.json and safetensors shards) tensor by tensor —
+    never holding the model in memory — into OUTPUT: PTPC-FP8 weights pre-fused for the kernels,
+    the KV-cache layout, graph.onnx and manifest.json with the sha256 of every file. The artifact
+    appears at OUTPUT only when complete; a failure or Ctrl-C leaves nothing behind.
+
+    Shipped recipes (recipes/*.yaml): ptpc-fp8 (default), ptpc-fp8-lmhead, block-fp8, bf16,
+    ptpc-fp8-unfused. Example:
+
+        qcompile compile ./Qwen3-8B -o ./qwen3-8b-fp8 --set kv_cache.layout=hnd
+    """
+    from qcompile.io.atomic import check_target
+    from qcompile.pipeline import compile_checkpoint, prepare
+
+    workers = workers or max(1, len(os.sched_getaffinity(0)))
+    resolved = load_recipe(recipe, overrides)
+    prepared = prepare(checkpoint, resolved)
+    check_target(output.absolute(), force)
+    if not quiet or dry_run:
+        rows = _summary_rows(prepared, output, workers)
+        width = max(len(k) for k, _ in rows)
+        for key, value in rows:
+            click.echo(f"  {key:<{width}}  {value}")
+    if dry_run:
+        click.echo("dry run: checkpoint and recipe are valid; nothing written")
+        return
+    start = time.perf_counter()
+    manifest = compile_checkpoint(prepared, output, force=force, workers=workers, progress=not quiet)
+    total = sum(f["bytes"] for f in manifest["files"].values())
+    click.echo(
+        f"wrote {output} ({human_bytes(total)}, {len(manifest['files'])} files) in {time.perf_counter() - start:.1f} s"
+    )

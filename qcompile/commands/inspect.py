@@ -1,0 +1,115 @@
+"""`qcompile inspect ART`: a readable summary of an artifact (or --json for machines)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import click
+from qruntime.artifact import ArtifactFormatError, read_manifest
+
+from qcompile.errors import ArtifactError
+from qcompile.units import human_bytes, human_count
+
+
+def summarize(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The facts `inspect` shows, as plain data."""
+    spec, recipe, kv = manifest["spec"], manifest["recipe"], manifest["kv_cache"]
+    tensors = manifest["tensors"]
+    by_dtype: Counter[str] = Counter()
+    params = 0
+    for info in tensors.values():
+        count = 1
+        for dim in info["shape"]:
+            count *= dim
+        size = {"F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4}.get(info["dtype"], 0) * count
+        by_dtype[info["dtype"]] += size
+        if info["role"] != "scale":
+            params += count
+    quantized = sorted({name.rsplit(".", 1)[0] for name, info in tensors.items() if info["role"] == "scale"})
+    tuned = sorted(p.stem for p in (root / "kernels").glob("*.json")) if (root / "kernels").is_dir() else []
+    weight_bytes = sum(f["bytes"] for path, f in manifest["files"].items() if path.startswith("weights/"))
+    return {
+        "path": str(root),
+        "format_version": manifest["format_version"],
+        "model": {
+            "architecture": spec["architecture"],
+            "layers": spec["num_hidden_layers"],
+            "hidden_size": spec["hidden_size"],
+            "heads": spec["num_attention_heads"],
+            "kv_heads": spec["num_key_value_heads"],
+            "head_dim": spec["head_dim"],
+            "vocab_size": spec["vocab_size"],
+            "experts": (spec.get("moe") or {}).get("num_experts"),
+            "tied_embeddings": spec["tie_word_embeddings"],
+            "parameters": params,
+        },
+        "recipe": recipe["name"],
+        "scheme": recipe["quantization"]["scheme"],
+        "ignore": recipe["quantization"]["ignore"],
+        "quantized_weights": len(quantized),
+        "passes": manifest["passes"],
+        "kv_cache": {
+            "dtype": kv["dtype"],
+            "layout": kv["layout"]["name"],
+            "k_dims": kv["layout"]["k_dims"],
+            "v_dims": kv["layout"]["v_dims"],
+            "block_size": kv["block_size"],
+            "calibrated_scales": bool(kv["scales"] and kv["scales"].get("calibrated")),
+        },
+        "tp": manifest["tp"],
+        "tuned_devices": tuned,
+        "bytes": {"weights": weight_bytes, "by_dtype": dict(by_dtype), "files": len(manifest["files"])},
+        "source": manifest["source"],
+        "toolchain": manifest["toolchain"],
+    }
+
+
+@click.command("inspect")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def command(artifact: Path, as_json: bool) -> None:
+    """Summarise ARTIFACT: model, scheme, sizes, passes, KV layout, tuned devices."""
+    try:
+        manifest = read_manifest(artifact)
+    except ArtifactFormatError as exc:
+        raise ArtifactError(str(exc)) from exc
+    info = summarize(artifact, manifest)
+    if as_json:
+        click.echo(json.dumps(info, indent=1))
+        return
+    m, kv = info["model"], info["kv_cache"]
+    experts = f", {m['experts']} experts" if m["experts"] else ""
+    rows = [
+        ("artifact", f"{info['path']} (format {info['format_version']})"),
+        (
+            "model",
+            f"{m['architecture']}: {human_count(m['parameters'])} params, {m['layers']} layers, "
+            f"hidden {m['hidden_size']}, heads {m['heads']}/{m['kv_heads']} x {m['head_dim']}{experts}, "
+            f"vocab {m['vocab_size']}{', tied embeddings' if m['tied_embeddings'] else ''}",
+        ),
+        ("recipe", f"{info['recipe']} (scheme {info['scheme']}, {info['quantized_weights']} quantized weights)"),
+        ("ignore", ", ".join(info["ignore"]) or "-"),
+        ("passes", ", ".join(info["passes"]) or "(none: unfused graph)"),
+        (
+            "kv cache",
+            f"{kv['dtype']}, layout {kv['layout']} K[{', '.join(kv['k_dims'])}] "
+            f"V[{', '.join(kv['v_dims'])}], block {kv['block_size']}"
+            + (", calibrated scales" if kv["calibrated_scales"] else ""),
+        ),
+        ("tp", str(info["tp"])),
+        (
+            "weights",
+            f"{human_bytes(info['bytes']['weights'])} ("
+            + ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(info["bytes"]["by_dtype"].items()))
+            + ")",
+        ),
+        ("tuned for", ", ".join(info["tuned_devices"]) or "none"),
+        ("source", f"{info['source']['path']} (fingerprint {info['source']['fingerprint'][:16]}…)"),
+        ("made with", ", ".join(f"{k} {v}" for k, v in info["toolchain"].items() if v)),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        click.echo(f"{key:<{width}}  {value}")

@@ -1,0 +1,39 @@
+"""`qcompile verify ART`: every file against its sha256 in the manifest."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+from qruntime.artifact import ArtifactFormatError, read_manifest, verify_files
+from tqdm import tqdm
+
+from qcompile.errors import ArtifactError
+
+
+@click.command("verify")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+def command(artifact: Path, quiet: bool) -> None:
+    """Check every file of ARTIFACT against the size and sha256 recorded in manifest.json.
+
+    Exits 0 when all match; otherwise exits 1 naming the first bad file (and lists the others).
+    """
+    try:
+        manifest = read_manifest(artifact)
+    except ArtifactFormatError as exc:
+        raise ArtifactError(str(exc)) from exc
+    with tqdm(total=len(manifest["files"]), desc="verify", unit="file", disable=quiet, leave=False) as bar:
+        problems = verify_files(artifact, manifest, progress=lambda _: bar.update())
+    listed = set(manifest["files"]) | {"manifest.json"}
+    extra = sorted(p.relative_to(artifact).as_posix() for p in artifact.rglob("*") if p.is_file())
+    extra = [p for p in extra if p not in listed]
+    for path in extra:
+        click.echo(f"note: {path} is not listed in the manifest (not verified)", err=True)
+    if problems:
+        click.echo(f"error: {problems[0]}", err=True)
+        for problem in problems[1:]:
+            click.echo(f"       {problem}", err=True)
+        sys.exit(1)
+    click.echo(f"ok: {len(manifest['files'])} files verified in {artifact}")

@@ -1,0 +1,66 @@
+"""Assemble manifest.json: the index of everything in the artifact (ARTIFACT.md, format 1)."""
+
+from __future__ import annotations
+
+import json
+import platform
+from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from qruntime.artifact import FORMAT_VERSION, MANIFEST, sha256_file
+
+from qcompile.io.safetensors_stream import DTYPE_NAMES
+from qcompile.plan import TensorPlan
+
+
+def toolchain() -> dict[str, str | None]:
+    """Versions of what made the artifact (None for a package that is not installed)."""
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    for dist in ("qcompile", "qcompile-runtime", "torch", "onnx", "safetensors", "llmcompressor", "compressed-tensors"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = None
+    return versions
+
+
+def tensor_table(plan: TensorPlan) -> dict[str, dict[str, Any]]:
+    """name -> {file, dtype, shape, role, scheme[, parts, stacked]} for every artifact tensor.
+
+    `parts` lists, per slice along the stack axis, [source tensor, first row, end row] of each
+    source in the fused tensor: enough to split it back without the source checkpoint.
+    """
+    files = plan.file_of()
+    table: dict[str, dict[str, Any]] = {}
+    for job in plan.jobs:
+        for out in job.outputs(plan.source_shapes, plan.model_dtype):
+            entry: dict[str, Any] = {
+                "file": files[out.name],
+                "dtype": DTYPE_NAMES[out.dtype],
+                "shape": list(out.shape),
+                "role": job.role if out.name == job.weight_name else "scale",
+                "scheme": job.scheme,
+            }
+            if out.name == job.weight_name:
+                entry["parts"] = [[list(part) for part in group] for group in job.part_rows(plan.source_shapes)]
+                entry["stacked"] = job.stacked
+            table[out.name] = entry
+    return table
+
+
+def file_table(root: Path, workers: int = 2) -> dict[str, dict[str, Any]]:
+    """relative path -> {sha256, bytes} for every file under root except manifest.json."""
+    paths = sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        digests = list(pool.map(sha256_file, paths))
+    return {
+        p.relative_to(root).as_posix(): {"sha256": digest, "bytes": p.stat().st_size}
+        for p, digest in zip(paths, digests, strict=True)
+    }
+
+
+def write_manifest(root: Path, manifest: dict[str, Any]) -> None:
+    manifest = {"format_version": FORMAT_VERSION, **manifest}
+    (root / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")

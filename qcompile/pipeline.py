@@ -1,0 +1,142 @@
+"""The compiler, stage by stage (ARCHITECTURE.md's table):
+
+    load      checkpoint dir -> ModelSpec + lazy tensors, every shard header checked
+    plan      spec + recipe  -> graph (built unfused, then the recipe's passes) + tensor plan
+    kv layout recipe         -> the KV-cache contract
+    quantize / fuse / permute (streamed, row chunk by row chunk)  -> weights/*.safetensors
+    graph     graph + where each weight landed -> graph.onnx (weights as external data)
+    write     config.json, tokenizer files, manifest.json with every hash; renamed into place
+
+Stages talk through plain data. Nothing appears at the output path until every stage is done.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from qcompile.checkpoint import Checkpoint, fingerprint
+from qcompile.graph.build import build_graph
+from qcompile.graph.ir import Graph
+from qcompile.graph.onnx_export import TensorLocation, write_onnx
+from qcompile.graph.passes import apply_passes
+from qcompile.io.atomic import atomic_output_dir
+from qcompile.io.safetensors_stream import read_header
+from qcompile.kvcache import kv_cache_spec
+from qcompile.manifest import file_table, tensor_table, toolchain, write_manifest
+from qcompile.plan import TensorPlan, make_plan
+from qcompile.quant import get_scheme
+from qcompile.quant_config import quantization_config
+from qcompile.recipe import Recipe
+from qcompile.writer import write_weights
+
+GRAPH_FILE = "graph.onnx"
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Everything decided before the first byte is written."""
+
+    checkpoint: Checkpoint
+    recipe: Recipe
+    graph: Graph
+    plan: TensorPlan
+    kv_cache: dict[str, Any]
+
+
+def prepare(checkpoint_path: str | Path, recipe: Recipe) -> Prepared:
+    """load + plan + kv layout: validates everything, reads only headers."""
+    checkpoint = Checkpoint.open(checkpoint_path)
+    graph = apply_passes(build_graph(checkpoint.spec, recipe), recipe.passes)
+    plan = make_plan(checkpoint, graph.weights, recipe.max_shard_mb << 20)
+    return Prepared(checkpoint, recipe, graph, plan, kv_cache_spec(checkpoint.spec, recipe))
+
+
+def compile_checkpoint(
+    prepared: Prepared,
+    output: str | Path,
+    force: bool = False,
+    workers: int = 2,
+    progress: bool = True,
+    source_label: str | None = None,
+) -> dict[str, Any]:
+    """Write the artifact for `prepared` at `output`; returns its manifest."""
+    checkpoint, plan = prepared.checkpoint, prepared.plan
+    with atomic_output_dir(output, force) as tmp:
+        source_hash = _BackgroundHash(checkpoint, progress)
+        with _bar(plan.source_bytes, "quantize+write", progress) as bar:
+            write_weights(tmp, checkpoint, plan, workers=workers, progress=bar.update)
+        write_onnx(prepared.graph, _locations(tmp, plan), tmp / GRAPH_FILE)
+        _write_config(tmp, prepared)
+        for path in checkpoint.side_files():
+            shutil.copyfile(path, tmp / path.name)
+        manifest = {
+            "toolchain": toolchain(),
+            "source": {
+                "path": source_label if source_label is not None else str(checkpoint.path),
+                "fingerprint": source_hash.result(),
+                "architecture": checkpoint.spec.architecture,
+            },
+            "spec": checkpoint.spec.to_dict(),
+            "recipe": prepared.recipe.to_dict(),
+            "passes": list(prepared.graph.applied_passes),
+            "kv_cache": prepared.kv_cache,
+            "graph": {"file": GRAPH_FILE, "opset": 23, "domains": {"qcompile": 1}},
+            "tp": prepared.recipe.tp,
+            "tensors": tensor_table(plan),
+            "files": file_table(tmp, workers),
+        }
+        write_manifest(tmp, manifest)
+    return manifest
+
+
+def _locations(root: Path, plan: TensorPlan) -> dict[str, TensorLocation]:
+    """Where each tensor's bytes are, read back from the headers actually written."""
+    locations: dict[str, TensorLocation] = {}
+    for shard in plan.shards:
+        entries, _ = read_header(root / shard.file)
+        for name, entry in entries.items():
+            locations[name] = TensorLocation(shard.file, entry.begin, entry.nbytes, entry.torch_dtype, entry.shape)
+    return locations
+
+
+def _write_config(root: Path, prepared: Prepared) -> None:
+    config = dict(prepared.checkpoint.config)
+    qconfig = quantization_config(get_scheme(prepared.recipe.quantization.scheme), prepared.recipe)
+    config.pop("quantization_config", None)
+    if qconfig is not None:
+        config["quantization_config"] = qconfig
+    (root / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+class _BackgroundHash:
+    """The source fingerprint, hashed on a thread while the weights are written."""
+
+    def __init__(self, checkpoint: Checkpoint, progress: bool) -> None:
+        self._result: str | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(checkpoint,), daemon=True, name="qcompile-fingerprint")
+        self._thread.start()
+
+    def _run(self, checkpoint: Checkpoint) -> None:
+        try:
+            self._result = fingerprint(checkpoint)
+        except BaseException as exc:  # reported to the caller by result()
+            self._error = exc
+
+    def result(self) -> str:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+
+def _bar(total: int, desc: str, enabled: bool) -> tqdm:
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not enabled, leave=False)

@@ -1,0 +1,46 @@
+"""Split an artifact's fused tensors back into the source checkpoint's names, losslessly.
+
+Fused and stacked weights record their parts in the manifest; splitting only slices rows, so each
+source tensor comes back with exactly the bytes (and scale) it was quantized to. This is what
+`qcompile export` builds on, and how tests compare us with llm-compressor byte for byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from qruntime.artifact import read_manifest
+from safetensors import safe_open
+
+from qcompile.jobs import split_rows
+from qcompile.quant import get_scheme
+
+
+def split_to_sources(root: str | Path) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
+    """Yield (source tensor name, weight, scale or None) for every weight of the artifact.
+
+    An FP8 lm_head made from tied embeddings is reported as `lm_head.weight`, beside the
+    embedding table itself.
+    """
+    root = Path(root)
+    tensors = read_manifest(root)["tensors"]
+    handles: dict[str, Any] = {}
+
+    def load(name: str) -> torch.Tensor:
+        file = tensors[name]["file"]
+        if file not in handles:
+            handles[file] = safe_open(str(root / file), framework="pt")
+        return handles[file].get_tensor(name)
+
+    for name, info in tensors.items():
+        if info["role"] == "scale":
+            continue
+        scale_name = name + "_scale"
+        scale = load(scale_name) if scale_name in tensors else None
+        layout = [[tuple(part) for part in group] for group in info["parts"]]
+        align = get_scheme(info["scheme"]).row_align
+        for source, (weight, srows) in split_rows(layout, info["stacked"], align, load(name), scale).items():
+            yield ("lm_head.weight" if info["role"] == "lm_head" else source), weight, srows

@@ -1,0 +1,161 @@
+"""Execute a TensorPlan: stream row chunks from the checkpoint, quantize or copy, write in place.
+
+Each work item is one row chunk of one source tensor: read with a pread, checked for NaN/Inf,
+quantized (per-channel scales are per row, block scales per 128-row band, so chunks aligned to
+the scheme's `row_align` give exactly the bytes of quantizing the whole tensor at once), and
+written with pwrites at the offsets of the fused tensor. A small thread pool keeps both cores
+busy (torch and file I/O release the GIL); at most a few chunks are in flight, which bounds memory
+whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qcompile.checkpoint import Checkpoint
+from qcompile.errors import TensorValueError
+from qcompile.io.safetensors_stream import StreamingWriter
+from qcompile.jobs import WeightJob
+from qcompile.plan import TensorPlan
+from qcompile.quant.fp8 import amax_abs
+
+CHUNK_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class ChunkTask:
+    job: WeightJob
+    slice_index: int  # index along the stack axis (0 when not stacked)
+    source: str
+    dest_row: int  # first row of the fused tensor this source part starts at
+    start: int  # row range [start, stop) within the source
+    stop: int
+
+
+def iter_tasks(plan: TensorPlan, chunk_bytes: int = CHUNK_BYTES) -> Iterator[ChunkTask]:
+    for job in plan.jobs:
+        align = job.quant.row_align
+        for s, parts in enumerate(job.part_rows(plan.source_shapes)):
+            for source, begin, end in parts:
+                shape = plan.source_shapes[source]
+                rows = end - begin
+                if len(shape) == 1:
+                    yield ChunkTask(job, s, source, begin, 0, rows)
+                    continue
+                row_bytes = plan.model_dtype.itemsize * shape[1]
+                step = max(align, (chunk_bytes // max(row_bytes, 1)) // align * align)
+                for start in range(0, rows, step):
+                    yield ChunkTask(job, s, source, begin, start, min(start + step, rows))
+
+
+class _Writers:
+    """One StreamingWriter per output shard, looked up by tensor name."""
+
+    def __init__(self, root: Path, plan: TensorPlan) -> None:
+        self.by_tensor: dict[str, StreamingWriter] = {}
+        self.files: list[StreamingWriter] = []
+        (root / "weights").mkdir(parents=True, exist_ok=True)
+        for shard in plan.shards:
+            writer = StreamingWriter(root / shard.file, list(shard.tensors), metadata={"format": "pt"})
+            self.files.append(writer)
+            for tensor in shard.tensors:
+                self.by_tensor[tensor.name] = writer
+
+    def close(self) -> None:
+        for writer in self.files:
+            writer.close()
+
+
+def _run_task(task: ChunkTask, checkpoint: Checkpoint, plan: TensorPlan, writers: _Writers) -> int:
+    job = task.job
+    entry = checkpoint.entry(task.source)
+    chunk = entry.read_rows(task.start, task.stop)
+    weight_shape = job.weight_shape(plan.source_shapes)
+    fused_rows = weight_shape[1] if job.stacked else weight_shape[0]
+    if job.quant.quantized:
+        q, scale = job.quant.quantize(chunk)
+        # amax over each row or block propagates NaN and Inf into the scale: one cheap check
+        if not bool(torch.isfinite(scale).all()):
+            _raise_nonfinite(task, chunk)
+    else:
+        if chunk.numel() and not bool(torch.isfinite(amax_abs(chunk, tuple(range(chunk.dim())))).all()):
+            _raise_nonfinite(task, chunk)  # the amax carries any NaN or Inf: a one-pass check
+        q, scale = chunk, None
+    row = task.dest_row + task.start
+    row_bytes = q[0].numel() * q.element_size() if q.dim() > 1 else q.element_size()
+    offset = (task.slice_index * fused_rows + row) * row_bytes
+    writers.by_tensor[job.weight_name].write(job.weight_name, offset, q)
+    if scale is not None:
+        align = job.quant.row_align
+        scale_rows_total = -(-fused_rows // align)
+        scale_row = row // align
+        offset = (task.slice_index * scale_rows_total + scale_row) * scale.element_size() * scale.shape[1]
+        writers.by_tensor[job.scale_name].write(job.scale_name, offset, scale)
+    return entry.row_bytes * (task.stop - task.start)
+
+
+def _raise_nonfinite(task: ChunkTask, chunk: torch.Tensor) -> None:
+    bad = (~torch.isfinite(chunk.float())).nonzero()
+    where = ""
+    if len(bad):
+        index = [int(i) for i in bad[0]]
+        if chunk.dim() >= 1:
+            index[0] += task.start
+        value = chunk[tuple(int(i) for i in bad[0])].item()
+        where = f" (first at index {index}: {value})"
+    raise TensorValueError(
+        f"source tensor {task.source!r} holds NaN or Inf values{where}; fix the checkpoint before compiling"
+    )
+
+
+def write_weights(
+    root: Path,
+    checkpoint: Checkpoint,
+    plan: TensorPlan,
+    workers: int = 2,
+    progress: Callable[[int], None] | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> None:
+    """Write every shard of `plan` under `root` (the temporary artifact dir)."""
+    writers = _Writers(root, plan)
+    stop = threading.Event()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # parallel over chunks, not inside each op: no oversubscription
+    try:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="qcompile-write") as pool:
+            pending: set[Future[int]] = set()
+
+            def drain(limit: int) -> None:
+                nonlocal pending
+                while len(pending) > limit:
+                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        nbytes = future.result()  # re-raises a worker's error here
+                        if progress is not None:
+                            progress(nbytes)
+
+            try:
+                for task in iter_tasks(plan, chunk_bytes):
+                    pending.add(pool.submit(_guarded, stop, task, checkpoint, plan, writers))
+                    drain(2 * workers)
+                drain(0)
+            except BaseException:
+                stop.set()  # queued chunks return at once; the error propagates
+                raise
+    finally:
+        torch.set_num_threads(threads)
+        writers.close()
+
+
+def _guarded(
+    stop: threading.Event, task: ChunkTask, checkpoint: Checkpoint, plan: TensorPlan, writers: _Writers
+) -> int:
+    if stop.is_set():
+        return 0
+    return _run_task(task, checkpoint, plan, writers)
