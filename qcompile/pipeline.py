@@ -139,4 +139,12 @@ class _BackgroundHash:
 
 
 def _bar(total: int, desc: str, enabled: bool) -> tqdm:
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not enabled, leave=False)
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        disable=None if enabled else True,
+        leave=False,
+    )  # None: off when not a terminal

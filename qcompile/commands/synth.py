@@ -63,7 +63,9 @@ def command(preset: str, output: Path, seed: int, max_shard_mb: float, force: bo
     max_shard_bytes = max(1, int(max_shard_mb * 1e6))
     plan = plan_checkpoint(preset, max_shard_bytes)
     preflight(plan, output, force)  # refuse before the progress bar appears
-    bar = tqdm(total=plan.weight_bytes, unit="B", unit_scale=True, unit_divisor=1000, desc=preset, leave=False)
+    bar = tqdm(
+        total=plan.weight_bytes, unit="B", unit_scale=True, unit_divisor=1000, desc=preset, leave=False, disable=None
+    )
     with bar:
         result = write_checkpoint(
             plan.config, output, seed=seed, max_shard_bytes=max_shard_bytes, progress=bar.update, force=force

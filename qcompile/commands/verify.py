@@ -24,7 +24,9 @@ def command(artifact: Path, quiet: bool) -> None:
         manifest = read_manifest(artifact)
     except ArtifactFormatError as exc:
         raise ArtifactError(str(exc)) from exc
-    with tqdm(total=len(manifest["files"]), desc="verify", unit="file", disable=quiet, leave=False) as bar:
+    with tqdm(
+        total=len(manifest["files"]), desc="verify", unit="file", disable=True if quiet else None, leave=False
+    ) as bar:
         problems = verify_files(artifact, manifest, progress=lambda _: bar.update())
     listed = set(manifest["files"]) | {"manifest.json"}
     extra = sorted(p.relative_to(artifact).as_posix() for p in artifact.rglob("*") if p.is_file())

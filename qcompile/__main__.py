@@ -1,0 +1,5 @@
+"""`python -m qcompile` runs the CLI."""
+
+from qcompile.cli import main
+
+main()
