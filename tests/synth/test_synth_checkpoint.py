@@ -147,7 +147,7 @@ def test_refuses_when_the_disk_is_too_small(monkeypatch, tmp_path):
         total, used, free = 10**12, 10**12 - 1000, 1000
 
     monkeypatch.setattr(synth_checkpoint.shutil, "disk_usage", lambda path: Usage())
-    with pytest.raises(ArtifactError, match=r"needs 0\.\d+ GB .* only 0\.00 GB is free"):
+    with pytest.raises(ArtifactError, match=r"needs \d+\.\d+ MB of free disk space but only 1\.00 kB is free"):
         write_checkpoint("tiny", tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
 
