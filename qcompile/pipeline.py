@@ -12,6 +12,7 @@ Stages talk through plain data. Nothing appears at the output path until every s
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 import threading
@@ -22,6 +23,7 @@ from typing import Any
 from tqdm import tqdm
 
 from qcompile.checkpoint import Checkpoint, fingerprint
+from qcompile.errors import ArtifactError
 from qcompile.graph.build import build_graph
 from qcompile.graph.ir import Graph
 from qcompile.graph.onnx_export import TensorLocation, write_onnx
@@ -34,6 +36,7 @@ from qcompile.plan import TensorPlan, make_plan
 from qcompile.quant import get_scheme
 from qcompile.quant_config import quantization_config
 from qcompile.recipe import Recipe
+from qcompile.units import human_bytes
 from qcompile.writer import write_weights
 
 GRAPH_FILE = "graph.onnx"
@@ -68,10 +71,16 @@ def compile_checkpoint(
 ) -> dict[str, Any]:
     """Write the artifact for `prepared` at `output`; returns its manifest."""
     checkpoint, plan = prepared.checkpoint, prepared.plan
+    _check_disk(Path(output).absolute().parent, plan.output_bytes)
     with atomic_output_dir(output, force) as tmp:
         source_hash = _BackgroundHash(checkpoint, progress)
         with _bar(plan.source_bytes, "quantize+write", progress) as bar:
-            write_weights(tmp, checkpoint, plan, workers=workers, progress=bar.update)
+            try:
+                write_weights(tmp, checkpoint, plan, workers=workers, progress=bar.update)
+            except OSError as exc:
+                if exc.errno == errno.ENOSPC:
+                    raise ArtifactError(f"{output}: the disk filled up while writing weights ({exc})") from exc
+                raise
         write_onnx(prepared.graph, _locations(tmp, plan), tmp / GRAPH_FILE)
         _write_config(tmp, prepared)
         for path in checkpoint.side_files():
@@ -94,6 +103,18 @@ def compile_checkpoint(
         }
         write_manifest(tmp, manifest)
     return manifest
+
+
+def _check_disk(parent: Path, needed: int) -> None:
+    """Refuse up front when the output cannot fit (weights plus a little for graph and metadata)."""
+    while not parent.exists():
+        parent = parent.parent
+    free = shutil.disk_usage(parent).free
+    if free < needed * 1.01 + (16 << 20):
+        raise ArtifactError(
+            f"{parent}: the artifact needs about {human_bytes(needed)} but only {human_bytes(free)} is free; "
+            "free some space or choose another output directory"
+        )
 
 
 def _locations(root: Path, plan: TensorPlan) -> dict[str, TensorLocation]:

@@ -90,7 +90,9 @@ def test_wrong_dtype(ckpt):
 def test_wrong_shape(ckpt):
     name = "model.layers.0.mlp.down_proj.weight"
     _rewrite(ckpt, lambda t: t.__setitem__(name, t[name][:, :-1].contiguous()))
-    with pytest.raises(CheckpointError, match=rf"tensor '{name}' has shape \[64, 127\], config.json implies \[64, 128\]"):
+    with pytest.raises(
+        CheckpointError, match=rf"tensor '{name}' has shape \[64, 127\], config.json implies \[64, 128\]"
+    ):
         Checkpoint.open(ckpt)
 
 
@@ -100,7 +102,9 @@ def test_missing_and_unexpected_tensor(ckpt, tmp_path):
     _rewrite(ckpt, lambda t: t.pop("model.layers.1.post_attention_layernorm.weight"))
     with pytest.raises(CheckpointError, match="'model.layers.1.post_attention_layernorm.weight' is missing"):
         Checkpoint.open(ckpt)
-    _rewrite(other, lambda t: t.__setitem__("model.layers.0.self_attn.q_proj.bias", torch.ones(64, dtype=torch.bfloat16)))
+    _rewrite(
+        other, lambda t: t.__setitem__("model.layers.0.self_attn.q_proj.bias", torch.ones(64, dtype=torch.bfloat16))
+    )
     with pytest.raises(CheckpointError, match="unexpected tensor 'model.layers.0.self_attn.q_proj.bias'"):
         Checkpoint.open(other)
 
@@ -109,7 +113,9 @@ def test_config_errors(ckpt):
     config_path = ckpt / "config.json"
     config = json.loads(config_path.read_text())
     config_path.write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"]}))
-    with pytest.raises(CheckpointError, match="'MistralForCausalLM' is not supported; supported: Qwen3ForCausalLM, Qwen3MoeForCausalLM"):
+    with pytest.raises(
+        CheckpointError, match="'MistralForCausalLM' is not supported; supported: Qwen3ForCausalLM, Qwen3MoeForCausalLM"
+    ):
         Checkpoint.open(ckpt)
     config_path.write_text(json.dumps(config)[:-5])
     with pytest.raises(CheckpointError, match="config.json: malformed JSON"):

@@ -33,8 +33,15 @@ def test_dense_and_roundtrip():
 
 
 def test_v5_rope_parameters_and_moe_aliases():
-    config = _dense(architectures=["Qwen3MoeForCausalLM"], num_local_experts=8, num_experts_per_tok=2,
-                    moe_intermediate_size=32, mlp_only_layers=[1], decoder_sparse_step=1, norm_topk_prob=True)
+    config = _dense(
+        architectures=["Qwen3MoeForCausalLM"],
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        mlp_only_layers=[1],
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+    )
     del config["rope_theta"]
     config["rope_parameters"] = {"rope_type": "default", "rope_theta": 5000.0}
     spec = ModelSpec.from_config(config)
@@ -46,7 +53,10 @@ def test_v5_rope_parameters_and_moe_aliases():
 @pytest.mark.parametrize(
     "over, message",
     [
-        ({"architectures": ["LlamaForCausalLM"]}, "'LlamaForCausalLM' is not supported; supported: Qwen3ForCausalLM, Qwen3MoeForCausalLM"),
+        (
+            {"architectures": ["LlamaForCausalLM"]},
+            "'LlamaForCausalLM' is not supported; supported: Qwen3ForCausalLM, Qwen3MoeForCausalLM",
+        ),
         ({"hidden_size": -1}, "'hidden_size' must be a positive integer"),
         ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
         ({"rms_norm_eps": "tiny"}, "'rms_norm_eps' must be a positive number"),

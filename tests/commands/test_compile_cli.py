@@ -278,3 +278,16 @@ def test_module_entry_point_error(tmp_path):
     assert bad.returncode == 1
     assert bad.stderr.strip().splitlines()[-1].startswith("error: ") and "checkpoint directory not found" in bad.stderr
     assert leftovers(tmp_path, "x") == []
+
+
+def test_too_little_disk_is_refused_up_front(tiny_ckpt, tmp_path, monkeypatch):
+    from qcompile import pipeline
+
+    class Usage:
+        total, used, free = 10**12, 10**12 - 4096, 4096
+
+    monkeypatch.setattr(pipeline.shutil, "disk_usage", lambda path: Usage())
+    result = run("compile", tiny_ckpt, "-o", tmp_path / "art", "-q")
+    assert result.exit_code == 1
+    assert "the artifact needs about" in result.output and "only 4.10 kB is free" in result.output
+    assert leftovers(tmp_path, "art") == []
