@@ -118,6 +118,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/qcompile-bench"))
     parser.add_argument("--skip-oneshot", action="store_true", help="oneshot loads the whole model")
     parser.add_argument("--model-free-workers", type=int, default=2)
+    parser.add_argument("--max-shard-mb", type=float, default=750, help="source shard size (anchor: 5 shards)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -125,7 +126,10 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     ckpt = work / f"{args.preset}-ckpt"
     if not (ckpt / "config.json").exists():
-        subprocess.run(["qcompile", "synth", args.preset, "-o", str(ckpt), "--force"], check=True)
+        subprocess.run(
+            ["qcompile", "synth", args.preset, "-o", str(ckpt), "--force", "--max-shard-mb", str(args.max_shard_mb)],
+            check=True,
+        )
     source_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
 
     results: dict[str, dict] = {}

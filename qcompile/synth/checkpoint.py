@@ -24,6 +24,7 @@ from qcompile.errors import ArtifactError
 from qcompile.io.atomic import atomic_output_dir, check_target
 from qcompile.io.safetensors_stream import OutputTensor
 from qcompile.model import expected_tensors
+from qcompile.plan import Shard
 from qcompile.spec import ModelSpec
 from qcompile.synth.presets import Preset, get_preset
 from qcompile.synth.tokenizer import write_tokenizer_files
@@ -32,18 +33,6 @@ from qcompile.units import human_bytes
 
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # Hugging Face's "5GB" default
 SIDE_FILES_ALLOWANCE = 64 << 20  # config, tokenizer (~6 MB at Qwen's vocab size), headers, slack
-
-
-@dataclass(frozen=True)
-class Shard:
-    """One safetensors file of the checkpoint and the tensors it holds, in write order."""
-
-    file: str
-    tensors: tuple[OutputTensor, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
 
 
 @dataclass(frozen=True)
