@@ -50,11 +50,19 @@ def tensor_table(plan: TensorPlan) -> dict[str, dict[str, Any]]:
     return table
 
 
-def file_table(root: Path, workers: int = 2) -> dict[str, dict[str, Any]]:
-    """relative path -> {sha256, bytes} for every file under root except manifest.json."""
+def file_table(root: Path, known: dict[str, str] | None = None, workers: int = 2) -> dict[str, dict[str, Any]]:
+    """relative path -> {sha256, bytes} for every file under root except manifest.json.
+
+    `known` holds digests already computed (the weight shards, hashed while written).
+    """
+    known = known or {}
     paths = sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+    def digest(path: Path) -> str:
+        return known.get(path.relative_to(root).as_posix()) or sha256_file(path)
+
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        digests = list(pool.map(sha256_file, paths))
+        digests = list(pool.map(digest, paths))
     return {
         p.relative_to(root).as_posix(): {"sha256": digest, "bytes": p.stat().st_size}
         for p, digest in zip(paths, digests, strict=True)

@@ -76,7 +76,7 @@ def compile_checkpoint(
         source_hash = _BackgroundHash(checkpoint, progress)
         with _bar(plan.source_bytes, "quantize+write", progress) as bar:
             try:
-                write_weights(tmp, checkpoint, plan, workers=workers, progress=bar.update)
+                shard_digests = write_weights(tmp, checkpoint, plan, workers=workers, progress=bar.update)
             except OSError as exc:
                 if exc.errno == errno.ENOSPC:
                     raise ArtifactError(f"{output}: the disk filled up while writing weights ({exc})") from exc
@@ -99,7 +99,7 @@ def compile_checkpoint(
             "graph": {"file": GRAPH_FILE, "opset": 23, "domains": {"qcompile": 1}},
             "tp": prepared.recipe.tp,
             "tensors": tensor_table(plan),
-            "files": file_table(tmp, workers),
+            "files": file_table(tmp, shard_digests, workers),
         }
         write_manifest(tmp, manifest)
     return manifest

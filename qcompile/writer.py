@@ -62,14 +62,20 @@ class _Writers:
         self.files: list[StreamingWriter] = []
         (root / "weights").mkdir(parents=True, exist_ok=True)
         for shard in plan.shards:
-            writer = StreamingWriter(root / shard.file, list(shard.tensors), metadata={"format": "pt"})
+            writer = StreamingWriter(
+                root / shard.file, list(shard.tensors), metadata={"format": "pt"}, hash_while_writing=True
+            )
             self.files.append(writer)
             for tensor in shard.tensors:
                 self.by_tensor[tensor.name] = writer
 
-    def close(self) -> None:
+    def digests(self, root: Path) -> dict[str, str]:
+        """relative path -> sha256 of every shard (waits for the hashers to finish)."""
+        return {w.path.relative_to(root).as_posix(): w.sha256() for w in self.files}
+
+    def abort(self) -> None:
         for writer in self.files:
-            writer.close()
+            writer.abort()
 
 
 def _run_task(task: ChunkTask, checkpoint: Checkpoint, plan: TensorPlan, writers: _Writers) -> int:
@@ -121,8 +127,11 @@ def write_weights(
     workers: int = 2,
     progress: Callable[[int], None] | None = None,
     chunk_bytes: int = CHUNK_BYTES,
-) -> None:
-    """Write every shard of `plan` under `root` (the temporary artifact dir)."""
+) -> dict[str, str]:
+    """Write every shard of `plan` under `root` (the temporary artifact dir).
+
+    Returns {relative path: sha256} of the shards, hashed while they were written.
+    """
     writers = _Writers(root, plan)
     stop = threading.Event()
     threads = torch.get_num_threads()
@@ -148,9 +157,14 @@ def write_weights(
             except BaseException:
                 stop.set()  # queued chunks return at once; the error propagates
                 raise
+        for writer in writers.files:
+            writer.close()
+        return writers.digests(root)
+    except BaseException:
+        writers.abort()
+        raise
     finally:
         torch.set_num_threads(threads)
-        writers.close()
 
 
 def _guarded(

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from qcompile.errors import CheckpointError
+from qcompile.io.frontier_hash import FrontierHasher
 
 # safetensors dtype name <-> torch dtype
 DTYPES: dict[str, torch.dtype] = {
@@ -158,7 +159,13 @@ class StreamingWriter:
     write into a temporary directory and only publish it when every byte is in.
     """
 
-    def __init__(self, path: Path, tensors: list[OutputTensor], metadata: dict[str, str] | None = None):
+    def __init__(
+        self,
+        path: Path,
+        tensors: list[OutputTensor],
+        metadata: dict[str, str] | None = None,
+        hash_while_writing: bool = False,
+    ):
         self.path = path
         header: dict[str, object] = {}
         if metadata:
@@ -182,6 +189,9 @@ class StreamingWriter:
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         os.pwrite(self._fd, struct.pack("<Q", len(raw)) + raw, 0)
         os.ftruncate(self._fd, self.size)
+        self._hasher = FrontierHasher(path, self.size) if hash_while_writing else None
+        if self._hasher is not None:
+            self._hasher.mark(0, self.data_start)
 
     def location(self, name: str) -> tuple[int, int]:
         """(absolute offset, length) of a tensor's bytes in the file."""
@@ -196,10 +206,24 @@ class StreamingWriter:
         view = memoryview(data.contiguous().reshape(-1).view(torch.uint8).numpy())
         if byte_offset + len(view) > tensor.nbytes:
             raise ValueError(f"{name}: write past the end of the tensor")
-        position = self.data_start + offset + byte_offset
+        start = position = self.data_start + offset + byte_offset
         while view:
             done = os.pwrite(self._fd, view, position)
             view, position = view[done:], position + done
+        if self._hasher is not None:
+            self._hasher.mark(start, position)
+
+    def sha256(self) -> str:
+        """The file's sha256 (with `hash_while_writing`), once every byte has been written."""
+        if self._hasher is None:
+            raise RuntimeError("StreamingWriter was created without hash_while_writing")
+        return self._hasher.result()
+
+    def abort(self) -> None:
+        """Stop hashing an incomplete file and close it."""
+        if self._hasher is not None:
+            self._hasher.cancel()
+        self.close()
 
     def close(self) -> None:
         if self._fd >= 0:
