@@ -131,6 +131,11 @@ def _write_config(root: Path, prepared: Prepared) -> None:
     config = dict(prepared.checkpoint.config)
     qconfig = quantization_config(get_scheme(prepared.recipe.quantization.scheme), prepared.recipe)
     config.pop("quantization_config", None)
+    lm_head = prepared.graph.weights.get("lm_head")
+    if lm_head is not None and lm_head.role == "lm_head" and config.get("tie_word_embeddings"):
+        # an FP8 lm_head made from the tied embedding is its own tensor now; loaders that honour
+        # the flag (vLLM skips lm_head.* when tied) would otherwise drop it, as llm-compressor also unties
+        config["tie_word_embeddings"] = False
     if qconfig is not None:
         config["quantization_config"] = qconfig
     (root / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

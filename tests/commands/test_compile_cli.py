@@ -123,6 +123,7 @@ def test_recipes_and_overrides(tiny_tied_ckpt, tmp_path):
     lm_head = manifest["tensors"]["lm_head.weight"]
     assert lm_head["dtype"] == "F8_E4M3" and lm_head["parts"] == [[["model.embed_tokens.weight", 0, 544]]]
     assert manifest["tensors"]["model.embed_tokens.weight"]["dtype"] == "BF16"
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False  # as llm-compressor writes
 
     unfused = tmp_path / "unfused"
     assert run("compile", tiny_tied_ckpt, "-o", unfused, "-q", "--recipe", "ptpc-fp8-unfused").exit_code == 0
@@ -130,6 +131,7 @@ def test_recipes_and_overrides(tiny_tied_ckpt, tmp_path):
     assert manifest["passes"] == []
     assert "model.layers.0.self_attn.q_proj.weight" in manifest["tensors"]
     assert not any("qkv_proj" in name for name in manifest["tensors"])
+    assert json.loads((unfused / "config.json").read_text())["tie_word_embeddings"] is True  # bf16 lm_head stays tied
 
 
 def test_llmcompressor_recipe_file(tiny_ckpt, tmp_path):
