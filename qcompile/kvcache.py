@@ -6,7 +6,6 @@ from typing import Any
 
 from qruntime.kv_layout import KV_LAYOUTS
 
-from qcompile.errors import PlanError
 from qcompile.recipe import Recipe
 from qcompile.spec import ModelSpec
 
@@ -14,11 +13,7 @@ from qcompile.spec import ModelSpec
 def kv_cache_spec(spec: ModelSpec, recipe: Recipe) -> dict[str, Any]:
     """The manifest's `kv_cache` entry. FP8 caches without calibration get unit scales, marked so."""
     kv = recipe.kv_cache
-    layout = KV_LAYOUTS[kv.layout]
-    try:
-        layout.check(kv.block_size, spec.head_dim, kv.dtype)
-    except ValueError as exc:
-        raise PlanError(f"kv_cache: {exc}") from exc
+    layout = KV_LAYOUTS[kv.layout]  # fit to the model already checked by graph.build.check_plan
     scales = None
     if kv.dtype != "bf16":
         ones = [1.0] * spec.num_hidden_layers
