@@ -26,6 +26,12 @@ from qcompile.plan import TensorPlan
 from qcompile.quant.fp8 import amax_abs
 
 CHUNK_BYTES = 8 << 20
+IN_FLIGHT_BYTES = 128 << 20  # source bytes in flight across all workers: bounds memory on many-core hosts
+
+
+def chunk_size(workers: int, limit: int = CHUNK_BYTES) -> int:
+    """Bytes per chunk so that the 2 x workers chunks in flight stay within IN_FLIGHT_BYTES."""
+    return max(1 << 20, min(limit, IN_FLIGHT_BYTES // (2 * workers)))
 
 
 @dataclass(frozen=True)
@@ -126,7 +132,7 @@ def write_weights(
     plan: TensorPlan,
     workers: int = 2,
     progress: Callable[[int], None] | None = None,
-    chunk_bytes: int = CHUNK_BYTES,
+    chunk_bytes: int | None = None,
 ) -> dict[str, str]:
     """Write every shard of `plan` under `root` (the temporary artifact dir).
 
@@ -150,7 +156,7 @@ def write_weights(
                             progress(nbytes)
 
             try:
-                for task in iter_tasks(plan, chunk_bytes):
+                for task in iter_tasks(plan, chunk_bytes or chunk_size(workers)):
                     pending.add(pool.submit(_guarded, stop, task, checkpoint, plan, writers))
                     drain(2 * workers)
                 drain(0)
