@@ -104,7 +104,21 @@ def check_plan(spec: ModelSpec, recipe: Recipe) -> None:
             f"recipe {recipe.name!r}: kv_cache (layout={kv.layout}, dtype={kv.dtype}, block_size={kv.block_size}) "
             f"does not fit this model: {exc}; choose another kv_cache.layout or block_size"
         ) from exc
+    _check_ignore(spec, recipe)
     _check_tp(spec, recipe)
+
+
+def _check_ignore(spec: ModelSpec, recipe: Recipe) -> None:
+    """An exact module name in quantization.ignore that names no linear layer is a typo, not a no-op
+    (regex entries may match nothing: the default router pattern on a dense model)."""
+    linears = {n.removesuffix(".weight") for n, shape in hf.expected_tensors(spec).items() if len(shape) == 2}
+    linears = (linears - {hf.EMBED}) | {hf.LM_HEAD}
+    for entry in recipe.quantization.ignore:
+        if not entry.startswith("re:") and entry not in linears:
+            raise PlanError(
+                f"recipe {recipe.name!r}: quantization.ignore entry {entry!r} names no linear layer of this "
+                f"{spec.architecture} (e.g. {hf.attn_proj(0, 'o_proj')!r}); use an exact module name or 're:<regex>'"
+            )
 
 
 def _check_tp(spec: ModelSpec, recipe: Recipe) -> None:

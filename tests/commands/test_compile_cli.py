@@ -228,6 +228,10 @@ def test_bad_checkpoint(case, ckpt, tmp_path):
         (["--recipe", "no-such-recipe"], "unknown recipe 'no-such-recipe'"),
         (["--set", "tp=2"], "tensor-parallel"),
         (["--recipe", "block-fp8"], "has 64 rows, not a multiple of the 128"),
+        (
+            ["--set", "quantization.ignore=[lm_head, model.layers.0.mlp.down_proj]"],
+            "ignore entry 'model.layers.0.mlp.down_proj' names no linear layer",
+        ),
     ],
 )
 def test_bad_recipe(args, message, tiny_moe_ckpt, tmp_path):
@@ -292,4 +296,42 @@ def test_too_little_disk_is_refused_up_front(tiny_ckpt, tmp_path, monkeypatch):
     result = run("compile", tiny_ckpt, "-o", tmp_path / "art", "-q")
     assert result.exit_code == 1
     assert "the artifact needs about" in result.output and "only 4.10 kB is free" in result.output
+    assert leftovers(tmp_path, "art") == []
+
+
+def test_dry_run_and_help(tiny_moe_ckpt, tmp_path):
+    result = run("compile", tiny_moe_ckpt, "-o", tmp_path / "art", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "fuse_moe_experts" in result.output and "dry run: checkpoint and recipe are valid" in result.output
+    assert leftovers(tmp_path, "art") == []
+    help_text = run("compile", "--help").output
+    for word in ("--recipe", "--set", "--force", "--dry-run", "ptpc-fp8-lmhead", "only when complete"):
+        assert word in help_text
+
+
+def test_sigint_mid_compile_leaves_nothing(make_ckpt, tmp_path):
+    """A real Ctrl-C (SIGINT) to a compiling process: exit 130, no artifact, no temp dir."""
+    import signal
+    import time
+
+    ckpt = make_ckpt(
+        "tiny", hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+    )  # fmt: skip
+    out = tmp_path / "art"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qcompile", "compile", str(ckpt), "-o", str(out), "-q", "-j", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not any(p.name.startswith(".art.") for p in tmp_path.iterdir()):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the compile never started writing"
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "interrupted; nothing was written" in stderr
     assert leftovers(tmp_path, "art") == []

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Synthesize a small Qwen3-MoE checkpoint (random weights, local tokenizer), compile it with the
+# default PTPC-FP8 recipe and with a customised one, then inspect and verify the artifacts.
+# Run from an environment where qcompile is installed (see README.md).
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+work=${1:-/tmp/qcompile-example}
+mkdir -p "$work"
+
+qcompile synth tiny-moe -o "$work/ckpt" --force
+qcompile compile "$work/ckpt" -o "$work/ptpc-fp8" --force
+qcompile compile "$work/ckpt" -o "$work/custom" --force --recipe "$here/custom_recipe.yaml" \
+  --set kv_cache.block_size=32
+qcompile inspect "$work/custom"
+qcompile inspect "$work/ptpc-fp8" --json > "$work/ptpc-fp8.json"
+qcompile verify "$work/ptpc-fp8"
