@@ -17,7 +17,12 @@ import yaml
 
 from qcompile.errors import RecipeError
 
-RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+def recipe_dir() -> Path:
+    """The shipped recipes: qcompile/recipes, a link to the repo's recipes/ (copied into wheels)."""
+    return Path(__file__).resolve().parent / "recipes"
+
+
 DEFAULT_RECIPE = "ptpc-fp8"
 DEFAULT_PASSES = (
     "fuse_qkv_proj",
@@ -74,7 +79,7 @@ def _matches(pattern: str, name: str) -> bool:
 
 
 def list_recipes() -> list[str]:
-    return sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+    return sorted(p.stem for p in recipe_dir().glob("*.yaml"))
 
 
 def resolve_recipe_path(name_or_path: str) -> Path:
@@ -84,7 +89,7 @@ def resolve_recipe_path(name_or_path: str) -> Path:
         if not path.is_file():
             raise RecipeError(f"{path}: recipe file not found")
         return path
-    shipped = RECIPE_DIR / f"{name_or_path}.yaml"
+    shipped = recipe_dir() / f"{name_or_path}.yaml"
     if not shipped.is_file():
         raise RecipeError(
             f"unknown recipe {name_or_path!r}: not a file and not a shipped recipe ({', '.join(list_recipes())})"

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from qcompile.graph import Graph, TensorLocation
 from qcompile.model import expected_tensors
-from qcompile.recipe import RECIPE_DIR, KVCacheRecipe, Recipe, recipe_from_dict
+from qcompile.recipe import KVCacheRecipe, Recipe, recipe_dir, recipe_from_dict
 from qcompile.spec import ModelSpec, MoESpec
 
 PASS_NAMES = (
@@ -104,7 +104,7 @@ def recipe(
     name: str, passes: tuple[str, ...] | None = None, ignore: tuple[str, ...] | None = None, **kv: object
 ) -> Recipe:
     """A shipped recipe (read without the llm-compressor translation), optionally with passes/ignore/kv changed."""
-    raw = yaml.safe_load((RECIPE_DIR / f"{name}.yaml").read_text())
+    raw = yaml.safe_load((recipe_dir() / f"{name}.yaml").read_text())
     loaded = recipe_from_dict(raw, source=name)
     if passes is not None:
         loaded = dataclasses.replace(loaded, passes=passes)
