@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import logging
+import signal
+import threading
 
 import click
 
@@ -16,6 +18,17 @@ _VERBS = {
     "verify": "Check every file of an artifact against the sha256 in its manifest.",
     "synth": "Write a random-weight Qwen3 checkpoint of a named preset, with a local tokenizer.",
 }
+
+
+INTERRUPTED = "interrupted; no partial output was left behind"
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that cleanup runs as for Ctrl-C."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Terminated
 
 
 class UserError(click.ClickException):
@@ -34,12 +47,20 @@ class _LazyGroup(click.Group):
     errors into a clean message and exit code 1, and Ctrl-C into exit code 130."""
 
     def invoke(self, ctx: click.Context):
+        main_thread = threading.current_thread() is threading.main_thread()
+        # unwind on SIGTERM like on Ctrl-C, so temporary directories are removed
+        previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
         try:
             return super().invoke(ctx)
         except QCompileError as exc:
             raise UserError(str(exc)) from exc
         except KeyboardInterrupt as exc:
-            raise UserError("interrupted; nothing was written", exit_code=130) from exc
+            raise UserError(INTERRUPTED, exit_code=130) from exc
+        except _Terminated as exc:
+            raise UserError(INTERRUPTED, exit_code=143) from exc
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGTERM, previous)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(_VERBS)

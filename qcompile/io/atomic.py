@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,31 +24,51 @@ def check_target(target: Path, force: bool) -> None:
 
 
 @contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM for a few statements that must not be split (create-and-register a temp
+    dir; the renames that publish it); a signal that arrives meanwhile is delivered right after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+@contextmanager
 def atomic_output_dir(target: str | Path, force: bool = False) -> Iterator[Path]:
     """Yield a temporary directory beside `target`; on success it is renamed to `target`.
 
     Any exception, KeyboardInterrupt included, removes the temporary directory and leaves
     `target` as it was. With `force`, an existing target is replaced only after the new one is
-    complete (moved aside, the new one renamed in, the old one deleted).
+    complete (moved aside, the new one renamed in, the old one deleted). Ctrl-C can land between
+    any two statements, so the two places where that would leak a directory or lose the old
+    target hold signals until they are done.
     """
     target = Path(target).absolute()
     check_target(target, force)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the artifact is an ordinary directory
+    tmp: Path | None = None
     try:
+        with _signals_deferred():
+            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+            umask = os.umask(0)
+            os.umask(umask)
+            tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the artifact is an ordinary directory
         yield tmp
         check_target(target, force)  # someone may have created it while we worked
-        old = None
-        if target.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
-            old.rmdir()
-            target.rename(old)
-        tmp.rename(target)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with _signals_deferred():
+            old = None
+            if target.exists():
+                old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
+                old.rmdir()
+                target.rename(old)
+            tmp.rename(target)
+            tmp = None
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)

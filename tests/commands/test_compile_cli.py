@@ -268,7 +268,7 @@ def test_interruption_mid_write_leaves_nothing(ckpt, tmp_path, monkeypatch):
     (old / "previous.txt").write_text("an older artifact")
     result = run("compile", ckpt, "-o", old, "-q", "--force", "--set", "max_shard_mb=1")
     assert result.exit_code == 130
-    assert "interrupted; nothing was written" in result.output
+    assert "interrupted; no partial output was left behind" in result.output
     assert len(calls) >= 6
     assert leftovers(tmp_path, "art") == ["art"]
     assert [p.name for p in old.iterdir()] == ["previous.txt"]  # --force replaces only when complete
@@ -309,8 +309,9 @@ def test_dry_run_and_help(tiny_moe_ckpt, tmp_path):
         assert word in help_text
 
 
-def test_sigint_mid_compile_leaves_nothing(make_ckpt, tmp_path):
-    """A real Ctrl-C (SIGINT) to a compiling process: exit 130, no artifact, no temp dir."""
+@pytest.mark.parametrize("signame, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_signal_mid_compile_leaves_nothing(make_ckpt, tmp_path, signame, code):
+    """A real Ctrl-C (SIGINT) or kill (SIGTERM) to a compiling process: no artifact, no temp dir."""
     import signal
     import time
 
@@ -330,8 +331,8 @@ def test_sigint_mid_compile_leaves_nothing(make_ckpt, tmp_path):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "the compile never started writing"
         time.sleep(0.005)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, signame))
     _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130, stderr
-    assert "interrupted; nothing was written" in stderr
+    assert proc.returncode == code, stderr
+    assert "interrupted; no partial output was left behind" in stderr
     assert leftovers(tmp_path, "art") == []

@@ -71,6 +71,6 @@ def test_interruption_leaves_nothing(tmp_path, monkeypatch):
     out = tmp_path / "tiny-moe"
     result = CliRunner().invoke(main, ["synth", "tiny-moe", "-o", str(out), "--max-shard-mb", "0.05"])
     assert result.exit_code == 130
-    assert "error: interrupted; nothing was written" in result.output
+    assert "error: interrupted; no partial output was left behind" in result.output
     assert len(calls) >= 5
     assert list(tmp_path.iterdir()) == []  # neither the output nor a .tiny-moe.*.tmp directory
