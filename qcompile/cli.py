@@ -6,18 +6,21 @@ import importlib
 import logging
 import signal
 import threading
+from types import MappingProxyType
 
 import click
 
 from qcompile.errors import QCompileError
 
 # verb -> module under qcompile.commands defining a click command named `command`
-_VERBS = {
-    "compile": "Stream a Hugging Face Qwen3 checkpoint into a compiled artifact.",
-    "inspect": "Summarise an artifact: model, scheme, sizes, passes, KV layout, tuned devices.",
-    "verify": "Check every file of an artifact against the sha256 in its manifest.",
-    "synth": "Write a random-weight Qwen3 checkpoint of a named preset, with a local tokenizer.",
-}
+_VERBS = MappingProxyType(
+    {
+        "compile": "Stream a Hugging Face Qwen3 checkpoint into a compiled artifact.",
+        "inspect": "Summarise an artifact: model, scheme, sizes, passes, KV layout, tuned devices.",
+        "verify": "Check every file of an artifact against the sha256 in its manifest.",
+        "synth": "Write a random-weight Qwen3 checkpoint of a named preset, with a local tokenizer.",
+    }
+)
 
 
 INTERRUPTED = "interrupted; no partial output was left behind"

@@ -11,6 +11,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import yaml
@@ -225,4 +226,6 @@ def _validate_recipe(recipe: Recipe, source: str) -> None:
         raise RecipeError(f"{source}: 'name' must not be empty")
 
 
-_VALIDATORS = {QuantizationRecipe: _validate_quantization, KVCacheRecipe: _validate_kv, Recipe: _validate_recipe}
+_VALIDATORS = MappingProxyType(
+    {QuantizationRecipe: _validate_quantization, KVCacheRecipe: _validate_kv, Recipe: _validate_recipe}
+)

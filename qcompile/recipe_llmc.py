@@ -12,13 +12,14 @@ exact module names or `re:` regexes). Anything we cannot honour exactly is an er
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 from qcompile.errors import RecipeError
 
 # llm-compressor preset -> our scheme
-PRESETS = {"FP8_DYNAMIC": "ptpc-fp8", "FP8_BLOCK": "block-fp8"}
-_SUPPORTED_KEYS = {"targets", "ignore", "scheme"}
+PRESETS = MappingProxyType({"FP8_DYNAMIC": "ptpc-fp8", "FP8_BLOCK": "block-fp8"})
+_SUPPORTED_KEYS = frozenset({"targets", "ignore", "scheme"})
 
 
 def _modifiers(node: Any, path: str) -> list[tuple[str, str, Any]]:

@@ -10,7 +10,7 @@ from typing import Any
 from qcompile.errors import CheckpointError
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
+_DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,7 @@ class _ConfigReader:
             raise CheckpointError(
                 f"{self.source}: dtype {value!r} is not supported; expected one of {', '.join(_DTYPES)}"
             )
-        return _DTYPES[value]
+        return value
 
     def rope(self) -> tuple[float, str]:
         """(theta, rope type) from either the v5 'rope_parameters' or the classic keys."""

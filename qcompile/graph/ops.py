@@ -37,7 +37,9 @@ class OpSignature:
         object.__setattr__(self, "min_inputs", sum(not name.endswith("?") for name, _ in self.inputs))
 
 
-_KV = {"layer": int, "layout": str, "block_size": int, "kv_dtype": str, "k_scale": float, "v_scale": float}
+_KV = MappingProxyType(
+    {"layer": int, "layout": str, "block_size": int, "kv_dtype": str, "k_scale": float, "v_scale": float}
+)
 _QUANT_OUT = (("yq", "F8"), ("ys", "F32"))
 
 SIGNATURES: Mapping[str, OpSignature] = MappingProxyType(

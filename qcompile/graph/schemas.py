@@ -6,12 +6,16 @@ Registering is a change to onnx's process-wide schema registry, so it is never d
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import onnx.defs
 from onnx.defs import OpSchema
 
 from qcompile.graph.ops import DOMAIN, DOMAIN_VERSION, FIXED_TYPES, SIGNATURES, TYPE_PARAMS, OpSignature
 
-_ATTR_TYPES = {int: OpSchema.AttrType.INT, float: OpSchema.AttrType.FLOAT, str: OpSchema.AttrType.STRING}
+_ATTR_TYPES = MappingProxyType(
+    {int: OpSchema.AttrType.INT, float: OpSchema.AttrType.FLOAT, str: OpSchema.AttrType.STRING}
+)
 
 
 def op_schema(op_type: str, sig: OpSignature) -> OpSchema:

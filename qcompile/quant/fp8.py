@@ -8,13 +8,15 @@ even). The functions below keep each step in the same dtype and order, so the by
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
 
 
-_INT_VIEW = {2: (torch.int16, 0x7FFF), 4: (torch.int32, 0x7FFFFFFF)}
+_INT_VIEW = MappingProxyType({2: (torch.int16, 0x7FFF), 4: (torch.int32, 0x7FFFFFFF)})
 
 
 def amax_abs(w: torch.Tensor, dim: int | tuple[int, ...]) -> torch.Tensor:
