@@ -67,13 +67,17 @@ class _Writers:
         self.by_tensor: dict[str, StreamingWriter] = {}
         self.files: list[StreamingWriter] = []
         (root / "weights").mkdir(parents=True, exist_ok=True)
-        for shard in plan.shards:
-            writer = StreamingWriter(
-                root / shard.file, list(shard.tensors), metadata={"format": "pt"}, hash_while_writing=True
-            )
-            self.files.append(writer)
-            for tensor in shard.tensors:
-                self.by_tensor[tensor.name] = writer
+        try:
+            for shard in plan.shards:
+                writer = StreamingWriter(
+                    root / shard.file, list(shard.tensors), metadata={"format": "pt"}, hash_while_writing=True
+                )
+                self.files.append(writer)
+                for tensor in shard.tensors:
+                    self.by_tensor[tensor.name] = writer
+        except BaseException:
+            self.abort()  # stop the hashers of the files already opened
+            raise
 
     def digests(self, root: Path) -> dict[str, str]:
         """relative path -> sha256 of every shard (waits for the hashers to finish)."""
