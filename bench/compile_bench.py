@@ -112,6 +112,17 @@ def machine() -> dict[str, object]:
     return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "memory_gib": round(mem / 2**20, 1), "gpu": None}
 
 
+def report_header(benchmark: str) -> dict[str, object]:
+    """What every committed bench JSON starts with: which bench, when, how it was run, where."""
+    return {
+        "benchmark": benchmark,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "machine": machine(),
+        "versions": versions(),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3-1.7b")
@@ -155,11 +166,7 @@ def main() -> None:
     base = results.get("llm-compressor oneshot")
     ours_r = results["qcompile compile"]
     report = {
-        "benchmark": "compile_bench",
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "machine": machine(),
-        "versions": versions(),
+        **report_header("compile_bench"),
         "preset": args.preset,
         "source_bytes": source_bytes,
         "model_free_workers": args.model_free_workers,

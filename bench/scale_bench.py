@@ -17,14 +17,12 @@ as such in the JSON and deleted afterwards.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
-from compile_bench import machine, timed, versions
+from compile_bench import report_header, timed
 
 from qcompile.checkpoint import INDEX_FILE
 from qcompile.io.safetensors_stream import StreamingWriter
@@ -74,11 +72,7 @@ def main() -> None:
         shutil.rmtree(args.workdir, ignore_errors=True)
 
     report = {
-        "benchmark": "scale_bench",
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "machine": machine(),
-        "versions": versions(),
+        **report_header("scale_bench"),
         "preset": args.preset,
         "recipe": args.recipe,
         "checkpoint": "sparse: real config, tokenizer and headers; all-zero tensor data stored as file holes",

@@ -77,10 +77,6 @@ class Checkpoint:
         names = (*TOKENIZER_FILES, GENERATION_FILE)
         return [self.path / n for n in names if (self.path / n).is_file()]
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(e.nbytes for e in self.tensors.values())
-
 
 def fingerprint(checkpoint: Checkpoint) -> str:
     """sha256 over config.json, the shard index (when present) and each shard's size and sha256."""

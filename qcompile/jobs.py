@@ -15,6 +15,7 @@ from qcompile.io.safetensors_stream import OutputTensor
 from qcompile.quant import QuantScheme, get_scheme
 
 ROLES = ("embedding", "norm", "linear", "router", "lm_head")
+Layout = list[list[tuple[str, int, int]]]  # per slice: (source, first row, end row) of each part
 
 
 @dataclass(frozen=True)
@@ -88,9 +89,6 @@ class WeightJob:
             assert scale is not None
             out.append(OutputTensor(self.scale_name, model_dtype, (*shape[:-2], *scale)))
         return out
-
-
-Layout = list[list[tuple[str, int, int]]]  # per slice: (source, first row, end row) of each part
 
 
 def split_rows(

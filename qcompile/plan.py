@@ -7,6 +7,7 @@ tensor the checkpoint lacks, and no artifact tensor is written twice.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -47,15 +48,7 @@ class TensorPlan:
     def source_bytes(self) -> int:
         """Bytes read from the checkpoint (a source used by two jobs counts twice)."""
         itemsize = self.model_dtype.itemsize
-        total = 0
-        for job in self.jobs:
-            for name in job.source_names():
-                shape = self.source_shapes[name]
-                count = 1
-                for dim in shape:
-                    count *= dim
-                total += count * itemsize
-        return total
+        return sum(math.prod(self.source_shapes[n]) * itemsize for job in self.jobs for n in job.source_names())
 
     @property
     def output_bytes(self) -> int:

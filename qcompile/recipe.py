@@ -160,7 +160,7 @@ def _build(cls: type, raw: Any, source: str, prefix: str) -> Any:
         else:
             values[name] = _convert(kind, value, source, key)
     recipe = cls(**values)
-    _VALIDATORS.get(cls, lambda r, s: None)(recipe, source)
+    _VALIDATORS[cls](recipe, source)
     return recipe
 
 

@@ -12,13 +12,18 @@ exact module names or `re:` regexes). Anything we cannot honour exactly is an er
 
 from __future__ import annotations
 
-from types import MappingProxyType
 from typing import Any
 
 from qcompile.errors import RecipeError
 
-# llm-compressor preset -> our scheme
-PRESETS = MappingProxyType({"FP8_DYNAMIC": "ptpc-fp8", "FP8_BLOCK": "block-fp8"})
+
+def _presets() -> dict[str, str]:
+    """llm-compressor preset -> our scheme, from the schemes' own byte-compatibility records."""
+    from qcompile.quant import SCHEMES
+
+    return {s.llmcompressor_scheme: name for name, s in SCHEMES.items() if s.llmcompressor_scheme}
+
+
 _SUPPORTED_KEYS = frozenset({"targets", "ignore", "scheme"})
 
 
@@ -47,11 +52,12 @@ def translate_llmcompressor_recipe(raw: dict[str, Any], source: str) -> dict[str
         where, name = others[0]
         raise RecipeError(
             f"{source}: {where}: {name} is not supported; only a QuantizationModifier with "
-            f"scheme {' or '.join(PRESETS)} can be translated"
+            f"scheme {' or '.join(_presets())} can be translated"
         )
     if len(modifiers) != 1:
         raise RecipeError(f"{source}: found {len(modifiers)} QuantizationModifiers; expected exactly one")
     where, _, args = modifiers[0]
+    presets = _presets()
     if not isinstance(args, dict):
         raise RecipeError(f"{source}: {where} must be a mapping of arguments")
     unknown = sorted(set(args) - _SUPPORTED_KEYS)
@@ -65,8 +71,8 @@ def translate_llmcompressor_recipe(raw: dict[str, Any], source: str) -> dict[str
         if len(scheme) != 1:
             raise RecipeError(f"{source}: {where}.scheme must name exactly one preset")
         ((scheme, targets),) = scheme.items()
-    if scheme not in PRESETS:
-        raise RecipeError(f"{source}: {where}.scheme {scheme!r} is not supported; supported: {', '.join(PRESETS)}")
+    if scheme not in presets:
+        raise RecipeError(f"{source}: {where}.scheme {scheme!r} is not supported; supported: {', '.join(presets)}")
     if isinstance(targets, str):
         targets = [targets]
     if targets != ["Linear"]:
@@ -76,5 +82,5 @@ def translate_llmcompressor_recipe(raw: dict[str, Any], source: str) -> dict[str
         raise RecipeError(f"{source}: {where}.ignore must be a list of module names or 're:' patterns")
     return {
         "description": f"translated from llm-compressor {scheme} recipe {source}",
-        "quantization": {"scheme": PRESETS[scheme], "ignore": ignore},
+        "quantization": {"scheme": presets[scheme], "ignore": ignore},
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import click
 from qruntime.artifact import ArtifactFormatError, read_manifest
 
 from qcompile.errors import ArtifactError
+from qcompile.io.safetensors_stream import DTYPES
 from qcompile.units import human_bytes, human_count
 
 
@@ -21,11 +23,8 @@ def summarize(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     by_dtype: Counter[str] = Counter()
     params = 0
     for info in tensors.values():
-        count = 1
-        for dim in info["shape"]:
-            count *= dim
-        size = {"F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4}.get(info["dtype"], 0) * count
-        by_dtype[info["dtype"]] += size
+        count = math.prod(info["shape"])
+        by_dtype[info["dtype"]] += count * DTYPES[info["dtype"]].itemsize
         if info["role"] != "scale":
             params += count
     quantized = sorted({name.rsplit(".", 1)[0] for name, info in tensors.items() if info["role"] == "scale"})

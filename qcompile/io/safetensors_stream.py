@@ -197,11 +197,6 @@ class StreamingWriter:
         if self._hasher is not None:
             self._hasher.mark(0, self.data_start)
 
-    def location(self, name: str) -> tuple[int, int]:
-        """(absolute offset, length) of a tensor's bytes in the file."""
-        offset, tensor = self._offsets[name]
-        return self.data_start + offset, tensor.nbytes
-
     def write(self, name: str, byte_offset: int, data: torch.Tensor) -> None:
         """Write `data`'s bytes at `byte_offset` within tensor `name`."""
         offset, tensor = self._offsets[name]

@@ -65,8 +65,3 @@ def quantize_per_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.T
     scale = _scale_from_amax(amax)
     full = scale.repeat_interleave(bn, dim=0).repeat_interleave(bk, dim=1)[:rows, :cols]
     return _cast(w, full), scale
-
-
-def dequantize_per_channel(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The weight the fp8 bytes stand for, in the scale's dtype."""
-    return q.to(scale.dtype) * scale

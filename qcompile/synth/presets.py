@@ -45,10 +45,6 @@ class Preset:
         """A fresh copy of the config.json dict."""
         return json.loads(self.config_json)
 
-    @property
-    def is_test(self) -> bool:
-        return self.name.startswith("tiny")
-
 
 def _dense(hidden: int, inter: int, layers: int, heads: int, kv: int, tied: bool, **changed: Any) -> dict[str, Any]:
     """A Qwen3 dense config.json, keys in the published files' order."""

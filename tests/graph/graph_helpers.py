@@ -12,19 +12,12 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from qcompile.graph import Graph, TensorLocation
+from qcompile.graph import PASSES, Graph, TensorLocation
 from qcompile.model import expected_tensors
 from qcompile.recipe import KVCacheRecipe, Recipe, recipe_dir, recipe_from_dict
 from qcompile.spec import ModelSpec, MoESpec
 
-PASS_NAMES = (
-    "fuse_qkv_proj",
-    "fuse_gate_up_proj",
-    "fuse_moe_experts",
-    "fuse_add_rmsnorm_quant",
-    "fuse_silu_mul_quant",
-    "fuse_qknorm_rope_kvwrite",
-)
+PASS_NAMES = tuple(PASSES)  # every registered pass, in registry order (the recipes' order)
 # every pass, in an order other than the recipes' (norms first), requirements still met
 NORM_FIRST = (
     "fuse_add_rmsnorm_quant",

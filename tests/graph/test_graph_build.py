@@ -8,11 +8,12 @@ import pytest
 import torch
 from graph_helpers import dense_spec, moe_spec, recipe, source_counts
 
-from qcompile.errors import PlanError
+from qcompile.errors import PlanError, RecipeError
 from qcompile.graph import build_graph
 from qcompile.graph.ops import FUSED_OPS, LINEAR_OPS, SIMPLE_OPS, STANDARD_OPS
 from qcompile.model import expected_tensors
 from qcompile.quant import get_scheme
+from qcompile.recipe import recipe_from_dict
 
 SPECS = {
     "dense": dense_spec(),
@@ -189,16 +190,15 @@ def test_tp_above_one_is_not_implemented_yet() -> None:
         build_graph(dense_spec(num_key_value_heads=2, num_attention_heads=4), rec)
 
 
-def test_unknown_scheme_is_a_plan_error() -> None:
-    rec = recipe("ptpc-fp8")
-    rec = dataclasses.replace(rec, quantization=dataclasses.replace(rec.quantization, scheme="int4"))
-    with pytest.raises(PlanError, match="int4"):
-        build_graph(dense_spec(), rec)
+def test_unknown_scheme_is_refused_before_the_graph() -> None:
+    """Recipe values are validated where recipes are made, so no graph is built from one."""
+    with pytest.raises(RecipeError, match="quantization.scheme 'int4' is unknown"):
+        recipe_from_dict({"quantization": {"scheme": "int4"}})
 
 
-def test_fp8_kv_cache_reaches_the_cache_ops_and_unknown_kv_dtypes_are_plan_errors() -> None:
+def test_fp8_kv_cache_reaches_the_cache_ops_and_unknown_kv_dtypes_are_refused() -> None:
     graph = build_graph(dense_spec(), recipe("ptpc-fp8", dtype="fp8_e4m3"))
     kv_ops = [n for n in graph.nodes if n.op_type in ("KVCacheWrite", "PagedAttention")]
     assert len(kv_ops) == 4 and all(n.attrs["kv_dtype"] == "fp8_e4m3" for n in kv_ops)
-    with pytest.raises(PlanError, match="kv_cache.dtype 'fp16'"):
-        build_graph(dense_spec(), recipe("ptpc-fp8", dtype="fp16"))
+    with pytest.raises(RecipeError, match="kv_cache.dtype 'fp16'"):
+        recipe_from_dict({"kv_cache": {"dtype": "fp16"}})
