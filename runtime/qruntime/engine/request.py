@@ -1,0 +1,37 @@
+"""A generation request's token state, as the scheduler sees it (plain Python: no torch)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is: waiting for admission, running (holds KV blocks), or done."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)  # identity semantics: two requests with equal tokens are still two requests
+class Request:
+    """One generation request's token state as the scheduler sees it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int  # most new tokens to generate (> 0)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens (prompt + output) whose KV is in the cache
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then output tokens (a new list)."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """len(prompt) + len(output)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)

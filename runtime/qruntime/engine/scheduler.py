@@ -1,0 +1,202 @@
+"""Continuous batching with chunked prefill and preemption by recompute (plain Python: no torch).
+
+Each step spends a token budget: running requests first, in admission order (a decode is one
+token, an unfinished prefill continues in chunks), then waiting requests in FIFO order. When a
+running request cannot get the blocks it needs, the most recently admitted running request is
+preempted: its blocks are freed and it goes back to the front of the waiting queue, to recompute
+prompt + outputs as its prefill on readmission.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from qruntime.engine.block_manager import BlockManager
+from qruntime.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of the scheduler: KV blocks, model length, and per-step batch size."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # token budget of one step; longer prompts are prefilled in chunks
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        # a lone request of max_model_len tokens must fit, or the scheduler could stall for good
+        needed = -(-self.max_model_len // self.block_size)
+        if self.num_blocks < needed:
+            raise ValueError(
+                f"num_blocks={self.num_blocks} of block_size={self.block_size} cannot hold one request of "
+                f"max_model_len={self.max_model_len} tokens: needs at least {needed} blocks"
+            )
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """The tokens one request computes in one step."""
+
+    request: Request
+    start: int  # position of the first token computed this step (== request.num_computed_tokens at schedule time)
+    num_tokens: int  # tokens computed this step: request.all_token_ids[start:start + num_tokens]
+    block_table: tuple[int, ...]
+    samples: bool  # start + num_tokens == request.num_tokens: the last token's logits give the next token
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What one step computes, and which requests this schedule() call preempted."""
+
+    chunks: tuple[ScheduledChunk, ...]
+    preempted: tuple[str, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed this step, over all chunks."""
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+
+class Scheduler:
+    """Decides, step by step, which requests compute which tokens, and owns their KV blocks."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []  # admission order: the last one is preempted first
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for admission (new or preempted)."""
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Admitted requests (they hold KV blocks)."""
+        return len(self._running)
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self._requests)
+
+    def get(self, request_id: str) -> Request:
+        """The unfinished request of that id (KeyError when none)."""
+        return self._requests[request_id]
+
+    def add(self, request: Request) -> None:
+        """Queue a new request at the back of the waiting queue."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already present")
+        if not request.prompt_token_ids:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if len(request.prompt_token_ids) > self.config.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt of {len(request.prompt_token_ids)} tokens is longer "
+                f"than max_model_len={self.config.max_model_len}"
+            )
+        if request.max_tokens < 1:
+            raise ValueError(f"request {request.request_id!r}: max_tokens must be >= 1 (got {request.max_tokens})")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id!r} is not a fresh waiting request")
+        self._requests[request.request_id] = request
+        self._waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's chunks (see the module docstring for the policy)."""
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+
+        i = 0
+        while i < len(self._running) and budget > 0:
+            request = self._running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if n == 0:
+                i += 1
+                continue
+            end = request.num_computed_tokens + n
+            if end > self.config.max_model_len:
+                raise RuntimeError(
+                    f"request {request.request_id!r} would hold {end} tokens of KV, more than "
+                    f"max_model_len={self.config.max_model_len} (the engine must finish it at that length)"
+                )
+            # victims come from the back of the running order, so they were not scheduled yet this step
+            while not self.block_manager.can_grow(request.request_id, end):
+                victim = self._running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                chunks.append(self._chunk(request, n))
+                budget -= n
+                i += 1
+
+        # admitting while preempting would take blocks that running requests are about to need
+        while not preempted and self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
+            request = self._waiting[0]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.block_manager.can_grow(request.request_id, request.num_computed_tokens + n):
+                break  # first come, first served: nothing behind it may skip ahead
+            self._waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self._running.append(request)
+            chunks.append(self._chunk(request, n))
+            budget -= n
+
+        return SchedulerOutput(chunks=tuple(chunks), preempted=tuple(preempted))
+
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> None:
+        """Record a step's results: computed tokens advance, sampled tokens are appended.
+
+        sampled maps request ids of chunks with samples=True to their new token; chunks of
+        requests finished or aborted since schedule() are ignored.
+        """
+        for chunk in output.chunks:
+            request = chunk.request
+            if self._requests.get(request.request_id) is not request:
+                continue  # finished or aborted meanwhile
+            if request.status is not RequestStatus.RUNNING or chunk.start != request.num_computed_tokens:
+                raise ValueError(f"stale chunk for request {request.request_id!r}: update() each output once, in order")
+            request.num_computed_tokens += chunk.num_tokens
+            if request.request_id in sampled:
+                if not chunk.samples:
+                    raise ValueError(f"request {request.request_id!r} was sampled mid-prefill (samples=False)")
+                request.output_token_ids.append(sampled[request.request_id])
+
+    def finish(self, request_id: str) -> None:
+        """Mark the request FINISHED, free its blocks, and forget it (KeyError for an unknown id)."""
+        request = self._requests.pop(request_id)
+        if request.status is RequestStatus.RUNNING:
+            self._running.remove(request)
+        else:
+            self._waiting.remove(request)
+        self.block_manager.free(request_id)
+        request.status = RequestStatus.FINISHED
+
+    def abort(self, request_id: str) -> None:
+        """Same as finish() for the scheduler; the engine records why."""
+        self.finish(request_id)
+
+    def _chunk(self, request: Request, n: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        table = self.block_manager.grow(request.request_id, start + n)
+        return ScheduledChunk(request, start, n, table, samples=start + n == request.num_tokens)
+
+    def _preempt(self, request: Request) -> None:
+        # recompute, not swap: drop the KV and prefill prompt + outputs again when readmitted
+        self._running.remove(request)
+        self.block_manager.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self._waiting.appendleft(request)
