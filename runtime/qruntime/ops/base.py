@@ -1,0 +1,79 @@
+"""What an op implementation is: bound once to a graph node, then called every step."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from qruntime.kv_cache import KVCache, KVCacheSpec
+
+
+class OpBindError(ValueError):
+    """A node's attributes do not fit its op implementation (or the artifact's KV cache)."""
+
+
+@dataclass(frozen=True)
+class OpEnv:
+    """What ops may consult when they are bound: the compute dtype, the device, the cache spec."""
+
+    dtype: torch.dtype
+    device: torch.device
+    kv_spec: KVCacheSpec
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Per-sequence facts of one step, built once by the ModelRunner and shared by every layer.
+
+    `cache_slots[b]` are the cache slots of positions 0 .. context_lens[b]-1 of sequence b."""
+
+    query_start: tuple[int, ...]  # [B+1]
+    context_lens: tuple[int, ...]  # [B]
+    cache_slots: tuple[torch.Tensor, ...]  # B x [context_len] int64
+
+
+@dataclass(frozen=True)
+class StepContext:
+    kv_cache: KVCache
+    attn: AttentionMetadata
+
+
+class Op:
+    """One node's implementation. Subclasses list their attributes in `attrs` (and `optional_attrs`);
+    __init__ reads them once (so a bad graph fails at load, naming the node), __call__(step, *inputs)
+    runs the op."""
+
+    attrs: ClassVar[tuple[str, ...]] = ()
+
+    optional_attrs: ClassVar[Mapping[str, Any]] = {}  # name -> default
+
+    def __init__(self, attrs: Mapping[str, Any], env: OpEnv, consts: tuple[torch.Tensor | None, ...] = ()) -> None:
+        missing = [name for name in self.attrs if name not in attrs]
+        if missing:
+            raise OpBindError(f"missing attribute(s) {missing}")
+        self.a = {**self.optional_attrs, **{k: v for k, v in attrs.items() if k in self.optional_attrs}}
+        self.a.update({name: attrs[name] for name in self.attrs})
+        self.env = env
+        self.consts = consts  # the node's inputs that are graph initializers (None elsewhere), for static shapes
+
+    def __call__(self, step: StepContext, *inputs: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+
+class KVOp(Op):
+    """An op that writes or reads a layer's cache: its attributes must match the cache the runtime holds."""
+
+    attrs = ("layer", "layout", "block_size", "kv_dtype", "k_scale", "v_scale")
+
+    def __init__(self, attrs: Mapping[str, Any], env: OpEnv, consts: tuple[torch.Tensor | None, ...] = ()) -> None:
+        super().__init__(attrs, env, consts)
+        spec = env.kv_spec
+        expected = {"layout": spec.layout.name, "block_size": spec.block_size, "kv_dtype": spec.kv_dtype}
+        for key, value in expected.items():
+            if self.a[key] != value:
+                raise OpBindError(f"attribute {key}={self.a[key]!r} but the manifest's kv_cache says {value!r}")
+        if not 0 <= self.a["layer"] < spec.num_layers:
+            raise OpBindError(f"layer {self.a['layer']} outside the cache's {spec.num_layers} layers")

@@ -1,0 +1,80 @@
+"""Torch reference math of the operator contract (docs/OPS.md), as plain functions.
+
+The op classes bind these to graph nodes; fused ops are compositions of them, so a fused and an
+unfused graph compute the same thing. Everything here runs on any torch device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+MIN_SCALE = 1e-12
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3 RMSNorm over the last dim: normalize in fp32, cast back, then times the weight."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def dynamic_quant(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (group_size 0) or per-group FP8 quantization. x [T, K] -> xq fp8 [T, K], xs f32 [T, G]."""
+    x32 = x.float()
+    rows, cols = x32.shape
+    width = cols if group_size == 0 else group_size
+    groups = -(-cols // width)
+    padded = torch.nn.functional.pad(x32, (0, groups * width - cols)).reshape(rows, groups, width)
+    scale = torch.clamp(padded.abs().amax(-1) / FP8_MAX, min=MIN_SCALE)  # [T, G]
+    q = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).reshape(rows, -1)[:, :cols]
+    return q.to(FP8), scale
+
+
+def ptpc_linear(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, out_dtype) -> torch.Tensor:
+    """FP8 x FP8 with fp32 accumulation, then per-token times per-channel scale. [T,K] x [N,K] -> [T,N].
+
+    fp8 -> fp32 is exact, so the fp32 matmul is the FP8 product accumulated in fp32."""
+    return ((xq.float() @ w.float().T) * xs * ws.float().T).to(out_dtype)
+
+
+def block_fp8_linear(
+    xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, block_n: int, block_k: int, out_dtype
+) -> torch.Tensor:
+    """Block-scaled FP8: partial products per K block, each times xs[t, kb] * ws[nb, kb]."""
+    n, k = w.shape
+    y = torch.zeros(xq.shape[0], n, dtype=torch.float32, device=xq.device)
+    for kb in range(-(-k // block_k)):
+        cols = slice(kb * block_k, (kb + 1) * block_k)
+        part = xq[:, cols].float() @ w[:, cols].float().T  # [T, N]
+        w_scale = ws[:, kb].float().repeat_interleave(block_n)[:n]  # [N]
+        y += part * xs[:, kb : kb + 1] * w_scale[None]
+    return y.to(out_dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, head_dim: int) -> torch.Tensor:
+    """Rotate-half (NeoX) RoPE on x [T, heads, d], cos/sin in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=x.device) / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None]  # [T, d/2]
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos()[:, None], emb.sin()[:, None]  # [T, 1, d]
+    x32 = x.float()
+    half = head_dim // 2
+    rotated = torch.cat([-x32[..., half:], x32[..., :half]], -1)
+    return (x32 * cos + rotated * sin).to(x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate rows then up rows) -> silu(gate) * up [T, I]."""
+    gate, up = gate_up.chunk(2, -1)
+    return gate * torch.sigmoid(gate) * up
+
+
+def moe_routing(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax in fp32, top-k, optional renormalisation; weights cast to the logits' dtype."""
+    probs = logits.float().softmax(-1)
+    weights, ids = probs.topk(top_k, -1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights.to(logits.dtype), ids

@@ -1,0 +1,28 @@
+"""The op registry: (domain, op type) from graph.onnx -> the implementation bound to each node.
+
+These are the torch reference implementations (docs/OPS.md); they run on any device and are what
+every fast kernel is tested against."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from qruntime.ops import attention, moe, quant, standard
+from qruntime.ops.base import Op
+
+DEFAULT_DOMAIN = ""
+QCOMPILE_DOMAIN = "qcompile"
+
+
+def reference_ops() -> Mapping[tuple[str, str], type[Op]]:
+    """(domain, op_type) -> Op class, for every op the compiler emits."""
+    standard_ops = [standard.Gather, standard.RMSNormalization, standard.Add, standard.Mul, standard.Sigmoid]
+    standard_ops += [standard.Split, standard.Reshape, standard.Gemm]
+    qcompile_ops = [quant.DynamicQuant, quant.PTPCLinear, quant.BlockFP8Linear, quant.AddRMSNorm]
+    qcompile_ops += [quant.AddRMSNormQuant, quant.SiluMul, quant.SiluMulQuant]
+    qcompile_ops += [attention.RoPE, attention.KVCacheWrite, attention.PagedAttention, attention.QKNormRoPEKVWrite]
+    qcompile_ops += [moe.MoERouting, moe.ExpertWeight, moe.MoE]
+    table = {(DEFAULT_DOMAIN, op.__name__): op for op in standard_ops}
+    table.update({(QCOMPILE_DOMAIN, op.__name__): op for op in qcompile_ops})
+    return MappingProxyType(table)
