@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from qcompile.pipeline import compile_checkpoint, prepare
+from qcompile.recipe import load_recipe
 from qcompile.synth import get_preset, write_checkpoint
 
 MakeCkpt = Callable[..., Path]
@@ -61,3 +63,20 @@ def tiny_moe_ckpt(make_ckpt: MakeCkpt) -> Path:
 def tiny_odd_ckpt(make_ckpt: MakeCkpt) -> Path:
     """Dense, non-power-of-two sizes: hidden 96, 6 heads / 3 KV heads, intermediate 72, vocab 538."""
     return make_ckpt("tiny-odd")
+
+
+@pytest.fixture(scope="session")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`compiled(ckpt, recipe, *overrides) -> artifact dir`, compiled once per session (read-only)."""
+    root = tmp_path_factory.mktemp("artifacts")
+    built: dict[tuple, Path] = {}
+
+    def get(ckpt: Path, recipe: str, *overrides: str) -> Path:
+        key = (str(ckpt), recipe, overrides)
+        if key not in built:
+            out = root / f"{len(built)}-{ckpt.name}-{recipe}"
+            compile_checkpoint(prepare(ckpt, load_recipe(recipe, list(overrides))), out, workers=2, progress=False)
+            built[key] = out
+        return built[key]
+
+    return get

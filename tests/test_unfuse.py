@@ -18,8 +18,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from qcompile.pipeline import compile_checkpoint, prepare
-from qcompile.recipe import load_recipe
 from qcompile.unfuse import split_to_sources
 
 SIZE128 = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128}
@@ -71,23 +69,6 @@ def random_bits_copy(src: Path, dst: Path) -> Path:
             tensors[name] = torch.where(inf_or_nan, bits ^ 0x0080, bits).view(torch.bfloat16)
         save_file(tensors, file, metadata={"format": "pt"})
     return dst
-
-
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """`compiled(ckpt, recipe, *overrides) -> artifact dir`, compiled once per module."""
-    root = tmp_path_factory.mktemp("unfuse")
-    built: dict[tuple, Path] = {}
-
-    def get(ckpt: Path, recipe: str, *overrides: str) -> Path:
-        key = (str(ckpt), recipe, overrides)
-        if key not in built:
-            out = root / f"{len(built)}-{ckpt.name}-{recipe}"
-            compile_checkpoint(prepare(ckpt, load_recipe(recipe, list(overrides))), out, workers=2, progress=False)
-            built[key] = out
-        return built[key]
-
-    return get
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,277 @@
+"""The engine: requests in, tokens out. Engine -> Scheduler -> ModelRunner -> Plan -> ops.
+
+`generate` runs a batch to completion, `stream` yields one request's tokens as they come, and
+`add_request` / `step` / `abort` are the loop a server drives. Each step schedules a batch
+(continuous batching, chunked prefill, preemption), runs the model once, samples, and applies the
+stop rules.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from qruntime.engine.block_manager import NoFreeBlocks
+from qruntime.engine.model_runner import ModelRunner
+from qruntime.engine.outputs import InvalidRequest, RequestOutput, StreamDelta, Timings
+from qruntime.engine.request import Request
+from qruntime.engine.sampler import sample
+from qruntime.engine.sampling_params import SamplingParams, as_list
+from qruntime.engine.scheduler import ScheduledChunk, Scheduler
+from qruntime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+Prompt = str | Sequence[int]
+Messages = Sequence[Mapping[str, Any]]
+
+
+@dataclass(eq=False)
+class _Tracked:
+    """The engine's bookkeeping of one request besides its token state."""
+
+    request: Request
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+    arrival: float
+    first_token: float | None = None
+    new_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    output: RequestOutput | None = None
+
+
+class Engine:
+    """A loaded artifact ready to generate. Build it with `qruntime.load(path)`."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        tokenizer: Tokenizer,
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        description: Mapping[str, Any],
+    ) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.description = dict(description)  # what was loaded and how the engine is sized (for logs / CLI)
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+
+    # --- the loop a server drives ------------------------------------------------------------------
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue one request; returns its id. Raises InvalidRequest (and queues nothing) for bad input."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"params must be a SamplingParams (got {type(params).__name__})")
+        token_ids = self._prompt_ids(prompt)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._tracked:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator(device=self.runner.device)
+            generator.manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(8)) >> 1)
+        request = Request(request_id, token_ids, params.max_tokens)
+        detok = IncrementalDetokenizer(
+            self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop
+        )
+        self._tracked[request_id] = _Tracked(request, params, detok, generator, time.perf_counter())
+        self.scheduler.add(request)
+        return request_id
+
+    def step(self) -> list[StreamDelta]:
+        """Run one scheduled batch; a delta for every request that got a token or finished."""
+        output = self.scheduler.schedule()
+        if not output.chunks:
+            return []
+        logits = self.runner.execute(output.chunks)
+        rows = [i for i, chunk in enumerate(output.chunks) if chunk.samples]
+        tracked = [self._tracked[output.chunks[i].request.request_id] for i in rows]
+        tokens = sample(logits[rows], [t.params for t in tracked], [t.generator for t in tracked])
+        self.scheduler.update(output, {t.request.request_id: tok for t, tok in zip(tracked, tokens, strict=True)})
+        now = time.perf_counter()
+        deltas = []
+        for t, token in zip(tracked, tokens, strict=True):
+            t.first_token = t.first_token if t.first_token is not None else now
+            t.new_ids.append(token)
+            t.new_text += t.detok.add(token)
+            reason = self._stop_reason(t, token)
+            if reason is not None:
+                self._finish(t, *reason, now)
+            deltas.append(self._delta(t))
+        return deltas
+
+    def abort(self, request_id: str) -> RequestOutput:
+        """Stop an unfinished request now (its KV blocks are freed at once); returns its output so far."""
+        t = self._tracked.get(request_id)
+        if t is None:
+            raise KeyError(f"no unfinished request {request_id!r} in the engine")
+        self._finish(t, "abort", None, time.perf_counter())
+        return t.output
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- convenience APIs --------------------------------------------------------------------------
+    def generate(
+        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        """Generate for a prompt (text or token ids) or a list of prompts; outputs in prompt order.
+
+        Every prompt is checked before any is queued: one bad prompt raises InvalidRequest naming
+        its index, and nothing runs."""
+        batch = self._as_batch(prompts)
+        params_list = as_list(params, len(batch))
+        for index, prompt in enumerate(batch):
+            try:
+                self._prompt_ids(prompt)
+            except InvalidRequest as exc:
+                raise InvalidRequest(f"prompt {index}: {exc}") from None
+        ids = [self.add_request(p, sp) for p, sp in zip(batch, params_list, strict=True)]
+        outputs: dict[str, RequestOutput] = {}
+        try:
+            while len(outputs) < len(ids):
+                outputs.update((d.request_id, d.output) for d in self._step_or_fail() if d.finished)
+        except BaseException:
+            for i in ids:
+                if i in self._tracked:
+                    self.abort(i)
+            raise
+        return [outputs[i] for i in ids]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Yield one request's tokens as they are generated (other queued requests progress too).
+        Closing the iterator early aborts the request.
+
+        `generate` and `stream` drive the engine themselves: a server that runs many requests at
+        once drives it with add_request / step / abort instead of interleaving these."""
+        request_id = self.add_request(prompt, params)
+        try:
+            while request_id in self._tracked:
+                for delta in self._step_or_fail():
+                    if delta.request_id == request_id:
+                        yield delta
+        finally:
+            if request_id in self._tracked:
+                self.abort(request_id)
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        **template_kwargs: Any,
+    ) -> list[RequestOutput]:
+        """Generate replies to chat conversations (a list of {role, content} messages, or a list of them)
+        rendered with the artifact's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        prompts = []
+        for index, conversation in enumerate(conversations):
+            try:
+                prompts.append(self.tokenizer.encode_chat(conversation, **template_kwargs))
+            except ValueError as exc:
+                raise InvalidRequest(f"conversation {index}: {exc}") from None
+        return self.generate(prompts, params)
+
+    def score(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Logits [len(token_ids), V] (fp32, on the engine's device) of the next token after every
+        prefix of token_ids: one forward pass over the sequence, for evaluation (perplexity, KL).
+        Uses the engine's cache blocks for its duration; runs beside queued requests."""
+        ids = self._prompt_ids(list(token_ids))
+        scratch = Request(f"score-{next(self._ids)}", ids, 1)
+        manager = self.scheduler.block_manager
+        try:
+            table = manager.grow(scratch.request_id, len(ids))
+        except NoFreeBlocks:
+            raise InvalidRequest(f"{len(ids)} tokens do not fit in the free KV blocks now") from None
+        try:
+            chunk = ScheduledChunk(scratch, 0, len(ids), table, True)
+            return self.runner.execute([chunk], all_logits=True).float()
+        finally:
+            manager.free(scratch.request_id)
+
+    # --- internals ---------------------------------------------------------------------------------
+    def _step_or_fail(self) -> list[StreamDelta]:
+        deltas = self.step()
+        if not deltas and not self.scheduler.has_unfinished():
+            raise RuntimeError("the engine has no unfinished requests but the caller still waits for some")
+        return deltas
+
+    @staticmethod
+    def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+        if isinstance(prompts, str):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(p, int) for p in prompts):
+            return [prompts]  # one prompt given as token ids
+        return prompts
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("empty prompt")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, Sequence):
+            ids = list(prompt)
+            bad = [(i, t) for i, t in enumerate(ids) if isinstance(t, bool) or not isinstance(t, int)]
+            if bad:
+                raise InvalidRequest(f"token ids must be integers (position {bad[0][0]}: {bad[0][1]!r})")
+            unknown = [(i, t) for i, t in enumerate(ids) if not 0 <= t < self.vocab_size]
+            if unknown:
+                raise InvalidRequest(
+                    f"unknown token id {unknown[0][1]} at position {unknown[0][0]}: "
+                    f"the model's vocabulary is ids 0..{self.vocab_size - 1}"
+                )
+        else:
+            raise InvalidRequest(f"a prompt is a string or a list of token ids (got {type(prompt).__name__})")
+        if not ids:
+            raise InvalidRequest("empty prompt (no tokens)")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequest(
+                f"prompt is {len(ids)} tokens but the context is {self.max_model_len} tokens "
+                f"(max_model_len): at most {self.max_model_len - 1} prompt tokens leave room to generate"
+            )
+        return ids
+
+    def _stop_reason(self, t: _Tracked, token: int) -> tuple[str, str | int | None] | None:
+        p, request = t.params, t.request
+        if (not p.ignore_eos and token in self.tokenizer.eos_token_ids) or token in p.stop_token_ids:
+            return "stop", token
+        if t.detok.stop_matched is not None:
+            return "stop", t.detok.stop_matched
+        if len(request.output_token_ids) >= p.max_tokens or request.num_tokens >= self.max_model_len:
+            return "length", None
+        return None
+
+    def _finish(self, t: _Tracked, reason: str, stop_reason: str | int | None, now: float) -> None:
+        """Record the output, free the request's blocks and forget it (its last delta carries the output)."""
+        request = t.request
+        self.scheduler.finish(request.request_id)
+        del self._tracked[request.request_id]
+        if reason != "stop" or not isinstance(stop_reason, str):
+            t.new_text += t.detok.flush()
+        timings = Timings(t.arrival, t.first_token, now, len(request.output_token_ids))
+        t.output = RequestOutput(
+            request.request_id,
+            tuple(request.prompt_token_ids),
+            tuple(request.output_token_ids),
+            t.detok.text,
+            reason,
+            stop_reason,
+            timings,
+            request.num_preemptions,
+        )
+
+    def _delta(self, t: _Tracked) -> StreamDelta:
+        delta = StreamDelta(t.request.request_id, tuple(t.new_ids), t.new_text, t.output is not None, t.output)
+        t.new_ids, t.new_text = [], ""
+        return delta

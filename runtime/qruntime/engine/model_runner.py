@@ -1,0 +1,72 @@
+"""One engine step on the model: the scheduled chunks become the graph's inputs and attention
+metadata (built once per step, shared by every layer), the plan runs, logits come back."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from qruntime.engine.scheduler import ScheduledChunk
+from qruntime.kv_cache import KVCache
+from qruntime.ops.base import AttentionMetadata, StepContext
+from qruntime.plan import Plan
+
+
+class ModelRunner:
+    def __init__(self, plan: Plan, kv_cache: KVCache, device: torch.device) -> None:
+        self.plan = plan
+        self.kv_cache = kv_cache
+        self.device = device
+        self.block_size = kv_cache.spec.block_size
+
+    def prepare(
+        self, chunks: Sequence[ScheduledChunk], all_logits: bool = False
+    ) -> tuple[dict[str, torch.Tensor], AttentionMetadata]:
+        """Graph inputs (docs/OPS.md) and attention metadata for one step. logits_indices picks each
+        chunk's last token, or with all_logits every token of the step."""
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        starts = [0]
+        context_lens: list[int] = []
+        width = max(len(c.block_table) for c in chunks)
+        tables = torch.zeros(len(chunks), width, dtype=torch.int32)
+        for b, chunk in enumerate(chunks):
+            end = chunk.start + chunk.num_tokens
+            ids += chunk.request.all_token_ids[chunk.start : end]
+            positions += range(chunk.start, end)
+            starts.append(starts[-1] + chunk.num_tokens)
+            context_lens.append(end)
+            tables[b, : len(chunk.block_table)] = torch.tensor(chunk.block_table, dtype=torch.int32)
+        # slot of every position of every sequence: block_table[pos // bs] * bs + pos % bs
+        all_slots = (tables.long()[:, :, None] * bs + torch.arange(bs)).reshape(len(chunks), -1)
+        pos = torch.tensor(positions, dtype=torch.int64)
+        seq_of_token = torch.repeat_interleave(
+            torch.arange(len(chunks)), torch.tensor(starts[1:]) - torch.tensor(starts[:-1])
+        )
+        slot_mapping = all_slots[seq_of_token, pos]
+        feeds = {
+            "input_ids": torch.tensor(ids, dtype=torch.int64),
+            "positions": pos,
+            "slot_mapping": slot_mapping,
+            "block_tables": tables,
+            "context_lens": torch.tensor(context_lens, dtype=torch.int32),
+            "query_start_loc": torch.tensor(starts, dtype=torch.int32),
+            "logits_indices": torch.arange(starts[-1]) if all_logits else torch.tensor(starts[1:]) - 1,
+        }
+        feeds = {name: t.to(self.device) for name, t in feeds.items()}
+        device_slots = all_slots.to(self.device)
+        meta = AttentionMetadata(
+            query_start=tuple(starts),
+            context_lens=tuple(context_lens),
+            cache_slots=tuple(device_slots[b, :n] for b, n in enumerate(context_lens)),
+        )
+        return feeds, meta
+
+    @torch.inference_mode()
+    def execute(self, chunks: Sequence[ScheduledChunk], all_logits: bool = False) -> torch.Tensor:
+        """Run the plan on the step's chunks; logits [len(chunks), V] of each chunk's last token
+        (all_logits: [tokens, V], a row per token of the step)."""
+        feeds, meta = self.prepare(chunks, all_logits)
+        return self.plan.run(StepContext(self.kv_cache, meta), feeds)

@@ -1,0 +1,63 @@
+"""What the engine hands back: finished requests, streamed deltas, timings, request errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses (empty prompt, too long, unknown token id, bad parameters).
+
+    Raised when the request is added; nothing else in the engine is affected."""
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Wall-clock seconds (time.perf_counter) of a request's life."""
+
+    arrival: float
+    first_token: float | None
+    finished: float | None
+    num_output_tokens: int
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token: arrival -> first token sampled."""
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first (mean inter-token time)."""
+        if self.finished is None or self.first_token is None or self.num_output_tokens < 2:
+            return None
+        return (self.finished - self.first_token) / (self.num_output_tokens - 1)
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished is None else self.finished - self.arrival
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A finished request. finish_reason: "stop" (EOS, stop token or stop string; stop_reason says
+    which), "length" (max_tokens or the context length) or "abort"."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str
+    stop_reason: str | int | None
+    timings: Timings
+    num_preemptions: int
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """New tokens of one request since the last delta; `output` is set on the last one."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finished: bool
+    output: RequestOutput | None = None

@@ -1,0 +1,211 @@
+"""The engine on compiled tiny artifacts: batching, chunked prefill and preemption do not change
+tokens; every KV layout gives the same outputs; fused and unfused graphs agree; sampling, stopping,
+streaming, chat, timings, and bad requests that leave the engine serving."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import qruntime
+import torch
+from hf_reference import sqnr_db
+from qruntime import InvalidRequest, SamplingParams
+from qruntime.artifact import sha256_file
+
+GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture
+def rng() -> random.Random:
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    return random.Random(seed)
+
+
+def _prompts(rng: random.Random, count: int, vocab: int, longest: int = 70) -> list[list[int]]:
+    return [[rng.randrange(vocab) for _ in range(rng.randrange(1, longest))] for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def fp8_artifact(tiny_ckpt, compiled):
+    return compiled(tiny_ckpt, "ptpc-fp8")
+
+
+def _alone(engine, prompts, params=GREEDY):
+    return [engine.generate([p], params)[0].token_ids for p in prompts]
+
+
+def test_batch_equals_each_prompt_alone(fp8_artifact, rng):
+    engine = qruntime.load(fp8_artifact, device="cpu", num_kv_blocks=256)
+    prompts = _prompts(rng, 10, engine.vocab_size)
+    outputs = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == _alone(engine, prompts)
+    assert all(len(o.token_ids) == 20 and o.finish_reason == "length" for o in outputs)
+    assert engine.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_preemption_and_chunked_prefill_keep_the_tokens(fp8_artifact, rng):
+    roomy = qruntime.load(fp8_artifact, device="cpu", num_kv_blocks=256)
+    prompts = _prompts(rng, 8, roomy.vocab_size)
+    expected = _alone(roomy, prompts)
+    # 12 blocks of 16 hold about two sequences: the batch must preempt; a 7-token budget chunks prompts
+    tight = qruntime.load(fp8_artifact, device="cpu", num_kv_blocks=12, max_model_len=96, max_num_batched_tokens=7)
+    outputs = tight.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == expected
+    assert sum(o.num_preemptions for o in outputs) > 0
+    assert tight.scheduler.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+def test_every_kv_layout_gives_identical_outputs(tiny_odd_ckpt, compiled, kv_dtype, rng):
+    prompts = _prompts(rng, 4, 538)
+    results = {}
+    for layout in ("nhd", "hnd", "x-packed"):
+        artifact = compiled(tiny_odd_ckpt, "ptpc-fp8", f"kv_cache.layout={layout}", f"kv_cache.dtype={kv_dtype}")
+        engine = qruntime.load(artifact, device="cpu", num_kv_blocks=64)
+        results[layout] = ([o.token_ids for o in engine.generate(prompts, GREEDY)], engine.score(prompts[0]))
+    tokens, logits = results.pop("nhd")
+    for layout, (other_tokens, other_logits) in results.items():
+        assert other_tokens == tokens, layout
+        assert torch.equal(other_logits, logits), layout
+
+
+@pytest.mark.parametrize("fixture", ["tiny_ckpt", "tiny_moe_ckpt"])
+def test_fused_and_unfused_graphs_agree(request, fixture, compiled, rng):
+    ckpt = request.getfixturevalue(fixture)
+    fused = qruntime.load(compiled(ckpt, "ptpc-fp8"), device="cpu", dtype=torch.float32, num_kv_blocks=64)
+    unfused = qruntime.load(compiled(ckpt, "ptpc-fp8-unfused"), device="cpu", dtype=torch.float32, num_kv_blocks=64)
+    assert len(unfused.runner.plan.nodes) > len(fused.runner.plan.nodes)
+    ids = _prompts(rng, 1, fused.vocab_size)[0]
+    # same weights, same per-token activation quantization: equal up to fp32 summation order
+    assert sqnr_db(unfused.score(ids), fused.score(ids)) > 60
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(fp8_artifact, rng):
+    engine = qruntime.load(fp8_artifact, device="cpu", num_kv_blocks=256)
+    prompts = _prompts(rng, 4, engine.vocab_size)
+    sampled = SamplingParams(max_tokens=16, temperature=1.3, top_k=50, top_p=0.95, seed=1234, ignore_eos=True)
+    batch = [o.token_ids for o in engine.generate(prompts, sampled)]
+    assert batch == _alone(engine, prompts, sampled)
+    other_seed = SamplingParams(max_tokens=16, temperature=1.3, top_k=50, top_p=0.95, seed=99, ignore_eos=True)
+    assert batch != [o.token_ids for o in engine.generate(prompts, other_seed)]
+    greedy = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))]
+    assert batch != greedy
+    # top_k=1 and a tiny top_p leave only the argmax, whatever the temperature
+    for narrow in (dict(top_k=1), dict(top_p=1e-6)):
+        params = SamplingParams(max_tokens=16, temperature=5.0, ignore_eos=True, **narrow)
+        assert [o.token_ids for o in engine.generate(prompts, params)] == greedy
+
+
+def test_stop_strings_stop_tokens_and_eos(fp8_artifact, rng, tmp_path):
+    engine_dir = fp8_artifact
+    engine = qruntime.load(engine_dir, device="cpu", num_kv_blocks=64)
+    prompt = "the quick brown fox"
+    full = engine.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    cut = rng.randrange(3, 12)
+    # stop token id: the output ends with that token (the first time it appears)
+    token = full.token_ids[cut]
+    out = engine.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=(token,)))[0]
+    assert out.token_ids == full.token_ids[: full.token_ids.index(token) + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", token)
+    # stop string: text ends right before it
+    text = full.text
+    start = rng.randrange(2, max(3, len(text) - 3))
+    stop = text[start : start + 2]
+    out = engine.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True, stop=(stop,)))[0]
+    assert out.text == text[: text.index(stop)] and stop not in out.text
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    # an EOS id of generation_config.json stops unless ignore_eos
+    eos = full.token_ids[cut]
+    eos_engine = qruntime.load(_with_eos(engine_dir, tmp_path / "eos", eos), device="cpu", num_kv_blocks=64)
+    out = eos_engine.generate(prompt, SamplingParams(max_tokens=24))[0]
+    assert out.token_ids == full.token_ids[: full.token_ids.index(eos) + 1] and out.finish_reason == "stop"
+    assert eos_engine.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True))[0].token_ids == full.token_ids
+
+
+def _with_eos(artifact: Path, out: Path, eos: int) -> Path:
+    """A copy of the artifact whose generation_config.json also lists `eos` as an EOS id."""
+    shutil.copytree(artifact, out)
+    path = out / "generation_config.json"
+    config = json.loads(path.read_text())
+    config["eos_token_id"] = [*config["eos_token_id"], eos]
+    path.write_text(json.dumps(config))
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["files"]["generation_config.json"] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+def test_stream_yields_what_generate_returns_and_closing_aborts(fp8_artifact, rng):
+    engine = qruntime.load(fp8_artifact, device="cpu", num_kv_blocks=64)
+    prompt = _prompts(rng, 1, engine.vocab_size)[0]
+    expected = engine.generate([prompt], GREEDY)[0]
+    deltas = list(engine.stream(prompt, GREEDY))
+    assert sum((d.token_ids for d in deltas), ()) == expected.token_ids
+    assert "".join(d.text for d in deltas) == expected.text
+    assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    assert deltas[-1].output.token_ids == expected.token_ids
+    stream = engine.stream(prompt, GREEDY)
+    next(stream)
+    assert engine.scheduler.block_manager.num_used_blocks > 0
+    stream.close()
+    assert engine.scheduler.block_manager.num_used_blocks == 0 and not engine.has_unfinished()
+
+
+def test_chat_uses_the_checkpoint_template(fp8_artifact):
+    engine = qruntime.load(fp8_artifact, device="cpu", num_kv_blocks=64)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    out = engine.chat(messages, GREEDY)[0]
+    assert out.prompt_token_ids == tuple(engine.tokenizer.encode_chat(messages))
+    assert out.token_ids == engine.generate([engine.tokenizer.encode_chat(messages)], GREEDY)[0].token_ids
+    assert "<|im_start|>assistant" in engine.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+
+
+def test_timings(fp8_artifact):
+    out = qruntime.load(fp8_artifact, device="cpu", num_kv_blocks=64).generate("hello", GREEDY)[0]
+    t = out.timings
+    assert 0 < t.ttft <= t.e2e and t.tpot > 0 and t.num_output_tokens == 20
+    assert t.ttft + 19 * t.tpot == pytest.approx(t.e2e)
+
+
+def test_bad_requests_are_refused_and_the_engine_keeps_serving(fp8_artifact, rng):
+    engine = qruntime.load(fp8_artifact, device="cpu", num_kv_blocks=64, max_model_len=64)
+    prompt = _prompts(rng, 1, engine.vocab_size, longest=40)[0]
+    expected = engine.generate([prompt], GREEDY)[0].token_ids
+    running = engine.add_request(prompt, GREEDY)
+    engine.step()
+    bad = {
+        "": "empty prompt",
+        (): "empty prompt",
+        tuple(range(64)): "prompt is 64 tokens but the context is 64 tokens",
+        (1, 2, engine.vocab_size): f"unknown token id {engine.vocab_size} at position 2",
+        (1, -1): "unknown token id -1 at position 1",
+        (1, 2.5): "token ids must be integers",
+        None: "a prompt is a string or a list of token ids",
+    }
+    for prompt_value, message in bad.items():
+        with pytest.raises(InvalidRequest, match=message):
+            engine.add_request(
+                prompt_value if prompt_value is None or isinstance(prompt_value, str) else list(prompt_value), GREEDY
+            )
+    with pytest.raises(InvalidRequest, match="prompt 1: empty prompt"):
+        engine.generate(["fine", ""], GREEDY)
+    with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(InvalidRequest, match="must be a SamplingParams"):
+        engine.add_request("hi", {"max_tokens": 3})
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update((d.request_id, d.output) for d in engine.step() if d.finished)
+    assert outputs[running].token_ids == expected
+    assert engine.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_generation_stops_at_the_context_length(fp8_artifact):
+    engine = qruntime.load(fp8_artifact, device="cpu", num_kv_blocks=8, max_model_len=40)
+    out = engine.generate([list(range(1, 31))], SamplingParams(max_tokens=100, ignore_eos=True))[0]
+    assert len(out.token_ids) == 10 and out.finish_reason == "length"
