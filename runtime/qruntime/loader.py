@@ -33,6 +33,20 @@ def _resolve_dtype(dtype: torch.dtype | str | None, manifest: dict) -> torch.dty
     return DTYPES[name]
 
 
+def _resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} is not a torch device (cpu, cuda, cuda:1 ...)") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: no CUDA device is available (torch {torch.__version__})")
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: the runtime runs on cpu or cuda")
+    return resolved
+
+
 def _check_files(root: Path, manifest: dict, verify: bool) -> None:
     """Every listed file must exist with its size (cheap, always); with verify, its sha256 too."""
     if verify:
@@ -87,9 +101,9 @@ def load(
     manifest = read_manifest(root)
     if manifest.get("tp", 1) != 1:
         raise ArtifactFormatError(f"{root}: sharded for tp={manifest['tp']}; this runtime loads tp=1 artifacts")
-    _check_files(root, manifest, verify)
-    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = _resolve_device(device)
     compute_dtype = _resolve_dtype(dtype, manifest)
+    _check_files(root, manifest, verify)
     graph_path = root / manifest.get("graph", {}).get("file", "graph.onnx")
     try:
         graph = onnx.load(str(graph_path), load_external_data=False).graph
@@ -101,6 +115,8 @@ def load(
         vocab_size, context = int(spec["vocab_size"]), int(spec["max_position_embeddings"])
     except (KeyError, TypeError, ValueError) as exc:
         raise ArtifactFormatError(f"{root / 'manifest.json'}: bad spec / kv_cache entry ({exc!r})") from exc
+    if max_model_len is not None and not 1 < max_model_len <= context:
+        raise ValueError(f"max_model_len {max_model_len} must be in 2..{context} (the model's context)")
     try:
         tokenizer = Tokenizer.from_dir(root)
     except TokenizerError as exc:
@@ -112,8 +128,6 @@ def load(
     except PlanError as exc:
         raise ArtifactFormatError(f"{graph_path}: {exc}") from exc
 
-    if max_model_len is not None and not 1 < max_model_len <= context:
-        raise ValueError(f"max_model_len {max_model_len} must be in 2..{context} (the model's context)")
     wanted_len = max_model_len or context
     blocks = _num_blocks(kv_spec, compute_dtype, device, wanted_len, max_num_seqs, num_kv_blocks, kv_cache_memory)
     capacity = blocks * kv_spec.block_size
@@ -121,7 +135,7 @@ def load(
         max_model_len = min(context, capacity)
     if capacity < max_model_len or max_model_len < 2:
         raise ValueError(
-            f"the KV cache holds {blocks} blocks of {kv_spec.block_size} tokens ({capacity} tokens), less than "
+            f"the KV cache holds {capacity} tokens ({blocks} block(s) of {kv_spec.block_size}), less than "
             f"max_model_len {max_model_len}: give more num_kv_blocks / kv_cache_memory or a smaller max_model_len"
         )
     kv_cache = KVCache(kv_spec, blocks, compute_dtype, device)
