@@ -18,6 +18,7 @@ _VERBS = MappingProxyType(
         "compile": "Stream a Hugging Face Qwen3 checkpoint into a compiled artifact.",
         "inspect": "Summarise an artifact: model, scheme, sizes, passes, KV layout, tuned devices.",
         "verify": "Check every file of an artifact against the sha256 in its manifest.",
+        "run": "Generate text from an artifact with the runtime (prints timings).",
         "synth": "Write a random-weight Qwen3 checkpoint of a named preset, with a local tokenizer.",
     }
 )
