@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Synthesize a small Qwen3-MoE checkpoint (random weights, local tokenizer), compile it with the
-# default PTPC-FP8 recipe and with a customised one, then inspect and verify the artifacts.
+# default PTPC-FP8 recipe and with a customised one, inspect and verify the artifacts, and generate
+# from one with the runtime (random weights: the text is gibberish, the timings are real).
 # Run from an environment where qcompile is installed (see README.md).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -14,3 +15,4 @@ qcompile compile "$work/ckpt" -o "$work/custom" --force --recipe "$here/custom_r
 qcompile inspect "$work/custom"
 qcompile inspect "$work/ptpc-fp8" --json > "$work/ptpc-fp8.json"
 qcompile verify "$work/ptpc-fp8"
+qcompile run "$work/ptpc-fp8" "Once upon a time" --max-tokens 16 --json > "$work/run.json"

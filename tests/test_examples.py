@@ -21,3 +21,5 @@ def test_quickstart_example(tmp_path):
     assert manifest["tensors"]["model.layers.1.mlp.down_proj.weight"]["dtype"] == "BF16"
     assert manifest["tensors"]["lm_head.weight"]["dtype"] == "F8_E4M3"
     assert json.loads((tmp_path / "ptpc-fp8.json").read_text())["scheme"] == "ptpc-fp8"
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["output_tokens"] == len(run["token_ids"]) > 0 and run["ttft_s"] > 0

@@ -37,7 +37,7 @@ def test_ptpc_linear_equals_scaled_mm(rows):
     # fp32 out: the two accumulate in different orders, which a bf16 output would round apart now and then
     ours = fn.ptpc_linear(xq, xs, wq, ws, torch.float32)
     library = torch._scaled_mm(xq, wq.T, scale_a=xs, scale_b=ws.float().T, out_dtype=torch.float32)
-    assert torch.allclose(ours, library, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(ours, library, rtol=1e-5, atol=2e-5)  # outputs ~1: fp32 sums of 128 terms
     # and the result is not a dequantized shortcut: the unquantized product differs by the fp8 error
     assert not torch.allclose(ours, (x.float() @ w.T), rtol=1e-3, atol=1e-4)
 
