@@ -1,4 +1,4 @@
-"""What the graphs compute, run by the test interpreter of docs/OPS.md (graph_reference.py):
+"""What the graphs compute, run with the runtime's reference ops (graph_reference.py):
 unfused graphs against Hugging Face transformers, fused graphs against their unfused form."""
 
 from __future__ import annotations
