@@ -1,0 +1,80 @@
+"""Element addressing of a KV block pool, for kernels: every named layout as one formula.
+
+The element (block b, kv head h, token offset t in the block, head-dim index i) of a pool lives at
+
+    b * block + h * head + (t // tok_split) * tok_outer + (t % tok_split) * tok_inner
+                         + (i // dim_split) * dim_outer + (i % dim_split) * dim_inner
+
+(in elements). nhd / hnd are plain strides (splits that never divide); x-packed K splits the head
+dim by x and V splits the token offset by X (docs/ARTIFACT.md). Kernels take the eight integers and
+stay layout-agnostic; pure Python, no torch or triton.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qruntime.kv_layout import KVLayout
+
+
+@dataclass(frozen=True)
+class PoolAddressing:
+    block: int
+    head: int
+    tok_split: int
+    tok_outer: int
+    tok_inner: int
+    dim_split: int
+    dim_outer: int
+    dim_inner: int
+
+    def as_args(self) -> tuple[int, ...]:
+        return (
+            self.block,
+            self.head,
+            self.tok_split,
+            self.tok_outer,
+            self.tok_inner,
+            self.dim_split,
+            self.dim_outer,
+            self.dim_inner,
+        )
+
+    def offset(self, b: int, h: int, t: int, i: int) -> int:
+        """The formula above, for tests."""
+        return (
+            b * self.block
+            + h * self.head
+            + (t // self.tok_split) * self.tok_outer
+            + (t % self.tok_split) * self.tok_inner
+            + (i // self.dim_split) * self.dim_outer
+            + (i % self.dim_split) * self.dim_inner
+        )
+
+
+def pool_addressing(
+    dims: tuple[str, ...], shape: tuple[int, ...], strides: tuple[int, ...], block_size: int, head_dim: int
+) -> PoolAddressing:
+    """Addressing of a pool tensor with layout dims `dims` (KVLayout.k_dims or v_dims), its shape
+    and element strides (tensor.stride())."""
+    stride = dict(zip(dims, strides, strict=True))
+    size = dict(zip(dims, shape, strict=True))
+    tok_split, tok_outer, tok_inner = block_size, 0, stride.get("block_size", 0)
+    if "X" in stride:  # x-packed V: offset t -> (t // X, t % X)
+        tok_split, tok_outer, tok_inner = size["X"], stride["block_size/X"], stride["X"]
+    dim_split, dim_outer, dim_inner = head_dim, 0, stride.get("head_dim", 0)
+    if "x" in stride:  # x-packed K: head dim i -> (i // x, i % x)
+        dim_split, dim_outer, dim_inner = size["x"], stride["head_dim/x"], stride["x"]
+    return PoolAddressing(
+        stride["blocks"], stride["kv_heads"], tok_split, tok_outer, tok_inner, dim_split, dim_outer, dim_inner
+    )
+
+
+def layout_addressing(
+    layout: KVLayout, pool_shape_k, pool_strides_k, pool_shape_v, pool_strides_v, block_size, head_dim
+):
+    """(K addressing, V addressing) of one layer's pools."""
+    return (
+        pool_addressing(layout.k_dims, tuple(pool_shape_k), tuple(pool_strides_k), block_size, head_dim),
+        pool_addressing(layout.v_dims, tuple(pool_shape_v), tuple(pool_strides_v), block_size, head_dim),
+    )
