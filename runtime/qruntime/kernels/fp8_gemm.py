@@ -1,0 +1,314 @@
+"""PTPC FP8 GEMM: y = (xq · wᵀ accumulated in fp32) * xs * wsᵀ (the `PTPCLinear` op).
+
+xq [M,K] fp8 e4m3 with per-token scales xs [M,1] fp32; w [N,K] fp8 e4m3 (row-major, K contiguous)
+with per-output-channel scales ws [N,1]. The reference is qruntime.ops.functional.ptpc_linear.
+
+One program computes a [BLOCK_M, BLOCK_N] output tile over one K range: A tiles [BLOCK_M, BLOCK_K]
+are read row-major, B tiles [BLOCK_K, BLOCK_N] through a transposed view of w (K-major, the operand
+order Hopper's fp8 wgmma wants), and tl.dot(fp8, fp8) accumulates in fp32 (the interpreter runs the
+fp8 dot too, exactly). Hopper's wgmma (tiles of >= 64 rows) adds fp8 products at reduced precision,
+and Triton's default there never promotes (H100, K=4096: ||err||/||ref|| 1.4e-3); so the tensor-core
+partial is added into the fp32 accumulator every 128 of K (max_num_imprecise_acc, as DeepGEMM does):
+1.3e-4, the largest error under half a bf16 ulp of the largest output and within one ulp of
+torch._scaled_mm. Promoting every 32 of K (4.7e-5) cost up to 2x at large M. The 16-row decode
+tiles run on mma.sync, exact fp32 (~2e-7). Both scales factor out of the K sum, so they are applied
+once, to the full sum.
+
+Split-K (decode: a few tokens, streaming the weight is the whole cost, and at N=4096 the N tiles
+alone leave SMs idle): program (tile, s) sums K range s into an fp32 workspace [split_k, M, N];
+_splitk_reduce_kernel then adds the partials in split order (deterministic), applies the scales and
+casts. Measured on an H100 at M <= 16 in CUDA graphs against (a) fp32 atomic_add into a zeroed
+[M, N] workspace + a scale/cast kernel and (b) a single kernel whose last-arriving program per tile
+(an atomic counter) reduces: the workspace + reduce kernel was as fast or faster (by 0-5%); (a)
+needs a memset and a third launch, (b) a memset of its counters plus a serial tail in the GEMM; at
+M <= 16 the [S, M, N] partials are a few hundred KB and stay in L2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+_SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_NUM_SMS_H100 = 132  # the heuristic's target; a tuner replaces it per device
+# K elements the tensor cores accumulate (at reduced precision on Hopper) before the fp32 add
+_ACC_PROMOTE_K = 128
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Launch configuration of ptpc_fp8_gemm (the JSON record of the tuner)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"GemmConfig.{name} must be a power of two >= 16, got {v}")
+        if self.split_k < 1:
+            raise ValueError(f"GemmConfig.split_k must be >= 1, got {self.split_k}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"GemmConfig.num_warps must be a power of two <= 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"GemmConfig.num_stages must be >= 1, got {self.num_stages}")
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GemmConfig:
+        return cls(**{k: int(d[k]) for k in ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages")})
+
+
+def _split_for(tiles: int, k: int, block_k: int, target: int) -> int:
+    """Smallest power-of-two split that gives >= target programs, keeping >= 4 K tiles per split."""
+    split = 1
+    while tiles * split < target and k // (block_k * split * 2) >= 4:
+        split *= 2
+    return split
+
+
+def _waves(m: int, n: int, block_m: int, block_n: int) -> int:
+    return triton.cdiv(triton.cdiv(m, block_m) * triton.cdiv(n, block_n), _NUM_SMS_H100)
+
+
+def default_config(m: int, n: int, k: int) -> GemmConfig:
+    """Heuristic config per token-count bucket (H100-sized: 132 SMs; measured choices, see the bench).
+
+    - m <= 16 (decode): streaming the N*K weight bytes is the whole cost. 16x32x256 tiles (mma.sync
+      at BLOCK_M 16), 4 stages in flight, and split-K until the programs cover every SM (o and down
+      at N=4096: 128 N tiles -> split 2; qkv and gate_up have enough N tiles).
+    - m <= 64: 64x64x128, split-K only when the tiles fill less than half of the SMs.
+    - m <= 512: 64x128x128, 4 warps.
+    - larger: 256x128x128 with 8 warps, or 64x128x128 where its finer tiles waste fewer SM-waves."""
+    if m <= 16:
+        bn, bk = 32, 256
+        return GemmConfig(16, bn, bk, _split_for(triton.cdiv(n, bn), k, bk, _NUM_SMS_H100), 4, 4)
+    if m <= 64:
+        bn, bk = 64, 128
+        tiles = triton.cdiv(m, 64) * triton.cdiv(n, bn)
+        return GemmConfig(64, bn, bk, _split_for(tiles, k, bk, _NUM_SMS_H100 // 2 + 1), 4, 4)
+    # a 256x128 tile is 4 of 64x128, and (measured) ~1.25x more efficient per FLOP than 64x128
+    if m <= 512 or 5 * _waves(m, n, 64, 128) < 16 * _waves(m, n, 256, 128):
+        return GemmConfig(64, 128, 128, 1, 4, 4)
+    return GemmConfig(256, 128, 128, 1, 8, 3)
+
+
+def sweep_configs(m: int, n: int, k: int) -> list[GemmConfig]:
+    """A small candidate list for the tuner to time at (m, n, k); default_config comes first."""
+    cands: list[GemmConfig] = [default_config(m, n, k)]
+    if m <= 16:
+        for bn, bk, stages in ((16, 256, 4), (32, 256, 4), (32, 256, 6), (32, 128, 8), (64, 256, 4), (64, 128, 6)):
+            tiles = triton.cdiv(n, bn)
+            for target in (_NUM_SMS_H100, 2 * _NUM_SMS_H100):
+                cands.append(GemmConfig(16, bn, bk, _split_for(tiles, k, bk, target), 4, stages))
+    elif m <= 512:
+        bm = 32 if m <= 32 else 64
+        for bn, bk, warps, stages in ((64, 128, 4, 4), (128, 128, 4, 4), (128, 128, 8, 3)):
+            tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+            cands.append(GemmConfig(bm, bn, bk, 1, warps, stages))
+            cands.append(GemmConfig(bm, bn, bk, _split_for(tiles, k, bk, _NUM_SMS_H100), warps, stages))
+        cands.append(GemmConfig(128, 128, 128, 1, 8, 3))
+    else:
+        for bm, bn, bk, warps, stages in (
+            (256, 128, 128, 8, 3),
+            (128, 128, 128, 8, 3),
+            (128, 128, 128, 4, 4),
+            (64, 128, 128, 4, 4),
+            (128, 128, 64, 4, 4),
+        ):
+            cands.append(GemmConfig(bm, bn, bk, 1, warps, stages))
+    return list(dict.fromkeys(cands))
+
+
+@triton.jit
+def _ptpc_fp8_gemm_kernel(
+    a_ptr,  # [M, K] fp8
+    as_ptr,  # [M, 1] fp32
+    b_ptr,  # [N, K] fp8
+    bs_ptr,  # [N, 1]
+    c_ptr,  # [M, N] out dtype
+    part_ptr,  # [SPLIT_K, M, N] fp32 (split-K only)
+    M,
+    N,
+    K,
+    stride_am,
+    stride_as,
+    stride_bn,
+    stride_bs,
+    stride_cm,
+    K_PER_SPLIT,  # a multiple of BLOCK_K
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks
+    ACC_PROMOTE_K: tl.constexpr,  # <= BLOCK_K
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # grouped order: GROUP_M row tiles share the B tiles they read while resident in L2
+    group_size = GROUP_M * num_pid_n
+    first_m = (pid // group_size) * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size) % group_m
+    pid_n = (pid % group_size) // group_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # rows past M are masked (never read: at decode, M < BLOCK_M rows aliasing one row would make every
+    # program hit the same L2 lines); columns past N read column 0 instead (in bounds, never stored)
+    mask_m = (offs_m < M)[:, None]  # [BLOCK_M, 1]
+    rn = tl.where(offs_n < N, offs_n, 0)
+
+    k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + (k_start + offs_k)[None, :]  # [BLOCK_M, BLOCK_K]
+    b_ptrs = b_ptr + rn[None, :] * stride_bn + (k_start + offs_k)[:, None]  # [BLOCK_K, BLOCK_N], K-major
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=mask_m, other=0.0)
+            b = tl.load(b_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=mask_m & ((k + offs_k)[None, :] < K), other=0.0)
+            b = tl.load(b_ptrs, mask=(k + offs_k)[:, None] < K, other=0.0)
+        # fp8 x fp8 -> fp32; on Hopper, wgmma accumulates fp8 products in reduced precision, so the
+        # partial sum is added into the fp32 accumulator every ACC_PROMOTE_K elements of K
+        acc = tl.dot(a, b, acc, max_num_imprecise_acc=ACC_PROMOTE_K)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+
+    mask_c = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if SPLIT_K > 1:  # fp32 partial of K range pid_k; _splitk_reduce_kernel sums and scales
+        tl.store(part_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask_c)
+    else:
+        xs = tl.load(as_ptr + offs_m * stride_as, mask=offs_m < M, other=0.0)  # [BLOCK_M] fp32
+        ws = tl.load(bs_ptr + rn * stride_bs).to(tl.float32)  # [BLOCK_N]
+        y = acc * xs[:, None] * ws[None, :]
+        tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], y.to(c_ptr.dtype.element_ty), mask=mask_c)
+
+
+@triton.jit
+def _splitk_reduce_kernel(
+    part_ptr,  # [SPLIT_K, M, N] fp32
+    as_ptr,  # [M, 1] fp32
+    bs_ptr,  # [N, 1]
+    c_ptr,  # [M, N] out dtype, contiguous
+    M,
+    N,
+    stride_as,
+    stride_bs,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # flat index into [M, N]
+    mask = offs < M * N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLIT_K):  # split order: the result does not depend on scheduling
+        acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
+    row = offs // N
+    col = offs % N
+    xs = tl.load(as_ptr + row * stride_as, mask=mask, other=0.0)
+    ws = tl.load(bs_ptr + col * stride_bs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(c_ptr + offs, (acc * xs * ws).to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, out_dtype: torch.dtype) -> None:
+    if xq.dtype != torch.float8_e4m3fn or w.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"xq and w must be float8_e4m3fn, got {xq.dtype} and {w.dtype}")
+    if xq.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"xq [M,K] and w [N,K] must be 2-D, got shapes {tuple(xq.shape)} and {tuple(w.shape)}")
+    (m, k), (n, kw) = xq.shape, w.shape
+    if k != kw:
+        raise ValueError(f"xq [M,K] and w [N,K] disagree on K: {tuple(xq.shape)} vs {tuple(w.shape)}")
+    if xs.dtype != torch.float32 or tuple(xs.shape) != (m, 1):
+        raise ValueError(f"xs must be float32 [M,1] = [{m},1], got {xs.dtype} {tuple(xs.shape)}")
+    if ws.dtype not in _SCALE_DTYPES or tuple(ws.shape) != (n, 1):
+        raise ValueError(f"ws must be bf16/fp16/fp32 [N,1] = [{n},1], got {ws.dtype} {tuple(ws.shape)}")
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
+    if k > 0 and (xq.stride(1) != 1 or w.stride(1) != 1):
+        raise ValueError(
+            f"xq and w need contiguous rows (stride 1 along K), got strides {xq.stride()} and {w.stride()}"
+        )
+    if len({t.device for t in (xq, xs, w, ws)}) != 1:
+        raise ValueError(f"all inputs must be on one device, got {[str(t.device) for t in (xq, xs, w, ws)]}")
+
+
+def ptpc_fp8_gemm(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    w: torch.Tensor,
+    ws: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """PTPC FP8 linear: [M,K] x [N,K] -> [M,N], y = (xq · wᵀ in fp32) * xs * wsᵀ, cast to out_dtype.
+
+    xq: [M,K] float8_e4m3fn, rows contiguous; xs: [M,1] float32 per-token scales;
+    w: [N,K] float8_e4m3fn, rows contiguous; ws: [N,1] bf16/fp16/fp32 per-channel scales.
+    config: tile sizes, split-K and launch parameters; default_config(M, N, K) when None.
+    Raises ValueError on a dtype, shape, stride or device mismatch.
+    """
+    _check(xq, xs, w, ws, out_dtype)
+    (m, k), n = xq.shape, w.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    cfg = config or default_config(m, n, k)
+    k_tiles = triton.cdiv(k, cfg.block_k)
+    tiles_per_split = triton.cdiv(k_tiles, min(cfg.split_k, k_tiles))
+    split = triton.cdiv(k_tiles, tiles_per_split)  # no empty split
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    # [S, M, N] fp32 partials (split-K only)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=xq.device) if split > 1 else out
+    _ptpc_fp8_gemm_kernel[(tiles, split)](
+        xq,
+        xs,
+        w,
+        ws,
+        out,
+        part,
+        m,
+        n,
+        k,
+        xq.stride(0),
+        xs.stride(0),
+        w.stride(0),
+        ws.stride(0),
+        out.stride(0),
+        tiles_per_split * cfg.block_k,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        SPLIT_K=split,
+        GROUP_M=8,
+        EVEN_K=k % cfg.block_k == 0,
+        ACC_PROMOTE_K=min(_ACC_PROMOTE_K, cfg.block_k),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if split > 1:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+            part, xs, ws, out, m, n, xs.stride(0), ws.stride(0), SPLIT_K=split, BLOCK=block, num_warps=4
+        )
+    return out
