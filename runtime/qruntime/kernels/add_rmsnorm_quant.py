@@ -1,0 +1,206 @@
+"""Residual add + Qwen3 RMSNorm, optionally followed by per-token FP8 quantization
+(the `AddRMSNormQuant` op with group_size 0, and `AddRMSNorm` for the final norm before lm_head).
+
+Reference (qruntime.ops.AddRMSNorm(Quant), qruntime.ops.functional.rms_norm / dynamic_quant), in
+this rounding order, D being the model dtype:
+    h = D(x + residual)                                  (residual_out; x itself when no residual)
+    n = D(h32 * rsqrt(mean(h32²) + eps))                 (normalize in fp32, cast to D)
+    y = D(w * n)                                         (times the weight, in D)
+    ys = max(amax|y| / 448, 1e-12),  yq = fp8(clamp(y / ys, ±448))
+Each D(...) is one fp32 op rounded to nearest even, as torch computes bf16 elementwise ops. The only
+difference from torch is the order of the fp32 sum of squares (a tree here): the mean and rsqrt
+(1 / sqrt, IEEE, as torch on the CPU) may then differ in their last bit, which moves a bf16 n by
+one ulp in about 1 element in 10^5 (y by up to 2 ulps there, yq by one e4m3 step far more
+rarely). Everything else (residual_out, the scale, the e4m3 rounding) is exact.
+
+One program per token row. H <= MAX_BLOCK (8192, every Qwen3 hidden size): the row is one
+register tile, read and written once (x, residual, w in; residual_out, yq, ys out). Wider rows loop
+over column chunks: pass 1 writes residual_out and sums squares, pass 2 takes amax of y, pass 3
+quantizes (passes 2 and 3 recompute h and y from x and residual, mostly from L2).
+With no residual, residual_out is x itself (the same tensor, as the reference returns it): nothing
+is written.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from qruntime.kernels.dynamic_quant import (
+    FP8,
+    MAX_BLOCK,
+    check_model_dtype,
+    fp8_e4m3_code,
+    quant_scale,
+    round_to,
+    row_config,
+    rows_of,
+    use_hw_casts,
+)
+
+
+@triton.jit
+def _rstd(sum_sq, H, eps):
+    """rsqrt(mean + eps) as torch's CPU reference rounds it: 1 / sqrt(sum / H + eps), IEEE ops
+    (tl.rsqrt is an approximation on the GPU)."""
+    return tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(sum_sq, H * 1.0) + eps))
+
+
+@triton.jit
+def _normed_row(x_row, r_row, w_ptr, offs, mask, rstd, HAS_RES: tl.constexpr, DTYPE: tl.constexpr, HW: tl.constexpr):
+    """y = D(w * D(h * rstd)) of one chunk, recomputing h = D(x + residual); fp32 out, 0 past H."""
+    h = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        h = round_to(h + tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32), DTYPE, HW)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return round_to(w * round_to(h * rstd, DTYPE, HW), DTYPE, HW)
+
+
+@triton.jit
+def _add_rmsnorm_kernel(
+    x_ptr,  # [T, H] model dtype, unit column stride
+    r_ptr,  # [T, H] residual (unused without HAS_RES)
+    w_ptr,  # [H]
+    ro_ptr,  # [T, H] residual_out, contiguous (unused without HAS_RES)
+    y_ptr,  # [T, H]: uint8 view of the fp8 yq when QUANT, else y in the model dtype; contiguous
+    s_ptr,  # [T] fp32 ys (unused without QUANT)
+    H,
+    stride_x,
+    stride_r,
+    eps,
+    HAS_RES: tl.constexpr,
+    QUANT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    HW: tl.constexpr,
+):
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    r_row = r_ptr + row * stride_r
+    ro_row = ro_ptr + row * H
+    y_row = y_ptr + row * H
+    cols = tl.arange(0, BLOCK)
+    if NUM_CHUNKS == 1:
+        mask = cols < H
+        h = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            h = round_to(h + tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32), DTYPE, HW)
+            tl.store(ro_row + cols, h.to(DTYPE), mask=mask)  # exact: h is a DTYPE value
+        rstd = _rstd(tl.sum(h * h, axis=0), H, eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = round_to(w * round_to(h * rstd, DTYPE, HW), DTYPE, HW)
+        if QUANT:
+            scale = quant_scale(tl.max(tl.abs(y), axis=0))
+            tl.store(y_row + cols, fp8_e4m3_code(y, scale, tl.math.div_rn(1.0, scale), HW), mask=mask)
+            tl.store(s_ptr + row, scale)
+        else:
+            tl.store(y_row + cols, y.to(DTYPE), mask=mask)
+    else:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for c in range(NUM_CHUNKS):
+            offs = c * BLOCK + cols
+            mask = offs < H
+            h = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_RES:
+                h = round_to(h + tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32), DTYPE, HW)
+                tl.store(ro_row + offs, h.to(DTYPE), mask=mask)
+            acc += h * h
+        rstd = _rstd(tl.sum(acc, axis=0), H, eps)
+        if QUANT:
+            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            for c in range(NUM_CHUNKS):
+                offs = c * BLOCK + cols
+                y = _normed_row(x_row, r_row, w_ptr, offs, offs < H, rstd, HAS_RES, DTYPE, HW)
+                amax = tl.maximum(amax, tl.abs(y))
+            scale = quant_scale(tl.max(amax, axis=0))
+            inv_scale = tl.math.div_rn(1.0, scale)
+            for c in range(NUM_CHUNKS):
+                offs = c * BLOCK + cols
+                mask = offs < H
+                y = _normed_row(x_row, r_row, w_ptr, offs, mask, rstd, HAS_RES, DTYPE, HW)
+                tl.store(y_row + offs, fp8_e4m3_code(y, scale, inv_scale, HW), mask=mask)
+            tl.store(s_ptr + row, scale)
+        else:
+            for c in range(NUM_CHUNKS):
+                offs = c * BLOCK + cols
+                mask = offs < H
+                y = _normed_row(x_row, r_row, w_ptr, offs, mask, rstd, HAS_RES, DTYPE, HW)
+                tl.store(y_row + offs, y.to(DTYPE), mask=mask)
+
+
+def _check(x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    check_model_dtype("x", x)
+    x = rows_of("x", x)
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+            raise ValueError(
+                f"residual must match x: got {tuple(residual.shape)} {residual.dtype} {residual.device}, "
+                f"x is {tuple(x.shape)} {x.dtype} {x.device}"
+            )
+        residual = rows_of("residual", residual)
+    if w.shape != (x.shape[1],) or w.dtype != x.dtype or w.device != x.device:
+        raise ValueError(f"w must be [{x.shape[1]}] {x.dtype} on {x.device}, got {tuple(w.shape)} {w.dtype} {w.device}")
+    return x, residual
+
+
+def _launch(x, residual, w, eps, residual_out, y, ys, quant: bool, max_block: int) -> None:
+    tokens, hidden = x.shape
+    if tokens == 0:
+        return
+    block, chunks, num_warps = row_config(hidden, max_block)
+    has_res = residual is not None
+    _add_rmsnorm_kernel[(tokens,)](
+        x,
+        residual if has_res else x,
+        w.contiguous(),
+        residual_out if has_res else x,
+        y,
+        ys if quant else x,
+        hidden,
+        x.stride(0),
+        residual.stride(0) if has_res else 0,
+        float(eps),
+        HAS_RES=has_res,
+        QUANT=quant,
+        BLOCK=block,
+        NUM_CHUNKS=chunks,
+        HW=use_hw_casts(x),
+        num_warps=num_warps,
+    )
+
+
+def add_rmsnorm_quant(
+    x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float, *, max_block: int = MAX_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused residual add, RMSNorm and per-token FP8 quantization.
+
+    x, residual [T, H] (same model dtype: bf16 | fp16 | fp32), w [H] (same dtype), eps ->
+    (yq [T, H] fp8 e4m3, ys [T, 1] fp32, residual_out [T, H]): residual_out = x + residual rounded to
+    the model dtype (x itself when residual is None), y = rms_norm(residual_out, w, eps), then
+    qruntime.ops.functional.dynamic_quant(y, 0). `max_block` (a power of two) caps the register
+    tile; wider rows take the chunked three-pass path (tests force it at small H)."""
+    x, residual = _check(x, residual, w)
+    tokens, hidden = x.shape
+    yq = torch.empty(tokens, hidden, dtype=FP8, device=x.device)
+    ys = torch.empty(tokens, 1, dtype=torch.float32, device=x.device)
+    residual_out = x if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    _launch(x, residual, w, eps, residual_out, yq.view(torch.uint8), ys, True, max_block)
+    return yq, ys, residual_out
+
+
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float, *, max_block: int = MAX_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused residual add and RMSNorm, unquantized (the final norm before lm_head).
+
+    x, residual [T, H] (same model dtype), w [H], eps -> (y [T, H] model dtype, residual_out [T, H]),
+    y = qruntime.ops.functional.rms_norm(residual_out, w, eps) with residual_out = x + residual (x
+    itself when residual is None)."""
+    x, residual = _check(x, residual, w)
+    tokens, hidden = x.shape
+    y = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    residual_out = x if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    _launch(x, residual, w, eps, residual_out, y, None, False, max_block)
+    return y, residual_out

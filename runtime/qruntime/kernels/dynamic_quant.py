@@ -1,0 +1,194 @@
+"""Per-token dynamic FP8 quantization (the `DynamicQuant` op with group_size 0).
+
+Reference: qruntime.ops.functional.dynamic_quant(x, 0): per row, in fp32,
+    s = max(amax(|x|) / 448, 1e-12),  xq = fp8_e4m3(clamp(x / s, -448, 448)),
+with IEEE division and round-to-nearest-even into e4m3. The kernel reproduces it bit for bit:
+the scale with tl.math.div_rn (Triton's `/` on fp32 is an approximate division on the GPU), x / s
+with a reciprocal and Markstein's fma correction (the IEEE quotient at three fp32 ops an element).
+Note that torch itself on CUDA computes amax / 448 as amax * (1/448), one ulp off in some rows, so
+the CPU reference is the one matched exactly (bench/gpu_kernels/quant.py counts the difference).
+
+One program per token row. A row that fits one tile (BLOCK = next_power_of_2(K) <= MAX_BLOCK)
+is loaded once, reduced and quantized from registers; a longer row is read in column chunks
+twice (pass 1: amax, pass 2: quantize; the second read mostly hits L2).
+
+This module also holds the helpers the fused quantizing kernels share (add_rmsnorm_quant.py,
+silu_mul_quant.py): the launch configuration of a row kernel, rounding to the model dtype, the
+scale and the e4m3 encoder. Compiled for a GPU, rounding uses the hardware conversions (cvt.rn to
+bf16 and e4m3, both round-to-nearest-even). Triton's interpreter (CI, CPU tensors) gets these
+casts wrong (fp32 -> bf16 truncates; fp32 -> fp8 loses the carry of a mantissa that rounds up into
+the exponent: 1.97 -> 1.0), so there the kernels round with exact integer arithmetic instead
+(constexpr HW=False; it would also be correct on a GPU, but it made silu_mul_quant 1.5x slower on
+an H100). The test file checks both paths against the reference: the interpreter in CI, the
+hardware path when run on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+MIN_SCALE = 1e-12
+MAX_BLOCK = 8192  # widest row kept in registers as one tile; longer rows loop over chunks of CHUNK
+CHUNK = 4096
+_MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def row_config(width: int, max_block: int = MAX_BLOCK) -> tuple[int, int, int]:
+    """(BLOCK, NUM_CHUNKS, num_warps) for a one-program-per-row kernel over `width` columns.
+
+    One tile of next_power_of_2(width) when that is <= max_block, else chunks of min(CHUNK,
+    max_block). num_warps gives each thread 8 to 16 elements of a tile (16-byte bf16 loads)."""
+    if width <= 0:
+        raise ValueError(f"row width must be positive, got {width}")
+    if max_block < 16 or max_block & (max_block - 1):
+        raise ValueError(f"max_block must be a power of two >= 16, got {max_block}")
+    block = triton.next_power_of_2(width)
+    if block > max_block:
+        block = min(CHUNK, max_block)
+    chunks = triton.cdiv(width, block)
+    num_warps = max(1, min(16, block // 256))
+    return block, chunks, num_warps
+
+
+def check_model_dtype(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in _MODEL_DTYPES:
+        raise TypeError(f"{name} must be bf16, fp16 or fp32, got {t.dtype}")
+
+
+def rows_of(name: str, t: torch.Tensor) -> torch.Tensor:
+    """t as a 2D [rows, cols] tensor with unit column stride (a copy only when it has none)."""
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2D [tokens, cols], got shape {tuple(t.shape)}")
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def use_hw_casts(t: torch.Tensor) -> bool:
+    """Whether kernels on `t` may use the hardware's fp32 -> bf16 / e4m3 conversions (compiled for
+    a GPU) rather than the integer emulation that the interpreter needs (see the module doc)."""
+    return t.device.type != "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+@triton.jit
+def round_bf16(x):
+    """fp32 -> nearest bf16 (ties to even) in integer arithmetic, returned as fp32. Finite inputs."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr, hw: tl.constexpr):
+    """fp32 x rounded to `dtype` (the model dtype) as torch rounds each elementwise op; fp32 out."""
+    if dtype == tl.bfloat16:
+        if hw:
+            return x.to(tl.bfloat16).to(tl.float32)  # cvt.rn
+        else:
+            return round_bf16(x)
+    elif dtype == tl.float16:
+        return x.to(tl.float16).to(tl.float32)  # the interpreter's numpy cast rounds to even too
+    else:
+        return x
+
+
+@triton.jit
+def quant_scale(amax):
+    """max(amax / 448, 1e-12) with IEEE division, as the reference computes it in fp32."""
+    return tl.maximum(tl.math.div_rn(amax, 448.0), 1e-12)
+
+
+@triton.jit
+def fp8_e4m3_code(x, scale, inv_scale, HW: tl.constexpr):
+    """Bytes (uint8) of fp8_e4m3fn(clamp(x / scale, -448, 448)), rounded to nearest even.
+
+    inv_scale = div_rn(1, scale). x / scale is the correctly rounded quotient by Markstein's
+    correction (q0 = x * inv_scale is within 1.5 ulp; one exact fma residual and one fma give the
+    IEEE quotient) at three fp32 ops instead of a division per element (it equalled div_rn on all of
+    2.7e8 random pairs on an H100); x = -0 keeps its sign."""
+    q0 = x * inv_scale
+    q = tl.fma(tl.fma(-q0, scale, x), inv_scale, q0)
+    q = tl.where(x == 0.0, q0, q)
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    if HW:
+        return q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # cvt.rn.satfinite.e4m3x2
+    else:
+        bits = q.to(tl.uint32, bitcast=True)
+        sign = (bits >> 24) & 0x80
+        mag = bits & 0x7FFFFFFF
+        # normal e4m3 (|q| >= 2^-6): round the fp32 mantissa to 3 bits (the carry may bump the
+        # exponent), then rebias the exponent from 127 to 7: (127 - 7) << 3 = 960
+        normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - 960
+        # subnormal (|q| < 2^-6, steps of 2^-9; code 8 is the smallest normal): |q| * 512 rounded
+        # to an integer by adding 2^23 in fp32 (exact product, one rounding to nearest even)
+        sub = (mag.to(tl.float32, bitcast=True) * 512.0 + 8388608.0).to(tl.uint32, bitcast=True) - 0x4B000000
+        code = tl.where(mag < 0x3C800000, sub, normal) | sign
+        return code.to(tl.uint8)
+
+
+@triton.jit
+def _dynamic_quant_kernel(
+    x_ptr,  # [T, K] bf16 | fp16 | fp32, unit column stride
+    q_ptr,  # [T, K] uint8 view of the fp8 output, contiguous
+    s_ptr,  # [T] fp32
+    K,
+    stride_x,
+    BLOCK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    HW: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    q_row = q_ptr + row * K
+    cols = tl.arange(0, BLOCK)
+    if NUM_CHUNKS == 1:
+        mask = cols < K
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        scale = quant_scale(tl.max(tl.abs(x), axis=0))
+        tl.store(q_row + cols, fp8_e4m3_code(x, scale, tl.math.div_rn(1.0, scale), HW), mask=mask)
+    else:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for c in range(NUM_CHUNKS):
+            offs = c * BLOCK + cols
+            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            acc = tl.maximum(acc, tl.abs(x))
+        scale = quant_scale(tl.max(acc, axis=0))
+        inv_scale = tl.math.div_rn(1.0, scale)
+        for c in range(NUM_CHUNKS):
+            offs = c * BLOCK + cols
+            mask = offs < K
+            x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(q_row + offs, fp8_e4m3_code(x, scale, inv_scale, HW), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+def dynamic_quant(x: torch.Tensor, *, max_block: int = MAX_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token FP8 quantization: x [T, K] bf16 | fp16 | fp32 -> (xq [T, K] fp8 e4m3, xs [T, 1] fp32).
+
+    Bit-identical to qruntime.ops.functional.dynamic_quant(x, 0). `max_block` (a power of two)
+    caps the register tile; rows wider than it take the two-pass chunked path (tests force it)."""
+    check_model_dtype("x", x)
+    x = rows_of("x", x)
+    tokens, k = x.shape
+    xq = torch.empty(tokens, k, dtype=FP8, device=x.device)
+    xs = torch.empty(tokens, 1, dtype=torch.float32, device=x.device)
+    if tokens == 0 or k == 0:
+        xs.fill_(MIN_SCALE)
+        return xq, xs
+    block, chunks, num_warps = row_config(k, max_block)
+    _dynamic_quant_kernel[(tokens,)](
+        x,
+        xq.view(torch.uint8),
+        xs,
+        k,
+        x.stride(0),
+        BLOCK=block,
+        NUM_CHUNKS=chunks,
+        HW=use_hw_casts(x),
+        num_warps=num_warps,
+    )
+    return xq, xs
