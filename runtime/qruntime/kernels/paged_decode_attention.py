@@ -1,0 +1,403 @@
+"""Paged decode attention (flash-decoding): one query per sequence over its whole cached context.
+
+Stage 1 runs one program per (sequence, kv head, partition of the context): it loads each K/V tile
+of the partition once for all the q heads of that kv head (GQA group, padded to 16 rows for
+tl.dot), keeps the online-softmax running max / sum in fp32 and writes the partition's normalized
+output and log-sum-exp. Stage 2 merges the partitions of each (sequence, head) with the
+log-sum-exp trick. With one partition, stage 1 writes the output directly and stage 2 is skipped.
+
+The number of partitions comes from host ints the caller fixes (num_splits, or max_context_len, or
+the block table's width), never from context_lens' data: no host sync, CUDA-graph capturable.
+
+Pools in any named layout (nhd, hnd, x-packed; model dtype or fp8) are addressed by the eight
+integers of qruntime.kernels.kv_addressing; fp8 values are multiplied by k_scale / v_scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from qruntime.kernels.kv_addressing import PoolAddressing, pool_addressing
+from qruntime.kv_layout import KV_LAYOUTS, KVLayout
+
+FP8 = torch.float8_e4m3fn
+LOG2E = 1.4426950408889634
+# Timed on an H100 at qwen3-8b shapes (CUDA-graph replay, block_n 32): B=1 ctx 512 takes 12 µs with
+# 8 partitions of 64 and 17 µs with 2 of 256; B=1 ctx 8000 ~28 µs with 32 to 125 partitions. With
+# B=64 (512 programs at one partition) ctx 8000: 717 µs at 1 partition, 875 at 2, 723 at 3: program
+# counts just past what is resident at once leave a second, mostly idle wave. 3 per SM avoids that.
+MIN_PARTITION = 64  # tokens
+TARGET_PROGRAMS_PER_SM = 3
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of the partition kernel (a tuned kernel-config entry may override them).
+    The defaults were the best or within 5% of it at every qwen3-8b decode shape timed on an H100."""
+
+    block_n: int = 32  # tokens per K/V tile
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """What the paged attention kernels need to read K and V: addressing and dequant scales."""
+
+    k: PoolAddressing
+    v: PoolAddressing
+    k_scale: float  # 1.0 unless the pool is fp8
+    v_scale: float
+
+    def k_args(self) -> tuple[int, ...]:
+        """Runtime ints of K (block, head, tok_outer, tok_inner, dim_outer, dim_inner)."""
+        a = self.k
+        return (a.block, a.head, a.tok_outer, a.tok_inner, a.dim_outer, a.dim_inner)
+
+    def v_args(self) -> tuple[int, ...]:
+        a = self.v
+        return (a.block, a.head, a.tok_outer, a.tok_inner, a.dim_outer, a.dim_inner)
+
+    def splits(self) -> dict[str, int]:
+        """The splits are compile-time constants (few values per layout): divisions become shifts and
+        the compiler sees the contiguous runs of head_dim, so loads stay 16 bytes wide."""
+        return {
+            "K_TOK_SPLIT": self.k.tok_split,
+            "K_DIM_SPLIT": self.k.dim_split,
+            "V_TOK_SPLIT": self.v.tok_split,
+            "V_DIM_SPLIT": self.v.dim_split,
+        }
+
+
+def paged_kv(
+    layout: str | KVLayout,
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    block_size: int,
+    num_kv_heads: int,
+    k_scale: float,
+    v_scale: float,
+) -> PagedKV:
+    """Check q [.., nh, d], the pools and the block tables against each other; the pools' addressing."""
+    kv_layout = KV_LAYOUTS[layout] if isinstance(layout, str) else layout
+    nh, d = q.shape[-2], q.shape[-1]
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"q dtype {q.dtype} is not bf16, fp16 or fp32")
+    if nh % num_kv_heads:
+        raise ValueError(f"q has {nh} heads, not a multiple of num_kv_heads={num_kv_heads}")
+    if q.stride(-1) != 1:
+        raise ValueError("q's head_dim must be contiguous")
+    fp8 = k_pool.dtype == FP8
+    for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
+        if pool.dtype not in (q.dtype, FP8) or pool.dtype != k_pool.dtype:
+            raise ValueError(f"{name} dtype {pool.dtype}: expected q's {q.dtype} or {FP8} for both pools")
+        if pool.device != q.device:
+            raise ValueError(f"{name} is on {pool.device}, q on {q.device}")
+    kv_layout.check(block_size, d, "fp8_e4m3" if fp8 else "bf16")
+    expected = kv_layout.shapes(k_pool.shape[0], block_size, num_kv_heads, d, "fp8_e4m3" if fp8 else "bf16")
+    for name, pool, shape in (("k_pool", k_pool, expected[0]), ("v_pool", v_pool, expected[1])):
+        if tuple(pool.shape) != shape:
+            raise ValueError(f"{name} shape {tuple(pool.shape)} != {shape} for layout {kv_layout.name}")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.device != q.device:
+        raise ValueError("block_tables must be int32 [B, max_blocks] on q's device")
+    return PagedKV(
+        pool_addressing(kv_layout.k_dims, tuple(k_pool.shape), k_pool.stride(), block_size, d),
+        pool_addressing(kv_layout.v_dims, tuple(v_pool.shape), v_pool.stride(), block_size, d),
+        k_scale if fp8 else 1.0,
+        v_scale if fp8 else 1.0,
+    )
+
+
+@triton.jit
+def kv_tile_offsets(
+    blk,  # [N] int64 physical block of each token
+    t,  # [N] token offset in its block
+    dims,  # [D] head-dim indices
+    head_off,
+    blk_stride,
+    tok_outer,
+    tok_inner,
+    dim_outer,
+    dim_inner,
+    TOK_SPLIT: tl.constexpr,
+    DIM_SPLIT: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
+):
+    """Element offsets of a K/V tile by the kv_addressing formula: [D, N] if TRANSPOSED else [N, D]."""
+    tok = blk * blk_stride + head_off + (t // TOK_SPLIT) * tok_outer + (t % TOK_SPLIT) * tok_inner
+    dim = (dims // DIM_SPLIT) * dim_outer + (dims % DIM_SPLIT) * dim_inner
+    if TRANSPOSED:  # noqa: SIM108 (a constexpr branch; triton's ternary is not)
+        offsets = tok[None, :] + dim[:, None]
+    else:
+        offsets = tok[:, None] + dim[None, :]
+    return offsets
+
+
+@triton.jit
+def dot(a, b, acc, UPCAST: tl.constexpr):
+    """acc + a @ b accumulated in fp32 (fp32 operands in full precision, never tf32). UPCAST feeds
+    fp32 operands: the same products for half inputs (exact in fp32), for the CPU interpreter, whose
+    bf16 dot multiplies the raw bits."""
+    if UPCAST:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def weighted_values(acc, p, v, SPLIT_P: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + p @ v with p [M, N] fp32 and v [N, D] in the dot dtype. SPLIT_P (half-precision v): p
+    is split into hi + lo halves (two tensor-core dots), so the sum keeps ~16 bits of p like the fp32
+    reference; rounding p to bf16 alone (flash-attention's way) is off by several bf16 ulps at times."""
+    if SPLIT_P:
+        p_hi = p.to(v.dtype)
+        p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+        acc = dot(p_lo, v, dot(p_hi, v, acc, UPCAST), UPCAST)
+    else:
+        acc = dot(p.to(v.dtype), v, acc, UPCAST)
+    return acc
+
+
+@triton.jit
+def _decode_partition_kernel(
+    q_ptr,  # [B, nh, d]
+    k_ptr,
+    v_ptr,
+    block_tables_ptr,  # [B, max_blocks] int32
+    context_lens_ptr,  # [B] int32
+    out_ptr,  # [B, nh * d] (DIRECT) or partial outputs [B, nh, S, d] fp32
+    lse_ptr,  # [B, nh, S] fp32, log2 domain
+    q_stride_b,
+    q_stride_h,
+    bt_stride,
+    partition,  # tokens per partition (a multiple of BLOCK_N when longer); the last one takes the rest
+    num_splits,
+    qk_scale,  # scale * k_scale * log2(e)
+    v_scale,
+    k_blk,
+    k_head,
+    k_tok_outer,
+    k_tok_inner,
+    k_dim_outer,
+    k_dim_inner,
+    v_blk,
+    v_head,
+    v_tok_outer,
+    v_tok_inner,
+    v_dim_outer,
+    v_dim_inner,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    K_TOK_SPLIT: tl.constexpr,
+    K_DIM_SPLIT: tl.constexpr,
+    V_TOK_SPLIT: tl.constexpr,
+    V_DIM_SPLIT: tl.constexpr,
+    SPLIT_P: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DIRECT: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + seq)
+    lo = split * partition
+    hi = tl.where(split == num_splits - 1, ctx, tl.minimum(lo + partition, ctx))
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + offs_g
+    gd_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + seq * q_stride_b + heads[:, None] * q_stride_h + offs_d[None, :], mask=gd_mask, other=0.0)
+    d_mask = offs_d < HEAD_DIM
+    table = block_tables_ptr + seq * bt_stride
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        n_mask = pos < hi
+        blk = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        t = pos % BLOCK_SIZE
+        k_off = kv_tile_offsets(
+            blk, t, offs_d, kv_head * k_head, k_blk, k_tok_outer, k_tok_inner, k_dim_outer, k_dim_inner,
+            K_TOK_SPLIT, K_DIM_SPLIT, True,
+        )  # fmt: skip
+        k = tl.load(k_ptr + k_off, mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # [D, N]
+        v_off = kv_tile_offsets(
+            blk, t, offs_d, kv_head * v_head, v_blk, v_tok_outer, v_tok_inner, v_dim_outer, v_dim_inner,
+            V_TOK_SPLIT, V_DIM_SPLIT, False,
+        )  # fmt: skip
+        v = tl.load(v_ptr + v_off, mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [N, D]
+
+        s = dot(q, k.to(q.dtype), tl.zeros([BLOCK_G, BLOCK_N], tl.float32), UPCAST) * qk_scale  # [G, N], log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = weighted_values(acc * alpha[:, None], p, v.to(q.dtype), SPLIT_P, UPCAST)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # an empty context (padding row) gives 0
+    if DIRECT:
+        o = acc * (v_scale / l_safe)[:, None]
+        o_ptr = out_ptr + seq * (GROUP * tl.num_programs(1) * HEAD_DIM) + heads[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(o_ptr, o.to(out_ptr.dtype.element_ty), mask=gd_mask)
+    else:
+        row = (seq * GROUP * tl.num_programs(1) + heads) * num_splits + split  # [G] in [B, nh, S]
+        g_written = offs_g < tl.where(lo < ctx, GROUP, 0)  # partitions past the context write nothing
+        tl.store(lse_ptr + row, m_i + tl.log2(l_safe), mask=g_written)
+        o_ptr = out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(o_ptr, acc / l_safe[:, None], mask=g_written[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    partial_ptr,  # [B, nh, S, d] fp32
+    lse_ptr,  # [B, nh, S] fp32
+    context_lens_ptr,
+    out_ptr,  # [B, nh * d]
+    partition,
+    num_splits,
+    v_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    ctx = tl.load(context_lens_ptr + seq)
+    used = tl.minimum(tl.cdiv(ctx, partition), num_splits)  # partitions stage 1 wrote
+    row0 = (seq * tl.num_programs(1) + head) * num_splits
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+
+    m_run = tl.full([BLOCK_S], float("-inf"), tl.float32)  # running max, kept as a uniform vector
+    l_run = tl.zeros([BLOCK_S], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, used, BLOCK_S):
+        s_mask = s0 + offs_s < used
+        lse = tl.load(lse_ptr + row0 + s0 + offs_s, mask=s_mask, other=float("-inf"))
+        m_new = tl.maximum(m_run, tl.max(lse, 0))
+        alpha = tl.exp2(m_run - m_new)
+        w = tl.where(s_mask, tl.exp2(lse - m_new), 0.0)  # [S]
+        part = tl.load(
+            partial_ptr + (row0 + s0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=s_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        acc = acc * tl.max(alpha, 0) + tl.sum(w[:, None] * part, 0)
+        l_run = l_run * alpha + w
+        m_run = m_new
+    total = tl.sum(l_run, 0)
+    o = acc * (v_scale / tl.where(total > 0.0, total, 1.0))
+    tl.store(
+        out_ptr + (seq * tl.num_programs(1) + head) * HEAD_DIM + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_mask
+    )
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: few programs
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
+    """Partitions per sequence: enough (seq, kv head, partition) programs to fill the GPU, each of
+    at least MIN_PARTITION tokens."""
+    wanted = triton.cdiv(TARGET_PROGRAMS_PER_SM * num_sms, batch * num_kv_heads)
+    return max(1, min(wanted, triton.cdiv(max_context_len, MIN_PARTITION)))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    layout: str | KVLayout,
+    block_size: int,
+    scale: float,
+    k_scale: float,
+    v_scale: float,
+    num_kv_heads: int,
+    max_context_len: int | None = None,
+    num_splits: int | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """Decode-step paged attention: o [B, nh*d] for q [B, nh, d], one query per sequence at position
+    context_lens[b] - 1 (it sees the whole cached context).
+
+    k_pool / v_pool are one layer's block pools in `layout` (a name of KV_LAYOUTS or a KVLayout),
+    model dtype or fp8 (stored as fp8(x / scale)); block_tables [B, max_blocks] int32, context_lens
+    [B] int32 (0 gives a zero row). The context is split into `num_splits` partitions; left None, it
+    is chosen from `max_context_len` (a host int bounding context_lens; left None, the block tables'
+    capacity) and the GPU's size. Neither reads context_lens, so the call can be captured in a CUDA
+    graph; a context longer than max_context_len is still computed right, only with less parallelism.
+    config: tile size and launch parameters (DecodeConfig() when None).
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, nh, d], got {tuple(q.shape)}")
+    batch, nh, d = q.shape
+    kv = paged_kv(
+        layout, q, k_pool, v_pool, block_tables,
+        block_size=block_size, num_kv_heads=num_kv_heads, k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+    if block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {batch} sequences")
+    if context_lens.dtype != torch.int32 or tuple(context_lens.shape) != (batch,):
+        raise ValueError(f"context_lens must be int32 [{batch}]")
+    if not max_context_len:  # None or 0 (unknown)
+        max_context_len = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = decode_num_splits(batch, num_kv_heads, max_context_len, _num_sms(q.device))
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    cfg = config or DecodeConfig()
+    block_n = cfg.block_n
+    partition = triton.cdiv(max(max_context_len, 1), num_splits)
+    step = block_n if partition > block_n else 16  # whole tiles, except for short partitions
+    partition = triton.cdiv(partition, step) * step
+
+    out = torch.empty(batch, nh * d, dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    group = nh // num_kv_heads
+    direct = num_splits == 1
+    if direct:
+        partial, lse = out, out  # lse unused
+    else:
+        partial = torch.empty(batch, nh, num_splits, d, dtype=torch.float32, device=q.device)
+        lse = torch.empty(batch, nh, num_splits, dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(d)
+    _decode_partition_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_pool, v_pool, block_tables, context_lens, partial, lse,
+        q.stride(0), q.stride(1), block_tables.stride(0), partition, num_splits,
+        scale * kv.k_scale * LOG2E, kv.v_scale, *kv.k_args(), *kv.v_args(),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
+        BLOCK_N=block_n, BLOCK_SIZE=block_size, **kv.splits(), SPLIT_P=q.dtype != torch.float32,
+        UPCAST=q.device.type != "cuda", DIRECT=direct,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if not direct:
+        _decode_reduce_kernel[(batch, nh)](
+            partial, lse, context_lens, out, partition, num_splits, kv.v_scale,
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=min(32, triton.next_power_of_2(num_splits)), num_warps=4,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,252 @@
+"""Paged varlen prefill attention: causal GQA attention for a step mixing sequences of any q_len
+(full prompts, prefill chunks after a cached prefix, decode rows), flash-attention style.
+
+One program per (q head, BLOCK_M query tile, sequence); the query-tile axis is sized by the host
+int max_q_len and tiles past a sequence's q_len exit at once. A program walks its sequence's K/V
+tiles up to the causal limit of its query tile: the tiles every row of the tile sees run without
+masks, the few on the diagonal with the causal mask. Online softmax in fp32 (log2 domain); P @ V
+keeps ~16 bits of P (hi + lo halves) so results match the fp32 reference. Heavy (late) query tiles
+are launched first so the causal imbalance does not leave a tail.
+
+K/V addressing is shared with the decode kernel (kv_addressing's eight integers per pool).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from qruntime.kernels.paged_decode_attention import LOG2E, dot, kv_tile_offsets, paged_kv, weighted_values
+from qruntime.kv_layout import KVLayout
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Launch parameters (a tuned kernel-config entry may override them). block_m shrinks to the
+    step's longest q_len (at least 16) so short steps do not compute empty rows."""
+
+    block_m: int = 64  # query rows per program (H100, one 8000-token qwen3-8b prompt: 64/64/4/3 took
+    block_n: int = 64  # 1.97 ms, 128/128/8/3 2.05 ms, 128/64/8/3 2.17 ms, 128/64/4/3 2.47 ms)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _attend_tile(
+    acc,  # [M, D] fp32
+    m_i,  # [M] running max (log2 domain)
+    l_i,  # [M] running sum
+    q,  # [M, D]
+    q_pos,  # [M] positions of the rows
+    pos,  # [N] positions of this K/V tile
+    causal_end,
+    table,  # this sequence's block-table row
+    offs_d,
+    d_mask,
+    qk_scale,
+    k_ptr,
+    k_head_off,
+    k_blk,
+    k_tok_outer,
+    k_tok_inner,
+    k_dim_outer,
+    k_dim_inner,
+    v_ptr,
+    v_head_off,
+    v_blk,
+    v_tok_outer,
+    v_tok_inner,
+    v_dim_outer,
+    v_dim_inner,
+    BLOCK_SIZE: tl.constexpr,
+    K_TOK_SPLIT: tl.constexpr,
+    K_DIM_SPLIT: tl.constexpr,
+    V_TOK_SPLIT: tl.constexpr,
+    V_DIM_SPLIT: tl.constexpr,
+    SPLIT_P: tl.constexpr,
+    UPCAST: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One K/V tile of the online softmax; MASKED applies the causal mask (tiles on the diagonal)."""
+    if MASKED:
+        n_mask = pos < causal_end
+        blk = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    else:
+        blk = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
+    t = pos % BLOCK_SIZE
+    k_off = kv_tile_offsets(
+        blk, t, offs_d, k_head_off, k_blk, k_tok_outer, k_tok_inner, k_dim_outer, k_dim_inner,
+        K_TOK_SPLIT, K_DIM_SPLIT, True,
+    )  # fmt: skip
+    v_off = kv_tile_offsets(
+        blk, t, offs_d, v_head_off, v_blk, v_tok_outer, v_tok_inner, v_dim_outer, v_dim_inner,
+        V_TOK_SPLIT, V_DIM_SPLIT, False,
+    )  # fmt: skip
+    if MASKED:
+        k = tl.load(k_ptr + k_off, mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # [D, N]
+        v = tl.load(v_ptr + v_off, mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [N, D]
+    else:
+        k = tl.load(k_ptr + k_off, mask=d_mask[:, None], other=0.0)
+        v = tl.load(v_ptr + v_off, mask=d_mask[None, :], other=0.0)
+    s = dot(q, k.to(q.dtype), tl.zeros([q.shape[0], pos.shape[0]], tl.float32), UPCAST) * qk_scale  # [M, N]
+    if MASKED:
+        s = tl.where((pos[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = weighted_values(acc * alpha[:, None], p, v.to(q.dtype), SPLIT_P, UPCAST)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,  # [T, nh, d]
+    k_ptr,
+    v_ptr,
+    block_tables_ptr,  # [B, max_blocks] int32
+    context_lens_ptr,  # [B] int32
+    query_start_ptr,  # [B+1] int32
+    out_ptr,  # [T, nh * d]
+    q_stride_t,
+    q_stride_h,
+    bt_stride,
+    qk_scale,  # scale * k_scale * log2(e)
+    v_scale,
+    k_blk,
+    k_head,
+    k_tok_outer,
+    k_tok_inner,
+    k_dim_outer,
+    k_dim_inner,
+    v_blk,
+    v_head,
+    v_tok_outer,
+    v_tok_inner,
+    v_dim_outer,
+    v_dim_inner,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    K_TOK_SPLIT: tl.constexpr,
+    K_DIM_SPLIT: tl.constexpr,
+    V_TOK_SPLIT: tl.constexpr,
+    V_DIM_SPLIT: tl.constexpr,
+    SPLIT_P: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    head = tl.program_id(0)
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest tiles first
+    seq = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    ctx = tl.load(context_lens_ptr + seq)
+    prefix = ctx - q_len  # cached positions before this step's queries
+    kv_head = head // GROUP
+    nh = tl.num_programs(0)
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    row_mask = rows < q_len
+    d_mask = offs_d < HEAD_DIM
+    q_off = (q_start + rows).to(tl.int64)[:, None] * q_stride_t + head * q_stride_h + offs_d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [M, D]
+    q_pos = prefix + rows
+    table = block_tables_ptr + seq * bt_stride
+    k_head_off = kv_head * k_head
+    v_head_off = kv_head * v_head
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # positions < prefix + tile * BLOCK_M are visible to every row of the tile: no masks there;
+    # the tiles from there to the tile's causal end straddle the diagonal
+    full_end = (prefix + tile * BLOCK_M) // BLOCK_N * BLOCK_N
+    causal_end = prefix + tl.minimum(tile * BLOCK_M + BLOCK_M, q_len)
+    for start in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, start + offs_n, causal_end, table, offs_d, d_mask, qk_scale,
+            k_ptr, k_head_off, k_blk, k_tok_outer, k_tok_inner, k_dim_outer, k_dim_inner,
+            v_ptr, v_head_off, v_blk, v_tok_outer, v_tok_inner, v_dim_outer, v_dim_inner,
+            BLOCK_SIZE, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT, SPLIT_P, UPCAST, False,
+        )  # fmt: skip
+    for start in range(full_end, causal_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, start + offs_n, causal_end, table, offs_d, d_mask, qk_scale,
+            k_ptr, k_head_off, k_blk, k_tok_outer, k_tok_inner, k_dim_outer, k_dim_inner,
+            v_ptr, v_head_off, v_blk, v_tok_outer, v_tok_inner, v_dim_outer, v_dim_inner,
+            BLOCK_SIZE, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT, SPLIT_P, UPCAST, True,
+        )  # fmt: skip
+
+    o = acc * (v_scale / l_i)[:, None]
+    o_off = (q_start + rows).to(tl.int64)[:, None] * (nh * HEAD_DIM) + head * HEAD_DIM + offs_d[None, :]
+    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    layout: str | KVLayout,
+    block_size: int,
+    scale: float,
+    k_scale: float,
+    v_scale: float,
+    num_kv_heads: int,
+    max_q_len: int,
+    config: PrefillConfig | None = None,
+) -> torch.Tensor:
+    """Varlen causal paged attention: o [T, nh*d] for q [T, nh, d] of B sequences laid end to end.
+
+    Sequence b's queries are rows query_start_loc[b] .. query_start_loc[b+1]-1 (int32 [B+1]); query
+    i of its q_len sits at position context_lens[b] - q_len + i and sees cache positions <= it. Its
+    K/V (this step's included) are in the pools through block_tables [B, max_blocks] int32, in
+    `layout` (a name of KV_LAYOUTS or a KVLayout), model dtype or fp8 (stored as fp8(x / scale)).
+    max_q_len is a host int >= every q_len (it sizes the grid; nothing reads the device tensors).
+    config: tile sizes and launch parameters (PrefillConfig() when None).
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, nh, d], got {tuple(q.shape)}")
+    tokens, nh, d = q.shape
+    kv = paged_kv(
+        layout, q, k_pool, v_pool, block_tables,
+        block_size=block_size, num_kv_heads=num_kv_heads, k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+    batch = block_tables.shape[0]
+    if context_lens.dtype != torch.int32 or tuple(context_lens.shape) != (batch,):
+        raise ValueError(f"context_lens must be int32 [{batch}] (one per block_tables row)")
+    if query_start_loc.dtype != torch.int32 or tuple(query_start_loc.shape) != (batch + 1,):
+        raise ValueError(f"query_start_loc must be int32 [{batch + 1}]")
+    if max_q_len < 0:
+        raise ValueError(f"max_q_len must be >= 0, got {max_q_len}")
+    out = torch.empty(tokens, nh * d, dtype=q.dtype, device=q.device)
+    if tokens == 0 or batch == 0 or max_q_len == 0:
+        return out
+    block_d = triton.next_power_of_2(d)
+    cfg = config or PrefillConfig()
+    block_m = min(cfg.block_m, max(16, triton.next_power_of_2(max_q_len)))
+    block_n = cfg.block_n
+    num_warps = cfg.num_warps if block_m >= 64 else min(cfg.num_warps, 4)
+    grid = (nh, triton.cdiv(max_q_len, block_m), batch)
+    _prefill_kernel[grid](
+        q, k_pool, v_pool, block_tables, context_lens, query_start_loc, out,
+        q.stride(0), q.stride(1), block_tables.stride(0), scale * kv.k_scale * LOG2E, kv.v_scale,
+        *kv.k_args(), *kv.v_args(),
+        GROUP=nh // num_kv_heads, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_SIZE=block_size, **kv.splits(), SPLIT_P=q.dtype != torch.float32,
+        UPCAST=q.device.type != "cuda", num_warps=num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out

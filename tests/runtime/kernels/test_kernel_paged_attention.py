@@ -1,0 +1,163 @@
+"""The paged attention kernels (decode with split context, varlen prefill) against the reference op
+qruntime.ops.attention.PagedAttention, for every KV layout with model-dtype and fp8 pools."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from qruntime.kernels.paged_decode_attention import decode_num_splits, paged_decode_attention
+from qruntime.kernels.paged_prefill_attention import paged_prefill_attention
+from qruntime.kv_cache import KVCache, KVCacheSpec
+from qruntime.kv_layout import KV_LAYOUTS
+from qruntime.ops.attention import PagedAttention
+from qruntime.ops.base import AttentionMetadata, OpEnv, StepContext
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# (q heads, kv heads, head_dim, block_size): GQA groups of 2, 3 (not a power of two) and 8
+SHAPES = {"g2": (4, 2, 32, 16), "g3": (6, 3, 64, 16), "g8-bs8": (8, 1, 32, 8)}
+# (kv_dtype, model dtype): bf16 pools, fp8 pools with bf16 queries, an fp32 model (fp32 pools)
+POOLS = {"bf16": ("bf16", torch.bfloat16), "fp8": ("fp8_e4m3", torch.bfloat16), "fp32": ("bf16", torch.float32)}
+# every layout with every pool, and each shape once with each layout and once with each pool (a Latin square)
+CASES = [
+    pytest.param(layout, POOLS[pool], SHAPES[shape], id=f"{layout}-{pool}-{shape}")
+    for i, layout in enumerate(KV_LAYOUTS)
+    for j, pool in enumerate(POOLS)
+    for shape in [list(SHAPES)[(i + j) % len(SHAPES)]]
+]
+
+
+class Step:
+    """A cache filled with random K/V for sequences (context_len, q_len) through random non-contiguous
+    block tables, the queries, and the reference op's output (as tests/runtime/test_qruntime_ops.py)."""
+
+    def __init__(self, layout: str, kv_dtype: str, dtype: torch.dtype, shape: tuple, seqs: list[tuple[int, int]]):
+        nh, kvh, d, block_size = shape
+        if layout == "x-packed" and block_size % KV_LAYOUTS[layout].pack(kv_dtype):
+            block_size = 16  # x-packed fp8 packs 16 tokens
+        self.nh, self.kvh, self.d, self.block_size, self.layout = nh, kvh, d, block_size, layout
+        self.k_scale, self.v_scale = (random.uniform(0.02, 0.05), random.uniform(0.02, 0.05))
+        spec = KVCacheSpec(KV_LAYOUTS[layout], kv_dtype, block_size, 1, kvh, d)
+        per_seq = [-(-ctx // block_size) for ctx, _ in seqs]
+        blocks = sum(per_seq) + 5
+        self.cache = KVCache(spec, blocks, dtype, DEVICE)
+        free = torch.randperm(blocks).tolist()
+        table = torch.full((len(seqs), max(per_seq) + 2), -1, dtype=torch.int32)  # unused entries: -1
+        starts, slots_per_seq = [0], []
+        for b, (ctx, q_len) in enumerate(seqs):
+            table[b, : per_seq[b]] = torch.tensor([free.pop() for _ in range(per_seq[b])], dtype=torch.int32)
+            pos = torch.arange(ctx)
+            slots = table[b].long()[pos // block_size] * block_size + pos % block_size
+            k, v = torch.randn(ctx, kvh, d, dtype=dtype), torch.randn(ctx, kvh, d, dtype=dtype)
+            self.cache.write(0, k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE), self.k_scale, self.v_scale)
+            slots_per_seq.append(slots.to(DEVICE))
+            starts.append(starts[-1] + q_len)
+        self.meta = AttentionMetadata(tuple(starts), tuple(c for c, _ in seqs), tuple(slots_per_seq))
+        self.q = torch.randn(starts[-1], nh, d, dtype=dtype, device=DEVICE)
+        self.block_tables = table.to(DEVICE)
+        self.context_lens = torch.tensor([c for c, _ in seqs], dtype=torch.int32, device=DEVICE)
+        self.query_start_loc = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+        self.max_q_len = max(q for _, q in seqs)
+        attrs = {"layer": 0, "layout": layout, "block_size": block_size, "kv_dtype": kv_dtype}
+        attrs |= {"k_scale": self.k_scale, "v_scale": self.v_scale, "num_heads": nh, "num_kv_heads": kvh}
+        attrs |= {"head_dim": d, "scale": d**-0.5}
+        op = PagedAttention(attrs, OpEnv(dtype, DEVICE, spec))
+        self.ref = op(StepContext(self.cache, self.meta), self.q, None, None, None, None)
+
+    def kwargs(self) -> dict:
+        return {
+            "layout": self.layout,
+            "block_size": self.block_size,
+            "scale": self.d**-0.5,
+            "k_scale": self.k_scale,
+            "v_scale": self.v_scale,
+            "num_kv_heads": self.kvh,
+        }
+
+    def decode(self, **extra) -> torch.Tensor:
+        args = (self.q, self.cache.k[0], self.cache.v[0], self.block_tables, self.context_lens)
+        return paged_decode_attention(*args, **self.kwargs(), **extra)
+
+    def prefill(self) -> torch.Tensor:
+        args = (self.q, self.cache.k[0], self.cache.v[0], self.block_tables, self.context_lens, self.query_start_loc)
+        return paged_prefill_attention(*args, **self.kwargs(), max_q_len=self.max_q_len)
+
+
+def assert_close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """fp32: 1e-5. bf16: both round an fp32 result, which may land on either side of a rounding
+    boundary: within 2 bf16 ulps of the reference value (1e-5 absolute for values near 0)."""
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    assert torch.isfinite(got).all()
+    err = (got.float() - ref.float()).abs()
+    if ref.dtype == torch.float32:
+        tol = 1e-5 + 1e-5 * ref.abs()
+    else:
+        exponent = torch.floor(torch.log2(ref.float().abs().clamp_min(2.0**-100)))
+        tol = 2 * torch.exp2(exponent - 7) + 1e-5
+    assert (err <= tol).all(), f"max err {err.max().item():.3g} (worst excess {(err - tol).max().item():.3g})"
+
+
+@pytest.mark.parametrize(("layout", "pool", "shape"), CASES)
+def test_decode_equals_reference_with_one_and_many_splits(layout, pool, shape):
+    seqs = [(ctx, 1) for ctx in (1, 17, 63, random.randint(2, 100))]
+    step = Step(layout, *pool, shape, seqs)
+    one = step.decode(num_splits=1)
+    assert_close(one, step.ref)
+    many = step.decode(num_splits=3, max_context_len=100)  # partitions [0, 64), [64, 128), [128, ctx)
+    assert_close(many, step.ref)
+    assert torch.allclose(one.float(), many.float(), rtol=1e-5, atol=1e-5) or one.dtype != torch.float32
+    assert_close(step.decode(), step.ref)  # the default: splits from the block tables' capacity
+
+
+def test_decode_past_max_context_len_and_empty_rows():
+    """A context longer than max_context_len still counts every token (the last partition takes the
+    rest); more partitions than a context needs, and a padding row with context 0, give zeros."""
+    step = Step("hnd", "bf16", torch.float32, (4, 2, 32, 16), [(150, 1), (5, 1), (1, 1)])
+    assert_close(step.decode(max_context_len=64, num_splits=2), step.ref)
+    assert_close(step.decode(max_context_len=400, num_splits=6), step.ref)
+    padded = step.context_lens.clone()
+    padded[1] = 0
+    kwargs = step.kwargs()
+    out = paged_decode_attention(step.q, step.cache.k[0], step.cache.v[0], step.block_tables, padded, **kwargs)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert_close(out[[0, 2]], step.ref[[0, 2]])
+
+
+def test_decode_split_count_fills_the_gpu_and_is_host_only():
+    assert decode_num_splits(1, 8, 8000, 132) == 50  # 3 programs per SM
+    assert decode_num_splits(1, 8, 512, 132) == 8  # MIN_PARTITION-sized partitions
+    assert decode_num_splits(64, 8, 8000, 132) == 1  # the batch alone fills the GPU
+    assert decode_num_splits(1, 8, 50, 132) == 1
+
+
+@pytest.mark.parametrize(("layout", "pool", "shape"), CASES)
+def test_prefill_equals_reference_for_a_mixed_batch(layout, pool, shape):
+    # a full prompt, a chunk after a cached prefix, a decode row, a 1-token prompt, a prompt of 17
+    seqs = [(40, 40), (63, random.randint(2, 40)), (30, 1), (1, 1), (17, 17)]
+    random.shuffle(seqs)
+    step = Step(layout, *pool, shape, seqs)
+    assert_close(step.prefill(), step.ref)
+
+
+def test_prefill_rows_of_decode_steps_equal_the_decode_kernel():
+    step = Step("nhd", "fp8_e4m3", torch.bfloat16, (6, 3, 64, 16), [(33, 1), (1, 1), (70, 1)])
+    prefill = step.prefill()
+    assert_close(prefill, step.ref)
+    assert torch.allclose(prefill.float(), step.decode(num_splits=2).float(), rtol=2**-7, atol=1e-5)
+
+
+def test_bad_inputs_are_refused():
+    step = Step("nhd", "bf16", torch.bfloat16, (4, 2, 32, 16), [(5, 1)])
+    with pytest.raises(ValueError, match="block_tables"):
+        paged_decode_attention(
+            step.q, step.cache.k[0], step.cache.v[0], step.block_tables.long(), step.context_lens, **step.kwargs()
+        )
+    with pytest.raises(ValueError, match="shape"):
+        kwargs = step.kwargs() | {"num_kv_heads": 1}
+        paged_decode_attention(step.q, step.cache.k[0], step.cache.v[0], step.block_tables, step.context_lens, **kwargs)
+    with pytest.raises(ValueError, match="dtype"):
+        paged_prefill_attention(
+            step.q.float(), step.cache.k[0], step.cache.v[0], step.block_tables, step.context_lens,
+            step.query_start_loc, **step.kwargs(), max_q_len=1,
+        )  # fmt: skip
