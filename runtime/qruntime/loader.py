@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -9,12 +10,14 @@ import onnx
 import torch
 
 from qruntime.artifact import ArtifactFormatError, check_relative_path, read_manifest, verify_files
+from qruntime.engine.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
 from qruntime.engine.engine import Engine
 from qruntime.engine.model_runner import ModelRunner
 from qruntime.engine.scheduler import Scheduler, SchedulerConfig
+from qruntime.kernel_configs import load_kernel_table
 from qruntime.kv_cache import KVCache, KVCacheSpec
 from qruntime.ops.base import OpEnv
-from qruntime.ops.registry import reference_ops
+from qruntime.ops.registry import reference_ops, triton_ops
 from qruntime.plan import Plan, PlanError
 from qruntime.tokenizer import Tokenizer, TokenizerError
 from qruntime.weights import load_initializers
@@ -88,6 +91,8 @@ def load(
     max_num_batched_tokens: int = 2048,
     num_kv_blocks: int | None = None,
     kv_cache_memory: int | None = None,
+    backend: str = "auto",
+    cuda_graphs: bool | None = None,
 ) -> Engine:
     """Load a qcompile artifact and return an Engine.
 
@@ -96,6 +101,10 @@ def load(
     against the manifest first. The KV cache gets `num_kv_blocks` blocks, or `kv_cache_memory` bytes,
     or by default what the GPU has free after the weights (less 10% headroom) / up to 512 MiB on CPU.
     max_model_len defaults to the model's context, capped by what the cache holds.
+    backend: "reference" (torch ops, any device), "triton" (the GPU fast path: Triton kernels with
+    the artifact's tuned configs for this GPU, cuBLASLt where the tuner chose it), or "auto" (triton
+    on CUDA, reference elsewhere). cuda_graphs: replay decode steps from captured graphs (default:
+    on with the triton backend when every op of the graph can be captured).
     """
     root = Path(path)
     manifest = read_manifest(root)
@@ -103,6 +112,12 @@ def load(
         raise ArtifactFormatError(f"{root}: sharded for tp={manifest['tp']}; this runtime loads tp=1 artifacts")
     device = _resolve_device(device)
     compute_dtype = _resolve_dtype(dtype, manifest)
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" else "reference"
+    if backend not in ("reference", "triton"):
+        raise ValueError(f"backend {backend!r} is not one of 'auto', 'reference', 'triton'")
+    if backend == "triton" and device.type != "cuda":
+        raise ValueError("backend 'triton' runs on a CUDA device")
     _check_files(root, manifest, verify)
     graph_path = root / manifest.get("graph", {}).get("file", "graph.onnx")
     try:
@@ -122,9 +137,19 @@ def load(
     except TokenizerError as exc:
         raise ArtifactFormatError(str(exc)) from exc
 
+    kernels = None
+    if backend == "triton":
+        gpu = torch.cuda.get_device_name(device)
+        kernels = load_kernel_table(root, gpu)
+        if kernels is None:
+            warnings.warn(
+                f"{root}: no tuned kernel configs for {gpu}; using default configs (`qcompile tune` makes them)",
+                stacklevel=2,
+            )
+    registry = triton_ops() if backend == "triton" else reference_ops()
     weights = load_initializers(root, graph, device, compute_dtype)
     try:
-        plan = Plan.build(graph, weights, OpEnv(compute_dtype, device, kv_spec), reference_ops())
+        plan = Plan.build(graph, weights, OpEnv(compute_dtype, device, kv_spec, kernels), registry)
     except PlanError as exc:
         raise ArtifactFormatError(f"{graph_path}: {exc}") from exc
 
@@ -138,7 +163,12 @@ def load(
             f"the KV cache holds {capacity} tokens ({blocks} block(s) of {kv_spec.block_size}), less than "
             f"max_model_len {max_model_len}: give more num_kv_blocks / kv_cache_memory or a smaller max_model_len"
         )
-    kv_cache = KVCache(kv_spec, blocks, compute_dtype, device)
+    if cuda_graphs is None:
+        cuda_graphs = backend == "triton" and plan.capturable
+    if cuda_graphs and not plan.capturable:
+        raise ValueError("cuda_graphs=True but some ops of this graph cannot be captured (MoE, reference attention)")
+    # one block more than the scheduler hands out: the scratch block padded graph rows write to
+    kv_cache = KVCache(kv_spec, blocks + int(cuda_graphs), compute_dtype, device)
     config = SchedulerConfig(
         num_blocks=blocks,
         block_size=kv_spec.block_size,
@@ -153,8 +183,14 @@ def load(
         "kv_cache": f"{kv_spec.layout.name} {kv_spec.kv_dtype}, {blocks} blocks x {kv_spec.block_size}",
         "max_model_len": max_model_len,
     }
+    graphs = None
+    if cuda_graphs:
+        buckets = [b for b in DEFAULT_BUCKETS if b <= max_num_seqs] or [max_num_seqs]
+        graphs = DecodeGraphs(plan, kv_cache, blocks, max_model_len, buckets)
+        description["cuda_graphs"] = list(graphs.buckets)
+    description["backend"] = backend
     return Engine(
-        ModelRunner(plan, kv_cache, device),
+        ModelRunner(plan, kv_cache, device, max_model_len, graphs),
         Scheduler(config),
         tokenizer,
         vocab_size=vocab_size,

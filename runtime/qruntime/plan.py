@@ -53,6 +53,7 @@ class Plan:
         self.nodes = nodes
         self.weights = weights
         self.output = output
+        self.capturable = all(node.op.capturable for node in nodes)  # may run inside a CUDA graph
 
     @classmethod
     def build(

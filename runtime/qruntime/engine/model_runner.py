@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from qruntime.engine.cuda_graphs import DecodeGraphs
 from qruntime.engine.scheduler import ScheduledChunk
 from qruntime.kv_cache import KVCache
 from qruntime.ops.base import AttentionMetadata, StepContext
@@ -14,11 +15,20 @@ from qruntime.plan import Plan
 
 
 class ModelRunner:
-    def __init__(self, plan: Plan, kv_cache: KVCache, device: torch.device) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        kv_cache: KVCache,
+        device: torch.device,
+        max_context_len: int,
+        decode_graphs: DecodeGraphs | None = None,
+    ) -> None:
         self.plan = plan
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.spec.block_size
+        self.max_context_len = max_context_len
+        self.decode_graphs = decode_graphs
 
     def prepare(
         self, chunks: Sequence[ScheduledChunk], all_logits: bool = False
@@ -61,12 +71,17 @@ class ModelRunner:
             query_start=tuple(starts),
             context_lens=tuple(context_lens),
             cache_slots=tuple(device_slots[b, :n] for b, n in enumerate(context_lens)),
+            max_q_len=max(c.num_tokens for c in chunks),
+            max_context_len=self.max_context_len,
         )
         return feeds, meta
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk], all_logits: bool = False) -> torch.Tensor:
         """Run the plan on the step's chunks; logits [len(chunks), V] of each chunk's last token
-        (all_logits: [tokens, V], a row per token of the step)."""
+        (all_logits: [tokens, V], a row per token of the step). Decode steps replay a CUDA graph
+        when graphs were captured."""
+        if self.decode_graphs is not None and not all_logits and self.decode_graphs.fits(chunks):
+            return self.decode_graphs.run(chunks)
         feeds, meta = self.prepare(chunks, all_logits)
         return self.plan.run(StepContext(self.kv_cache, meta), feeds)

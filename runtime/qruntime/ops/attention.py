@@ -31,6 +31,7 @@ class PagedAttention(KVOp):
     cache positions <= it. Scores, softmax and the weighted sum are in fp32."""
 
     attrs = (*KVOp.attrs, "num_heads", "num_kv_heads", "head_dim", "scale")
+    capturable = False  # loops over the step's sequences on the host
 
     def __init__(self, attrs, env, consts=()) -> None:
         super().__init__(attrs, env, consts)

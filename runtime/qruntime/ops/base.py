@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from qruntime.kernel_configs import KernelTable
 from qruntime.kv_cache import KVCache, KVCacheSpec
 
 
@@ -22,17 +23,27 @@ class OpEnv:
     dtype: torch.dtype
     device: torch.device
     kv_spec: KVCacheSpec
+    kernels: KernelTable | None = None  # tuned kernel configs for this GPU (fast path only)
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
     """Per-sequence facts of one step, built once by the ModelRunner and shared by every layer.
 
-    `cache_slots[b]` are the cache slots of positions 0 .. context_lens[b]-1 of sequence b."""
+    `cache_slots[b]` are the cache slots of positions 0 .. context_lens[b]-1 of sequence b (the
+    reference ops gather with them; kernels read the block tables). `max_context_len` bounds every
+    context of the engine (kernels size their grids with it, so a captured graph stays valid)."""
 
     query_start: tuple[int, ...]  # [B+1]
     context_lens: tuple[int, ...]  # [B]
     cache_slots: tuple[torch.Tensor, ...]  # B x [context_len] int64
+    max_q_len: int = 0
+    max_context_len: int = 0
+
+    @property
+    def decode_only(self) -> bool:
+        """Every sequence adds exactly one token this step."""
+        return self.max_q_len == 1
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,7 @@ class Op:
     runs the op."""
 
     attrs: ClassVar[tuple[str, ...]] = ()
+    capturable: ClassVar[bool] = True  # no host syncs, no data-dependent shapes: fine inside a CUDA graph
 
     optional_attrs: ClassVar[Mapping[str, Any]] = {}  # name -> default
 

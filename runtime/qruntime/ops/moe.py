@@ -33,6 +33,7 @@ class MoE(Op):
     without running an expert on tokens that give it weight 0."""
 
     attrs = ("num_experts", "top_k", "norm_topk_prob", "linear", "group_size")
+    capturable = False  # which experts run depends on the routing, read back to the host
     optional_attrs = {"block_n": 128, "block_k": 128}
 
     def __init__(self, attrs, env, consts=()) -> None:

@@ -26,3 +26,12 @@ def reference_ops() -> Mapping[tuple[str, str], type[Op]]:
     table = {(DEFAULT_DOMAIN, op.__name__): op for op in standard_ops}
     table.update({(QCOMPILE_DOMAIN, op.__name__): op for op in qcompile_ops})
     return MappingProxyType(table)
+
+
+def triton_ops() -> Mapping[tuple[str, str], type[Op]]:
+    """The reference table with the GPU fast path's ops in place of their reference versions."""
+    from qruntime.ops.triton_ops import FAST_OPS
+
+    table = dict(reference_ops())
+    table.update({(QCOMPILE_DOMAIN, op.__name__): op for op in FAST_OPS})  # same names as the reference ops
+    return MappingProxyType(table)

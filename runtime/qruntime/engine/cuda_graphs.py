@@ -1,0 +1,100 @@
+"""Decode steps replayed from CUDA graphs, one per batch-size bucket, with static input buffers.
+
+A decode step (one new token per sequence) has the same shapes for every batch of the same size, so
+the whole plan is captured once per bucket and replayed: the host launches one graph instead of
+thousands of kernels. Batches are padded up to their bucket with rows that write a scratch KV block
+no sequence owns and read only that block. Captured graphs share one memory pool.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Sequence
+
+import torch
+
+from qruntime.engine.scheduler import ScheduledChunk
+from qruntime.kv_cache import KVCache
+from qruntime.ops.base import AttentionMetadata, StepContext
+from qruntime.plan import Plan
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+
+
+class DecodeGraphs:
+    """Captured decode graphs for batch sizes `buckets`; `run(chunks)` pads, copies and replays."""
+
+    def __init__(
+        self, plan: Plan, kv_cache: KVCache, scratch_block: int, max_context_len: int, buckets: Sequence[int]
+    ) -> None:
+        self.plan, self.kv_cache = plan, kv_cache
+        self.buckets = tuple(sorted(buckets))
+        self.block_size = kv_cache.spec.block_size
+        self.scratch_block = scratch_block
+        self.max_blocks = -(-max_context_len // self.block_size)
+        self.meta = AttentionMetadata((), (), (), max_q_len=1, max_context_len=max_context_len)
+        device, size = kv_cache.k[0].device, self.buckets[-1]
+        self.buffers = {
+            "input_ids": torch.zeros(size, dtype=torch.int64, device=device),
+            "positions": torch.zeros(size, dtype=torch.int64, device=device),
+            "slot_mapping": torch.full((size,), scratch_block * self.block_size, dtype=torch.int64, device=device),
+            "block_tables": torch.full((size, self.max_blocks), scratch_block, dtype=torch.int32, device=device),
+            "context_lens": torch.ones(size, dtype=torch.int32, device=device),
+            "query_start_loc": torch.arange(size + 1, dtype=torch.int32, device=device),
+            "logits_indices": torch.arange(size, dtype=torch.int64, device=device),
+        }
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        pool = torch.cuda.graph_pool_handle()
+        for batch in reversed(self.buckets):  # largest first: the smaller ones reuse its memory
+            self.graphs[batch] = self._capture(batch, pool)
+
+    def _feeds(self, batch: int) -> dict[str, torch.Tensor]:
+        feeds = {name: buf[:batch] for name, buf in self.buffers.items()}
+        feeds["query_start_loc"] = self.buffers["query_start_loc"][: batch + 1]
+        return feeds
+
+    @torch.inference_mode()
+    def _capture(self, batch: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        step, feeds = StepContext(self.kv_cache, self.meta), self._feeds(batch)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: triton compiles and autotuned libraries pick outside the capture
+            for _ in range(2):
+                self.plan.run(step, feeds)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = self.plan.run(step, feeds)
+        return graph, logits
+
+    def fits(self, chunks: Sequence[ScheduledChunk]) -> bool:
+        return len(chunks) <= self.buckets[-1] and all(c.num_tokens == 1 for c in chunks)
+
+    @torch.inference_mode()
+    def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        """Logits [len(chunks), V] of a decode step."""
+        batch = len(chunks)
+        bucket = self.buckets[bisect_left(self.buckets, batch)]
+        bs, scratch = self.block_size, self.scratch_block
+        tables = torch.full((bucket, self.max_blocks), scratch, dtype=torch.int32)
+        ids, positions, slots, lens = [], [], [], []
+        for b, chunk in enumerate(chunks):
+            pos = chunk.start
+            ids.append(chunk.request.all_token_ids[pos])
+            positions.append(pos)
+            slots.append(chunk.block_table[pos // bs] * bs + pos % bs)
+            lens.append(pos + 1)
+            tables[b, : len(chunk.block_table)] = torch.tensor(chunk.block_table, dtype=torch.int32)
+        pad = bucket - batch
+        host = {
+            "input_ids": torch.tensor(ids + [0] * pad, dtype=torch.int64),
+            "positions": torch.tensor(positions + [0] * pad, dtype=torch.int64),
+            "slot_mapping": torch.tensor(slots + [scratch * bs] * pad, dtype=torch.int64),
+            "block_tables": tables,
+            "context_lens": torch.tensor(lens + [1] * pad, dtype=torch.int32),
+        }
+        for name, values in host.items():
+            self.buffers[name][:bucket].copy_(values, non_blocking=True)
+        graph, logits = self.graphs[bucket]
+        graph.replay()
+        return logits[:batch]

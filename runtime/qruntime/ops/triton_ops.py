@@ -1,0 +1,155 @@
+"""The GPU fast path: op classes that run Triton kernels (or cuBLASLt where the tuner chose it).
+
+Each subclasses its reference op and keeps the reference semantics (docs/OPS.md); a case a kernel
+does not cover (group-wise quantization, CPU tensors) falls back to the reference implementation.
+Kernels are imported when an op is bound, so the reference path never imports triton.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qruntime.ops import attention, quant
+from qruntime.ops.base import OpBindError
+
+
+class DynamicQuant(quant.DynamicQuant):
+    def __init__(self, attrs, env, consts=()) -> None:
+        super().__init__(attrs, env, consts)
+        from qruntime.kernels.dynamic_quant import dynamic_quant
+
+        self.kernel = dynamic_quant if self.a["group_size"] == 0 else None
+
+    def __call__(self, step, x):
+        return self.kernel(x) if self.kernel is not None else super().__call__(step, x)
+
+
+class AddRMSNorm(quant.AddRMSNorm):
+    def __init__(self, attrs, env, consts=()) -> None:
+        super().__init__(attrs, env, consts)
+        from qruntime.kernels.add_rmsnorm_quant import add_rmsnorm
+
+        self.kernel = add_rmsnorm
+
+    def __call__(self, step, x, residual, w):
+        return self.kernel(x, residual, w, self.a["epsilon"])
+
+
+class AddRMSNormQuant(quant.AddRMSNormQuant):
+    def __init__(self, attrs, env, consts=()) -> None:
+        super().__init__(attrs, env, consts)
+        from qruntime.kernels.add_rmsnorm_quant import add_rmsnorm_quant
+
+        self.kernel = add_rmsnorm_quant if self.a["group_size"] == 0 else None
+
+    def __call__(self, step, x, residual, w):
+        if self.kernel is None:
+            return super().__call__(step, x, residual, w)
+        return self.kernel(x, residual, w, self.a["epsilon"])
+
+
+class SiluMulQuant(quant.SiluMulQuant):
+    def __init__(self, attrs, env, consts=()) -> None:
+        super().__init__(attrs, env, consts)
+        from qruntime.kernels.silu_mul_quant import silu_mul_quant
+
+        self.kernel = silu_mul_quant if self.a["group_size"] == 0 else None
+
+    def __call__(self, step, gate_up):
+        return self.kernel(gate_up) if self.kernel is not None else super().__call__(step, gate_up)
+
+
+class PTPCLinear(quant.PTPCLinear):
+    """FP8 GEMM by the backend tuned for (N, K) at the step's token count: our Triton kernel
+    (with its tuned block/split config) or torch._scaled_mm (cuBLASLt)."""
+
+    def __init__(self, attrs, env, consts=()) -> None:
+        super().__init__(attrs, env, consts)
+        from qruntime.kernels.fp8_gemm import GemmConfig, default_config, ptpc_fp8_gemm
+
+        self.gemm, self.config_from, self.default = ptpc_fp8_gemm, GemmConfig.from_dict, default_config
+        w, ws = (consts + (None,) * 4)[2:4]
+        if w is None or ws is None:
+            raise OpBindError("PTPCLinear's weight and scale must be graph initializers")
+        self.n, self.k = w.shape
+        self.key = f"PTPCLinear:{self.n}x{self.k}"
+        self.ws_row = ws.float().reshape(1, -1).contiguous()  # [1, N] for cuBLASLt's rowwise scaling
+        self.plans: dict[int, tuple[str, object]] = {}  # tokens -> (backend, config), filled on first use
+
+    def _plan(self, m: int) -> tuple[str, object]:
+        if m not in self.plans:
+            tuned = self.env.kernels.lookup(self.key, m) if self.env.kernels is not None else None
+            if tuned is not None and tuned.get("backend") == "cublaslt":
+                self.plans[m] = ("cublaslt", None)
+            elif tuned is not None:
+                self.plans[m] = ("triton", self.config_from(tuned))
+            else:
+                self.plans[m] = ("triton", self.default(m, self.n, self.k))
+        return self.plans[m]
+
+    def __call__(self, step, xq, xs, w, ws):
+        backend, config = self._plan(xq.shape[0])
+        if backend == "cublaslt":
+            return torch._scaled_mm(xq, w.T, scale_a=xs, scale_b=self.ws_row, out_dtype=self.env.dtype)
+        return self.gemm(xq, xs, w, ws, out_dtype=self.env.dtype, config=config)
+
+
+class QKNormRoPEKVWrite(attention.QKNormRoPEKVWrite):
+    def __init__(self, attrs, env, consts=()) -> None:
+        super().__init__(attrs, env, consts)
+        from qruntime.kernels.qknorm_rope_kvwrite import qknorm_rope_kvwrite
+
+        self.kernel = qknorm_rope_kvwrite
+
+    def __call__(self, step, qkv, q_norm_w, k_norm_w, positions, slots):
+        a, cache = self.a, step.kv_cache
+        q = self.kernel(
+            qkv,
+            q_norm_w,
+            k_norm_w,
+            positions,
+            slots,
+            cache.k[a["layer"]],
+            cache.v[a["layer"]],
+            num_heads=a["num_heads"],
+            num_kv_heads=a["num_kv_heads"],
+            head_dim=a["head_dim"],
+            eps=a["epsilon"],
+            theta=a["theta"],
+            layout=cache.spec.layout,
+            block_size=a["block_size"],
+            k_scale=a["k_scale"],
+            v_scale=a["v_scale"],
+        )
+        return q, qkv.new_empty(0, dtype=torch.uint8)
+
+
+class PagedAttention(attention.PagedAttention):
+    """Decode-only steps: split-context decode kernel; any other step: the varlen prefill kernel."""
+
+    capturable = True
+
+    def __init__(self, attrs, env, consts=()) -> None:
+        super().__init__(attrs, env, consts)
+        from qruntime.kernels.paged_decode_attention import paged_decode_attention
+        from qruntime.kernels.paged_prefill_attention import paged_prefill_attention
+
+        self.decode, self.prefill = paged_decode_attention, paged_prefill_attention
+
+    def __call__(self, step, q, ready, block_tables, context_lens, query_start_loc):
+        a, cache, meta = self.a, step.kv_cache, step.attn
+        common = dict(
+            layout=cache.spec.layout,
+            block_size=a["block_size"],
+            scale=a["scale"],
+            k_scale=a["k_scale"],
+            v_scale=a["v_scale"],
+            num_kv_heads=a["num_kv_heads"],
+        )
+        pools = (cache.k[a["layer"]], cache.v[a["layer"]])
+        if meta.decode_only:
+            return self.decode(q, *pools, block_tables, context_lens, max_context_len=meta.max_context_len, **common)
+        return self.prefill(q, *pools, block_tables, context_lens, query_start_loc, max_q_len=meta.max_q_len, **common)
+
+
+FAST_OPS = (DynamicQuant, AddRMSNorm, AddRMSNormQuant, SiluMulQuant, PTPCLinear, QKNormRoPEKVWrite, PagedAttention)
