@@ -19,6 +19,8 @@ _VERBS = MappingProxyType(
         "inspect": "Summarise an artifact: model, scheme, sizes, passes, KV layout, tuned devices.",
         "verify": "Check every file of an artifact against the sha256 in its manifest.",
         "run": "Generate text from an artifact with the runtime (prints timings).",
+        "tune": "Time the GPU kernels for an artifact on this GPU; store the winners in it.",
+        "bench": "Measure TTFT, TPOT and tokens/s of an artifact on this machine.",
         "synth": "Write a random-weight Qwen3 checkpoint of a named preset, with a local tokenizer.",
     }
 )

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from qcompile.errors import QCompileError
 from qcompile.recipe import DEFAULT_RECIPE, load_recipe
 from qcompile.units import human_bytes
 
@@ -61,7 +62,8 @@ def _summary_rows(prepared, output: Path, workers: int) -> list[tuple[str, str]]
 @click.option("-j", "--workers", type=click.IntRange(1, 64), default=None, help="Worker threads [default: all cores].")
 @click.option("--dry-run", is_flag=True, help="Validate the checkpoint and recipe and print the plan; write nothing.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars or summary table.")
-def command(checkpoint, output, recipe, overrides, force, workers, dry_run, quiet):
+@click.option("--tune", is_flag=True, help="Then tune the kernels on this machine's GPU (as `qcompile tune`).")
+def command(checkpoint, output, recipe, overrides, force, workers, dry_run, quiet, tune):
     """Compile a Hugging Face Qwen3 checkpoint into an artifact.
 
     Streams CHECKPOINT (a directory with config.json and safetensors shards) tensor by tensor —
@@ -74,6 +76,11 @@ def command(checkpoint, output, recipe, overrides, force, workers, dry_run, quie
 
         qcompile compile ./Qwen3-8B -o ./qwen3-8b-fp8 --set kv_cache.layout=hnd
     """
+    if tune and not dry_run:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise QCompileError("--tune needs a CUDA GPU on this machine (run `qcompile tune ART` on one later)")
     from qcompile.io.atomic import check_target
     from qcompile.pipeline import compile_checkpoint, prepare
 
@@ -95,3 +102,7 @@ def command(checkpoint, output, recipe, overrides, force, workers, dry_run, quie
     click.echo(
         f"wrote {output} ({human_bytes(total)}, {len(manifest['files'])} files) in {time.perf_counter() - start:.1f} s"
     )
+    if tune:
+        from qcompile.tune import tune_artifact
+
+        click.echo(f"tuned kernels: {tune_artifact(output)}")

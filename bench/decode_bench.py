@@ -1,0 +1,121 @@
+"""Issue-4 benchmark on one GPU, in one run: qwen3-8b shapes (random weights, synthesized here),
+compiled with ptpc-fp8, then measured in the same process against HF transformers bf16 on the same
+weights and against the bandwidth floor (bytes a decode step reads / measured copy bandwidth).
+
+    python bench/decode_bench.py --preset qwen3-8b --workdir /tmp/q8b --out bench/results/decode_bench_qwen3-8b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+
+import qruntime
+import torch
+from compile_bench import report_header
+from qruntime.artifact import read_manifest
+from qruntime.benchmark import copy_bandwidth, decode_step_bytes, measure
+
+from qcompile.pipeline import compile_checkpoint, prepare
+from qcompile.recipe import load_recipe
+from qcompile.synth import get_preset, write_checkpoint
+
+
+def hf_tpot_ms(ckpt: Path, steps: int = 16) -> float:
+    """HF transformers bf16 eager, batch 1: ms per decode token with its KV cache (greedy)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.randint(0, 1000, (1, 128), device="cuda")
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False)
+        torch.cuda.synchronize()
+        total = time.perf_counter() - start
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+        torch.cuda.synchronize()
+        prefill = time.perf_counter() - start
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return (total - prefill) / steps * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="qwen3-8b")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/q8b"))
+    parser.add_argument("--batches", default="1,4,16,64")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--ttft-len", type=int, default=8000)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    report = report_header("decode_bench")
+    import triton
+
+    report["machine"]["gpu"] = torch.cuda.get_device_name()
+    report["versions"].update(torch=torch.__version__, triton=triton.__version__)
+    report["weights"] = "synthetic: random bf16 weights of the preset's exact shapes (qcompile synth)"
+    ckpt, art = args.workdir / args.preset, args.workdir / f"{args.preset}-ptpc-fp8"
+    timings = {}
+    start = time.perf_counter()
+    if not (ckpt / "config.json").exists():
+        write_checkpoint(get_preset(args.preset).config(), ckpt, seed=0)
+    timings["synth_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    if not (art / "manifest.json").exists():
+        compile_checkpoint(prepare(ckpt, load_recipe("ptpc-fp8")), art, workers=16, progress=False)
+    timings["compile_s"] = time.perf_counter() - start
+    print("built", timings, flush=True)
+
+    bandwidth = copy_bandwidth()
+    manifest = read_manifest(art)
+    batches = [int(b) for b in args.batches.split(",")]
+    engine = qruntime.load(
+        art,
+        device="cuda",
+        max_model_len=max(args.ttft_len, args.input_len + args.output_len) + 16,
+        max_num_seqs=max(batches),
+        max_num_batched_tokens=max(args.ttft_len, max(batches) * args.input_len),
+        kv_cache_memory=16 << 30,
+    )
+    report["engine"] = engine.description
+    measure(engine, 64, 8, 1)  # warm-up: triton compiles
+    rows = []
+    for batch in batches:
+        row = measure(engine, args.input_len, args.output_len, batch, seed=batch)
+        context = args.input_len + args.output_len // 2
+        floor_s = decode_step_bytes(manifest, batch, context) / bandwidth
+        row["floor_ms"] = floor_s * 1e3
+        row["tpot_over_floor"] = row["tpot_ms"] / row["floor_ms"]
+        rows.append(row)
+        print(row, flush=True)
+    ttft = measure(engine, args.ttft_len, 2, 1, seed=7)
+    print("ttft", ttft, flush=True)
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    hf = None if args.skip_hf else hf_tpot_ms(ckpt)
+    print("hf bf16 tpot ms", hf, flush=True)
+    report.update(
+        timings=timings,
+        copy_bandwidth_gb_s=bandwidth / 1e9,
+        decode=rows,
+        prefill={"input_len": args.ttft_len, "ttft_ms": ttft["ttft_ms"]},
+        hf_bf16_eager_tpot_ms_batch1=hf,
+    )
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

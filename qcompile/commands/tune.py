@@ -1,0 +1,29 @@
+"""`qcompile tune ART`: time the runtime's GEMM backends on this GPU, store the winners in the artifact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command("tune")
+@click.argument("artifact", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option(
+    "--buckets",
+    default=None,
+    help="Comma-separated token counts to tune for [default: 1,2,4,...,8192].",
+)
+def command(artifact: Path, buckets: str | None) -> None:
+    """Tune ARTIFACT's kernels for the GPU of this machine.
+
+    For each FP8 weight shape and token-count bucket, times the Triton FP8 GEMM over its candidate
+    configs and cuBLASLt (torch._scaled_mm), checks the winner against the reference math, and writes
+    kernels/<GPU model>.json into the artifact (its manifest entry updated). The runtime loads that
+    file on a GPU of the same model and never autotunes at load.
+    """
+    from qcompile.tune import TOKEN_BUCKETS, tune_artifact
+
+    chosen = TOKEN_BUCKETS if buckets is None else tuple(int(b) for b in buckets.split(","))
+    path = tune_artifact(artifact, chosen, progress=lambda key: click.echo(f"tuned {key}", err=True))
+    click.echo(f"wrote {path}")

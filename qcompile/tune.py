@@ -1,0 +1,127 @@
+"""Tuning: time the runtime's GEMM backends on this GPU and record the winners in the artifact.
+
+For every PTPC-FP8 weight shape (N, K) of the artifact and every token-count bucket, time the
+runtime's Triton FP8 GEMM over its candidate configs and torch._scaled_mm (cuBLASLt), check the
+winner against the reference math, and write kernels/<device>.json (docs/ARTIFACT.md). The manifest's
+file table is updated in the same step, so `qcompile verify` still covers every file. Needs a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from qruntime.artifact import read_manifest, sha256_file
+from qruntime.kernel_configs import KERNELS_DIR, device_file
+
+from qcompile.errors import QCompileError
+from qcompile.manifest import write_manifest
+
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def gemm_shapes(manifest: dict[str, Any]) -> list[tuple[int, int]]:
+    """(N, K) of every 2-D PTPC-FP8 weight (stacked MoE experts are tuned with the MoE kernel)."""
+    shapes = {
+        tuple(info["shape"])
+        for name, info in manifest["tensors"].items()
+        if info["scheme"] == "ptpc-fp8" and info["role"] != "scale" and len(info["shape"]) == 2
+    }
+    return sorted(shapes)
+
+
+def _time_us(fn: Callable[[], Any]) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=5, rep=25)) * 1e3
+
+
+def _candidates(xq, xs, w, ws, ws_row) -> dict[str, tuple[dict[str, Any], Callable[[], Any]]]:
+    """label -> (table entry, a call running it) for cuBLASLt and each candidate Triton config."""
+    from qruntime.kernels.fp8_gemm import default_config, ptpc_fp8_gemm, sweep_configs
+
+    (m, k), n = xq.shape, w.shape[0]
+    out = {
+        "cublaslt": (
+            {"backend": "cublaslt"},
+            lambda: torch._scaled_mm(xq, w.T, scale_a=xs, scale_b=ws_row, out_dtype=torch.bfloat16),
+        )
+    }
+    for config in {default_config(m, n, k), *sweep_configs(m, n, k)}:
+        out[repr(config)] = (
+            {"backend": "triton", **config.to_dict()},
+            lambda config=config: ptpc_fp8_gemm(xq, xs, w, ws, out_dtype=torch.bfloat16, config=config),
+        )
+    return out
+
+
+def tune_gemm(n: int, k: int, buckets: Iterable[int], device: torch.device) -> dict[str, dict[str, Any]]:
+    """bucket -> the fastest backend/config for an [m, k] x [n, k]ᵀ PTPC-FP8 GEMM, with its µs."""
+    from qruntime.ops.functional import dynamic_quant, ptpc_linear
+
+    w = (torch.randn(n, k, device=device) * 0.05).to(torch.float8_e4m3fn)
+    ws = (torch.rand(n, 1, device=device) * 1e-3 + 1e-4).to(torch.bfloat16)
+    ws_row = ws.float().reshape(1, -1).contiguous()
+    table: dict[str, dict[str, Any]] = {}
+    for m in buckets:
+        xq, xs = dynamic_quant(torch.randn(m, k, device=device, dtype=torch.bfloat16), 0)
+        candidates = _candidates(xq, xs, w, ws, ws_row)
+        timed = sorted((_time_us(fn), key) for key, (_, fn) in candidates.items())
+        best_us, best = timed[0]
+        entry, fn = candidates[best]
+        reference = ptpc_linear(xq, xs, w, ws, torch.float32)
+        error = float((fn().float() - reference).abs().max() / reference.abs().max().clamp(min=1e-30))
+        if error > 2**-7:  # a bf16 output is off by at most ~2^-8 relative
+            raise QCompileError(f"tuned GEMM {n}x{k} at {m} tokens ({best}) is wrong: relative error {error:.3g}")
+        table[str(m)] = {
+            **entry,
+            "us": round(best_us, 2),
+            "cublaslt_us": round(next(t for t, label in timed if label == "cublaslt"), 2),
+        }
+    return table
+
+
+def tune_artifact(
+    root: str | Path, buckets: Iterable[int] = TOKEN_BUCKETS, progress: Callable[[str], None] | None = None
+) -> Path:
+    """Tune every GEMM shape of the artifact on the current GPU; returns the kernels/<device>.json written."""
+    if not torch.cuda.is_available():
+        raise QCompileError("tuning needs a CUDA GPU (it times the runtime's kernels on it)")
+    import triton
+
+    root = Path(root)
+    manifest = read_manifest(root)
+    device = torch.device("cuda")
+    name = torch.cuda.get_device_name(device)
+    entries = {}
+    for n, k in gemm_shapes(manifest):
+        entries[f"PTPCLinear:{n}x{k}"] = tune_gemm(n, k, list(buckets), device)
+        if progress is not None:
+            progress(f"PTPCLinear:{n}x{k}")
+    table = {
+        "device": name,
+        "capability": list(torch.cuda.get_device_capability(device)),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "entries": entries,
+    }
+    rel = f"{KERNELS_DIR}/{device_file(name)}"
+    path = root / rel
+    path.parent.mkdir(exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    manifest["files"][rel] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    manifest.pop("format_version", None)
+    staging = root / ".manifest.tmp"
+    staging.mkdir(exist_ok=True)
+    write_manifest(staging, manifest)
+    os.replace(staging / "manifest.json", root / "manifest.json")
+    staging.rmdir()
+    return path
