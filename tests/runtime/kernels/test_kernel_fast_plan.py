@@ -66,7 +66,32 @@ def test_fast_plan_matches_the_reference_plan(tiny_ckpt, compiled, layout):
         _step([([7], 21), ([9], 5)], tables, 64),  # a decode step
     ]
     for feeds, meta in steps:
-        logits = {name: plan.run(StepContext(caches[name], meta), feeds).float() for name, plan in plans.items()}
-        # fp8 activation rounding may differ on interpreter ties: a handful of ulps, not a different model
-        noise = (logits["fast"] - logits["ref"]).pow(2).mean() / logits["ref"].pow(2).mean()
-        assert float(noise) < 1e-3
+        # node by node, each fast op fed the reference's inputs: the kernels' own error only (under the
+        # interpreter their bf16 outputs are truncated, not rounded: ~1 ulp on half the elements)
+        env = {**weights, **feeds, "": None}
+        shadow = KVCache(spec, 8, torch.bfloat16, torch.device("cpu"))
+        for node, fast_node in zip(plans["ref"].nodes, plans["fast"].nodes, strict=True):
+            shadow.k[:] = [k.clone() for k in caches["ref"].k]
+            shadow.v[:] = [v.clone() for v in caches["ref"].v]
+            args = [env[name] for name in node.inputs]
+            ref_out = node.op(StepContext(caches["ref"], meta), *args)
+            fast_out = fast_node.op(StepContext(shadow, meta), *args)
+            ref_out = ref_out if isinstance(ref_out, tuple) else (ref_out,)
+            fast_out = fast_out if isinstance(fast_out, tuple) else (fast_out,)
+            for name, x, y in zip(node.outputs, ref_out, fast_out, strict=True):
+                if x.is_floating_point() and x.numel():
+                    noise = (x.float() - y.float()).pow(2).mean() / x.float().pow(2).mean().clamp(min=1e-30)
+                    assert float(noise) < 1e-4, f"{type(node.op).__name__} -> {name}: relative noise {float(noise):.2e}"
+            for layer in range(spec.num_layers):  # the cache the fast op wrote matches the reference's
+                for mine, theirs in (
+                    (shadow.k[layer], caches["ref"].k[layer]),
+                    (shadow.v[layer], caches["ref"].v[layer]),
+                ):
+                    diff = (mine.float() - theirs.float()).pow(2).sum() / theirs.float().pow(2).sum().clamp(min=1e-30)
+                    assert float(diff) < 1e-4, f"{type(node.op).__name__}: layer {layer} cache differs"
+            env.update(zip(node.outputs, ref_out, strict=True))
+        # the whole plan: those ulps pass through later fp8 activation quantization, so logits agree
+        # to the level of fp8 rounding (>= 25 dB), not to the ulp
+        logits = plans["fast"].run(StepContext(caches["fast"], meta), feeds).float()
+        noise = (logits - env[plans["ref"].output].float()).pow(2).mean() / logits.pow(2).mean()
+        assert float(noise) < 10**-2.5
