@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from qruntime.kernels.kv_addressing import layout_addressing
+from qruntime.kernels.kv_addressing import pool_addressing
 from qruntime.kv_cache import KVCache, KVCacheSpec
 from qruntime.kv_layout import KV_LAYOUTS
 
@@ -18,9 +18,8 @@ def test_formula_finds_what_the_cache_wrote(layout, kv_dtype):
     spec = KVCacheSpec(KV_LAYOUTS[layout], kv_dtype, 16, 1, 3, 32)
     cache = KVCache(spec, 5, torch.float32, torch.device("cpu"))
     k_pool, v_pool = cache.k[0], cache.v[0]
-    k_addr, v_addr = layout_addressing(
-        spec.layout, k_pool.shape, k_pool.stride(), v_pool.shape, v_pool.stride(), 16, 32
-    )
+    k_addr = pool_addressing(spec.layout.k_dims, tuple(k_pool.shape), k_pool.stride(), 16, 32)
+    v_addr = pool_addressing(spec.layout.v_dims, tuple(v_pool.shape), v_pool.stride(), 16, 32)
     slots = torch.randperm(80)[:20]
     k, v = torch.randn(20, 3, 32), torch.randn(20, 3, 32)
     cache.write(0, k, v, slots, 1.0, 1.0)

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qruntime.kv_layout import KVLayout
-
 
 @dataclass(frozen=True)
 class PoolAddressing:
@@ -27,18 +25,6 @@ class PoolAddressing:
     dim_split: int
     dim_outer: int
     dim_inner: int
-
-    def as_args(self) -> tuple[int, ...]:
-        return (
-            self.block,
-            self.head,
-            self.tok_split,
-            self.tok_outer,
-            self.tok_inner,
-            self.dim_split,
-            self.dim_outer,
-            self.dim_inner,
-        )
 
     def offset(self, b: int, h: int, t: int, i: int) -> int:
         """The formula above, for tests."""
@@ -67,14 +53,4 @@ def pool_addressing(
         dim_split, dim_outer, dim_inner = size["x"], stride["head_dim/x"], stride["x"]
     return PoolAddressing(
         stride["blocks"], stride["kv_heads"], tok_split, tok_outer, tok_inner, dim_split, dim_outer, dim_inner
-    )
-
-
-def layout_addressing(
-    layout: KVLayout, pool_shape_k, pool_strides_k, pool_shape_v, pool_strides_v, block_size, head_dim
-):
-    """(K addressing, V addressing) of one layer's pools."""
-    return (
-        pool_addressing(layout.k_dims, tuple(pool_shape_k), tuple(pool_strides_k), block_size, head_dim),
-        pool_addressing(layout.v_dims, tuple(pool_shape_v), tuple(pool_strides_v), block_size, head_dim),
     )
