@@ -7,7 +7,10 @@ output and log-sum-exp. Stage 2 merges the partitions of each (sequence, head) w
 log-sum-exp trick. With one partition, stage 1 writes the output directly and stage 2 is skipped.
 
 The number of partitions comes from host ints the caller fixes (num_splits, or max_context_len, or
-the block table's width), never from context_lens' data: no host sync, CUDA-graph capturable.
+the block table's width), never from context_lens' data: no host sync, CUDA-graph capturable. The
+partitions' length is computed on the device from each sequence's own context (at least
+min_partition tokens), so a short context in a graph captured for the longest one still spreads
+over several programs instead of queueing its tiles in the first.
 
 Pools in any named layout (nhd, hnd, x-packed; model dtype or fp8) are addressed by the eight
 integers of qruntime.kernels.kv_addressing; fp8 values are multiplied by k_scale / v_scale.
@@ -21,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qruntime.kernels.kv_addressing import PoolAddressing, pool_addressing
+from qruntime.kernels.kv_addressing import PoolAddressing, pool_addressing, pool_offsets
 from qruntime.kv_layout import KV_LAYOUTS, KVLayout
 
 FP8 = torch.float8_e4m3fn
@@ -130,14 +133,15 @@ def kv_tile_offsets(
     DIM_SPLIT: tl.constexpr,
     TRANSPOSED: tl.constexpr,
 ):
-    """Element offsets of a K/V tile by the kv_addressing formula: [D, N] if TRANSPOSED else [N, D]."""
-    tok = blk * blk_stride + head_off + (t // TOK_SPLIT) * tok_outer + (t % TOK_SPLIT) * tok_inner
-    dim = (dims // DIM_SPLIT) * dim_outer + (dims % DIM_SPLIT) * dim_inner
-    if TRANSPOSED:  # noqa: SIM108 (a constexpr branch; triton's ternary is not)
-        offsets = tok[None, :] + dim[:, None]
+    """Element offsets of a K/V tile by the kv_addressing formula: [D, N] if TRANSPOSED else [N, D]
+    (head_off: the kv head's offset, already multiplied by its stride)."""
+    if TRANSPOSED:
+        blk, t, dims = blk[None, :], t[None, :], dims[:, None]
     else:
-        offsets = tok[:, None] + dim[None, :]
-    return offsets
+        blk, t, dims = blk[:, None], t[:, None], dims[None, :]
+    return pool_offsets(
+        blk, t, 1, dims, blk_stride, head_off, tok_outer, tok_inner, dim_outer, dim_inner, TOK_SPLIT, DIM_SPLIT
+    )
 
 
 @triton.jit
@@ -167,6 +171,13 @@ def weighted_values(acc, p, v, SPLIT_P: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def partition_len(ctx, num_splits, min_partition, STEP: tl.constexpr):
+    """Tokens per partition of a context of ctx tokens: num_splits partitions cover it."""
+    part = tl.cdiv(tl.cdiv(ctx, num_splits), STEP) * STEP
+    return tl.maximum(part, min_partition)
+
+
+@triton.jit
 def _decode_partition_kernel(
     q_ptr,  # [B, nh, d]
     k_ptr,
@@ -178,7 +189,7 @@ def _decode_partition_kernel(
     q_stride_b,
     q_stride_h,
     bt_stride,
-    partition,  # tokens per partition (a multiple of BLOCK_N when longer); the last one takes the rest
+    min_partition,  # tokens: partitions are cdiv(ctx, num_splits) rounded up to STEP, at least this
     num_splits,
     qk_scale,  # scale * k_scale * log2(e)
     v_scale,
@@ -194,6 +205,7 @@ def _decode_partition_kernel(
     v_tok_inner,
     v_dim_outer,
     v_dim_inner,
+    STEP: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -212,8 +224,9 @@ def _decode_partition_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq)
+    partition = partition_len(ctx, num_splits, min_partition, STEP)
     lo = split * partition
-    hi = tl.where(split == num_splits - 1, ctx, tl.minimum(lo + partition, ctx))
+    hi = tl.minimum(lo + partition, ctx)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -271,9 +284,10 @@ def _decode_reduce_kernel(
     lse_ptr,  # [B, nh, S] fp32
     context_lens_ptr,
     out_ptr,  # [B, nh * d]
-    partition,
+    min_partition,
     num_splits,
     v_scale,
+    STEP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -281,7 +295,7 @@ def _decode_reduce_kernel(
     seq = tl.program_id(0)
     head = tl.program_id(1)
     ctx = tl.load(context_lens_ptr + seq)
-    used = tl.minimum(tl.cdiv(ctx, partition), num_splits)  # partitions stage 1 wrote
+    used = tl.cdiv(ctx, partition_len(ctx, num_splits, min_partition, STEP))  # partitions stage 1 wrote
     row0 = (seq * tl.num_programs(1) + head) * num_splits
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
@@ -319,7 +333,10 @@ def _num_sms(device: torch.device) -> int:
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
     """Partitions per sequence: enough (seq, kv head, partition) programs to fill the GPU, each of
-    at least MIN_PARTITION tokens."""
+    at least MIN_PARTITION tokens. The batch counts rounded up to a power of two, so a batch and the
+    CUDA-graph bucket it is padded to (no bucket range straddles a power of two) get the same
+    partitions: graph replay and eager steps sum in the same order and give the same tokens."""
+    batch = triton.next_power_of_2(max(batch, 1))
     wanted = triton.cdiv(TARGET_PROGRAMS_PER_SM * num_sms, batch * num_kv_heads)
     return max(1, min(wanted, triton.cdiv(max_context_len, MIN_PARTITION)))
 
@@ -371,9 +388,7 @@ def paged_decode_attention(
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     cfg = config or DecodeConfig()
     block_n = cfg.block_n
-    partition = triton.cdiv(max(max_context_len, 1), num_splits)
-    step = block_n if partition > block_n else 16  # whole tiles, except for short partitions
-    partition = triton.cdiv(partition, step) * step
+    min_partition = min(MIN_PARTITION, block_n)  # whole tiles
 
     out = torch.empty(batch, nh * d, dtype=q.dtype, device=q.device)
     if batch == 0:
@@ -388,16 +403,16 @@ def paged_decode_attention(
     block_d = triton.next_power_of_2(d)
     _decode_partition_kernel[(batch, num_kv_heads, num_splits)](
         q, k_pool, v_pool, block_tables, context_lens, partial, lse,
-        q.stride(0), q.stride(1), block_tables.stride(0), partition, num_splits,
+        q.stride(0), q.stride(1), block_tables.stride(0), min_partition, num_splits,
         scale * kv.k_scale * LOG2E, kv.v_scale, *kv.k_args(), *kv.v_args(),
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
+        STEP=block_n, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_SIZE=block_size, **kv.splits(), SPLIT_P=q.dtype != torch.float32,
         UPCAST=q.device.type != "cuda", DIRECT=direct,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if not direct:
         _decode_reduce_kernel[(batch, nh)](
-            partial, lse, context_lens, out, partition, num_splits, kv.v_scale,
-            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=min(32, triton.next_power_of_2(num_splits)), num_warps=4,
+            partial, lse, context_lens, out, min_partition, num_splits, kv.v_scale,
+            STEP=block_n, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=min(32, triton.next_power_of_2(num_splits)), num_warps=4,
         )  # fmt: skip
     return out

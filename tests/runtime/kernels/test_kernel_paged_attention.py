@@ -104,15 +104,16 @@ def test_decode_equals_reference_with_one_and_many_splits(layout, pool, shape):
     step = Step(layout, *pool, shape, seqs)
     one = step.decode(num_splits=1)
     assert_close(one, step.ref)
-    many = step.decode(num_splits=3, max_context_len=100)  # partitions [0, 64), [64, 128), [128, ctx)
+    many = step.decode(num_splits=3, max_context_len=100)  # each context in 3 partitions, sized on the device
     assert_close(many, step.ref)
     assert torch.allclose(one.float(), many.float(), rtol=1e-5, atol=1e-5) or one.dtype != torch.float32
     assert_close(step.decode(), step.ref)  # the default: splits from the block tables' capacity
 
 
 def test_decode_past_max_context_len_and_empty_rows():
-    """A context longer than max_context_len still counts every token (the last partition takes the
-    rest); more partitions than a context needs, and a padding row with context 0, give zeros."""
+    """A context longer than max_context_len still counts every token (partitions are sized from each
+    sequence's own context); more partitions than a context needs, and a padding row with context 0
+    (zeros), are right too."""
     step = Step("hnd", "bf16", torch.float32, (4, 2, 32, 16), [(150, 1), (5, 1), (1, 1)])
     assert_close(step.decode(max_context_len=64, num_splits=2), step.ref)
     assert_close(step.decode(max_context_len=400, num_splits=6), step.ref)
@@ -129,6 +130,19 @@ def test_decode_split_count_fills_the_gpu_and_is_host_only():
     assert decode_num_splits(1, 8, 512, 132) == 8  # MIN_PARTITION-sized partitions
     assert decode_num_splits(64, 8, 8000, 132) == 1  # the batch alone fills the GPU
     assert decode_num_splits(1, 8, 50, 132) == 1
+
+
+def test_a_batch_and_its_graph_bucket_get_the_same_partitions():
+    """Eager decode of a batch and the CUDA graph of the bucket it is padded to must split contexts
+    alike (same sums, same tokens): the split count may not change inside a bucket's range."""
+    from bisect import bisect_left
+
+    from qruntime.engine.cuda_graphs import DEFAULT_BUCKETS
+
+    for batch in range(1, DEFAULT_BUCKETS[-1] + 1):
+        bucket = DEFAULT_BUCKETS[bisect_left(DEFAULT_BUCKETS, batch)]
+        for kvh, ctx in ((8, 8000), (4, 40960), (2, 512)):
+            assert decode_num_splits(batch, kvh, ctx, 132) == decode_num_splits(bucket, kvh, ctx, 132), (batch, bucket)
 
 
 @pytest.mark.parametrize(("layout", "pool", "shape"), CASES)
