@@ -99,14 +99,14 @@ class KVCache:
             pool[self._index(dims, slots)] = x.reshape(len(slots), *self._sliced_shape(dims)).to(pool.dtype)
 
     def gather(
-        self, layer: int, slots: torch.Tensor, k_scale: float, v_scale: float
+        self, layer: int, slots: torch.Tensor, k_scale: float, v_scale: float, dtype: torch.dtype = torch.float32
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of `slots` [n] as fp32 [n, kv_heads, head_dim] (fp8 dequantized with its scale)."""
+        """K, V of `slots` [n] as `dtype` [n, kv_heads, head_dim] (fp8 dequantized with its scale in fp32)."""
         out = []
         for pool, dims, scale in (
             (self.k[layer], self.spec.layout.k_dims, k_scale),
             (self.v[layer], self.spec.layout.v_dims, v_scale),
         ):
-            x = pool[self._index(dims, slots)].float().reshape(len(slots), self.spec.num_kv_heads, self.spec.head_dim)
-            out.append(x * scale if pool.dtype == FP8 else x)
+            x = pool[self._index(dims, slots)].reshape(len(slots), self.spec.num_kv_heads, self.spec.head_dim)
+            out.append((x.float() * scale).to(dtype) if pool.dtype == FP8 else x.to(dtype))
         return out[0], out[1]

@@ -218,3 +218,33 @@ def test_moe_equals_every_expert_on_every_token_summed_in_expert_order(linear, n
         coef = (weights * (ids == e)).sum(-1, keepdim=True)
         total = total + dense(act, w2[e], None if s2 is None else s2[e]) * coef
     assert torch.allclose(got, total, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+def test_fast_attention_takes_sdpa_for_fresh_long_prompts_only(kv_dtype):
+    """The triton op table's PagedAttention runs a step of fresh prompts (no cached prefix, each
+    >= SDPA_MIN_TOKENS) with torch's fused attention: same result as the reference op; a step with
+    a cached prefix or a short prompt goes to the varlen prefill kernel."""
+    from qruntime.ops.triton_ops import PagedAttention as FastPagedAttention
+
+    spec, nh = _spec("nhd", kv_dtype, kvh=2, d=32), 6
+    n = FastPagedAttention.SDPA_MIN_TOKENS
+    seqs = [(n + random.randrange(1, 40), 0), (n + random.randrange(1, 40), 0)]
+    seqs = [(ctx, ctx) for ctx, _ in seqs]
+    step, q, _ = _paged_step(seqs, spec, 2 * (n // 16 + 4), nh)
+    scales = (0.5, 0.25) if kv_dtype == "fp8_e4m3" else (1.0, 1.0)
+    attrs = {"layer": 0, "layout": "nhd", "block_size": 16, "kv_dtype": kv_dtype, "k_scale": scales[0]}
+    attrs |= {"v_scale": scales[1], "num_heads": nh, "num_kv_heads": 2, "head_dim": 32, "scale": 32**-0.5}
+    env = OpEnv(torch.float32, torch.device("cpu"), spec)
+    fast, ref = FastPagedAttention(attrs, env), PagedAttention(attrs, env)
+    calls = []
+    fast.prefill = lambda *args, **kwargs: calls.append(args)
+    out = fast(step, q, None, None, None, None)
+    assert not calls  # fresh long prompts: SDPA
+    assert torch.allclose(out, ref(step, q, None, None, None, None), atol=1e-5)
+
+    short = AttentionMetadata((0, 5), (5,), step.attn.cache_slots[:1])
+    prefix = AttentionMetadata((0, n), (n + 3,), step.attn.cache_slots[:1])
+    for meta in (short, prefix):
+        fast(StepContext(step.kv_cache, meta), q[: meta.query_start[-1]], None, None, None, None)
+    assert len(calls) == 2
