@@ -7,12 +7,16 @@ The element (block b, kv head h, token offset t in the block, head-dim index i) 
 
 (in elements). nhd / hnd are plain strides (splits that never divide); x-packed K splits the head
 dim by x and V splits the token offset by X (docs/ARTIFACT.md). Kernels take the eight integers and
-stay layout-agnostic; pure Python, no torch or triton.
+stay layout-agnostic: pool_addressing computes them on the host, pool_offsets is the formula inside
+a kernel (the two splits constexpr, so `//` and `%` by them are shifts).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import triton
+import triton.language as tl
 
 
 @dataclass(frozen=True)
@@ -54,3 +58,23 @@ def pool_addressing(
     return PoolAddressing(
         stride["blocks"], stride["kv_heads"], tok_split, tok_outer, tok_inner, dim_split, dim_outer, dim_inner
     )
+
+
+@triton.jit
+def pool_offsets(
+    block,
+    tok,
+    head,
+    dim,
+    s_block,
+    s_head,
+    s_tok_outer,
+    s_tok_inner,
+    s_dim_outer,
+    s_dim_inner,
+    TOK_SPLIT: tl.constexpr,
+    DIM_SPLIT: tl.constexpr,
+):
+    """The formula, elementwise over broadcastable block / tok (offset in the block) / head / dim."""
+    base = block * s_block + head * s_head + (tok // TOK_SPLIT) * s_tok_outer + (tok % TOK_SPLIT) * s_tok_inner
+    return base + (dim // DIM_SPLIT) * s_dim_outer + (dim % DIM_SPLIT) * s_dim_inner

@@ -24,9 +24,9 @@ the order of the sum of squares (and, natively, fp32 contraction into FMAs and l
 the RMS factor is 1 / sqrt(mean + eps) with IEEE sqrt and division (torch.rsqrt on the CPU),
 inv_freq = 1 / fp32(theta ** e) with e = fp32(2i / d) (the power in fp64, rounded once, which is
 what a correctly rounded powf gives), fp8 is fp8(clamp(x / scale)) with the IEEE quotient (Markstein:
-x · (1/scale) corrected by one FMA). Casts to bf16 and fp8 round with exact fp32 arithmetic
-(_round_to, _round_e4m3) before the then exact cast, because the interpreter's fp32 -> bf16 cast
-truncates and its fp32 -> fp8 cast mis-rounds; natively that costs a few ALU ops per value.
+x · (1/scale) corrected by one FMA). Roundings to bf16 and fp8 are dynamic_quant's round_to and
+fp8_e4m3_code: the hardware's conversions natively, integer emulation under the interpreter (whose
+fp32 -> bf16 cast truncates and whose fp32 -> fp8 cast mis-rounds).
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from qruntime.kernels.kv_addressing import PoolAddressing, pool_addressing
+from qruntime.kernels.dynamic_quant import fp8_e4m3_code, round_to, use_hw_casts
+from qruntime.kernels.kv_addressing import PoolAddressing, pool_addressing, pool_offsets
 from qruntime.kv_layout import KVLayout
 
 _MODEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -46,71 +47,18 @@ _FP8 = torch.float8_e4m3fn
 
 
 @triton.jit
-def _round_to(x, dtype: tl.constexpr):
-    """fp32 x rounded to the model dtype (bf16 or fp16), returned as fp32.
-
-    bf16: round to nearest, ties to even, as (x + c) - c with c = ±1.5·2^(e+16) for x's exponent e:
-    the fp32 sum's ulp is then x's bf16 quantum, so the adder does the rounding (normal |x| < 2^111;
-    fp32 subnormals pass unrounded, which the final cast, natively round-to-nearest, then rounds)."""
-    if dtype == tl.bfloat16:
-        c = (x.to(tl.uint32, bitcast=True) & 0xFF800000).to(tl.float32, bitcast=True) * 98304.0  # ±2^e · 1.5·2^16
-        return (x + c) - c
-    else:
-        return x.to(dtype).to(tl.float32)
-
-
-@triton.jit
-def _round_e4m3(y):
-    """fp32 y with |y| <= 448 rounded to the nearest float8 e4m3fn value (ties to even), as fp32.
-
-    The e4m3 quantum at y's magnitude is 2^(e-3) (2^-9 below the normal range); y / quantum is exact
-    and (n + 1.5·2^23) - 1.5·2^23 rounds it to an integer with the fp32 adder's ties-to-even."""
-    exp = (y.to(tl.uint32, bitcast=True) >> 23) & 0xFF  # biased fp32 exponent
-    q_exp = tl.maximum(exp, 127 - 6) - 3  # biased exponent of the quantum
-    quantum = (q_exp << 23).to(tl.float32, bitcast=True)
-    inv_quantum = ((254 - q_exp) << 23).to(tl.float32, bitcast=True)
-    n = (y * inv_quantum + 12582912.0) - 12582912.0
-    return n * quantum
-
-
-@triton.jit
-def _pool_offsets(
-    block,  # scalar
-    tok,  # scalar: offset in the block
-    head,  # [HEADS, 1, 1] kv heads
-    dim,  # [1, 2, HALF_PAD] head-dim indices
-    s_block,
-    s_head,
-    s_tok_outer,
-    s_tok_inner,
-    s_dim_outer,
-    s_dim_inner,
-    TOK_SPLIT: tl.constexpr,
-    DIM_SPLIT: tl.constexpr,
-):
-    """kv_addressing's formula: element offsets of (block, tok, head, dim) in a pool."""
-    base = block * s_block + head * s_head + (tok // TOK_SPLIT) * s_tok_outer + (tok % TOK_SPLIT) * s_tok_inner
-    return base + (dim // DIM_SPLIT) * s_dim_outer + (dim % DIM_SPLIT) * s_dim_inner
-
-
-@triton.jit
-def _store_kv(pool_ptr, offsets, x, mask, scale, FP8: tl.constexpr):
-    """Store x (fp32 holding a model-dtype value) to the pool; fp8 pools get fp8(clamp(x / scale, ±448))."""
+def _store_kv(pool_ptr, offsets, x, mask, scale, FP8: tl.constexpr, HW: tl.constexpr):
+    """Store x (fp32 holding a model-dtype value) to the pool; fp8 pools (a uint8 view) get the bytes
+    of fp8(clamp(x / scale, ±448)) with the IEEE quotient, as torch computes it."""
     if FP8:
-        # torch: x.float() / scale (IEEE fp32), clamp, RNE cast. The quotient: q0 = x * RN(1/scale) is
-        # within an ulp, and one FMA-exact remainder step makes it the correctly rounded x / scale.
         scale = tl.cast(scale, tl.float32)
-        inv = tl.math.div_rn(1.0, scale)
-        y = x * inv
-        y = tl.fma(tl.fma(-y, scale, x), inv, y)
-        y = _round_e4m3(tl.minimum(tl.maximum(y, -448.0), 448.0))
-        tl.store(pool_ptr + offsets, y.to(pool_ptr.dtype.element_ty), mask=mask)
+        tl.store(pool_ptr + offsets, fp8_e4m3_code(x, scale, tl.math.div_rn(1.0, scale), HW), mask=mask)
     else:
         tl.store(pool_ptr + offsets, x.to(pool_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _norm_rope(head_ptr, w_ptr, dim, partner, sign, mask, cos, sin, eps, D: tl.constexpr):
+def _norm_rope(head_ptr, w_ptr, dim, partner, sign, mask, cos, sin, eps, D: tl.constexpr, HW: tl.constexpr):
     """RMSNorm then rotate-half RoPE of heads [HEADS, 2, HALF_PAD] at head_ptr [HEADS, 1, 1]:
     fp32 values rounded to the model dtype."""
     x = tl.load(head_ptr + dim, mask=mask, other=0.0)
@@ -123,9 +71,9 @@ def _norm_rope(head_ptr, w_ptr, dim, partner, sign, mask, cos, sin, eps, D: tl.c
     ms = tl.math.div_rn(ss, tl.full(ss.shape, D, tl.float32)) + eps
     r = tl.math.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.sqrt_rn(ms))
     # weight * normed.to(dtype): the product of two bf16/fp16 values is exact in fp32, then rounded once
-    y = _round_to(_round_to(a * r, x.dtype) * w, x.dtype)
-    yp = _round_to(_round_to(ap * r, x.dtype) * wp, x.dtype)
-    return _round_to(y * cos + (sign * yp) * sin, x.dtype)  # x * cos + rotate_half(x) * sin
+    y = round_to(round_to(a * r, x.dtype, HW) * w, x.dtype, HW)
+    yp = round_to(round_to(ap * r, x.dtype, HW) * wp, x.dtype, HW)
+    return round_to(y * cos + (sign * yp) * sin, x.dtype, HW)  # x * cos + rotate_half(x) * sin
 
 
 @triton.jit
@@ -170,6 +118,7 @@ def _qknorm_rope_kvwrite_kernel(
     HEADS: tl.constexpr,  # heads per program, a power of two dividing NH and KVH
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     FP8: tl.constexpr,
+    HW: tl.constexpr,  # hardware fp32 -> bf16 / e4m3 conversions (not under the interpreter)
 ):
     t = tl.program_id(0).to(tl.int64)
     h0 = tl.program_id(1) * HEADS  # first head of the program: q heads 0..NH-1, then k heads
@@ -197,26 +146,26 @@ def _qknorm_rope_kvwrite_kernel(
     row = qkv_ptr + t * qkv_stride
     if h0 < NH:
         h = h0 + hh
-        out = _norm_rope(row + h * D, q_norm_w_ptr, dim, partner, sign, mask, cos, sin, eps, D)
+        out = _norm_rope(row + h * D, q_norm_w_ptr, dim, partner, sign, mask, cos, sin, eps, D, HW)
         tl.store(q_ptr + (t * NH + h) * D + dim, out.to(q_ptr.dtype.element_ty), mask=mask)
     else:
         hk = h0 - NH + hh  # kv heads
         slot = tl.load(slot_ptr + t * slot_stride).to(tl.int64)
         v = tl.load(row + (NH + KVH + hk) * D + dim, mask=mask, other=0.0).to(tl.float32)
-        out = _norm_rope(row + (NH + hk) * D, k_norm_w_ptr, dim, partner, sign, mask, cos, sin, eps, D)
+        out = _norm_rope(row + (NH + hk) * D, k_norm_w_ptr, dim, partner, sign, mask, cos, sin, eps, D, HW)
         if slot >= 0:  # a negative slot (padding) writes nothing
             block = slot // BLOCK_SIZE
             tok = slot % BLOCK_SIZE
-            k_off = _pool_offsets(
+            k_off = pool_offsets(
                 block, tok, hk, dim, k_s_block, k_s_head, k_s_tok_outer, k_s_tok_inner,
                 k_s_dim_outer, k_s_dim_inner, K_TOK_SPLIT, K_DIM_SPLIT,
             )  # fmt: skip
-            _store_kv(k_pool_ptr, k_off, out, mask, k_scale, FP8)
-            v_off = _pool_offsets(
+            _store_kv(k_pool_ptr, k_off, out, mask, k_scale, FP8, HW)
+            v_off = pool_offsets(
                 block, tok, hk, dim, v_s_block, v_s_head, v_s_tok_outer, v_s_tok_inner,
                 v_s_dim_outer, v_s_dim_inner, V_TOK_SPLIT, V_DIM_SPLIT,
             )  # fmt: skip
-            _store_kv(v_pool_ptr, v_off, v, mask, v_scale, FP8)
+            _store_kv(v_pool_ptr, v_off, v, mask, v_scale, FP8, HW)
 
 
 # (max tokens, heads per program, num_warps), from sweeps on an H100 at qwen3-8b shapes (CUDA-graph
@@ -317,14 +266,15 @@ def qknorm_rope_kvwrite(
         raise ValueError(f"heads_per_program must be a power of two dividing {nh} and {kvh}, got {heads}")
     ka = _addressing(layout.k_dims, k_shape, tuple(k_pool.stride()), block_size, d)
     va = _addressing(layout.v_dims, v_shape, tuple(v_pool.stride()), block_size, d)
+    pools = (k_pool.view(torch.uint8), v_pool.view(torch.uint8)) if fp8 else (k_pool, v_pool)
     _qknorm_rope_kvwrite_kernel[(t, (nh + kvh) // heads)](
-        qkv, q_norm_w, k_norm_w, positions, slot_mapping, q, k_pool, v_pool,
+        qkv, q_norm_w, k_norm_w, positions, slot_mapping, q, *pools,
         qkv.stride(0), positions.stride(0), slot_mapping.stride(0),
         eps, theta, k_scale, v_scale,
         ka.block, ka.head, ka.tok_outer, ka.tok_inner, ka.dim_outer, ka.dim_inner,
         va.block, va.head, va.tok_outer, va.tok_inner, va.dim_outer, va.dim_inner,
         K_TOK_SPLIT=ka.tok_split, K_DIM_SPLIT=ka.dim_split, V_TOK_SPLIT=va.tok_split, V_DIM_SPLIT=va.dim_split,
         NH=nh, KVH=kvh, D=d, HALF_PAD=triton.next_power_of_2(d // 2), HEADS=heads,
-        BLOCK_SIZE=block_size, FP8=fp8, num_warps=warps,
+        BLOCK_SIZE=block_size, FP8=fp8, HW=use_hw_casts(qkv), num_warps=warps,
     )  # fmt: skip
     return q
