@@ -47,6 +47,50 @@ def hf_tpot_ms(ckpt: Path, steps: int = 16) -> float:
     return (total - prefill) / steps * 1e3
 
 
+def decode_profile(engine, context: int = 160, steps: int = 4, top: int = 14) -> list[dict]:
+    """Where a batch-1 decode step's GPU time goes (eager, so each kernel is visible): µs per step by
+    kernel name, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs, engine.runner.decode_graphs = engine.runner.decode_graphs, None
+    try:
+        request = engine.add_request(
+            list(range(1, context + 1)), qruntime.SamplingParams(max_tokens=steps + 8, ignore_eos=True)
+        )
+        for _ in range(3):
+            engine.step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+        engine.abort(request)
+    finally:
+        engine.runner.decode_graphs = graphs
+    rows = [
+        {"kernel": e.key[:90], "us_per_step": round(e.device_time_total / steps, 1), "calls_per_step": e.count / steps}
+        for e in prof.key_averages()
+        if e.device_time_total > 0
+    ]
+    return sorted(rows, key=lambda r: -r["us_per_step"])[:top]
+
+
+def replay_ms(engine, batch: int = 1, repeats: int = 50) -> float | None:
+    """GPU time of one captured decode step (graph replay alone, no host work between steps): TPOT
+    minus this is what the engine's host side adds per token."""
+    graphs = engine.runner.decode_graphs
+    if graphs is None:
+        return None
+    graph, _ = graphs.graphs[batch]
+    graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3-8b")
@@ -56,6 +100,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--ttft-len", type=int, default=8000)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--no-tune", action="store_true", help="measure with default kernel configs")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -75,6 +120,16 @@ def main() -> None:
     if not (art / "manifest.json").exists():
         compile_checkpoint(prepare(ckpt, load_recipe("ptpc-fp8")), art, workers=16, progress=False)
     timings["compile_s"] = time.perf_counter() - start
+    if not args.no_tune:
+        from qcompile.tune import tune_artifact
+
+        start = time.perf_counter()
+        tuned = json.loads(tune_artifact(art).read_text())
+        timings["tune_s"] = time.perf_counter() - start
+        report["tuned"] = {
+            shape: {bucket: (e["backend"], e["us"], e["cublaslt_us"]) for bucket, e in table.items()}
+            for shape, table in tuned["entries"].items()
+        }
     print("built", timings, flush=True)
 
     bandwidth = copy_bandwidth()
@@ -92,6 +147,7 @@ def main() -> None:
     measure(engine, 64, 8, 1)  # warm-up: triton compiles
     rows = []
     for batch in batches:
+        measure(engine, args.input_len, 4, batch, seed=0)  # warm-up: this batch's prefill GEMM configs compile
         row = measure(engine, args.input_len, args.output_len, batch, seed=batch)
         context = args.input_len + args.output_len // 2
         floor_s = decode_step_bytes(manifest, batch, context) / bandwidth
@@ -99,8 +155,14 @@ def main() -> None:
         row["tpot_over_floor"] = row["tpot_ms"] / row["floor_ms"]
         rows.append(row)
         print(row, flush=True)
+    measure(engine, args.ttft_len, 2, 1, seed=6)  # warm-up: the large-M kernels compile on first use
     ttft = measure(engine, args.ttft_len, 2, 1, seed=7)
     print("ttft", ttft, flush=True)
+    report["graph_replay_ms_batch1"] = replay_ms(engine)
+    print("graph replay ms, batch 1:", report["graph_replay_ms_batch1"], flush=True)
+    report["decode_profile_batch1"] = decode_profile(engine)
+    for row in report["decode_profile_batch1"]:
+        print(row, flush=True)
     del engine
     gc.collect()
     torch.cuda.empty_cache()

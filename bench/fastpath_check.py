@@ -18,10 +18,18 @@ import sys
 import traceback
 from pathlib import Path
 
+import onnx
 import qruntime
 import torch
 from compile_bench import report_header
 from qruntime import SamplingParams
+from qruntime.engine.request import Request
+from qruntime.engine.scheduler import ScheduledChunk
+from qruntime.kernel_configs import load_kernel_table
+from qruntime.kv_cache import KVCache
+from qruntime.ops.base import OpEnv, StepContext
+from qruntime.ops.registry import triton_ops
+from qruntime.plan import Plan
 
 from qcompile.pipeline import compile_checkpoint, prepare
 from qcompile.recipe import load_recipe
@@ -59,6 +67,91 @@ def sqnr_db(ref: torch.Tensor, other: torch.Tensor) -> float:
     return float(10 * torch.log10(ref.float().pow(2).mean() / noise))
 
 
+def _chunks(prompts: list[list[int]], decode: bool, block_size: int) -> list[ScheduledChunk]:
+    """A prefill of every prompt (decode=False) or one decode step after it, in disjoint blocks."""
+    chunks, next_block = [], 1
+    for i, prompt in enumerate(prompts):
+        request = Request(f"r{i}", list(prompt), max_tokens=4)
+        blocks = -(-(len(prompt) + 1) // block_size)
+        table = tuple(range(next_block, next_block + blocks))
+        next_block += blocks
+        if decode:
+            request.output_token_ids.append(prompt[0])
+            chunks.append(ScheduledChunk(request, len(prompt), 1, table, True))
+        else:
+            chunks.append(ScheduledChunk(request, 0, len(prompt), table, True))
+    return chunks
+
+
+def node_isolation(art: Path, prompts: list[list[int]]) -> dict[str, dict]:
+    """Each fast op fed the reference op's own inputs (same weights, same cache state) at real shapes,
+    for a prefill and a decode step: the worst relative error of its outputs (and of the KV cache it
+    wrote) per op type, in dB (10·log10 of noise power / signal power; bf16 rounding is about -50)."""
+    ref = qruntime.load(art, device="cuda", backend="reference", kv_cache_memory=1 << 30, max_model_len=2048)
+    runner = ref.runner
+    spec = runner.kv_cache.spec
+    graph = onnx.load(str(art / "graph.onnx"), load_external_data=False).graph
+    kernels = load_kernel_table(art, torch.cuda.get_device_name())
+    env_ = OpEnv(torch.bfloat16, runner.device, spec, kernels)
+    fast = Plan.build(graph, runner.plan.weights, env_, triton_ops())
+    cache = runner.kv_cache
+    shadow = KVCache(spec, cache.k[0].shape[0], torch.bfloat16, runner.device)
+    worst: dict[str, dict] = {}
+
+    def note(op: str, what: str, ref_t: torch.Tensor, fast_t: torch.Tensor) -> None:
+        noise = (ref_t.float() - fast_t.float()).pow(2).mean() / ref_t.float().pow(2).mean().clamp(min=1e-30)
+        db = round(float(10 * torch.log10(noise.clamp(min=1e-30))), 1)
+        row = worst.setdefault(op, {"worst_db": -300.0, "at": ""})
+        if db > row["worst_db"]:
+            row.update(worst_db=db, at=what)
+
+    with torch.inference_mode():
+        for phase, decode in (("prefill", False), ("decode", True)):
+            feeds, meta = runner.prepare(_chunks(prompts, decode, spec.block_size))
+            env = {**runner.plan.weights, **feeds, "": None}
+            for node, fast_node in zip(runner.plan.nodes, fast.nodes, strict=True):
+                kind = type(node.op).__name__
+                writes_kv = "layer" in node.op.a
+                if writes_kv:
+                    for mine, theirs in ((shadow.k, cache.k), (shadow.v, cache.v)):
+                        for dst, src in zip(mine, theirs, strict=True):
+                            dst.copy_(src)
+                args = [env[name] for name in node.inputs]
+                ref_out = node.op(StepContext(cache, meta), *args)
+                fast_out = fast_node.op(StepContext(shadow, meta), *args)
+                ref_out = ref_out if isinstance(ref_out, tuple) else (ref_out,)
+                fast_out = fast_out if isinstance(fast_out, tuple) else (fast_out,)
+                for name, x, y in zip(node.outputs, ref_out, fast_out, strict=True):
+                    if x.is_floating_point() and x.numel():
+                        note(kind, f"{phase} {node.name} -> {name}", x, y)
+                if writes_kv:
+                    layer = node.op.a["layer"]
+                    for which, mine, theirs in (("k", shadow.k, cache.k), ("v", shadow.v, cache.v)):
+                        note(f"{kind} (cache)", f"{phase} layer {layer} {which}", theirs[layer], mine[layer])
+                env.update(zip(node.outputs, ref_out, strict=True))
+    del ref, fast, shadow
+    torch.cuda.empty_cache()
+    return worst
+
+
+def truth_distance(art: Path, prompt: list[int]) -> dict[str, float]:
+    """How far each bf16 path's logits are from the same artifact run in fp32 by the reference ops:
+    the fast path should be as close to that truth as the bf16 reference path is."""
+    engines = {
+        "reference_fp32": dict(backend="reference", dtype=torch.float32),
+        "reference_bf16": dict(backend="reference"),
+        "triton_bf16": dict(backend="triton", cuda_graphs=False),
+    }
+    logits = {}
+    for name, kwargs in engines.items():
+        engine = qruntime.load(art, device="cuda", kv_cache_memory=1 << 30, max_model_len=2048, **kwargs)
+        logits[name] = engine.score(prompt).float()
+        del engine
+        torch.cuda.empty_cache()
+    truth = logits.pop("reference_fp32")
+    return {f"{name}_sqnr_db_vs_fp32": round(sqnr_db(truth, x), 2) for name, x in logits.items()}
+
+
 def end_to_end(work: Path) -> dict:
     rng = random.Random(0)
     prompts = [[rng.randrange(150000) for _ in range(rng.randrange(20, 300))] for _ in range(6)]
@@ -66,10 +159,13 @@ def end_to_end(work: Path) -> dict:
     out = {}
     for recipe in ("bf16", "ptpc-fp8"):
         art = build(work, "qwen3-0.6b", recipe)
+        out[f"{recipe}_ops"] = node_isolation(art, [prompts[0], prompts[1][:37], prompts[2] * 4])
+        print(recipe, "ops", json.dumps(out[f"{recipe}_ops"], indent=0), flush=True)
+        out[f"{recipe}_truth"] = truth_distance(art, prompts[0])
+        print(recipe, out[f"{recipe}_truth"], flush=True)
         ref = qruntime.load(art, device="cuda", backend="reference", kv_cache_memory=4 << 30, max_model_len=4096)
         ref_tokens = [o.token_ids for o in ref.generate(prompts, sp)]
         ref_logits = ref.score(prompts[0])
-        del ref
         fast = qruntime.load(
             art, device="cuda", backend="triton", kv_cache_memory=4 << 30, max_model_len=4096, max_num_seqs=8
         )
@@ -79,6 +175,12 @@ def end_to_end(work: Path) -> dict:
         )
         eager_tokens = [o.token_ids for o in eager.generate(prompts, sp)]
         fast_logits = fast.score(prompts[0])
+        gaps = []  # where the paths part: how far apart the two tokens are in the reference's logits
+        for prompt, a, b in zip(prompts, ref_tokens, fast_tokens, strict=True):
+            i = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+            if i is not None:
+                row = ref.score(list(prompt) + list(a[:i]))[-1].float()
+                gaps.append(round(float((row[a[i]] - row[b[i]]) / row.std()), 4))
         out[recipe] = {
             "greedy_equal_reference": sum(a == b for a, b in zip(ref_tokens, fast_tokens, strict=True)),
             "prompts": len(prompts),
@@ -87,11 +189,12 @@ def end_to_end(work: Path) -> dict:
                 next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
                 for a, b in zip(ref_tokens, fast_tokens, strict=True)
             ],
+            "reference_logit_gap_at_divergence_in_std": gaps,
             "logits_sqnr_db_vs_reference": round(sqnr_db(ref_logits, fast_logits), 2),
             "cuda_graphs": fast.description.get("cuda_graphs"),
         }
         print(recipe, out[recipe], flush=True)
-        del fast, eager
+        del ref, fast, eager
         torch.cuda.empty_cache()
     return out
 
