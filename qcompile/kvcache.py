@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from qruntime.kv_layout import KV_LAYOUTS
@@ -10,12 +11,34 @@ from qcompile.recipe import Recipe
 from qcompile.spec import ModelSpec
 
 
-def kv_cache_spec(spec: ModelSpec, recipe: Recipe) -> dict[str, Any]:
+@dataclass(frozen=True)
+class KVScales:
+    """Per-layer k/v scales and what they were calibrated on."""
+
+    k_scale: tuple[float, ...]
+    v_scale: tuple[float, ...]
+    tokens: int
+    data: str  # file name
+    data_sha256: str
+
+    def to_manifest(self) -> dict:
+        """The manifest's kv_cache.scales entry (docs/ARTIFACT.md)."""
+        return {
+            "calibrated": True,
+            "k_scale": list(self.k_scale),
+            "v_scale": list(self.v_scale),
+            "calibration": {"data": self.data, "sha256": self.data_sha256, "tokens": self.tokens},
+        }
+
+
+def kv_cache_spec(spec: ModelSpec, recipe: Recipe, kv_scales: KVScales | None = None) -> dict[str, Any]:
     """The manifest's `kv_cache` entry. FP8 caches without calibration get unit scales, marked so."""
     kv = recipe.kv_cache
     layout = KV_LAYOUTS[kv.layout]  # fit to the model already checked by graph.build.check_plan
     scales = None
-    if kv.dtype != "bf16":
+    if kv_scales is not None:
+        scales = kv_scales.to_manifest()
+    elif kv.dtype != "bf16":
         ones = [1.0] * spec.num_hidden_layers
         scales = {"calibrated": False, "k_scale": ones, "v_scale": list(ones)}
     return {

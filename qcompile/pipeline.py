@@ -22,6 +22,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from qcompile.calibrate import CalibrationError, kv_scales
 from qcompile.checkpoint import Checkpoint, fingerprint
 from qcompile.errors import ArtifactError
 from qcompile.graph.build import build_graph
@@ -35,7 +36,7 @@ from qcompile.manifest import file_table, tensor_table, toolchain, write_manifes
 from qcompile.plan import TensorPlan, make_plan
 from qcompile.quant import get_scheme
 from qcompile.quant_config import quantization_config
-from qcompile.recipe import Recipe
+from qcompile.recipe import Recipe, RecipeError
 from qcompile.units import human_bytes
 from qcompile.writer import write_weights
 
@@ -53,12 +54,36 @@ class Prepared:
     kv_cache: dict[str, Any]
 
 
-def prepare(checkpoint_path: str | Path, recipe: Recipe) -> Prepared:
-    """load + plan + kv layout: validates everything, reads only headers."""
+def prepare(
+    checkpoint_path: str | Path,
+    recipe: Recipe,
+    calib: str | Path | None = None,
+    *,
+    calibrate: bool = True,
+    progress: bool = False,
+) -> Prepared:
+    """load + plan + kv layout: validates everything, reads only headers.
+
+    A recipe with kv_cache.calibrate needs `calib` (a text file): its fp8 KV scales are calibrated
+    on it here, layer by layer through the source model (calibrate=False: only check the file is
+    there, for a dry run; the plan does not depend on the scales' values)."""
     checkpoint = Checkpoint.open(checkpoint_path)
-    graph = apply_passes(build_graph(checkpoint.spec, recipe), recipe.passes)
+    scales = None
+    if recipe.kv_cache.calibrate:
+        if calib is None:
+            raise RecipeError(
+                f"recipe {recipe.name!r} calibrates its fp8 KV cache: give the calibration text (--calib FILE)"
+            )
+        if not Path(calib).is_file():
+            raise CalibrationError(f"{calib}: calibration text not found")
+        if calibrate:
+            with _bar(checkpoint.spec.num_hidden_layers, "calibrate kv", progress, unit="layer") as bar:
+                scales = kv_scales(checkpoint, Path(calib), progress=lambda _: bar.update(1))
+    elif calib is not None:
+        raise RecipeError(f"--calib {calib}: recipe {recipe.name!r} has no calibrated KV cache (kv_cache.calibrate)")
+    graph = apply_passes(build_graph(checkpoint.spec, recipe, scales), recipe.passes)
     plan = make_plan(checkpoint, graph.weights, recipe.max_shard_mb << 20)
-    return Prepared(checkpoint, recipe, graph, plan, kv_cache_spec(checkpoint.spec, recipe))
+    return Prepared(checkpoint, recipe, graph, plan, kv_cache_spec(checkpoint.spec, recipe, scales))
 
 
 def compile_checkpoint(
@@ -164,12 +189,12 @@ class _BackgroundHash:
         return self._result
 
 
-def _bar(total: int, desc: str, enabled: bool) -> tqdm:
+def _bar(total: int, desc: str, enabled: bool, unit: str = "B") -> tqdm:
     return tqdm(
         total=total,
         desc=desc,
-        unit="B",
-        unit_scale=True,
+        unit=unit,
+        unit_scale=unit == "B",
         unit_divisor=1024,
         disable=None if enabled else True,
         leave=False,

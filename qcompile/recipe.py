@@ -50,6 +50,7 @@ class KVCacheRecipe:
     dtype: str = "bf16"
     layout: str = "nhd"
     block_size: int = 16
+    calibrate: bool = False  # fp8 KV: per-layer scales from calibration text (compile --calib FILE)
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,10 @@ def _convert(kind: str, value: Any, source: str, key: str) -> Any:
         if not isinstance(value, str):
             raise RecipeError(f"{source}: {key!r} must be a string, got {value!r}")
         return value
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise RecipeError(f"{source}: {key!r} must be true or false, got {value!r}")
+        return value
     if kind == "int":
         if isinstance(value, bool) or not isinstance(value, int):
             raise RecipeError(f"{source}: {key!r} must be an integer, got {value!r}")
@@ -204,6 +209,8 @@ def _validate_kv(kv: KVCacheRecipe, source: str) -> None:
         raise RecipeError(f"{source}: kv_cache.layout {kv.layout!r} is unknown; known: {', '.join(KV_LAYOUTS)}")
     if kv.block_size < 1 or kv.block_size & (kv.block_size - 1) or kv.block_size > 1024:
         raise RecipeError(f"{source}: kv_cache.block_size must be a power of two up to 1024, got {kv.block_size}")
+    if kv.calibrate and kv.dtype == "bf16":
+        raise RecipeError(f"{source}: kv_cache.calibrate needs an fp8 KV cache (kv_cache.dtype fp8_e4m3)")
     try:
         KV_LAYOUTS[kv.layout].check(kv.block_size, None, kv.dtype)
     except ValueError as exc:

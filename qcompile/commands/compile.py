@@ -63,7 +63,14 @@ def _summary_rows(prepared, output: Path, workers: int) -> list[tuple[str, str]]
 @click.option("--dry-run", is_flag=True, help="Validate the checkpoint and recipe and print the plan; write nothing.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars or summary table.")
 @click.option("--tune", is_flag=True, help="Then tune the kernels on this machine's GPU (as `qcompile tune`).")
-def command(checkpoint, output, recipe, overrides, force, workers, dry_run, quiet, tune):
+@click.option(
+    "--calib",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Calibration text for a recipe with a calibrated fp8 KV cache (ptpc-fp8-kv8): per-layer K/V "
+    "scales from the source model run on it, one layer in memory at a time.",
+)
+def command(checkpoint, output, recipe, overrides, force, workers, dry_run, quiet, tune, calib):
     """Compile a Hugging Face Qwen3 checkpoint into an artifact.
 
     Streams CHECKPOINT (a directory with config.json and safetensors shards) tensor by tensor —
@@ -72,7 +79,7 @@ def command(checkpoint, output, recipe, overrides, force, workers, dry_run, quie
     appears at OUTPUT only when complete; a failure or Ctrl-C leaves nothing behind.
 
     Shipped recipes (recipes/*.yaml): ptpc-fp8 (default), ptpc-fp8-lmhead, block-fp8, bf16,
-    ptpc-fp8-unfused. Example:
+    ptpc-fp8-unfused, ptpc-fp8-kv8 (fp8 KV cache calibrated on --calib FILE). Example:
 
         qcompile compile ./Qwen3-8B -o ./qwen3-8b-fp8 --set kv_cache.layout=hnd
     """
@@ -86,7 +93,7 @@ def command(checkpoint, output, recipe, overrides, force, workers, dry_run, quie
 
     workers = workers or max(1, len(os.sched_getaffinity(0)))
     resolved = load_recipe(recipe, overrides)
-    prepared = prepare(checkpoint, resolved)
+    prepared = prepare(checkpoint, resolved, calib, calibrate=not dry_run, progress=not quiet)
     check_target(output.absolute(), force)
     if not quiet or dry_run:
         rows = _summary_rows(prepared, output, workers)

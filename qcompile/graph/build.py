@@ -10,6 +10,7 @@ from qcompile.errors import PlanError
 from qcompile.graph.builder import GraphBuilder
 from qcompile.graph.ir import Graph
 from qcompile.graph.layers import attention, dense_mlp, sparse_moe
+from qcompile.kvcache import KVScales
 from qcompile.recipe import Recipe
 from qcompile.spec import ModelSpec
 
@@ -26,14 +27,14 @@ GRAPH_INPUTS = (
 LOGITS = "logits"
 
 
-def build_graph(spec: ModelSpec, recipe: Recipe) -> Graph:
+def build_graph(spec: ModelSpec, recipe: Recipe, kv_scales: KVScales | None = None) -> Graph:
     """The unfused graph: one op per step of the math, every weight under its source (HF) name.
 
     Raises PlanError when the recipe cannot be applied to this model (KV layout constraints, an unknown
     scheme, tensor parallelism).
     """
     check_plan(spec, recipe)
-    b = GraphBuilder(spec, recipe)
+    b = GraphBuilder(spec, recipe, kv_scales)
     for name, dtype, shape in GRAPH_INPUTS:
         b.input(name, dtype, shape)
     embed = b.job(hf.EMBED, ((f"{hf.EMBED}.weight",),), "none", "embedding")

@@ -10,6 +10,7 @@ import torch
 from qcompile.graph.ir import AttrValue, Dim, Graph, Node, TensorType, check_graph, constant_name
 from qcompile.graph.ops import OP_DOMAINS
 from qcompile.jobs import WeightJob
+from qcompile.kvcache import KVScales
 from qcompile.quant import QuantScheme, get_scheme
 from qcompile.quant.fp8 import FP8_DTYPE
 from qcompile.recipe import Recipe
@@ -21,9 +22,10 @@ Output = tuple[str, TensorType]
 class GraphBuilder:
     """Accumulates one graph; used by a single `build_graph` call and then dropped."""
 
-    def __init__(self, spec: ModelSpec, recipe: Recipe) -> None:
+    def __init__(self, spec: ModelSpec, recipe: Recipe, kv_scales: KVScales | None = None) -> None:
         self.spec = spec
         self.recipe = recipe
+        self.kv_scales = kv_scales  # calibrated fp8 KV scales, per layer (None: 1.0)
         self.dtype: torch.dtype = getattr(torch, spec.dtype)
         self.nodes: list[Node] = []
         self.types: dict[str, TensorType] = {}

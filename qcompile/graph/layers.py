@@ -12,14 +12,14 @@ KV_READY = torch.uint8
 
 def kv_attrs(b: GraphBuilder, layer: int) -> dict[str, int | float | str]:
     """The KV-cache attributes every op that writes or reads layer `layer`'s cache carries."""
-    kv = b.recipe.kv_cache
+    kv, scales = b.recipe.kv_cache, b.kv_scales
     return {
         "layer": layer,
         "layout": kv.layout,
         "block_size": kv.block_size,
         "kv_dtype": kv.dtype,
-        "k_scale": 1.0,
-        "v_scale": 1.0,
+        "k_scale": scales.k_scale[layer] if scales is not None else 1.0,
+        "v_scale": scales.v_scale[layer] if scales is not None else 1.0,
     }
 
 
