@@ -83,7 +83,12 @@ def kv_scales(
     progress: Callable[[int], None] | None = None,
 ) -> KVScales:
     """Calibrate per-layer K/V scales on `data` (a text file). progress(layer) after each layer."""
-    from transformers import AutoConfig, DynamicCache
+    try:
+        from transformers import AutoConfig, DynamicCache
+    except ImportError as exc:
+        raise CalibrationError(
+            "KV-cache calibration runs the source model with transformers: pip install 'qcompile[reference]'"
+        ) from exc
 
     spec = checkpoint.spec
     ids = calibration_ids(checkpoint, Path(data), seq_len, max_sequences)

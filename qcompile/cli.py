@@ -12,7 +12,7 @@ import click
 
 from qcompile.errors import QCompileError
 
-# verb -> module under qcompile.commands defining a click command named `command`
+# verb -> help line; qcompile.commands.<verb, "-" as "_"> defines a click command named `command`
 _VERBS = MappingProxyType(
     {
         "compile": "Stream a Hugging Face Qwen3 checkpoint into a compiled artifact.",
@@ -21,6 +21,8 @@ _VERBS = MappingProxyType(
         "run": "Generate text from an artifact with the runtime (prints timings).",
         "tune": "Time the GPU kernels for an artifact on this GPU; store the winners in it.",
         "bench": "Measure TTFT, TPOT and tokens/s of an artifact on this machine.",
+        "eval": "Perplexity, KL and top-1 agreement of an artifact against its source checkpoint.",
+        "eval-recipes": "Compile a checkpoint with several recipes and evaluate each, in one table.",
         "synth": "Write a random-weight Qwen3 checkpoint of a named preset, with a local tokenizer.",
     }
 )
@@ -74,7 +76,7 @@ class _LazyGroup(click.Group):
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in _VERBS:
             return None
-        return importlib.import_module(f"qcompile.commands.{name}").command
+        return importlib.import_module(f"qcompile.commands.{name.replace('-', '_')}").command
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         with formatter.section("Commands"):

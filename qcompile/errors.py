@@ -23,3 +23,7 @@ class TensorValueError(QCompileError):
 
 class ArtifactError(QCompileError):
     """The output artifact cannot be written or does not verify."""
+
+
+class EvalError(QCompileError):
+    """An artifact, its reference and the evaluation text cannot be evaluated together."""
