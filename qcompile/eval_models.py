@@ -135,14 +135,9 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """cuda when available by default; a device this machine does not have is an error."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    from qruntime.loader import resolve_device as runtime_device
+
     try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise EvalError(f"device {device!r} is not a torch device (cpu, cuda, cuda:1 ...)") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise EvalError(f"device {device!r}: no CUDA device is available")
-    if resolved.type not in ("cpu", "cuda"):
-        raise EvalError(f"device {device!r}: evaluation runs on cpu or cuda")
-    return resolved
+        return runtime_device(device)
+    except ValueError as exc:
+        raise EvalError(str(exc)) from None

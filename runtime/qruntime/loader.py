@@ -36,7 +36,8 @@ def _resolve_dtype(dtype: torch.dtype | str | None, manifest: dict) -> torch.dty
     return DTYPES[name]
 
 
-def _resolve_device(device: str | torch.device | None) -> torch.device:
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """cuda when available by default; a device this machine does not have is a ValueError."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -110,7 +111,7 @@ def load(
     manifest = read_manifest(root)
     if manifest.get("tp", 1) != 1:
         raise ArtifactFormatError(f"{root}: sharded for tp={manifest['tp']}; this runtime loads tp=1 artifacts")
-    device = _resolve_device(device)
+    device = resolve_device(device)
     compute_dtype = _resolve_dtype(dtype, manifest)
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "reference"
