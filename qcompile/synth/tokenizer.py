@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import sysconfig
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -158,8 +158,9 @@ def training_corpus(limit: int = CORPUS_BYTES) -> list[str]:
     return texts
 
 
-def build_tokenizer(layout: TokenizerLayout) -> Tokenizer:
-    """Train the BPE, pad it to `layout.specials_start` with placeholders, add Qwen's tokens."""
+def build_tokenizer(layout: TokenizerLayout, corpus: Iterable[str] | None = None) -> Tokenizer:
+    """Train the BPE on `corpus` (default: `training_corpus()`), pad it to `layout.specials_start`
+    with placeholders, add Qwen's tokens."""
     trainer_tok = Tokenizer(models.BPE())
     trainer_tok.normalizer = normalizers.NFC()
     trainer_tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -175,7 +176,7 @@ def build_tokenizer(layout: TokenizerLayout) -> Tokenizer:
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    trainer_tok.train_from_iterator(training_corpus(), trainer)
+    trainer_tok.train_from_iterator(training_corpus() if corpus is None else corpus, trainer)
 
     # Pad the model's own vocabulary (not added tokens: 150k of those would make every load slow).
     # Byte-level pre-tokenization splits "<|reserved_9|>" apart, so no merge can ever produce it.
@@ -238,11 +239,14 @@ def generation_config(config: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def write_tokenizer_files(config: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
-    """Write tokenizer.json, tokenizer_config.json, special_tokens_map.json and generation_config.json."""
+def write_tokenizer_files(
+    config: Mapping[str, Any], out_dir: str | Path, corpus: Iterable[str] | None = None
+) -> list[Path]:
+    """Write tokenizer.json, tokenizer_config.json, special_tokens_map.json and generation_config.json,
+    the BPE trained on `corpus` (default: `training_corpus()`)."""
     out = Path(out_dir)
     layout = TokenizerLayout.from_config(config)
-    tokenizer = build_tokenizer(layout)
+    tokenizer = build_tokenizer(layout, corpus)
     files = {
         "tokenizer_config.json": tokenizer_config(layout),
         "special_tokens_map.json": {"eos_token": IM_END, "pad_token": ENDOFTEXT},
