@@ -16,6 +16,7 @@ import keyword
 import math
 import random
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -242,3 +243,21 @@ def test_eval_recipes_calibrates_the_kv8_recipe_on_its_own_text(tiny_ckpt, text_
     assert abs(kv8["ppl_ratio"] - 1) < 0.05
     refused = run(*args, "--no-progress")
     assert refused.exit_code == 1 and "--calib" in refused.output
+
+
+def test_trained_fixture_ptpc_fp8_keeps_perplexity_within_one_percent(compiled):
+    """On the small trained Qwen3 (tests/fixtures/qwen3-stdlib), ptpc-fp8 costs under 1% perplexity on
+    its held-out text (fp32 compute: quantization error only), and the error is really there."""
+    fixture = Path(__file__).parent / "fixtures" / "qwen3-stdlib"
+    result = evaluate(
+        compiled(fixture, "ptpc-fp8"),
+        fixture,
+        fixture / "heldout.txt",
+        window=256,
+        max_tokens=4096,
+        dtype="fp32",
+        progress=False,
+    )
+    assert result.tokens >= 4000 and result.ppl_reference < 40  # a trained model, far from uniform (4096)
+    assert abs(result.ppl_ratio - 1) < 0.01
+    assert result.kl > 1e-4 and result.top1_agreement < 1.0
