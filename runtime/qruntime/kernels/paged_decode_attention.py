@@ -171,6 +171,75 @@ def weighted_values(acc, p, v, SPLIT_P: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def attend_tile(
+    acc,  # [M, D] fp32
+    m_i,  # [M] running max (log2 domain)
+    l_i,  # [M] running sum
+    q,  # [M, D]
+    q_pos,  # [M] positions of the rows
+    pos,  # [N] positions of this K/V tile
+    causal_end,
+    table,  # this sequence's block-table row
+    offs_d,
+    d_mask,
+    qk_scale,
+    k_ptr,
+    k_head_off,
+    k_blk,
+    k_tok_outer,
+    k_tok_inner,
+    k_dim_outer,
+    k_dim_inner,
+    v_ptr,
+    v_head_off,
+    v_blk,
+    v_tok_outer,
+    v_tok_inner,
+    v_dim_outer,
+    v_dim_inner,
+    BLOCK_SIZE: tl.constexpr,
+    K_TOK_SPLIT: tl.constexpr,
+    K_DIM_SPLIT: tl.constexpr,
+    V_TOK_SPLIT: tl.constexpr,
+    V_DIM_SPLIT: tl.constexpr,
+    SPLIT_P: tl.constexpr,
+    UPCAST: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One K/V tile of the online softmax for query rows at q_pos: positions past causal_end or past a
+    row's own position are masked when MASKED (prefill's diagonal tiles, decode's partition ends)."""
+    if MASKED:
+        n_mask = pos < causal_end
+        blk = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    else:
+        blk = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
+    t = pos % BLOCK_SIZE
+    k_off = kv_tile_offsets(
+        blk, t, offs_d, k_head_off, k_blk, k_tok_outer, k_tok_inner, k_dim_outer, k_dim_inner,
+        K_TOK_SPLIT, K_DIM_SPLIT, True,
+    )  # fmt: skip
+    v_off = kv_tile_offsets(
+        blk, t, offs_d, v_head_off, v_blk, v_tok_outer, v_tok_inner, v_dim_outer, v_dim_inner,
+        V_TOK_SPLIT, V_DIM_SPLIT, False,
+    )  # fmt: skip
+    if MASKED:
+        k = tl.load(k_ptr + k_off, mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # [D, N]
+        v = tl.load(v_ptr + v_off, mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [N, D]
+    else:
+        k = tl.load(k_ptr + k_off, mask=d_mask[:, None], other=0.0)
+        v = tl.load(v_ptr + v_off, mask=d_mask[None, :], other=0.0)
+    s = dot(q, k.to(q.dtype), tl.zeros([q.shape[0], pos.shape[0]], tl.float32), UPCAST) * qk_scale  # [M, N]
+    if MASKED:
+        s = tl.where((pos[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = weighted_values(acc * alpha[:, None], p, v.to(q.dtype), SPLIT_P, UPCAST)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def partition_len(ctx, num_splits, min_partition, STEP: tl.constexpr):
     """Tokens per partition of a context of ctx tokens: num_splits partitions cover it."""
     part = tl.cdiv(tl.cdiv(ctx, num_splits), STEP) * STEP
@@ -240,30 +309,16 @@ def _decode_partition_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    k_head_off = kv_head * k_head
+    v_head_off = kv_head * v_head
+    q_pos = tl.zeros([BLOCK_G], tl.int32) + hi  # the query follows the whole context: only hi masks
     for start in range(lo, hi, BLOCK_N):
-        pos = start + offs_n
-        n_mask = pos < hi
-        blk = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        t = pos % BLOCK_SIZE
-        k_off = kv_tile_offsets(
-            blk, t, offs_d, kv_head * k_head, k_blk, k_tok_outer, k_tok_inner, k_dim_outer, k_dim_inner,
-            K_TOK_SPLIT, K_DIM_SPLIT, True,
+        acc, m_i, l_i = attend_tile(
+            acc, m_i, l_i, q, q_pos, start + offs_n, hi, table, offs_d, d_mask, qk_scale,
+            k_ptr, k_head_off, k_blk, k_tok_outer, k_tok_inner, k_dim_outer, k_dim_inner,
+            v_ptr, v_head_off, v_blk, v_tok_outer, v_tok_inner, v_dim_outer, v_dim_inner,
+            BLOCK_SIZE, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT, SPLIT_P, UPCAST, True,
         )  # fmt: skip
-        k = tl.load(k_ptr + k_off, mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # [D, N]
-        v_off = kv_tile_offsets(
-            blk, t, offs_d, kv_head * v_head, v_blk, v_tok_outer, v_tok_inner, v_dim_outer, v_dim_inner,
-            V_TOK_SPLIT, V_DIM_SPLIT, False,
-        )  # fmt: skip
-        v = tl.load(v_ptr + v_off, mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [N, D]
-
-        s = dot(q, k.to(q.dtype), tl.zeros([BLOCK_G, BLOCK_N], tl.float32), UPCAST) * qk_scale  # [G, N], log2
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = weighted_values(acc * alpha[:, None], p, v.to(q.dtype), SPLIT_P, UPCAST)
-        m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # an empty context (padding row) gives 0
     if DIRECT:

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qruntime.kernels.paged_decode_attention import LOG2E, dot, kv_tile_offsets, paged_kv, weighted_values
+from qruntime.kernels.paged_decode_attention import LOG2E, attend_tile, paged_kv
 from qruntime.kv_layout import KVLayout
 
 
@@ -32,74 +32,6 @@ class PrefillConfig:
     block_n: int = 64  # 1.97 ms, 128/128/8/3 2.05 ms, 128/64/8/3 2.17 ms, 128/64/4/3 2.47 ms)
     num_warps: int = 4
     num_stages: int = 3
-
-
-@triton.jit
-def _attend_tile(
-    acc,  # [M, D] fp32
-    m_i,  # [M] running max (log2 domain)
-    l_i,  # [M] running sum
-    q,  # [M, D]
-    q_pos,  # [M] positions of the rows
-    pos,  # [N] positions of this K/V tile
-    causal_end,
-    table,  # this sequence's block-table row
-    offs_d,
-    d_mask,
-    qk_scale,
-    k_ptr,
-    k_head_off,
-    k_blk,
-    k_tok_outer,
-    k_tok_inner,
-    k_dim_outer,
-    k_dim_inner,
-    v_ptr,
-    v_head_off,
-    v_blk,
-    v_tok_outer,
-    v_tok_inner,
-    v_dim_outer,
-    v_dim_inner,
-    BLOCK_SIZE: tl.constexpr,
-    K_TOK_SPLIT: tl.constexpr,
-    K_DIM_SPLIT: tl.constexpr,
-    V_TOK_SPLIT: tl.constexpr,
-    V_DIM_SPLIT: tl.constexpr,
-    SPLIT_P: tl.constexpr,
-    UPCAST: tl.constexpr,
-    MASKED: tl.constexpr,
-):
-    """One K/V tile of the online softmax; MASKED applies the causal mask (tiles on the diagonal)."""
-    if MASKED:
-        n_mask = pos < causal_end
-        blk = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-    else:
-        blk = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
-    t = pos % BLOCK_SIZE
-    k_off = kv_tile_offsets(
-        blk, t, offs_d, k_head_off, k_blk, k_tok_outer, k_tok_inner, k_dim_outer, k_dim_inner,
-        K_TOK_SPLIT, K_DIM_SPLIT, True,
-    )  # fmt: skip
-    v_off = kv_tile_offsets(
-        blk, t, offs_d, v_head_off, v_blk, v_tok_outer, v_tok_inner, v_dim_outer, v_dim_inner,
-        V_TOK_SPLIT, V_DIM_SPLIT, False,
-    )  # fmt: skip
-    if MASKED:
-        k = tl.load(k_ptr + k_off, mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # [D, N]
-        v = tl.load(v_ptr + v_off, mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [N, D]
-    else:
-        k = tl.load(k_ptr + k_off, mask=d_mask[:, None], other=0.0)
-        v = tl.load(v_ptr + v_off, mask=d_mask[None, :], other=0.0)
-    s = dot(q, k.to(q.dtype), tl.zeros([q.shape[0], pos.shape[0]], tl.float32), UPCAST) * qk_scale  # [M, N]
-    if MASKED:
-        s = tl.where((pos[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = weighted_values(acc * alpha[:, None], p, v.to(q.dtype), SPLIT_P, UPCAST)
-    return acc, m_new, l_i
 
 
 @triton.jit
@@ -173,14 +105,14 @@ def _prefill_kernel(
     full_end = (prefix + tile * BLOCK_M) // BLOCK_N * BLOCK_N
     causal_end = prefix + tl.minimum(tile * BLOCK_M + BLOCK_M, q_len)
     for start in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
+        acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, start + offs_n, causal_end, table, offs_d, d_mask, qk_scale,
             k_ptr, k_head_off, k_blk, k_tok_outer, k_tok_inner, k_dim_outer, k_dim_inner,
             v_ptr, v_head_off, v_blk, v_tok_outer, v_tok_inner, v_dim_outer, v_dim_inner,
             BLOCK_SIZE, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT, SPLIT_P, UPCAST, False,
         )  # fmt: skip
     for start in range(full_end, causal_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
+        acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, start + offs_n, causal_end, table, offs_d, d_mask, qk_scale,
             k_ptr, k_head_off, k_blk, k_tok_outer, k_tok_inner, k_dim_outer, k_dim_inner,
             v_ptr, v_head_off, v_blk, v_tok_outer, v_tok_inner, v_dim_outer, v_dim_inner,
