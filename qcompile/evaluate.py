@@ -114,7 +114,7 @@ def evaluate(
         ref = open_reference(reference, engine.runner.device, compute_dtype, window, progress)
     _check_same_vocabulary(engine, artifact, ref, text, ids)
 
-    totals = _Totals()
+    totals = Totals()
     starts = window_starts(len(ids), window)
     for number, start in enumerate(tqdm(starts, desc="eval", unit="window", disable=None if progress else True)):
         chunk = ids[start : start + window]
@@ -150,7 +150,7 @@ def evaluate(
 
 
 @dataclass
-class _Totals:
+class Totals:
     """Float64 sums over every predicted token."""
 
     nll_artifact: float = 0.0
