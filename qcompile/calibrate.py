@@ -5,7 +5,9 @@ layer's weights read from the shards and dropped after use), so memory holds one
 calibration activations, never the model. Each layer's keys (after k_norm and RoPE: what the cache
 stores) and values are taken from the cache the layer writes; the scale is amax(|x|) over every
 calibration token / 448 (e4m3's largest value): static, per tensor, symmetric, as compressed-
-tensors' kv_cache_scheme with a min-max observer defines it.
+tensors' kv_cache_scheme calibrated by llm-compressor with observer "static_minmax" gives it. Its
+default observer ("minmax") keeps a moving average (weight 0.01) of each batch's min and max
+instead, mostly the first batch's and never above the global amax (tests/test_kv_calibration_llmc.py).
 """
 
 from __future__ import annotations
