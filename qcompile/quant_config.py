@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qcompile.quant.schemes import PerBlock, PerChannel, QuantScheme
+from qcompile.quant.schemes import PerBlock, PerChannel, PerTensor, QuantScheme
 from qcompile.recipe import Recipe
 
 COMPRESSED_TENSORS_VERSION = "0.19.0"  # the format version we write (compressed-tensors' own numbering)
@@ -39,6 +39,10 @@ def quantization_config(
     if isinstance(scheme.weights, PerChannel):
         weights = _args("channel", dynamic=False)
         activations = _args("token", dynamic=True)
+    elif isinstance(scheme.weights, PerTensor):
+        # the source names' form (what split_to_sources gives): one [1] scale per tensor
+        weights = _args("tensor", dynamic=False)
+        activations = _args("tensor", dynamic=True)
     elif isinstance(scheme.weights, PerBlock):
         weights = _args("block", dynamic=False, block=[scheme.weights.block_n, scheme.weights.block_k])
         activations = _args("group", dynamic=True, group=scheme.activation_group)

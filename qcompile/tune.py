@@ -21,16 +21,18 @@ from qruntime.kernel_configs import KERNELS_DIR, device_file
 
 from qcompile.errors import QCompileError
 from qcompile.manifest import write_manifest
+from qcompile.quant import get_scheme
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 def gemm_shapes(manifest: dict[str, Any]) -> list[tuple[int, int]]:
-    """(N, K) of every 2-D PTPC-FP8 weight (stacked MoE experts are tuned with the MoE kernel)."""
+    """(N, K) of every 2-D weight a PTPCLinear reads (ptpc-fp8, tensor-fp8; stacked MoE experts are
+    tuned with the MoE kernel)."""
     shapes = {
         tuple(info["shape"])
         for name, info in manifest["tensors"].items()
-        if info["scheme"] == "ptpc-fp8" and info["role"] != "scale" and len(info["shape"]) == 2
+        if get_scheme(info["scheme"]).linear_op == "PTPCLinear" and info["role"] != "scale" and len(info["shape"]) == 2
     }
     return sorted(shapes)
 

@@ -2,7 +2,9 @@
 
 Fused and stacked weights record their parts in the manifest; splitting only slices rows, so each
 source tensor comes back with exactly the bytes (and scale) it was quantized to. This is what
-`qcompile export` builds on, and how tests compare us with llm-compressor byte for byte.
+`qcompile export` builds on, and how tests compare us with llm-compressor byte for byte. Scales come
+back as compressed-tensors stores them: per-tensor scales, which the artifact repeats on each row
+of their source's part, as the one value of shape [1].
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from qruntime.artifact import read_manifest
 from safetensors import safe_open
 
+from qcompile.errors import ArtifactError
 from qcompile.jobs import split_rows
 from qcompile.quant import get_scheme
 
@@ -41,6 +44,19 @@ def split_to_sources(root: str | Path) -> Iterator[tuple[str, torch.Tensor, torc
         scale_name = name + "_scale"
         scale = load(scale_name) if scale_name in tensors else None
         layout = [[tuple(part) for part in group] for group in info["parts"]]
-        align = get_scheme(info["scheme"]).row_align
-        for source, (weight, srows) in split_rows(layout, info["stacked"], align, load(name), scale).items():
+        scheme = get_scheme(info["scheme"])
+        for source, (weight, srows) in split_rows(layout, info["stacked"], scheme.row_align, load(name), scale).items():
+            if scheme.per_tensor and srows is not None:
+                srows = _one_value(srows, scale_name, source)
             yield ("lm_head.weight" if info["role"] == "lm_head" else source), weight, srows
+
+
+def _one_value(rows: torch.Tensor, scale_name: str, source: str) -> torch.Tensor:
+    """The [1] per-tensor scale of `source` from its rows of `scale_name`, which must all hold it."""
+    value = rows.reshape(-1)[:1]
+    if not bool((rows == value).all()):
+        raise ArtifactError(
+            f"{scale_name}: the rows of per-tensor scale part {source!r} hold different values; the artifact "
+            "is damaged (run `qcompile verify`)"
+        )
+    return value.clone()

@@ -6,6 +6,12 @@ the scheme's `row_align` give exactly the bytes of quantizing the whole tensor a
 written with pwrites at the offsets of the fused tensor. A small thread pool keeps both cores
 busy (torch and file I/O release the GIL); at most a few chunks are in flight, which bounds memory
 whatever the model's size.
+
+A per-tensor scheme's scale depends on the whole source tensor, so before the first chunk of such
+a source is quantized, a pre-pass reads the source in row chunks of the same size for its amax
+(the pool again, NaN/Inf checked there); its chunks are then quantized with that amax and come out
+byte-identical to quantizing the whole tensor at once. The pre-pass runs just before the source's
+chunks, which then mostly come from the page cache.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from qcompile.errors import TensorValueError
 from qcompile.io.safetensors_stream import StreamingWriter
 from qcompile.jobs import WeightJob
 from qcompile.plan import TensorPlan
-from qcompile.quant.fp8 import amax_abs
+from qcompile.quant.fp8 import amax_abs, tensor_amax
 
 CHUNK_BYTES = 8 << 20
 IN_FLIGHT_BYTES = 128 << 20  # source bytes in flight across all workers: bounds memory on many-core hosts
@@ -44,6 +50,13 @@ class ChunkTask:
     stop: int
 
 
+def row_ranges(rows: int, row_bytes: int, chunk_bytes: int, align: int = 1) -> Iterator[tuple[int, int]]:
+    """[start, stop) row ranges of about `chunk_bytes` each, every start a multiple of `align`."""
+    step = max(align, (chunk_bytes // max(row_bytes, 1)) // align * align)
+    for start in range(0, rows, step):
+        yield start, min(start + step, rows)
+
+
 def iter_tasks(plan: TensorPlan, chunk_bytes: int = CHUNK_BYTES) -> Iterator[ChunkTask]:
     for job in plan.jobs:
         align = job.quant.row_align
@@ -55,9 +68,8 @@ def iter_tasks(plan: TensorPlan, chunk_bytes: int = CHUNK_BYTES) -> Iterator[Chu
                     yield ChunkTask(job, s, source, begin, 0, rows)
                     continue
                 row_bytes = plan.model_dtype.itemsize * shape[1]
-                step = max(align, (chunk_bytes // max(row_bytes, 1)) // align * align)
-                for start in range(0, rows, step):
-                    yield ChunkTask(job, s, source, begin, start, min(start + step, rows))
+                for start, stop in row_ranges(rows, row_bytes, chunk_bytes, align):
+                    yield ChunkTask(job, s, source, begin, start, stop)
 
 
 class _Writers:
@@ -88,20 +100,25 @@ class _Writers:
             writer.abort()
 
 
-def _run_task(task: ChunkTask, checkpoint: Checkpoint, plan: TensorPlan, writers: _Writers) -> int:
+def _run_task(
+    task: ChunkTask, checkpoint: Checkpoint, plan: TensorPlan, writers: _Writers, amax: torch.Tensor | None = None
+) -> int:
+    """Quantize (or copy) and write one chunk; `amax` is its whole source's, for per-tensor schemes."""
     job = task.job
     entry = checkpoint.entry(task.source)
     chunk = entry.read_rows(task.start, task.stop)
     weight_shape = job.weight_shape(plan.source_shapes)
     fused_rows = weight_shape[1] if job.stacked else weight_shape[0]
     if job.quant.quantized:
-        q, scale = job.quant.quantize(chunk)
+        if job.quant.per_tensor and amax is None:
+            raise ValueError(f"{task.source}: a per-tensor scheme's chunk needs its source's amax")
+        q, scale = job.quant.quantize(chunk, amax)
         # amax over each row or block propagates NaN and Inf into the scale: one cheap check
         if not bool(torch.isfinite(scale).all()):
-            _raise_nonfinite(task, chunk)
+            _raise_nonfinite(task.source, task.start, chunk)
     else:
         if chunk.numel() and not bool(torch.isfinite(amax_abs(chunk, tuple(range(chunk.dim())))).all()):
-            _raise_nonfinite(task, chunk)  # the amax carries any NaN or Inf: a one-pass check
+            _raise_nonfinite(task.source, task.start, chunk)  # the amax carries any NaN or Inf: a one-pass check
         q, scale = chunk, None
     row = task.dest_row + task.start
     row_bytes = q[0].numel() * q.element_size() if q.dim() > 1 else q.element_size()
@@ -116,17 +133,27 @@ def _run_task(task: ChunkTask, checkpoint: Checkpoint, plan: TensorPlan, writers
     return entry.row_bytes * (task.stop - task.start)
 
 
-def _raise_nonfinite(task: ChunkTask, chunk: torch.Tensor) -> None:
+def _chunk_amax(checkpoint: Checkpoint, source: str, start: int, stop: int) -> torch.Tensor:
+    """The pre-pass of per-tensor schemes: amax(|rows start..stop|) of `source`, [1], NaN/Inf refused."""
+    chunk = checkpoint.entry(source).read_rows(start, stop)
+    amax = tensor_amax(chunk)
+    if not bool(torch.isfinite(amax).all()):
+        _raise_nonfinite(source, start, chunk)
+    return amax
+
+
+def _raise_nonfinite(source: str, start: int, chunk: torch.Tensor) -> None:
+    """TensorValueError naming `source` and its first NaN/Inf; `chunk` holds its rows from `start`."""
     bad = (~torch.isfinite(chunk.float())).nonzero()
     where = ""
     if len(bad):
         index = [int(i) for i in bad[0]]
         if chunk.dim() >= 1:
-            index[0] += task.start
+            index[0] += start
         value = chunk[tuple(int(i) for i in bad[0])].item()
         where = f" (first at index {index}: {value})"
     raise TensorValueError(
-        f"source tensor {task.source!r} holds NaN or Inf values{where}; fix the checkpoint before compiling"
+        f"source tensor {source!r} holds NaN or Inf values{where}; fix the checkpoint before compiling"
     )
 
 
@@ -144,11 +171,20 @@ def write_weights(
     """
     writers = _Writers(root, plan)
     stop = threading.Event()
+    chunk_bytes = chunk_bytes or chunk_size(workers)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # parallel over chunks, not inside each op: no oversubscription
     try:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="qcompile-write") as pool:
             pending: set[Future[int]] = set()
+            amaxes: dict[str, torch.Tensor] = {}  # source -> its amax, for per-tensor schemes
+
+            def source_amax(source: str) -> torch.Tensor:
+                """The whole source's amax from its row chunks, read on the pool (at most `workers` at once)."""
+                entry = checkpoint.entry(source)
+                ranges = row_ranges(entry.shape[0], entry.row_bytes, chunk_bytes)
+                parts = [pool.submit(_guarded_amax, stop, checkpoint, source, a, b) for a, b in ranges]
+                return torch.cat([part.result() for part in parts]).amax().reshape(1)
 
             def drain(limit: int) -> None:
                 nonlocal pending
@@ -160,8 +196,13 @@ def write_weights(
                             progress(nbytes)
 
             try:
-                for task in iter_tasks(plan, chunk_bytes or chunk_size(workers)):
-                    pending.add(pool.submit(_guarded, stop, task, checkpoint, plan, writers))
+                for task in iter_tasks(plan, chunk_bytes):
+                    amax = None
+                    if task.job.quant.per_tensor:
+                        if task.source not in amaxes:
+                            amaxes[task.source] = source_amax(task.source)
+                        amax = amaxes[task.source]
+                    pending.add(pool.submit(_guarded, stop, task, checkpoint, plan, writers, amax))
                     drain(2 * workers)
                 drain(0)
             except BaseException:
@@ -178,8 +219,21 @@ def write_weights(
 
 
 def _guarded(
-    stop: threading.Event, task: ChunkTask, checkpoint: Checkpoint, plan: TensorPlan, writers: _Writers
+    stop: threading.Event,
+    task: ChunkTask,
+    checkpoint: Checkpoint,
+    plan: TensorPlan,
+    writers: _Writers,
+    amax: torch.Tensor | None,
 ) -> int:
     if stop.is_set():
         return 0
-    return _run_task(task, checkpoint, plan, writers)
+    return _run_task(task, checkpoint, plan, writers, amax)
+
+
+def _guarded_amax(
+    stop: threading.Event, checkpoint: Checkpoint, source: str, start: int, stop_row: int
+) -> torch.Tensor:
+    if stop.is_set():
+        raise RuntimeError("the write was stopped")  # never read: the error that stopped it propagates
+    return _chunk_amax(checkpoint, source, start, stop_row)

@@ -6,7 +6,9 @@ every tensor left unquantized (embeddings, norms, MoE router, lm_head), with not
 nothing extra. Two llm-compressor paths are compared: `model_free_ptq` (streams the safetensors
 like we do; it has no model, so the embedding must be named in `ignore`) and `oneshot` (loads the
 transformers model). The `quantization_config` of config.json is compared too, parsed with
-compressed-tensors.
+compressed-tensors. tensor-fp8 has no llm-compressor preset; it is compared with a custom scheme
+(`strategy: tensor` weights, dynamic per-tensor activations), whose [1] weight scales
+split_to_sources gives back from the artifact's repeated rows.
 
 llm-compressor's outputs are cached per module (one run per checkpoint and scheme), and so are
 our compiles, which keeps these tests to a few seconds.
@@ -15,6 +17,7 @@ our compiles, which keeps these tests to a few seconds.
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -22,7 +25,7 @@ from typing import Any
 
 import pytest
 import torch
-from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
+from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 from compressed_tensors.utils.match import match_name
 from llmcompressor import model_free_ptq, oneshot
 from llmcompressor.modifiers.quantization import QuantizationModifier
@@ -45,6 +48,21 @@ LMHEAD_IGNORE = ["re:.*mlp.gate$", EMBED]  # ptpc-fp8-lmhead: lm_head quantized 
 OBSERVER = ("observer", "observer_kwargs")  # calibration-time only: oneshot records "memoryless_minmax"
 SMALL_CHUNK = 1000  # bytes: 7 rows of 64 bf16 columns, 15 of 32
 SIZE128 = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128}
+TENSOR_FP8 = "TENSOR_FP8"  # not a preset: the custom scheme of `llmc_scheme`, named for the run caches
+
+
+def llmc_scheme(name: str) -> str | QuantizationScheme:
+    """A preset name as it is, or TENSOR_FP8 as the scheme it stands for: FP8 weights with one static
+    scale per tensor and activations with one dynamic scale per tensor (vLLM's load-time fp8)."""
+    if name != TENSOR_FP8:
+        return name
+    args = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True}
+    return QuantizationScheme(
+        targets=["Linear"],
+        weights=QuantizationArgs(**args, dynamic=False),
+        input_activations=QuantizationArgs(**args, dynamic=True),
+    )
+
 
 Tensors = dict[str, torch.Tensor]
 
@@ -150,12 +168,16 @@ def _cached(workdir: Path, prefix: str, run: Callable[..., None]) -> Callable[..
 
 
 def _run_model_free(ckpt: Path, out: Path, scheme: str, ignore: Iterable[str]) -> None:
-    model_free_ptq(str(ckpt), str(out), scheme=scheme, ignore=list(ignore), device="cpu")
+    model_free_ptq(str(ckpt), str(out), scheme=llmc_scheme(scheme), ignore=list(ignore), device="cpu")
 
 
 def _run_oneshot(ckpt: Path, out: Path, scheme: str, ignore: Iterable[str]) -> None:
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=BF16)
-    oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme=scheme, ignore=list(ignore)))
+    if scheme == TENSOR_FP8:
+        modifier = QuantizationModifier(config_groups={"group_0": llmc_scheme(scheme)}, ignore=list(ignore))
+    else:
+        modifier = QuantizationModifier(targets="Linear", scheme=scheme, ignore=list(ignore))
+    oneshot(model=model, recipe=modifier)
     model.save_pretrained(out, save_compressed=True)
 
 
@@ -198,6 +220,19 @@ def moe128(make_ckpt: Callable[..., Path]) -> Path:
 CHECKPOINTS = ["tiny_ckpt", "tiny_tied_ckpt", "tiny_moe_ckpt", "tiny_odd_ckpt"]
 
 
+@pytest.fixture(scope="module")
+def fresh_moe_ckpt(tiny_moe_ckpt: Path, workdir: Path) -> Path:
+    """tiny-moe with fresh random weights each run, every tensor of its own random magnitude."""
+    ckpt = copy_checkpoint(tiny_moe_ckpt, workdir / "fresh-moe")
+
+    def edit(tensors: Tensors) -> None:
+        for name, t in tensors.items():
+            tensors[name] = (torch.randn(t.shape) * 10 ** random.uniform(-4, 2)).to(BF16)
+
+    rewrite_tensors(ckpt, edit)
+    return ckpt
+
+
 # ---------------------------------------------------------------------- ptpc-fp8 == FP8_DYNAMIC
 
 
@@ -226,6 +261,93 @@ def test_ptpc_fp8_equals_oneshot(request, fixture, compiled, one_shot):
     assert_identical(split(compiled(ckpt, "ptpc-fp8")), reference)
     if fixture == "tiny_moe_ckpt":
         assert reference["model.layers.0.mlp.experts.7.down_proj.weight"].dtype == FP8
+
+
+# ------------------------------------------------------------ tensor-fp8 == strategy: tensor
+
+
+def assert_per_source_scales(artifact: Path, ours: Tensors) -> None:
+    """The artifact repeats each source's one scale on its rows: a fused qkv_proj holds the three
+    values that q_proj, k_proj and v_proj split back to."""
+    tensors = read_tensors(artifact / "weights")
+    fused = tensors["model.layers.0.self_attn.qkv_proj.weight_scale"]  # [q + k + v rows, 1]
+    parts = [ours[f"model.layers.0.self_attn.{p}_proj.weight_scale"] for p in "qkv"]
+    assert all(p.shape == (1,) for p in parts)
+    rows = [ours[f"model.layers.0.self_attn.{p}_proj.weight"].shape[0] for p in "qkv"]
+    assert torch.equal(fused, torch.cat([p.expand(r) for p, r in zip(parts, rows, strict=True)])[:, None])
+
+
+@pytest.mark.parametrize("overrides", [(), ("passes=[]",)], ids=["fused", "unfused"])
+@pytest.mark.parametrize("fixture", [*CHECKPOINTS, "fresh_moe_ckpt"])
+def test_tensor_fp8_equals_model_free_ptq(request, fixture, overrides, compiled, model_free):
+    ckpt = request.getfixturevalue(fixture)
+    reference = read_tensors(model_free(ckpt, TENSOR_FP8))
+    artifact = compiled(ckpt, "tensor-fp8", overrides)
+    ours = split(artifact)
+    assert_identical(ours, reference)
+    expected = {m for m in linear_modules(ckpt) if m != "lm_head" and not m.endswith(".mlp.gate")}
+    assert quantized_names(reference) == expected
+    assert all(reference[m + ".weight_scale"].shape == (1,) for m in expected)
+    if not overrides:
+        assert_per_source_scales(artifact, ours)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_ckpt", "tiny_moe_ckpt"])
+def test_tensor_fp8_equals_oneshot(request, fixture, compiled, one_shot):
+    """oneshot with the custom per-tensor scheme: every weight's bytes and its one bf16 scale (and
+    every unquantized tensor) equal ours split back to source names."""
+    ckpt = request.getfixturevalue(fixture)
+    reference = read_tensors(one_shot(ckpt, TENSOR_FP8))
+    scales = {k: t for k, t in reference.items() if k.endswith(".weight_scale")}
+    assert scales and all(t.shape == (1,) and t.dtype == BF16 for t in scales.values())
+    artifact = compiled(ckpt, "tensor-fp8")
+    ours = split(artifact)
+    assert_identical(ours, reference)
+    if fixture == "tiny_moe_ckpt":
+        w13 = read_tensors(artifact / "weights")["model.layers.0.mlp.experts.w13.weight_scale"]  # [E, 2I, 1]
+        gate, up = (ours[f"model.layers.0.mlp.experts.3.{p}_proj.weight_scale"] for p in ("gate", "up"))
+        assert bool((w13[3, :32] == gate).all()) and bool((w13[3, 32:] == up).all())
+
+
+def test_edge_values_tensor_fp8_equal_model_free_ptq(tiny_ckpt, workdir, compiled, model_free):
+    """Per-tensor scales over edge values: rows of every edge kind inside tensors (a 1e30 outlier or
+    values near the bf16 maximum set their tensor's scale), and whole tensors all zero, all -0, all
+    subnormal (epsilon scales) and of normal values whose scale is a bf16 subnormal."""
+    k, up = "model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight"
+    q = "model.layers.0.self_attn.q_proj.weight"
+    slots = [
+        ("zero", k, 0),
+        ("negzero", k, 31),
+        ("subnormal", q, 7),
+        ("subnormal_scale", q, 60),
+        ("huge", up, 0),
+        ("outlier", up, 64),
+        ("bf16max", k, 16),
+    ]
+    ckpt = _edge_checkpoint(tiny_ckpt, workdir / "edge-tensor", slots, group=1)
+    whole = {
+        "model.layers.1.self_attn.v_proj.weight": "zero",
+        "model.layers.0.mlp.gate_proj.weight": "negzero",
+        "model.layers.0.self_attn.o_proj.weight": "subnormal",
+        "model.layers.1.mlp.down_proj.weight": "subnormal_scale",
+    }
+
+    def edit(tensors: Tensors) -> None:
+        for name, kind in whole.items():
+            if name in tensors:
+                tensors[name] = _edge_block(kind, *tensors[name].shape)
+
+    rewrite_tensors(ckpt, edit)
+    reference = read_tensors(model_free(ckpt, TENSOR_FP8))
+    for overrides in ((), ("passes=[]",)):
+        ours = split(compiled(ckpt, "tensor-fp8", overrides))
+        assert_identical(ours, reference)
+    scale = {kind: ours[name + "_scale"].item() for name, kind in whole.items()}
+    eps = torch.finfo(BF16).eps
+    assert scale["zero"] == scale["negzero"] == scale["subnormal"] == eps
+    assert scale["subnormal_scale"] == 2.0**-132
+    assert bool((ours["model.layers.0.mlp.gate_proj.weight"].view(torch.uint8) == 0x80).all())
+    assert float(ours["model.layers.1.mlp.down_proj.weight"].float().max()) == 448
 
 
 # -------------------------------------------------------------------------------- FP8 lm_head
@@ -420,11 +542,17 @@ def test_block_fp8_ragged_edges_equal_oneshot(tiny_odd_ckpt, compiled, one_shot)
 
 @pytest.mark.parametrize(
     ("fixture", "recipe", "scheme"),
-    [("tiny_moe_ckpt", "ptpc-fp8", "FP8_DYNAMIC"), ("moe128", "block-fp8", "FP8_BLOCK")],
+    [
+        ("tiny_moe_ckpt", "ptpc-fp8", "FP8_DYNAMIC"),
+        ("moe128", "block-fp8", "FP8_BLOCK"),
+        ("tiny_moe_ckpt", "tensor-fp8", TENSOR_FP8),
+        ("tiny_odd_ckpt", "tensor-fp8", TENSOR_FP8),
+    ],
 )
 def test_small_row_chunks_equal_model_free_ptq(request, fixture, recipe, scheme, tmp_path, monkeypatch, model_free):
     """Real checkpoints stream in many row chunks per tensor; the tiny ones fit in one. With 1000-byte
-    chunks every tensor is written in several ragged pieces, and the bytes must not change."""
+    chunks every tensor is written in several ragged pieces, and the bytes must not change (per-tensor
+    scales: each source's amax comes from a pre-pass over the same chunks)."""
     ckpt = request.getfixturevalue(fixture)
     counts: list[tuple[int, int]] = []
 
@@ -517,3 +645,14 @@ def test_quantization_config_equals_oneshot(request, fixture, compiled, one_shot
     serialization of the rest of config.json, so only the quantization_config is compared."""
     ckpt = request.getfixturevalue(fixture)
     assert_equivalent(compiled(ckpt, "ptpc-fp8"), one_shot(ckpt), ckpt, drop=OBSERVER, same_config=False)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_ckpt", "tiny_moe_ckpt"])
+def test_quantization_config_tensor_fp8_equals_llmcompressor(request, fixture, compiled, one_shot, model_free):
+    ckpt = request.getfixturevalue(fixture)
+    ours = compiled(ckpt, "tensor-fp8")
+    assert_equivalent(ours, one_shot(ckpt, TENSOR_FP8), ckpt, drop=OBSERVER, same_config=False)
+    assert_equivalent(ours, model_free(ckpt, TENSOR_FP8), ckpt)
+    (group,) = _qconfig(ours)[0].config_groups.values()
+    assert group.weights.strategy == group.input_activations.strategy == "tensor"
+    assert group.input_activations.dynamic is True and group.weights.dynamic is False

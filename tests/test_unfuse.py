@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from qcompile.errors import ArtifactError
 from qcompile.unfuse import split_to_sources
 
 SIZE128 = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128}
@@ -157,3 +158,27 @@ def test_block_fp8_fused_splits_into_the_unfused_artifact(request, fixture, comp
     unfused = compiled(ckpt, "block-fp8", "passes=[]")
     assert split(unfused)["model.layers.0.self_attn.k_proj.weight"][1].shape == (1, 1)
     assert_same_split(fused, unfused)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_moe_ckpt", "tiny_odd_ckpt", "random_moe_ckpt"])
+def test_tensor_fp8_fused_splits_into_the_unfused_artifact(request, fixture, compiled):
+    """Per-tensor scales: the fused artifact repeats each source's scale on its rows; both split back
+    to one [1] scale per source tensor, the same bytes."""
+    ckpt = request.getfixturevalue(fixture)
+    fused = compiled(ckpt, "tensor-fp8")
+    assert_fused(fused, moe="moe" in fixture)
+    unfused = compiled(ckpt, "tensor-fp8", "passes=[]")
+    assert split(unfused)["model.layers.0.self_attn.k_proj.weight"][1].shape == (1,)
+    assert_same_split(fused, unfused)
+
+
+def test_tensor_fp8_scale_rows_that_differ_are_refused(tiny_ckpt, compiled, tmp_path):
+    artifact = tmp_path / "art"
+    shutil.copytree(compiled(tiny_ckpt, "tensor-fp8"), artifact)
+    name = "model.layers.1.self_attn.qkv_proj.weight_scale"
+    file = artifact / manifest_tensors(artifact)[name]["file"]
+    tensors = load_file(file)
+    tensors[name][3] *= 2  # one row of q_proj's part
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ArtifactError, match=f"{name}: the rows of per-tensor scale part .*q_proj"):
+        split(artifact)

@@ -78,8 +78,9 @@ def command(checkpoint, output, recipe, overrides, force, workers, dry_run, quie
     the KV-cache layout, graph.onnx and manifest.json with the sha256 of every file. The artifact
     appears at OUTPUT only when complete; a failure or Ctrl-C leaves nothing behind.
 
-    Shipped recipes (recipes/*.yaml): ptpc-fp8 (default), ptpc-fp8-lmhead, block-fp8, bf16,
-    ptpc-fp8-unfused, ptpc-fp8-kv8 (fp8 KV cache calibrated on --calib FILE). Example:
+    Shipped recipes (recipes/*.yaml): ptpc-fp8 (default), ptpc-fp8-lmhead, block-fp8, tensor-fp8
+    (vLLM's per-tensor fp8), bf16, ptpc-fp8-unfused, ptpc-fp8-kv8 (fp8 KV cache calibrated on
+    --calib FILE). Example:
 
         qcompile compile ./Qwen3-8B -o ./qwen3-8b-fp8 --set kv_cache.layout=hnd
     """

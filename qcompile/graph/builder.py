@@ -83,11 +83,14 @@ class GraphBuilder:
         return get_scheme("none" if self.recipe.ignores(module) else self.recipe.quantization.scheme)
 
     def quantize(self, x: str, group_size: int) -> tuple[str, str]:
-        """DynamicQuant of `x` (one per value and group size, shared by every linear reading it)."""
+        """DynamicQuant of `x` (one per value and group size, shared by every linear reading it).
+
+        group_size 0: one scale per token; n > 0: per n channels of a token; -1: one scale for the
+        whole step, repeated on every token's row (xs [T, 1], as per-token)."""
         key = (x, group_size)
         if key not in self._quantized:
             rows, cols = self.shape(x)
-            groups = 1 if group_size == 0 else -(-int(cols) // group_size)
+            groups = 1 if group_size <= 0 else -(-int(cols) // group_size)
             xq, xs = self.node(
                 "DynamicQuant",
                 [x],

@@ -42,6 +42,8 @@ _KV = MappingProxyType(
 )
 _QUANT_OUT = (("yq", "F8"), ("ys", "F32"))
 
+# group_size (DynamicQuant and the ops fused with it): 0 = one activation scale per token, n > 0 = per
+# n channels of a token, -1 = one scale for the whole step (per-tensor; xs [T, 1], the value repeated)
 SIGNATURES: Mapping[str, OpSignature] = MappingProxyType(
     {
         # simple ops

@@ -3,7 +3,9 @@
 llm-compressor (compressed-tensors) does this math in the weight's own dtype: the scale is
 amax(|w|) / 448 rounded to that dtype (a zero amax becomes the dtype's machine epsilon), the weight
 is divided by the scale in that dtype, clamped to ±448 and cast to float8_e4m3fn (round to nearest
-even). The functions below keep each step in the same dtype and order, so the bytes match.
+even). The functions below keep each step in the same dtype and order, so the bytes match. Per-tensor
+weights (compressed-tensors' `strategy: tensor`) follow the same steps with one amax over the whole
+tensor; compressed-tensors stores that scale as a [1] tensor in the weight dtype.
 """
 
 from __future__ import annotations
@@ -47,6 +49,22 @@ def _cast(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """PTPC weights: one scale per output row. w [R, C] -> (fp8 [R, C], scale [R, 1] in w.dtype)."""
     scale = _scale_from_amax(amax_abs(w, dim=1))
+    return _cast(w, scale), scale
+
+
+def tensor_amax(w: torch.Tensor) -> torch.Tensor:
+    """amax(|w|) over all of w, shape [1] in w's dtype (NaN and Inf come through); the max of the
+    amaxes of a tensor's row chunks is the amax of the whole, exactly."""
+    return amax_abs(w, tuple(range(w.dim()))).reshape(1)
+
+
+def quantize_per_tensor(w: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale for a whole tensor: w [R, C] -> (fp8 [R, C], scale [1] in w.dtype).
+
+    `w` may be a row chunk of a larger tensor when `amax` is that whole tensor's `tensor_amax`:
+    chunks quantized with it give exactly the bytes of quantizing the whole tensor at once.
+    """
+    scale = _scale_from_amax(tensor_amax(w) if amax is None else amax.reshape(1).to(w.dtype))
     return _cast(w, scale), scale
 
 

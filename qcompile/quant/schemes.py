@@ -17,6 +17,16 @@ class PerChannel:
 
 
 @dataclass(frozen=True)
+class PerTensor:
+    """One scale per source tensor (compressed-tensors' `strategy: tensor`).
+
+    Stored as [rows, 1] like per-channel scales, each row holding its source tensor's one value,
+    so the per-channel GEMM runs it unchanged: a fused qkv_proj scale holds three different values
+    (q rows, k rows, v rows), an MoE w13 scale two per expert (gate rows, up rows).
+    """
+
+
+@dataclass(frozen=True)
 class PerBlock:
     """One scale per block_n x block_k tile."""
 
@@ -29,11 +39,12 @@ class QuantScheme:
     """How a linear layer's weight is stored and which graph op consumes it.
 
     `weights` is None for an unquantized scheme. `activation_group` is the runtime's dynamic
-    activation quantization: 0 = one scale per token, n = one scale per n consecutive channels.
+    activation quantization: 0 = one scale per token, n = one scale per n consecutive channels,
+    -1 = one scale for the whole [T, K] activation of a step (per-tensor).
     """
 
     name: str
-    weights: PerChannel | PerBlock | None
+    weights: PerChannel | PerTensor | PerBlock | None
     activation_group: int
     linear_op: str
     llmcompressor_scheme: str | None  # the preset it is byte-compatible with, when any
@@ -41,6 +52,12 @@ class QuantScheme:
     @property
     def quantized(self) -> bool:
         return self.weights is not None
+
+    @property
+    def per_tensor(self) -> bool:
+        """Whether a chunk's scale depends on its whole source tensor: the writer then reads each
+        source once for its amax (`fp8.tensor_amax`) before quantizing its chunks with it."""
+        return isinstance(self.weights, PerTensor)
 
     @property
     def row_align(self) -> int:
@@ -53,16 +70,25 @@ class QuantScheme:
     def scale_shape(self, shape: tuple[int, int]) -> tuple[int, int] | None:
         """Shape of the scale of a [rows, cols] weight, or None when unquantized."""
         rows, cols = shape
-        if isinstance(self.weights, PerChannel):
+        if isinstance(self.weights, PerChannel | PerTensor):
             return (rows, 1)
         if isinstance(self.weights, PerBlock):
             return (math.ceil(rows / self.weights.block_n), math.ceil(cols / self.weights.block_k))
         return None
 
-    def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize a [rows, cols] chunk whose first row is a multiple of `row_align`."""
+    def quantize(self, w: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize a [rows, cols] chunk of one source tensor whose first row is a multiple of
+        `row_align`; returns (fp8 [rows, cols], scale in the artifact's layout).
+
+        Per-tensor schemes need `amax`, the `fp8.tensor_amax` of the whole source tensor the chunk
+        belongs to; without it the chunk is taken to be the whole tensor. Their scale comes back as
+        [rows, 1], the one value repeated on every row.
+        """
         if isinstance(self.weights, PerChannel):
             return fp8.quantize_per_channel(w)
+        if isinstance(self.weights, PerTensor):
+            q, scale = fp8.quantize_per_tensor(w, amax)
+            return q, scale.expand(w.shape[0], 1)
         if isinstance(self.weights, PerBlock):
             return fp8.quantize_per_block(w, (self.weights.block_n, self.weights.block_k))
         raise TypeError(f"scheme {self.name!r} does not quantize")
@@ -71,6 +97,10 @@ class QuantScheme:
 SCHEMES = MappingProxyType(
     {
         "ptpc-fp8": QuantScheme("ptpc-fp8", PerChannel(), 0, "PTPCLinear", "FP8_DYNAMIC"),
+        # vLLM's load-time `--quantization fp8` (dynamic per-tensor activations), but with one weight
+        # scale per source tensor where vLLM gives a fused qkv / gate_up one (the largest of its
+        # parts'); no compressed-tensors preset is this (its FP8 has static activation scales)
+        "tensor-fp8": QuantScheme("tensor-fp8", PerTensor(), -1, "PTPCLinear", None),
         "block-fp8": QuantScheme("block-fp8", PerBlock(128, 128), 128, "BlockFP8Linear", "FP8_BLOCK"),
         "none": QuantScheme("none", None, 0, "Gemm", None),
     }

@@ -3,6 +3,7 @@ a clear message naming the fault, a non-zero exit, and no partial artifact (no t
 
 import json
 import math
+import random
 import shutil
 import subprocess
 import sys
@@ -218,6 +219,52 @@ def test_bad_checkpoint(case, ckpt, tmp_path):
     assert result.output.startswith("error: ") and message in result.output, result.output
     assert leftovers(tmp_path, "art") == []
     assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before  # the source is untouched
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("-inf")], ids=["nan", "inf"])
+def test_nonfinite_weight_refused_by_the_per_tensor_prepass(value, ckpt, tmp_path, monkeypatch):
+    """tensor-fp8 reads each source tensor for its amax before quantizing it: a NaN or Inf in a later
+    row chunk is refused there, named with its index, before any chunk of that tensor is written."""
+    name = "model.layers.2.self_attn.o_proj.weight"  # [64, 64] bf16: 7 rows per 1000-byte chunk
+    row, col = random.randrange(14, 64), random.randrange(64)  # past the first two chunks
+
+    def damage(tensors):
+        tensors[name][row, col] = value
+
+    _rewrite(ckpt, damage)
+    monkeypatch.setattr(writer, "chunk_size", lambda workers: 1000)
+    written, real = [], writer._run_task
+
+    def run_task(task, *args):
+        written.append(task.source)
+        return real(task, *args)
+
+    monkeypatch.setattr(writer, "_run_task", run_task)
+    result = run("compile", ckpt, "-o", tmp_path / "art", "-q", "-r", "tensor-fp8")
+    assert result.exit_code == 1, result.output
+    expected = f"error: source tensor {name!r} holds NaN or Inf values (first at index [{row}, {col}]: {value})"
+    assert expected in result.output, result.output
+    assert written and name not in written  # found by the pre-pass: no chunk of it was quantized
+    assert leftovers(tmp_path, "art") == []
+
+
+def test_compile_tensor_fp8_recipe_by_path(tiny_moe_ckpt, tmp_path):
+    """`-r recipes/tensor-fp8.yaml`: per-tensor weight scales stored [out, 1] (q, k and v rows each
+    holding their own value) and a compressed-tensors config saying so."""
+    from qcompile.recipe import recipe_dir
+
+    out = tmp_path / "art"
+    result = run("compile", tiny_moe_ckpt, "-o", out, "-q", "-r", recipe_dir() / "tensor-fp8.yaml")
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["recipe"]["quantization"]["scheme"] == "tensor-fp8"
+    qkv = "model.layers.0.self_attn.qkv_proj.weight_scale"
+    assert manifest["tensors"][qkv]["shape"] == [128, 1] and manifest["tensors"][qkv]["scheme"] == "tensor-fp8"
+    scale = load_file(out / manifest["tensors"][qkv]["file"])[qkv][:, 0]
+    assert [len(set(part.tolist())) for part in scale.split([64, 32, 32])] == [1, 1, 1]
+    group = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert group["weights"]["strategy"] == group["input_activations"]["strategy"] == "tensor"
+    assert run("verify", out).exit_code == 0
 
 
 @pytest.mark.parametrize(

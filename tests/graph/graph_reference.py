@@ -19,11 +19,15 @@ from qcompile.jobs import WeightJob
 
 
 def materialize(job: WeightJob, sources: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors a weight job writes: sources concatenated / stacked, then quantized by its scheme."""
-    slices = [torch.cat([sources[name] for name in group], 0) for group in job.sources]
+    """The tensors a weight job writes: each source quantized by its scheme (per-tensor scales are per
+    source; per-row and aligned block scales do not see the other parts), concatenated / stacked."""
     if not job.quant.quantized:
+        slices = [torch.cat([sources[name] for name in group], 0) for group in job.sources]
         return {job.weight_name: torch.stack(slices) if job.stacked else slices[0]}
-    quantized = [job.quant.quantize(s) for s in slices]
+    quantized = []
+    for group in job.sources:
+        parts = [job.quant.quantize(sources[name]) for name in group]
+        quantized.append((torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])))
     weight = torch.stack([q for q, _ in quantized]) if job.stacked else quantized[0][0]
     scale = torch.stack([s for _, s in quantized]) if job.stacked else quantized[0][1]
     assert job.scale_name is not None

@@ -3,10 +3,12 @@
 bf16 artifacts: logits match transformers (fp32 compute: within 1e-5; bf16 compute: within 2% of the
 largest logit, a few bf16 roundings, 8% for MoE where a bf16 near-tie may route a token to another
 expert) and 32 greedy tokens are identical in fp32 (bf16: each chosen token is transformers' argmax
-up to the bf16 tolerance). ptpc-fp8 artifacts:
+up to the bf16 tolerance). FP8 artifacts (ptpc-fp8, tensor-fp8):
 compared with transformers running the artifact's own weights dequantized to fp32, so the only
-difference left is the per-token FP8 quantization of activations. One e4m3 rounding (3 mantissa bits)
-has an SQNR of about 32 dB; through the layers we require >= 25 dB and equal argmax on most tokens.
+difference left is the FP8 quantization of activations (per token, or per tensor). One e4m3 rounding
+(3 mantissa bits) has an SQNR of about 32 dB; through the layers we require >= 25 dB and equal argmax
+on most tokens (tensor-fp8, whose one activation scale per step rounds small tokens coarser: >= 22 dB;
+26-31 dB seen over 160 random prompts).
 """
 
 from __future__ import annotations
@@ -77,15 +79,16 @@ def test_bf16_compute_greedy_picks_transformers_argmax(request, fixture, compile
     assert float(margin.max()) <= tolerance
 
 
+@pytest.mark.parametrize("recipe", ["ptpc-fp8", "tensor-fp8"])
 @pytest.mark.parametrize("fixture", CHECKPOINTS)
-def test_ptpc_fp8_artifact_matches_transformers_on_dequantized_weights(request, fixture, compiled, rng, tmp_path):
+def test_fp8_artifact_matches_transformers_on_dequantized_weights(request, fixture, recipe, compiled, rng, tmp_path):
     ckpt = request.getfixturevalue(fixture)
-    artifact = compiled(ckpt, "ptpc-fp8")
+    artifact = compiled(ckpt, recipe)
     reference = hf_model(dequantized_checkpoint(ckpt, artifact, tmp_path / "deq"), torch.float32)
     engine = qruntime.load(artifact, device="cpu", dtype=torch.float32, num_kv_blocks=32)
     ids = _prompt(rng, engine.vocab_size)
     ref, got = hf_logits(reference, ids), engine.score(ids)
-    assert sqnr_db(ref, got) >= 25
+    assert sqnr_db(ref, got) >= (25 if recipe == "ptpc-fp8" else 22)
     assert float((got.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.75
     # and the fp8 error is really there: the same engine is not bit-equal to the dequantized reference
     assert not torch.allclose(got, ref, atol=1e-5)

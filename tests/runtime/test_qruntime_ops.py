@@ -15,7 +15,7 @@ from qruntime.ops import functional as fn
 from qruntime.ops.attention import PagedAttention, QKNormRoPEKVWrite
 from qruntime.ops.base import AttentionMetadata, OpEnv, StepContext
 from qruntime.ops.moe import MoE
-from qruntime.ops.registry import reference_ops
+from qruntime.ops.registry import reference_ops, triton_ops
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
 from qcompile.graph.ops import SIGNATURES, STANDARD_OPS
@@ -52,6 +52,63 @@ def test_dynamic_quant_is_per_token_e4m3(group_size):
     # the largest |x| of each group maps to +-448 exactly; every value within half an e4m3 step (2^-4 relative)
     assert torch.equal(xq.float().reshape(9, groups, -1).abs().amax(-1), torch.full((9, groups), 448.0))
     assert torch.all((dequant - x).abs() <= x.abs() * 2**-4 + xs.repeat_interleave(96 // groups, 1) * 2**-9)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 13])
+def test_dynamic_quant_per_tensor_is_one_scale_for_the_step(rows):
+    """group_size -1: s = max(amax(|x|) / 448, 1e-12) over every token in fp32, xq = fp8(clamp(x / s)),
+    xs [T, 1] holding s on every row — the per-token formula with the whole step as the group."""
+    x = (torch.randn(rows, 80) * torch.rand(rows, 1) * 10).to(torch.bfloat16)
+    xq, xs = fn.dynamic_quant(x, -1)
+    s = torch.clamp(x.float().abs().max() / 448.0, min=1e-12)
+    expected = (x.float() / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    assert xq.dtype == torch.float8_e4m3fn and xs.dtype == torch.float32 and xs.shape == (rows, 1)
+    assert torch.equal(xs, s.expand(rows, 1)) and xs.is_contiguous()
+    assert torch.equal(xq.view(torch.uint8), expected.view(torch.uint8))
+    # one row's quantization is per-token's on the same row when it holds the step's amax
+    top = int(x.float().abs().amax(-1).argmax())
+    row_q, row_s = fn.dynamic_quant(x[top : top + 1], 0)
+    assert torch.equal(row_s, xs[top : top + 1]) and torch.equal(
+        row_q.view(torch.uint8), xq[top : top + 1].view(torch.uint8)
+    )
+    # and PTPCLinear consumes it as it does per-token scales
+    w = (torch.randn(24, 80) * 0.05).to(torch.float8_e4m3fn)
+    ws = torch.rand(24, 1, dtype=torch.bfloat16) * 1e-2
+    y = fn.ptpc_linear(xq, xs, w, ws, torch.float32)
+    assert torch.allclose(y, (xq.float() @ w.float().T) * s * ws.float().T, rtol=1e-6, atol=1e-6)
+
+
+def test_dynamic_quant_per_tensor_of_an_empty_step_and_of_zeros():
+    xq, xs = fn.dynamic_quant(torch.zeros(0, 16, dtype=torch.bfloat16), -1)
+    assert xq.shape == (0, 16) and xs.shape == (0, 1)
+    xq, xs = fn.dynamic_quant(torch.zeros(3, 16, dtype=torch.bfloat16), -1)
+    assert bool((xs == 1e-12).all()) and not xq.float().any()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+@pytest.mark.parametrize("op", ["DynamicQuant", "AddRMSNormQuant", "SiluMulQuant"])
+def test_fast_op_table_binds_no_kernel_for_per_tensor_quant(op):
+    """The Triton quantization kernels are per token: with group_size -1 the fast op table's op binds
+    none and computes exactly what the reference op does."""
+    fast_table, ref_table = triton_ops(), reference_ops()
+    env = OpEnv(torch.bfloat16, torch.device("cpu"), _spec("nhd", "bf16"))
+    attrs = {"group_size": -1} | ({"epsilon": 1e-6} if op == "AddRMSNormQuant" else {})
+    fast, ref = fast_table[("qcompile", op)](attrs, env), ref_table[("qcompile", op)](attrs, env)
+    assert type(fast).__module__ == "qruntime.ops.triton_ops" and fast.kernel is None
+    assert fast_table[("qcompile", op)]({**attrs, "group_size": 0}, env).kernel is not None  # per token: bound
+    x = torch.randn(5, 64, dtype=torch.bfloat16) * 4
+    args = {
+        "DynamicQuant": (x,),
+        "AddRMSNormQuant": (x, torch.randn_like(x), torch.randn(64, dtype=torch.bfloat16)),
+        "SiluMulQuant": (x,),
+    }[op]
+    got, want = fast(None, *args), ref(None, *args)
+    assert got[1].shape == (5, 1)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
 
 
 def test_block_fp8_linear_equals_dequantized_matmul():
@@ -218,6 +275,39 @@ def test_moe_equals_every_expert_on_every_token_summed_in_expert_order(linear, n
         coef = (weights * (ids == e)).sum(-1, keepdim=True)
         total = total + dense(act, w2[e], None if s2 is None else s2[e]) * coef
     assert torch.allclose(got, total, atol=1e-5)
+
+
+def test_moe_per_tensor_scales_x_once_and_all_routed_activations_once():
+    """group_size -1 (tensor-fp8): x quantized with one scale for the step; the SiLU-mul outputs of
+    every routed (token, expert) pair with one scale for all of them together (vLLM's fused MoE)."""
+    t, h, inter, experts, top_k = 13, 64, 24, 6, 2
+    x = torch.randn(t, h) * torch.rand(t, 1) * 4
+    router = torch.randn(experts, h)
+    w13, w2 = torch.randn(experts, 2 * inter, h) * 0.1, torch.randn(experts, h, inter) * 0.1
+    s13, s2 = w13.abs().amax((1, 2), keepdim=True) / 448, w2.abs().amax((1, 2), keepdim=True) / 448
+    s13, s2 = s13.expand(-1, 2 * inter, 1).contiguous(), s2.expand(-1, h, 1).contiguous()  # per tensor, on every row
+    w13, w2 = (w13 / s13).to(torch.float8_e4m3fn), (w2 / s2).to(torch.float8_e4m3fn)
+    attrs = {"num_experts": experts, "top_k": top_k, "norm_topk_prob": 1, "linear": "PTPCLinear", "group_size": -1}
+    env = OpEnv(torch.float32, torch.device("cpu"), _spec("nhd", "bf16"))
+    got = MoE(attrs, env)(None, x, router, w13, s13, w2, s2)
+
+    weights, ids = fn.moe_routing(x @ router.T, top_k, True)
+    x_scale = x.abs().max() / 448
+    xq = (x / x_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    pairs = [(e, *torch.where(ids == e)) for e in range(experts) if (ids == e).any()]
+    acts = [fn.silu_mul((xq[tok].float() @ w13[e].float().T) * x_scale * s13[e].T) for e, tok, _ in pairs]
+    a_scale = torch.cat(acts).abs().max() / 448  # one scale over all routed pairs
+    total = torch.zeros(t, h)
+    for (e, tok, slot), act in zip(pairs, acts, strict=True):
+        aq = (act / a_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        total.index_add_(0, tok, (aq.float() @ w2[e].float().T) * a_scale * s2[e].T * weights[tok, slot, None])
+    assert torch.allclose(got, total, rtol=1e-5, atol=1e-5)
+    # the scale really is shared: each expert scaling its own activations gives another result
+    own = torch.zeros(t, h)
+    for (e, tok, slot), act in zip(pairs, acts, strict=True):
+        aq, a_s = fn.dynamic_quant(act, -1)
+        own.index_add_(0, tok, (aq.float() @ w2[e].float().T) * a_s * s2[e].T * weights[tok, slot, None])
+    assert not torch.allclose(got, own, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])

@@ -21,7 +21,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def dynamic_quant(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token (group_size 0) or per-group FP8 quantization. x [T, K] -> xq fp8 [T, K], xs f32 [T, G]."""
+    """Per-token (group_size 0), per-group (n > 0) or per-tensor (-1) FP8 quantization.
+    x [T, K] -> xq fp8 [T, K], xs f32 [T, G] (G = 1 per token or per tensor, else ceil(K / n)).
+
+    Per-tensor takes one scale over every token of the step and repeats it on each row, so PTPCLinear
+    consumes it as it does per-token scales. As in vLLM's dynamic per-tensor FP8, a sequence's
+    output then depends on what else is in its batch: the largest |x| of any token sets the scale
+    (the padding rows of a captured decode bucket included)."""
+    if group_size == -1:
+        return _per_tensor_quant(x)
     x32 = x.float()
     rows, cols = x32.shape
     width = cols if group_size == 0 else group_size
@@ -30,6 +38,15 @@ def dynamic_quant(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     scale = torch.clamp(padded.abs().amax(-1) / FP8_MAX, min=MIN_SCALE)  # [T, G]
     q = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).reshape(rows, -1)[:, :cols]
     return q.to(FP8), scale
+
+
+def _per_tensor_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> xq fp8 [T, K], xs f32 [T, 1]: one scale max(amax(|x|) / 448, 1e-12) for all of x."""
+    x32 = x.float()
+    amax = x32.abs().amax() if x32.numel() else x32.new_zeros(())
+    scale = torch.clamp(amax / FP8_MAX, min=MIN_SCALE)  # []
+    q = (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale.expand(x32.shape[0], 1).contiguous()
 
 
 def ptpc_linear(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, out_dtype) -> torch.Tensor:

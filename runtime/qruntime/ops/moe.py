@@ -30,7 +30,14 @@ class ExpertWeight(Op):
 class MoE(Op):
     """Router, top-k routing, then each routed expert on its tokens only (gathered), weighted and
     accumulated from zero in expert order in the model dtype — what the unfused form computes,
-    without running an expert on tokens that give it weight 0."""
+    without running an expert on tokens that give it weight 0.
+
+    Activations are quantized twice per step: x once for every up projection, then the SiLU-mul
+    outputs of every routed (token, expert) pair together for the down projections. Per token or
+    per group that is what each expert quantizing its own rows gives; per tensor (group_size -1) it
+    is vLLM's fused MoE: one scale over x, one over all routed pairs' activations — where the
+    unfused form (every expert on every token) takes each expert's over all T tokens instead, so
+    the two agree only up to that FP8 rounding."""
 
     attrs = ("num_experts", "top_k", "norm_topk_prob", "linear", "group_size")
     capturable = False  # which experts run depends on the routing, read back to the host
@@ -41,21 +48,37 @@ class MoE(Op):
         if self.a["linear"] not in LINEARS:
             raise OpBindError(f"MoE linear {self.a['linear']!r} is not one of {LINEARS}")
 
-    def _linear(self, x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor | None) -> torch.Tensor:
+    def _quant(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(xq, xs) for a quantized linear, (x, None) for Gemm."""
+        return (x, None) if self.a["linear"] == "Gemm" else fn.dynamic_quant(x, self.a["group_size"])
+
+    def _linear(self, xq: torch.Tensor, xs: torch.Tensor | None, w: torch.Tensor, ws: torch.Tensor | None):
         a = self.a
-        if a["linear"] == "Gemm":
-            return F.linear(x, w)
-        xq, xs = fn.dynamic_quant(x, a["group_size"])
+        if xs is None:
+            return F.linear(xq, w)
         if a["linear"] == "PTPCLinear":
             return fn.ptpc_linear(xq, xs, w, ws, self.env.dtype)
         return fn.block_fp8_linear(xq, xs, w, ws, a["block_n"], a["block_k"], self.env.dtype)
 
     def __call__(self, step, x, router_w, w13, w13_scale, w2, w2_scale):
         weights, ids = fn.moe_routing(F.linear(x, router_w), self.a["top_k"], bool(self.a["norm_topk_prob"]))
-        out = torch.zeros_like(x)  # [T, H]
+        xq, xs = self._quant(x)
+        routes, acts = [], []
         for e in ids.unique().tolist():  # ascending: expert order
             tokens, slot = torch.where(ids == e)
-            h = self._linear(x[tokens], w13[e], None if w13_scale is None else w13_scale[e])  # [t, 2I]
-            down = self._linear(fn.silu_mul(h), w2[e], None if w2_scale is None else w2_scale[e])  # [t, H]
+            scale = None if w13_scale is None else w13_scale[e]
+            h = self._linear(xq[tokens], None if xs is None else xs[tokens], w13[e], scale)  # [t, 2I]
+            routes.append((e, tokens, slot))
+            acts.append(fn.silu_mul(h))  # [t, I]
+        out = torch.zeros_like(x)  # [T, H]
+        if not routes:
+            return out
+        aq, as_ = self._quant(torch.cat(acts))  # [routed pairs, I]
+        start = 0
+        for (e, tokens, slot), act in zip(routes, acts, strict=True):
+            rows = slice(start, start + act.shape[0])
+            start = rows.stop
+            scale = None if w2_scale is None else w2_scale[e]
+            down = self._linear(aq[rows], None if as_ is None else as_[rows], w2[e], scale)  # [t, H]
             out.index_add_(0, tokens, down * weights[tokens, slot, None])
         return out

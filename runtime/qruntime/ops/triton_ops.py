@@ -1,7 +1,8 @@
 """The GPU fast path: op classes that run Triton kernels (or cuBLASLt where the tuner chose it).
 
 Each subclasses its reference op and keeps the reference semantics (docs/OPS.md); a case a kernel
-does not cover (group-wise quantization, CPU tensors) falls back to the reference implementation.
+does not cover (group-wise or per-tensor quantization: group_size != 0; CPU tensors) falls back to
+the reference implementation.
 Kernels are imported when an op is bound, so the reference path never imports triton.
 """
 

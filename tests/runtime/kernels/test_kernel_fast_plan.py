@@ -1,5 +1,7 @@
 """The fast path's op table bound to a whole compiled graph: under the Triton interpreter on CPU, a
-prefill step and a decode step of the tiny dense model give the reference plan's logits."""
+prefill step and a decode step of the tiny dense model give the reference plan's logits (ptpc-fp8;
+and tensor-fp8, whose per-tensor quantization ops fall back to the reference while its GEMMs run the
+PTPC kernel)."""
 
 from __future__ import annotations
 
@@ -45,9 +47,9 @@ def _step(chunks: list[tuple[list[int], int]], tables: list[list[int]], max_cont
     return feeds, meta
 
 
-@pytest.mark.parametrize("layout", ["nhd", "x-packed"])
-def test_fast_plan_matches_the_reference_plan(tiny_ckpt, compiled, layout):
-    artifact = compiled(tiny_ckpt, "ptpc-fp8", f"kv_cache.layout={layout}")
+@pytest.mark.parametrize(("recipe", "layout"), [("ptpc-fp8", "nhd"), ("ptpc-fp8", "x-packed"), ("tensor-fp8", "nhd")])
+def test_fast_plan_matches_the_reference_plan(tiny_ckpt, compiled, recipe, layout):
+    artifact = compiled(tiny_ckpt, recipe, f"kv_cache.layout={layout}")
     graph = onnx.load(str(artifact / "graph.onnx"), load_external_data=False).graph
     spec = KVCacheSpec.from_manifest(read_manifest(artifact)["kv_cache"])
     weights = load_initializers(artifact, graph, torch.device("cpu"), torch.bfloat16)
