@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 from qruntime.artifact import sha256_file
 
 from qcompile.errors import CheckpointError
@@ -35,6 +36,7 @@ TOKENIZER_FILES = (
     "chat_template.json",
 )
 GENERATION_FILE = "generation_config.json"
+CARD_FILE = "README.md"  # the model card; its YAML front matter may name the license
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +75,38 @@ class Checkpoint:
         return self.tensors[name]
 
     def side_files(self) -> list[Path]:
-        """Tokenizer and generation files to copy into the artifact."""
+        """Tokenizer, generation and license files to copy into the artifact."""
         names = (*TOKENIZER_FILES, GENERATION_FILE)
-        return [self.path / n for n in names if (self.path / n).is_file()]
+        licenses = sorted(p for p in self.path.glob("LICEN[CS]E*") if p.is_file())
+        return [self.path / n for n in names if (self.path / n).is_file()] + licenses
+
+    def license(self) -> dict[str, str]:
+        """The license fields of the source's model card (README.md front matter): `license`, plus
+        `license_name` / `license_link` (used with `license: other`); empty when it names none."""
+        meta = front_matter(self.path / CARD_FILE)
+        return {k: str(meta[k]) for k in ("license", "license_name", "license_link") if meta.get(k)}
+
+
+def front_matter(path: Path) -> dict:
+    """The YAML between the `---` lines that open a Markdown file (a hub model card's metadata); empty
+    when the file or the block is missing or malformed (logged: the card is informative, not needed)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return {}
+    lines = text.splitlines()
+    if not lines or lines[0].strip() != "---":
+        return {}
+    end = next((i for i, line in enumerate(lines[1:], 1) if line.strip() == "---"), None)
+    if end is None:
+        log.warning("%s: front matter has no closing '---' line; ignored", path)
+        return {}
+    try:
+        meta = yaml.safe_load("\n".join(lines[1:end]))
+    except yaml.YAMLError as exc:
+        log.warning("%s: front matter is not valid YAML (%s); ignored", path, exc)
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def fingerprint(checkpoint: Checkpoint) -> str:

@@ -27,3 +27,13 @@ class ArtifactError(QCompileError):
 
 class EvalError(QCompileError):
     """An artifact, its reference and the evaluation text cannot be evaluated together."""
+
+
+class PublishError(QCompileError):
+    """An artifact cannot be published: it does not verify, its reports or runtime wheel are missing or
+    malformed, or the target holds something else."""
+
+
+class HubError(QCompileError):
+    """A hub target is malformed, no token is found, the hub refuses a request, or the repo holds
+    another artifact."""

@@ -116,6 +116,7 @@ def compile_checkpoint(
                 "path": source_label if source_label is not None else str(checkpoint.path),
                 "fingerprint": source_hash.result(),
                 "architecture": checkpoint.spec.architecture,
+                **checkpoint.license(),  # from the source's README.md front matter, when it names one
             },
             "spec": checkpoint.spec.to_dict(),
             "recipe": prepared.recipe.to_dict(),

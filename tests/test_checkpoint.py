@@ -144,3 +144,32 @@ def test_tied_checkpoint_with_lm_head_is_noted(tiny_tied_ckpt, tmp_path, caplog)
         ckpt = Checkpoint.open(path)
     assert ckpt.unused == ("lm_head.weight",)
     assert "tie_word_embeddings=true" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("card", "expected"),
+    [
+        (None, {}),
+        ("---\nlicense: apache-2.0\ntags: [a]\n---\n# model\n", {"license": "apache-2.0"}),
+        (
+            "---\nlicense: other\nlicense_name: qwen\nlicense_link: https://example.com/LICENSE\n---\ntext\n",
+            {"license": "other", "license_name": "qwen", "license_link": "https://example.com/LICENSE"},
+        ),
+        ("# no front matter\nlicense: mit\n", {}),
+        ("---\nlicense: mit\n", {}),  # no closing line
+        ("---\nlicense: [unclosed\n---\n", {}),  # not YAML
+        ("---\n- a list\n---\n", {}),
+    ],
+)
+def test_license_from_the_model_card(ckpt, card, expected):
+    if card is not None:
+        (ckpt / "README.md").write_text(card, encoding="utf-8")
+    assert Checkpoint.open(ckpt).license() == expected
+
+
+def test_license_files_are_side_files(ckpt):
+    (ckpt / "LICENSE").write_text("terms\n")
+    (ckpt / "LICENSE.md").write_text("more terms\n")
+    (ckpt / "LICENSES").mkdir()  # a directory is not copied
+    names = [p.name for p in Checkpoint.open(ckpt).side_files()]
+    assert names[-2:] == ["LICENSE", "LICENSE.md"] and "LICENSES" not in names and "README.md" not in names

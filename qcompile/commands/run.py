@@ -6,7 +6,6 @@ declares them to click and reports the runtime's user errors as the other verbs 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import click
@@ -26,17 +25,18 @@ def _with_options(function):
 
 
 @click.command("run")
-@click.argument("artifact", type=click.Path(path_type=Path))
+@click.argument("artifact")  # a str: a Path would fold the "//" of hf://org/name
 @click.argument("prompt")
 @_with_options
-def command(artifact: Path, prompt: str, **values: Any) -> None:
-    """Generate text for PROMPT from ARTIFACT (a compiled artifact directory) with the runtime.
+def command(artifact: str, prompt: str, **values: Any) -> None:
+    """Generate text for PROMPT from ARTIFACT (a compiled artifact directory, or
+    hf://org/name[@revision] on the Hugging Face Hub) with the runtime.
 
     The text streams to stdout; the load line (device, dtype, KV cache) and a summary (token
     counts, TTFT, TPOT, tokens/s, finish reason) go to stderr. With --chat, PROMPT is the user's
     message, rendered with the artifact's chat template.
     """
     try:
-        run(options_from({"artifact": str(artifact), "prompt": prompt, **values}))
+        run(options_from({"artifact": artifact, "prompt": prompt, **values}))
     except RunError as exc:
         raise QCompileError(str(exc)) from exc

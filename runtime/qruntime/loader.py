@@ -14,6 +14,7 @@ from qruntime.engine.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
 from qruntime.engine.engine import Engine
 from qruntime.engine.model_runner import ModelRunner
 from qruntime.engine.scheduler import Scheduler, SchedulerConfig
+from qruntime.hub import is_hub_url, pull
 from qruntime.kernel_configs import load_kernel_table
 from qruntime.kv_cache import KVCache, KVCacheSpec
 from qruntime.ops.base import OpEnv
@@ -81,6 +82,22 @@ def _num_blocks(spec: KVCacheSpec, dtype, device, max_model_len, max_num_seqs, n
     return max(kv_cache_memory // per_block, 0)
 
 
+TRITON_DTYPES = (torch.bfloat16, torch.float16)  # what the Triton kernels compute in
+
+
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """ "auto" -> "triton" on CUDA in bf16/fp16, else "reference"; an explicit choice is checked."""
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and dtype in TRITON_DTYPES else "reference"
+    if backend not in ("reference", "triton"):
+        raise ValueError(f"backend {backend!r} is not one of 'auto', 'reference', 'triton'")
+    if backend == "triton" and device.type != "cuda":
+        raise ValueError("backend 'triton' runs on a CUDA device")
+    if backend == "triton" and dtype not in TRITON_DTYPES:
+        raise ValueError(f"backend 'triton' computes in bf16 or fp16, not {dtype}; use backend 'reference' for it")
+    return backend
+
+
 def load(
     path: str | Path,
     device: str | torch.device | None = None,
@@ -97,28 +114,30 @@ def load(
 ) -> Engine:
     """Load a qcompile artifact and return an Engine.
 
+    path: an artifact directory, or "hf://namespace/name[@revision]" on the Hugging Face Hub, which
+    is pulled into the Hugging Face cache and verified file by file first (qruntime.hub.pull).
     device: "cuda" when available, else "cpu" by default. dtype: the compute dtype (default the
     model's, bf16 for Qwen3; float32 gives a tight reference). verify: check every file's sha256
     against the manifest first. The KV cache gets `num_kv_blocks` blocks, or `kv_cache_memory` bytes,
     or by default what the GPU has free after the weights (less 10% headroom) / up to 512 MiB on CPU.
     max_model_len defaults to the model's context, capped by what the cache holds.
     backend: "reference" (torch ops, any device), "triton" (the GPU fast path: Triton kernels with
-    the artifact's tuned configs for this GPU, cuBLASLt where the tuner chose it), or "auto" (triton
-    on CUDA, reference elsewhere). cuda_graphs: replay decode steps from captured graphs (default:
-    on with the triton backend when every op of the graph can be captured).
+    the artifact's tuned configs for this GPU, cuBLASLt where the tuner chose it; bf16 or fp16), or
+    "auto" (triton on CUDA in bf16/fp16, reference otherwise: fp32 is the reference path's).
+    cuda_graphs: replay decode steps from captured graphs (default: on with the triton backend when
+    every op of the graph can be captured).
     """
-    root = Path(path)
+    if is_hub_url(path):
+        root = pull(path)
+        verify = False  # pull has checked every file's sha256
+    else:
+        root = Path(path)
     manifest = read_manifest(root)
     if manifest.get("tp", 1) != 1:
         raise ArtifactFormatError(f"{root}: sharded for tp={manifest['tp']}; this runtime loads tp=1 artifacts")
     device = resolve_device(device)
     compute_dtype = _resolve_dtype(dtype, manifest)
-    if backend == "auto":
-        backend = "triton" if device.type == "cuda" else "reference"
-    if backend not in ("reference", "triton"):
-        raise ValueError(f"backend {backend!r} is not one of 'auto', 'reference', 'triton'")
-    if backend == "triton" and device.type != "cuda":
-        raise ValueError("backend 'triton' runs on a CUDA device")
+    backend = resolve_backend(backend, device, compute_dtype)
     _check_files(root, manifest, verify)
     graph_path = root / manifest.get("graph", {}).get("file", "graph.onnx")
     try:
@@ -178,7 +197,7 @@ def load(
         max_num_batched_tokens=max_num_batched_tokens,
     )
     description: dict[str, Any] = {
-        "artifact": str(root),
+        "artifact": str(path) if is_hub_url(path) else str(root),
         "device": str(device),
         "dtype": str(compute_dtype).removeprefix("torch."),
         "kv_cache": f"{kv_spec.layout.name} {kv_spec.kv_dtype}, {blocks} blocks x {kv_spec.block_size}",

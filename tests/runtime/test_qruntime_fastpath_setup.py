@@ -8,10 +8,12 @@ import math
 
 import pytest
 import qruntime
+import torch
 from click.testing import CliRunner
 from qruntime.artifact import read_manifest
 from qruntime.benchmark import DTYPE_BYTES, decode_step_bytes
 from qruntime.kernel_configs import KernelTable, device_file, load_kernel_table
+from qruntime.loader import resolve_backend
 
 from qcompile.cli import main as qcompile_main
 
@@ -66,6 +68,26 @@ def test_backend_choices_are_checked(tiny_ckpt, compiled):
     with pytest.raises(ValueError, match="cuda_graphs=True but some ops of this graph cannot be captured"):
         qruntime.load(artifact, device="cpu", cuda_graphs=True, num_kv_blocks=16)
     assert qruntime.load(artifact, device="cpu", num_kv_blocks=16).description["backend"] == "reference"
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "expected"),
+    [
+        ("cuda", torch.bfloat16, "triton"),
+        ("cuda", torch.float16, "triton"),
+        ("cuda", torch.float32, "reference"),
+        ("cpu", torch.bfloat16, "reference"),
+        ("cpu", torch.float32, "reference"),
+    ],
+)
+def test_auto_backend_is_triton_only_where_its_kernels_compute(device, dtype, expected):
+    assert resolve_backend("auto", torch.device(device), dtype) == expected
+
+
+def test_triton_backend_refuses_fp32():
+    with pytest.raises(ValueError, match="computes in bf16 or fp16, not torch.float32"):
+        resolve_backend("triton", torch.device("cuda"), torch.float32)
+    assert resolve_backend("triton", torch.device("cuda"), torch.bfloat16) == "triton"
 
 
 def test_bench_command_reports_each_batch(tiny_ckpt, compiled):
