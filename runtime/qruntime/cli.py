@@ -1,4 +1,5 @@
-"""`python -m qruntime run ART PROMPT`: generate text from an artifact, streamed, then its timings.
+"""`python -m qruntime run ART PROMPT`: generate text from an artifact, streamed, then its timings;
+`python -m qruntime pull hf://org/name -o DIR`: download an artifact from the Hugging Face Hub, verified.
 
 The options are one table (OPTIONS) and the work one function (`run`), shared by this argparse
 CLI and the compiler's `qcompile run` (qcompile imports this module; the runtime never imports
@@ -15,10 +16,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, TextIO
 
+from qruntime.serve import main as serve
+from qruntime.serve.options import add_serve_parser, serve_options_from
+
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
 
-ARTIFACT_HELP = "Artifact directory written by `qcompile compile`."
+ARTIFACT_HELP = "Artifact directory written by `qcompile compile`, or hf://org/name[@revision] on the Hugging Face Hub."
+PULL_OUTPUT_HELP = "Directory to create (it must not exist, or be empty); default: the Hugging Face cache (HF_HOME)."
+PULL_REVISION_HELP = "Branch, tag or commit to pull (default: the @revision of URL, else main)."
 PROMPT_HELP = "Prompt text (with --chat: the user's message)."
 
 
@@ -160,6 +166,20 @@ def run(options: RunOptions, out: TextIO | None = None, err: TextIO | None = Non
     return record
 
 
+def pull(url: str, output: str | None = None, revision: str | None = None, quiet: bool = False) -> str:
+    """Download and verify the artifact `url` (qruntime.hub.pull); returns the line to print.
+    Raises RunError for a malformed name, a hub error or a file that does not verify."""
+    from qruntime.artifact import read_manifest
+    from qruntime.hub import HubError
+    from qruntime.hub import pull as pull_artifact
+
+    try:
+        path = pull_artifact(url, output, revision=revision, progress=not quiet)
+    except HubError as exc:
+        raise RunError.of(exc) from None
+    return f"ok: {len(read_manifest(path)['files'])} files verified in {path}"
+
+
 # --- what is printed ------------------------------------------------------------------------------
 def result_record(output: Any, description: dict[str, Any]) -> dict[str, Any]:
     """The JSON fields of a finished request. tokens_per_s: output tokens over the whole request
@@ -222,11 +242,23 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             action = "append" if o.repeat else "store"
             sub.add_argument(o.flag, dest=o.dest, type=o.type, action=action, metavar=o.metavar, help=o.help)
+    sub = verbs.add_parser(
+        "pull",
+        help="Download an artifact from the Hugging Face Hub and verify every file.",
+        description="Download the artifact URL (hf://namespace/name[@revision]) and check every file against "
+        "the sha256 in its manifest; with -o it appears at DIR only once it has verified. The token is "
+        "huggingface_hub's (HF_TOKEN or `hf auth login`), needed for private repos only.",
+    )
+    sub.add_argument("url", metavar="URL", help="hf://namespace/name[@revision]")
+    sub.add_argument("-o", "--output", metavar="DIR", help=PULL_OUTPUT_HELP)
+    sub.add_argument("--revision", metavar="REV", help=PULL_REVISION_HELP)
+    sub.add_argument("-q", "--quiet", action="store_true", help="No progress bars.")
+    add_serve_parser(verbs)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`qruntime run ...`; returns the exit code (0, 1 for an error, 130 on Ctrl-C, 2 for bad usage)."""
+    """`qruntime run ...` / `qruntime pull ...`; returns the exit code (0, 1 for an error, 130 on Ctrl-C, 2 for bad usage)."""
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error argparse has already printed
@@ -235,7 +267,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="replace")
     try:
-        run(options_from(vars(args)))
+        if args.verb == "pull":
+            print(pull(args.url, args.output, args.revision, args.quiet))
+        elif args.verb == "serve":
+            serve(serve_options_from(vars(args)))
+        else:
+            run(options_from(vars(args)))
     except RunError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR

@@ -1,0 +1,35 @@
+"""`qruntime serve ART`: an OpenAI-compatible HTTP server over one Engine (the `serve` extra).
+
+The layout is the request's path: `app` (Starlette routes) parses a body with `protocol` into
+engine sequences, hands them to `engine_loop` (the one thread that owns the Engine and steps it,
+batching every client's sequences together), and answers with `responses` shapes, streamed through
+`sse`; `errors` is OpenAI's error JSON, `metrics` the Prometheus side, `server` runs uvicorn with
+the CLI's `options`. Importing this package or `options` is cheap: the framework (starlette,
+uvicorn, prometheus-client) and torch load when `main` starts a server.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from qruntime.serve.options import ServeOptions
+
+EXTRA_MODULES = ("starlette", "uvicorn", "prometheus_client")
+
+
+def main(options: ServeOptions) -> None:
+    """Check the `serve` extra is installed (a RunError naming the install command if not), then serve."""
+    from qruntime.cli import RunError
+
+    for name in EXTRA_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise RunError(
+                f"`qruntime serve` needs the serve extra: pip install 'qcompile-runtime[serve]' ({exc})"
+            ) from None
+    from qruntime.serve.server import serve
+
+    serve(options)

@@ -1,0 +1,188 @@
+"""The ASGI app (Starlette): OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus
+/health and /metrics. Handlers parse and check a request (protocol), submit its sequences to the
+engine loop, and answer from the deltas that come back, streamed (SSE) or whole.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio.to_thread
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from qruntime.engine.engine import Engine
+from qruntime.engine.outputs import RequestOutput
+from qruntime.serve.engine_loop import EngineLoop, FailedRequest, Handle, QueueFull, ShuttingDown
+from qruntime.serve.errors import APIError, error_body, invalid
+from qruntime.serve.metrics import CONTENT_TYPE, Metrics
+from qruntime.serve.protocol import GenerationRequest, ServedModel, parse_chat, parse_completion
+from qruntime.serve.responses import ResponseBuilder
+from qruntime.serve.sse import SSEResponse, sse_event, until_disconnected
+
+RETRY_AFTER_S = 1  # the Retry-After of a 429: a step or a few frees room in the queue
+
+
+def _dumps(body: Any) -> str:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+
+
+async def read_json(request: Request) -> Any:
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        raise APIError(499, "the client disconnected while sending the request") from None
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise invalid(None, f"the request body is not valid JSON: {exc}", "invalid_json") from None
+
+
+class OpenAIRoutes:
+    """The handlers of one served model."""
+
+    def __init__(self, model: ServedModel, loop: EngineLoop, metrics: Metrics) -> None:
+        self.model, self.loop, self.metrics = model, loop, metrics
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, parse_completion, "cmpl")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, parse_chat, "chatcmpl")
+
+    async def models(self, request: Request) -> Response:
+        card = {
+            "id": self.model.name,
+            "object": "model",
+            "created": self.model.created,
+            "owned_by": "qruntime",
+            "root": self.model.name,
+            "max_model_len": self.model.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> Response:
+        if not self.loop.alive:
+            raise APIError(503, "the engine is not running", code="engine_dead")
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    # --- generation ---------------------------------------------------------------------------------
+    async def _generate(
+        self, request: Request, parse: Callable[[Any, ServedModel], GenerationRequest], prefix: str
+    ) -> Response:
+        body = await read_json(request)
+        # tokenizing (and rendering a chat template) off the event loop keeps other streams flowing
+        parsed = await anyio.to_thread.run_sync(parse, body, self.model)
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        try:
+            handle = self.loop.submit(request_id, parsed.sequences)
+        except QueueFull as exc:
+            raise APIError(
+                429, f"Too many requests: {exc}", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}
+            ) from None
+        except ShuttingDown as exc:
+            raise APIError(503, str(exc), code="unavailable") from None
+        builder = ResponseBuilder(parsed, request_id, self.model.name, int(time.time()))
+        if parsed.stream:
+            return SSEResponse(self._events(handle, builder), on_close=handle.close)
+        return await self._whole(request, handle, builder)
+
+    async def _events(self, handle: Handle, builder: ResponseBuilder) -> AsyncGenerator[str, None]:
+        try:
+            for chunk in builder.role_chunks():
+                yield sse_event(_dumps(chunk))
+            completion_tokens = 0
+            while not handle.done:
+                index, delta = await handle.get()
+                completion_tokens += len(delta.token_ids)
+                chunk = builder.chunk(index, delta)
+                if chunk is not None:
+                    yield sse_event(_dumps(chunk))
+            if builder.request.include_usage:
+                yield sse_event(_dumps(builder.usage_chunk(completion_tokens)))
+        except FailedRequest as exc:
+            f = exc.failure
+            yield sse_event(_dumps(error_body(f.status, f.message)))
+        finally:
+            handle.close()  # aborts what is unfinished when the client left or the server cancelled us
+        yield sse_event("[DONE]")
+
+    async def _whole(self, request: Request, handle: Handle, builder: ResponseBuilder) -> Response:
+        async def collect() -> dict[int, RequestOutput]:
+            outputs = {}
+            while not handle.done:
+                index, delta = await handle.get()
+                if delta.finished:
+                    outputs[index] = delta.output
+            return outputs
+
+        try:
+            finished, outputs = await until_disconnected(request.receive, collect)
+        except FailedRequest as exc:
+            raise APIError(exc.failure.status, exc.failure.message) from None
+        finally:
+            handle.close()
+        if not finished:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        if any(o.finish_reason == "abort" for o in outputs.values()):  # only the server aborts a listened-to request
+            raise APIError(
+                503, "the server is shutting down: the request was aborted before it finished", code="aborted"
+            )
+        return JSONResponse(builder.full(outputs))
+
+
+def build_app(engine: Engine, *, model_name: str, max_waiting: int = 256, stop_timeout: float = 60.0) -> Starlette:
+    """The server's ASGI app. Its lifespan starts the engine loop and stops it (aborting whatever is
+    still running) at shutdown; `app.state.engine_loop` / `app.state.metrics` are there for tests."""
+    loop = EngineLoop(engine, max_waiting=max_waiting)
+    metrics = Metrics(loop.stats)
+    loop.metrics = metrics
+    model = ServedModel(
+        model_name, engine.tokenizer, engine.vocab_size, engine.max_model_len, int(time.time()), max_waiting
+    )
+    routes = OpenAIRoutes(model, loop, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncGenerator[None, None]:
+        loop.start()
+        try:
+            yield
+        finally:
+            loop.stop(stop_timeout)
+
+    async def api_error(request: Request, exc: APIError) -> Response:
+        metrics.on_rejected(exc.status)
+        return JSONResponse(exc.body(), exc.status, headers=exc.headers)
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        metrics.on_rejected(exc.status_code)
+        return JSONResponse(error_body(exc.status_code, exc.detail), exc.status_code, headers=exc.headers)
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        return JSONResponse(error_body(500, f"internal server error: {exc!r}"), 500)
+
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", routes.completions, methods=["POST"]),
+            Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+            Route("/v1/models", routes.models, methods=["GET"]),
+            Route("/health", routes.health, methods=["GET"]),
+            Route("/metrics", routes.metrics_text, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+        exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error},
+    )
+    app.state.engine_loop = loop
+    app.state.metrics = metrics
+    return app

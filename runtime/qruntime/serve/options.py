@@ -1,0 +1,118 @@
+"""`qruntime serve`'s options: one frozen dataclass and its argparse subcommand (cheap to import:
+`qruntime --help` needs neither torch nor the server framework)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+ARTIFACT_HELP = "Artifact directory written by `qcompile compile`, or hf://org/name[@revision] on the Hugging Face Hub."
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """One server: what to load, how to size the engine, where to listen."""
+
+    artifact: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    max_waiting: int = 256
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 2048
+    num_kv_blocks: int | None = None
+    device: str | None = None
+    dtype: str | None = None
+    backend: str = "auto"
+    threads: int | None = None
+    verify: bool = False
+    shutdown_timeout: float = 30.0
+    log_level: str = "info"
+
+    @property
+    def model_name(self) -> str:
+        """The id clients send as `model`: --served-model-name, else ART as given."""
+        return self.served_model_name or self.artifact.rstrip("/") or self.artifact
+
+
+def add_serve_parser(verbs: Any) -> None:
+    """Add the `serve` verb to the CLI's subparsers."""
+    sub = verbs.add_parser(
+        "serve",
+        help="Serve an artifact over an OpenAI-compatible HTTP API (needs the `serve` extra).",
+        description="Serve the artifact ART over HTTP: POST /v1/completions and /v1/chat/completions (streamed "
+        "with stream=true), GET /v1/models, /health and /metrics (Prometheus). Requests from all clients are "
+        "batched together; SIGINT / SIGTERM stop accepting, let running requests finish for --shutdown-timeout "
+        "seconds, then abort the rest. Needs `pip install 'qcompile-runtime[serve]'`.",
+    )
+    sub.add_argument("artifact", metavar="ART", help=ARTIFACT_HELP)
+    add = sub.add_argument
+    add("--host", default="127.0.0.1", help="Address to listen on (default 127.0.0.1; 0.0.0.0 for every interface).")
+    add("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one, printed when ready).")
+    add(
+        "--served-model-name",
+        metavar="NAME",
+        help="The model id clients send and /v1/models lists (default ART as given).",
+    )
+    add(
+        "--max-waiting",
+        type=int,
+        default=256,
+        metavar="N",
+        help="Sequences that may wait for admission; past it, 429 with Retry-After (default 256).",
+    )
+    add("--max-num-seqs", type=int, default=64, metavar="N", help="Sequences running at once in a batch (default 64).")
+    add(
+        "--max-model-len",
+        type=int,
+        metavar="LEN",
+        help="Context length in tokens, prompt + output (default the model's, capped by the KV cache).",
+    )
+    add(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="Token budget of one step; longer prefills are chunked (default 2048).",
+    )
+    add(
+        "--num-kv-blocks",
+        type=int,
+        metavar="N",
+        help="KV-cache blocks (default: what the GPU has free / up to 512 MiB on CPU).",
+    )
+    add("--device", help="Torch device: cpu, cuda, cuda:1 ... (default cuda when available, else cpu).")
+    add("--dtype", help="Compute dtype: bfloat16, float16 or float32 (default the model's).")
+    add(
+        "--backend",
+        default="auto",
+        choices=("auto", "reference", "triton"),
+        help="Op backend (default auto: triton on CUDA, reference elsewhere).",
+    )
+    add(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="CPU threads of torch's ops (default torch's: one per core); on a shared CPU, fewer can be faster.",
+    )
+    add("--verify", action="store_true", help="Check every file's sha256 against the manifest before loading.")
+    add(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="On SIGINT/SIGTERM, seconds running requests get to finish before they are aborted (default 30).",
+    )
+    add(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+        help="Server log level (default info: one line per request).",
+    )
+
+
+def serve_options_from(values: dict[str, Any]) -> ServeOptions:
+    """ServeOptions from parsed values keyed by field name (None = not given: the default)."""
+    names = {f.name for f in fields(ServeOptions)}
+    return ServeOptions(**{k: v for k, v in values.items() if k in names and v is not None})

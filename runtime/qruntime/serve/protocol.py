@@ -1,0 +1,345 @@
+"""Request bodies of /v1/completions and /v1/chat/completions -> engine sequences, or a 4xx APIError
+naming the field. Prompts are tokenized here (the tokenizer is immutable, so any thread may use it),
+which lets every limit be checked before a request reaches the engine thread.
+
+Defaults follow OpenAI: temperature 1, top_p 1, n 1; max_tokens 16 for completions (capped by the
+room the prompt leaves) and all of that room for chat. Extensions as in vLLM: top_k, ignore_eos,
+stop_token_ids, skip_special_tokens, return_token_ids, chat_template_kwargs. With n > 1 and a seed,
+choice j samples with seed + j. Unknown fields are ignored; known ones the engine cannot honour
+(logprobs, penalties, tools, ...) are refused rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from qruntime.engine.sampling_params import SamplingParams
+from qruntime.serve.errors import APIError, invalid
+from qruntime.tokenizer import Tokenizer, TokenizerError
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_SEED = 1 << 63
+
+# field -> the values that mean "off"; anything else asks for something the engine does not do
+UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+}
+UNSUPPORTED_COMPLETION = {
+    **UNSUPPORTED_COMMON,
+    "logprobs": (None,),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+}
+UNSUPPORTED_CHAT = {
+    **UNSUPPORTED_COMMON,
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "tools": (None, []),
+    "functions": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What requests are checked against; immutable, so shared freely with the HTTP side."""
+
+    name: str
+    tokenizer: Tokenizer
+    vocab_size: int
+    max_model_len: int
+    created: int  # unix time the server started, /v1/models's `created`
+    max_sequences: int  # most sequences (prompts x n) one request may ask for: the server's --max-waiting
+
+
+@dataclass(frozen=True)
+class SequenceSpec:
+    """One engine request: choice `index` of the response, for prompt `prompt_index`."""
+
+    index: int
+    prompt_index: int
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A parsed request: its sequences (n per prompt, choice index = prompt_index * n + j)."""
+
+    chat: bool
+    sequences: tuple[SequenceSpec, ...]
+    prompt_lens: tuple[int, ...]  # tokens of each prompt, for `usage`
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with usage
+    return_token_ids: bool
+
+
+# --- fields ---------------------------------------------------------------------------------------
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _int(body: Mapping[str, Any], name: str, default: int | None, minimum: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(name, f"{name} must be an integer (got {_show(value)})", "invalid_type")
+    if minimum is not None and value < minimum:
+        raise invalid(name, f"{name} must be >= {minimum} (got {value})")
+    return value
+
+
+def _number(body: Mapping[str, Any], name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise invalid(name, f"{name} must be a number (got {_show(value)})", "invalid_type")
+    if not math.isfinite(value):
+        raise invalid(name, f"{name} must be a finite number (got {value})")
+    return float(value)
+
+
+def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(name, f"{name} must be a boolean (got {_show(value)})", "invalid_type")
+    return value
+
+
+def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise invalid("stop", f"stop must be a non-empty string or a list of them (got {_show(value)})", "invalid_type")
+    return tuple(stops)
+
+
+def _int_list(body: Mapping[str, Any], name: str) -> tuple[int, ...]:
+    value = body.get(name)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise invalid(name, f"{name} must be a list of non-negative integers (got {_show(value)})", "invalid_type")
+    return tuple(value)
+
+
+def check_model(body: Mapping[str, Any], model: ServedModel) -> None:
+    """`model` may be omitted; given, it must be the served model's id (else 404, as OpenAI and vLLM)."""
+    name = body.get("model")
+    if name is None:
+        return
+    if not isinstance(name, str):
+        raise invalid("model", f"model must be a string (got {_show(name)})", "invalid_type")
+    if name != model.name:
+        raise APIError(
+            404, f"The model `{name}` does not exist; this server serves `{model.name}`.", "model", "model_not_found"
+        )
+
+
+def _check_unsupported(body: Mapping[str, Any], table: Mapping[str, tuple[Any, ...]]) -> None:
+    for name, allowed in table.items():
+        value = body.get(name)
+        if value is not None and not any(
+            value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in allowed
+        ):
+            raise invalid(name, f"{name}={_show(value)} is not supported by this server", "unsupported")
+
+
+# --- prompts --------------------------------------------------------------------------------------
+def _check_ids(ids: list[int], model: ServedModel, param: str) -> list[int]:
+    if not ids:
+        raise invalid(param, f"{param} is empty (no tokens)")
+    for position, token in enumerate(ids):
+        if not 0 <= token < model.vocab_size:
+            raise invalid(
+                param,
+                f"{param}: unknown token id {token} at position {position} (the vocabulary is ids 0..{model.vocab_size - 1})",
+            )
+    return ids
+
+
+def completion_prompts(value: Any, model: ServedModel) -> list[list[int]]:
+    """`prompt`: a string, a list of strings, a list of token ids, or a list of lists of token ids."""
+
+    def is_ids(item: Any) -> bool:
+        return isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item)
+
+    if value is None:
+        raise invalid("prompt", "prompt is required", "missing")
+    if isinstance(value, str) or is_ids(value) and value:
+        items = [value]
+    elif isinstance(value, list) and value and all(isinstance(p, str) or is_ids(p) for p in value):
+        items = value
+    else:
+        raise invalid(
+            "prompt",
+            f"prompt must be a string, a list of strings, a list of token ids or a list of such lists (got {_show(value)})",
+            "invalid_type",
+        )
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            if not item:
+                raise invalid("prompt", "prompt is an empty string")
+            item = model.tokenizer.encode(item)
+        prompts.append(_check_ids(list(item), model, "prompt"))
+    return prompts
+
+
+def _text_content(content: Any, index: int) -> Any:
+    """A message's content as text: a string, or a list of {"type": "text", "text": str} parts."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for part in content:
+        if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            raise invalid("messages", f"messages[{index}].content: only text parts are supported (got {_show(part)})")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def chat_prompt(body: Mapping[str, Any], model: ServedModel) -> list[int]:
+    """`messages` rendered with the artifact's chat template (plus chat_template_kwargs)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid(
+            "messages", f"messages must be a non-empty list of {{role, content}} objects (got {_show(messages)})"
+        )
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, Mapping):
+        raise invalid(
+            "chat_template_kwargs", f"chat_template_kwargs must be an object (got {_show(kwargs)})", "invalid_type"
+        )
+    rendered = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise invalid("messages", f"messages[{index}] must be an object (got {_show(message)})", "invalid_type")
+        rendered.append({**message, "content": _text_content(message.get("content"), index)})
+    try:
+        ids = model.tokenizer.encode_chat(rendered, **kwargs)
+    except TokenizerError as exc:
+        raise invalid("messages", str(exc)) from None
+    return _check_ids(ids, model, "messages")
+
+
+# --- whole requests -------------------------------------------------------------------------------
+def _max_tokens(
+    requested: int | None, default: int | None, prompt_len: int, model: ServedModel, param: str, max_param: str
+) -> int:
+    """max_tokens for one prompt: the request's, or the default capped by the room left; 400 past max_model_len."""
+    limit = model.max_model_len
+    if prompt_len >= limit:
+        raise invalid(
+            param,
+            f"This model's maximum context length is {limit} tokens (max_model_len), and the prompt has {prompt_len} "
+            f"tokens: at most {limit - 1} leave room to generate. Shorten the prompt.",
+            "context_length_exceeded",
+        )
+    room = limit - prompt_len
+    if requested is None:
+        return room if default is None else min(default, room)
+    if prompt_len + requested > limit:
+        raise invalid(
+            max_param,
+            f"This model's maximum context length is {limit} tokens (max_model_len), but {prompt_len + requested} "
+            f"were requested ({prompt_len} in the prompt, {requested} for {max_param}). Lower {max_param} to at most "
+            f"{room} or shorten the prompt.",
+            "context_length_exceeded",
+        )
+    return requested
+
+
+def _build(
+    body: Mapping[str, Any],
+    prompts: list[list[int]],
+    max_param: str,
+    requested_max: int | None,
+    default_max: int | None,
+    model: ServedModel,
+    *,
+    chat: bool,
+) -> GenerationRequest:
+    temperature = _number(body, "temperature", 1.0)
+    if temperature < 0:
+        raise invalid("temperature", f"temperature must be >= 0 (got {temperature:g})")
+    top_p = _number(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise invalid("top_p", f"top_p must be in (0, 1] (got {top_p:g})")
+    top_k = _int(body, "top_k", 0, minimum=-1)  # vLLM's -1 = off, as 0 here
+    seed = _int(body, "seed", None, minimum=0)
+    if seed is not None and seed >= MAX_SEED:
+        raise invalid("seed", f"seed must be < 2**63 (got {seed})")
+    n = _int(body, "n", 1, minimum=1)
+    if n * len(prompts) > model.max_sequences:
+        raise invalid(
+            "n",
+            f"the request asks for {n * len(prompts)} sequences (prompts x n), more than the "
+            f"{model.max_sequences} this server queues at once (--max-waiting)",
+        )
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, Mapping):
+        raise invalid("stream_options", f"stream_options must be an object (got {_show(options)})", "invalid_type")
+    include_usage = _bool(options or {}, "include_usage", False)
+    shared = {
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": max(top_k, 0),
+        "stop": _stop(body),
+        "stop_token_ids": _int_list(body, "stop_token_ids"),
+        "ignore_eos": _bool(body, "ignore_eos", False),
+        "skip_special_tokens": _bool(body, "skip_special_tokens", True),
+    }
+    return_token_ids = _bool(body, "return_token_ids", False)
+    param = "messages" if chat else "prompt"
+    sequences = []
+    for p, ids in enumerate(prompts):
+        max_tokens = _max_tokens(requested_max, default_max, len(ids), model, param, max_param)
+        for j in range(n):
+            try:
+                params = SamplingParams(max_tokens=max_tokens, seed=None if seed is None else seed + j, **shared)
+            except ValueError as exc:  # what the field checks above let through
+                raise invalid(None, str(exc)) from None
+            sequences.append(SequenceSpec(p * n + j, p, tuple(ids), params))
+    return GenerationRequest(chat, tuple(sequences), tuple(map(len, prompts)), stream, include_usage, return_token_ids)
+
+
+def _object(body: Any) -> Mapping[str, Any]:
+    if not isinstance(body, Mapping):
+        raise invalid(None, f"the request body must be a JSON object (got {type(body).__name__})", "invalid_type")
+    return body
+
+
+def parse_completion(body: Any, model: ServedModel) -> GenerationRequest:
+    """POST /v1/completions."""
+    body = _object(body)
+    check_model(body, model)
+    _check_unsupported(body, UNSUPPORTED_COMPLETION)
+    requested = _int(body, "max_tokens", None, minimum=1)
+    prompts = completion_prompts(body.get("prompt"), model)
+    return _build(body, prompts, "max_tokens", requested, COMPLETION_MAX_TOKENS, model, chat=False)
+
+
+def parse_chat(body: Any, model: ServedModel) -> GenerationRequest:
+    """POST /v1/chat/completions (max_completion_tokens wins over the older max_tokens)."""
+    body = _object(body)
+    check_model(body, model)
+    _check_unsupported(body, UNSUPPORTED_CHAT)
+    max_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    requested = _int(body, max_param, None, minimum=1)
+    prompt = chat_prompt(body, model)
+    return _build(body, [prompt], max_param, requested, None, model, chat=True)

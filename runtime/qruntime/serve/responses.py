@@ -1,0 +1,93 @@
+"""Response bodies shaped like OpenAI's: completions, chat completions, their stream chunks, usage.
+
+finish_reason is the engine's: "stop", "length", or "abort" (vLLM's word for a sequence the server
+stopped, e.g. at shutdown). With return_token_ids each choice (each chunk) carries `token_ids`, and
+a choice's last chunk / the whole choice carries `prompt_token_ids`; `stop_reason` (vLLM's) says
+which stop string or token ended a choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from qruntime.engine.outputs import RequestOutput, StreamDelta
+from qruntime.serve.protocol import GenerationRequest
+
+
+class ResponseBuilder:
+    """Builds one request's bodies; `chunk` for streaming, `full` for the whole response."""
+
+    def __init__(self, request: GenerationRequest, request_id: str, model: str, created: int) -> None:
+        self.request = request
+        self.head = {
+            "id": request_id,
+            "object": ("chat.completion" if request.chat else "text_completion"),
+            "created": created,
+            "model": model,
+        }
+        self._chunk_object = "chat.completion.chunk" if request.chat else "text_completion"
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        prompt_tokens = sum(self.request.prompt_lens)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+
+    def _choice(
+        self, index: int, text: str, output: RequestOutput | None, token_ids: tuple[int, ...], stream: bool
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
+        if self.request.chat and stream:
+            choice["delta"] = {"content": text} if text else {}
+        elif self.request.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = None
+        choice["finish_reason"] = None if output is None else output.finish_reason
+        choice["stop_reason"] = None if output is None else output.stop_reason
+        if self.request.return_token_ids:
+            choice["token_ids"] = list(token_ids)
+            if output is not None:
+                choice["prompt_token_ids"] = list(output.prompt_token_ids)
+        return choice
+
+    def full(self, outputs: Mapping[int, RequestOutput]) -> dict[str, Any]:
+        """The non-streaming body, from every choice's finished output."""
+        choices = [self._choice(i, o.text, o, o.token_ids, stream=False) for i, o in sorted(outputs.items())]
+        completion_tokens = sum(len(o.token_ids) for o in outputs.values())
+        return {**self.head, "choices": choices, "usage": self.usage(completion_tokens)}
+
+    def _stream_body(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {**self.head, "object": self._chunk_object, "choices": choices}
+
+    def role_chunks(self) -> list[dict[str, Any]]:
+        """Chat streams open each choice with the assistant's role (and no content yet)."""
+        if not self.request.chat:
+            return []
+        return [
+            self._stream_body(
+                [
+                    {
+                        "index": s.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
+            for s in self.request.sequences
+        ]
+
+    def chunk(self, index: int, delta: StreamDelta) -> dict[str, Any] | None:
+        """A stream chunk for one delta; None when it carries nothing a client would see."""
+        if not (delta.text or delta.finished or (self.request.return_token_ids and delta.token_ids)):
+            return None
+        return self._stream_body([self._choice(index, delta.text, delta.output, delta.token_ids, stream=True)])
+
+    def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
+        """The last chunk with stream_options.include_usage: no choices, the usage."""
+        return {**self._stream_body([]), "usage": self.usage(completion_tokens)}

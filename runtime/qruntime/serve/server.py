@@ -1,0 +1,146 @@
+"""`qruntime serve ART`: load the artifact, build the app, run uvicorn until SIGINT / SIGTERM.
+
+Shutdown (SIGINT / SIGTERM): uvicorn stops accepting connections and the engine loop new requests
+(503); running requests get --shutdown-timeout seconds to finish, then the engine aborts what is
+left, so those responses still end well-formed (a stream's last chunk says finish_reason "abort",
+a whole response is a 503). uvicorn waits for the connections to close (cancelling any handler
+still stuck SHUTDOWN_GRACE_S later, e.g. on a client that stopped reading), then the app's
+lifespan stops the engine loop and its thread ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import torch
+import uvicorn
+from uvicorn.config import LOG_LEVELS
+
+import qruntime
+from qruntime.artifact import ArtifactFormatError
+from qruntime.cli import RunError, load_line
+from qruntime.serve.app import build_app
+from qruntime.serve.options import ServeOptions
+
+SHUTDOWN_GRACE_S = 5.0  # after the aborts, how long uvicorn waits for responses to finish sending
+
+
+class _Terminated(Exception):
+    """SIGTERM after a graceful shutdown: a requested stop, so the command exits 0."""
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A bound listening socket (port 0: a free one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as exc:
+        raise RunError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def serve(options: ServeOptions, err: TextIO | None = None) -> None:
+    """Run the server until it is stopped (returns after a SIGTERM; SIGINT ends in KeyboardInterrupt)."""
+    err = err if err is not None else sys.stderr
+    if options.max_waiting < 1:
+        raise RunError(f"--max-waiting must be >= 1 (got {options.max_waiting})")
+    if options.shutdown_timeout < 0:
+        raise RunError(f"--shutdown-timeout must be >= 0 (got {options.shutdown_timeout})")
+    if options.threads is not None:
+        if options.threads < 1:
+            raise RunError(f"--threads must be >= 1 (got {options.threads})")
+        torch.set_num_threads(options.threads)  # process-wide: the engine thread's ops use it too
+    started = time.perf_counter()
+    try:
+        engine = qruntime.load(
+            options.artifact,
+            options.device,
+            options.dtype,
+            verify=options.verify,
+            max_model_len=options.max_model_len,
+            max_num_seqs=options.max_num_seqs,
+            max_num_batched_tokens=options.max_num_batched_tokens,
+            num_kv_blocks=options.num_kv_blocks,
+            backend=options.backend,
+        )
+    except (ArtifactFormatError, ValueError) as exc:
+        raise RunError.of(exc) from None
+    print(load_line(engine.description, time.perf_counter() - started), file=err, flush=True)
+
+    _log_like_uvicorn(options.log_level)
+    sock = listen(options.host, options.port)
+    app = build_app(engine, model_name=options.model_name, max_waiting=options.max_waiting)
+    ready = (
+        f"serving {options.model_name} on {url_of(sock)} (max_num_seqs {options.max_num_seqs}, "
+        f"max_waiting {options.max_waiting}, max_model_len {engine.max_model_len})"
+    )
+    loop = app.state.engine_loop
+    config = uvicorn.Config(
+        app,
+        log_level=options.log_level,
+        timeout_graceful_shutdown=options.shutdown_timeout + SHUTDOWN_GRACE_S,
+        lifespan="on",
+    )
+
+    def drain() -> None:
+        loop.close()
+        asyncio.get_running_loop().call_later(options.shutdown_timeout, loop.abort_all)
+
+    server = Server(config, on_ready=lambda: print(ready, file=err, flush=True), on_shutdown=drain)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    try:
+        server.run(sockets=[sock])
+    except _Terminated:
+        pass
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+        loop.stop()  # a no-op after the lifespan's; covers a forced exit
+        sock.close()
+
+
+def _log_like_uvicorn(level: str) -> None:
+    """The runtime's log lines (engine failures, aborts at shutdown) beside uvicorn's, at its level."""
+    logger = logging.getLogger("qruntime")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)-9s %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(LOG_LEVELS[level])
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    # uvicorn swaps its own handler in while it runs and raises the signal again after its graceful
+    # shutdown, which lands here
+    raise _Terminated()
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, calling `on_ready()` once it listens and `on_shutdown()` as it begins to stop."""
+
+    def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None], on_shutdown: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_ready, self._on_shutdown = on_ready, on_shutdown
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self._on_ready()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._on_shutdown()
+        await super().shutdown(sockets)

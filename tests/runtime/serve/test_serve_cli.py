@@ -1,0 +1,67 @@
+"""`qruntime serve` on the command line: its help, the import cost `qruntime run` keeps, and user
+errors (a missing `serve` extra, a bad artifact, a busy port) as one `error:` line and exit 1."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+from qruntime.cli import main
+
+
+@pytest.fixture(scope="module")
+def art(tiny_ckpt, compiled):
+    return compiled(tiny_ckpt, "ptpc-fp8")
+
+
+def test_help_lists_the_options(capsys):
+    assert main(["serve", "--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in (
+        "--host",
+        "--port",
+        "--max-waiting",
+        "--max-num-seqs",
+        "--device",
+        "--backend",
+        "--served-model-name",
+        "--shutdown-timeout",
+    ):
+        assert flag in out, flag
+    assert main(["--help"]) == 0 and "serve" in capsys.readouterr().out
+
+
+def test_the_cli_imports_no_server_framework():
+    code = (
+        "import sys, qruntime.cli; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('starlette', 'uvicorn', 'prometheus_client', 'torch')]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("missing", ["uvicorn", "starlette", "prometheus_client"])
+def test_a_missing_extra_names_the_install_command(monkeypatch, capsys, art, missing):
+    monkeypatch.setitem(sys.modules, missing, None)  # `import missing` now raises ImportError
+    assert main(["serve", str(art)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: `qruntime serve` needs the serve extra: pip install 'qcompile-runtime[serve]'")
+    assert missing in err and len(err.strip().splitlines()) == 1
+
+
+def test_user_errors_are_one_line(tmp_path, art):
+    def serve(*args):
+        command = [sys.executable, "-m", "qruntime", "serve", *map(str, args)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+    result = serve(tmp_path / "nothing-here")
+    assert result.returncode == 1 and result.stderr.startswith("error: ") and "nothing-here" in result.stderr
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        result = serve(art, "--port", port)
+    assert result.returncode == 1 and f"error: cannot listen on 127.0.0.1:{port}" in result.stderr
+    result = serve(art, "--max-waiting", 0)
+    assert result.returncode == 1 and "error: --max-waiting must be >= 1" in result.stderr
