@@ -1,0 +1,132 @@
+"""Issue-8 benchmark on one GPU, in one run: throughput vs concurrency through `qruntime serve`.
+
+Synthesizes a checkpoint of the preset's exact shapes (random weights: clearly synthetic), compiles
+it with ptpc-fp8, tunes the kernels on this GPU, starts `qruntime serve` on loopback, then sends
+streamed completions of random --input-len token prompts that each generate exactly --output-len
+tokens (ignore_eos) from C concurrent clients, for each C; 4 x C requests per level (at least 8).
+The anchor is vLLM's 13,377 output tok/s at 128 concurrent, 128 in / 128 out, on one H100.
+
+    python bench/serve_bench.py --out bench/results/serve_bench_qwen3-8b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import torch
+from compile_bench import report_header
+from loadgen import random_token_specs, run_load, summarize
+
+from qcompile.pipeline import compile_checkpoint, prepare
+from qcompile.recipe import load_recipe
+from qcompile.synth import get_preset, write_checkpoint
+
+
+def build(preset: str, workdir: Path, timings: dict) -> Path:
+    ckpt, art = workdir / preset, workdir / f"{preset}-ptpc-fp8"
+    start = time.perf_counter()
+    if not (ckpt / "config.json").exists():
+        write_checkpoint(get_preset(preset).config(), ckpt, seed=0)
+    timings["synth_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    if not (art / "manifest.json").exists():
+        compile_checkpoint(prepare(ckpt, load_recipe("ptpc-fp8")), art, workers=16, progress=False)
+    timings["compile_s"] = time.perf_counter() - start
+    from qcompile.tune import tune_artifact
+
+    start = time.perf_counter()
+    tune_artifact(art)
+    timings["tune_s"] = time.perf_counter() - start
+    return art
+
+
+def start_server(art: Path, max_num_seqs: int, timeout: float = 300) -> tuple[subprocess.Popen, str]:
+    """`qruntime serve` on a free port; returns (process, url) once /health answers."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qruntime", "serve", str(art), "--port", "0", "--max-num-seqs", str(max_num_seqs)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + timeout
+    url = None
+    while url is None:
+        line = proc.stderr.readline()
+        if not line:
+            raise RuntimeError(f"qruntime serve exited with {proc.wait()} before it was ready")
+        print("server:", line.rstrip(), flush=True)
+        found = re.search(r"http://[0-9.]+:\d+", line)
+        url = found.group(0) if found else None
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("qruntime serve was not ready in time")
+    while httpx.get(f"{url}/health").status_code != 200:
+        time.sleep(0.5)
+    return proc, url
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="qwen3-8b")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/q8b"))
+    parser.add_argument("--concurrency", default="1,8,32,64,128")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    import triton
+
+    report = report_header("serve_bench")
+    report["machine"]["gpu"] = torch.cuda.get_device_name()
+    report["versions"].update(torch=torch.__version__, triton=triton.__version__)
+    report["weights"] = "synthetic: random bf16 weights of the preset's exact shapes (qcompile synth)"
+    levels = [int(c) for c in args.concurrency.split(",")]
+    timings: dict = {}
+    art = build(args.preset, args.workdir, timings)
+    print("built", timings, flush=True)
+    proc, url = start_server(art, max(levels))
+    try:
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        rng = random.Random(0)
+        warm = random_token_specs(4, args.input_len, 8, 500, rng, model)
+        asyncio.run(run_load(url, warm, 4))
+        runs = []
+        for c in levels:
+            specs = random_token_specs(max(8, 4 * c), args.input_len, args.output_len, 500, rng, model)
+            results, wall = asyncio.run(run_load(url, specs, c))
+            summary = summarize(results, wall, c)
+            print(json.dumps({k: summary[k] for k in ("concurrency", "completed", "output_tokens_per_s")}), flush=True)
+            print("  ttft", summary["ttft_ms"], "\n  tpot", summary["tpot_ms"], flush=True)
+            runs.append(summary)
+        metrics = httpx.get(f"{url}/metrics").text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    report.update(
+        preset=args.preset,
+        recipe="ptpc-fp8 (tuned)",
+        input_len=args.input_len,
+        output_len=args.output_len,
+        timings=timings,
+        levels=runs,
+        server_metrics_after=[line for line in metrics.splitlines() if line and not line.startswith("#")][:40],
+    )
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    os.sync()
+
+
+if __name__ == "__main__":
+    main()
