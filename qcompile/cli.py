@@ -23,6 +23,7 @@ _VERBS = MappingProxyType(
         "bench": "Measure TTFT, TPOT and tokens/s of an artifact on this machine.",
         "eval": "Perplexity, KL and top-1 agreement of an artifact against its source checkpoint.",
         "eval-recipes": "Compile a checkpoint with several recipes and evaluate each, in one table.",
+        "export": "Write an artifact as a compressed-tensors checkpoint (transformers, vLLM, SGLang).",
         "publish": "Ship an artifact with its model card and runtime wheel to a folder or the hub.",
         "pull": "Download an artifact from the Hugging Face Hub (hf://org/name) and verify every file.",
         "synth": "Write a random-weight Qwen3 checkpoint of a named preset, with a local tokenizer.",

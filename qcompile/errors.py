@@ -37,3 +37,8 @@ class PublishError(QCompileError):
 class HubError(QCompileError):
     """A hub target is malformed, no token is found, the hub refuses a request, or the repo holds
     another artifact."""
+
+
+class ExportError(QCompileError):
+    """An artifact cannot be exported: it does not verify, its layout is not supported by the format
+    (tp > 1), or the target exists."""

@@ -35,7 +35,8 @@ def _args(strategy: str, dynamic: bool, block: list[int] | None = None, group: i
 def quantization_config(
     scheme: QuantScheme, recipe: Recipe, kv_cache_scheme: dict | None = None
 ) -> dict[str, Any] | None:
-    """The `quantization_config` for `scheme`, or None for an unquantized artifact."""
+    """The `quantization_config` for `scheme` (and an FP8 KV cache's `kv_cache_scheme`), or None when
+    neither weights nor KV cache are quantized."""
     if isinstance(scheme.weights, PerChannel):
         weights = _args("channel", dynamic=False)
         activations = _args("token", dynamic=True)
@@ -46,21 +47,32 @@ def quantization_config(
     elif isinstance(scheme.weights, PerBlock):
         weights = _args("block", dynamic=False, block=[scheme.weights.block_n, scheme.weights.block_k])
         activations = _args("group", dynamic=True, group=scheme.activation_group)
-    else:
+    elif kv_cache_scheme is None:
         return None
-    return {
-        "config_groups": {
-            "group_0": {
-                "format": "float-quantized",
-                "input_activations": activations,
-                "output_activations": None,
-                "targets": ["Linear"],
-                "weights": weights,
-            }
-        },
+    else:  # unquantized weights, quantized KV cache: no config groups, as llm-compressor writes it
+        return _config({}, "dense", [], kv_cache_scheme)
+    group = {
         "format": "float-quantized",
+        "input_activations": activations,
+        "output_activations": None,
+        "targets": ["Linear"],
+        "weights": weights,
+    }
+    return _config({"group_0": group}, "float-quantized", list(recipe.quantization.ignore), kv_cache_scheme)
+
+
+def fp8_kv_cache_scheme() -> dict[str, Any]:
+    """The `kv_cache_scheme` of an FP8 (e4m3) KV cache with one static scale per layer for K and one
+    for V, stored as `model.layers.{i}.self_attn.k_scale` / `v_scale` ([1], model dtype)."""
+    return _args("tensor", dynamic=False)
+
+
+def _config(groups: dict[str, Any], fmt: str, ignore: list[str], kv_cache_scheme: dict | None) -> dict[str, Any]:
+    return {
+        "config_groups": groups,
+        "format": fmt,
         "global_compression_ratio": None,
-        "ignore": list(recipe.quantization.ignore),
+        "ignore": ignore,
         "kv_cache_scheme": kv_cache_scheme,
         "quant_method": "compressed-tensors",
         "quantization_status": "compressed",

@@ -32,11 +32,13 @@ def split_to_sources(root: str | Path) -> Iterator[tuple[str, torch.Tensor, torc
     tensors = read_manifest(root)["tensors"]
     handles: dict[str, Any] = {}
 
-    def load(name: str) -> torch.Tensor:
+    def load(name: str) -> Any:
+        """A lazy slice: indexing it reads only those rows (one source part, or one expert's
+        slice of a stacked tensor), so memory holds one part at a time, not a fused tensor."""
         file = tensors[name]["file"]
         if file not in handles:
             handles[file] = safe_open(str(root / file), framework="pt")
-        return handles[file].get_tensor(name)
+        return handles[file].get_slice(name)
 
     for name, info in tensors.items():
         if info["role"] == "scale":
