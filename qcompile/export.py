@@ -38,18 +38,17 @@ from typing import Any
 import torch
 import yaml
 from qruntime.artifact import ArtifactFormatError, read_manifest, verify_files
-from tqdm import tqdm
 
 from qcompile.checkpoint import GENERATION_FILE, TOKENIZER_FILES
 from qcompile.errors import ExportError
-from qcompile.io.atomic import atomic_output_dir, check_target
+from qcompile.io.atomic import atomic_output_dir, check_free_space, check_target
 from qcompile.io.safetensors_stream import DTYPES, OutputTensor, StreamingWriter
 from qcompile.model_card import base_model_name, describe_scheme
+from qcompile.progress import progress_bar
 from qcompile.quant import get_scheme
 from qcompile.quant_config import fp8_kv_cache_scheme, quantization_config
 from qcompile.recipe import recipe_from_dict
 from qcompile.unfuse import split_to_sources
-from qcompile.units import human_bytes
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -81,9 +80,9 @@ def export_compressed_tensors(
     groups, kv_values = _layout(manifest)
     shards = _shards(groups, max_shard_bytes)
     total = sum(t.nbytes for shard in shards.values() for t in shard)
-    _check_disk(output.parent, total)
+    check_free_space(output.parent, total, "the export", ExportError)
     with atomic_output_dir(output, force) as tmp:
-        with _bar(total, "export", progress) as bar:
+        with progress_bar(total, "export", progress) as bar:
             try:
                 _write_weights(tmp, root, shards, kv_values, bar.update)
             except OSError as exc:
@@ -121,7 +120,7 @@ def _read(root: Path) -> dict[str, Any]:
 
 def _verify(root: Path, manifest: dict[str, Any], progress: bool) -> None:
     files = manifest["files"]
-    with _bar(sum(f.get("bytes") or 0 for f in files.values()), "verify", progress) as bar:
+    with progress_bar(sum(f.get("bytes") or 0 for f in files.values()), "verify", progress) as bar:
         problems = verify_files(root, manifest, progress=lambda rel: bar.update(files[rel].get("bytes") or 0))
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -272,27 +271,4 @@ def _readme(manifest: dict[str, Any], config: dict[str, Any]) -> str:
         "Loads with transformers (`pip install compressed-tensors`; "
         "`AutoModelForCausalLM.from_pretrained(path)`), vLLM (`vllm serve path`) and SGLang "
         "(`python -m sglang.launch_server --model-path path`).\n"
-    )
-
-
-def _check_disk(parent: Path, needed: int) -> None:
-    while not parent.exists():
-        parent = parent.parent
-    free = shutil.disk_usage(parent).free
-    if free < needed * 1.01 + (16 << 20):
-        raise ExportError(
-            f"{parent}: the export needs about {human_bytes(needed)} but only {human_bytes(free)} is free; "
-            "free some space or choose another output directory"
-        )
-
-
-def _bar(total: int, desc: str, enabled: bool) -> tqdm:
-    return tqdm(
-        total=total,
-        desc=desc,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        disable=None if enabled else True,
-        leave=False,
     )

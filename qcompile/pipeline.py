@@ -20,8 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from qcompile.calibrate import CalibrationError, kv_scales
 from qcompile.checkpoint import Checkpoint, fingerprint
 from qcompile.errors import ArtifactError
@@ -29,15 +27,15 @@ from qcompile.graph.build import build_graph
 from qcompile.graph.ir import Graph
 from qcompile.graph.onnx_export import TensorLocation, write_onnx
 from qcompile.graph.passes import apply_passes
-from qcompile.io.atomic import atomic_output_dir
+from qcompile.io.atomic import atomic_output_dir, check_free_space
 from qcompile.io.safetensors_stream import read_header
 from qcompile.kvcache import kv_cache_spec
 from qcompile.manifest import file_table, tensor_table, toolchain, write_manifest
 from qcompile.plan import TensorPlan, make_plan
+from qcompile.progress import progress_bar
 from qcompile.quant import get_scheme
 from qcompile.quant_config import quantization_config
 from qcompile.recipe import Recipe, RecipeError
-from qcompile.units import human_bytes
 from qcompile.writer import write_weights
 
 GRAPH_FILE = "graph.onnx"
@@ -77,7 +75,7 @@ def prepare(
         if not Path(calib).is_file():
             raise CalibrationError(f"{calib}: calibration text not found")
         if calibrate:
-            with _bar(checkpoint.spec.num_hidden_layers, "calibrate kv", progress, unit="layer") as bar:
+            with progress_bar(checkpoint.spec.num_hidden_layers, "calibrate kv", progress, unit="layer") as bar:
                 scales = kv_scales(checkpoint, Path(calib), progress=lambda _: bar.update(1))
     elif calib is not None:
         raise RecipeError(f"--calib {calib}: recipe {recipe.name!r} has no calibrated KV cache (kv_cache.calibrate)")
@@ -96,10 +94,10 @@ def compile_checkpoint(
 ) -> dict[str, Any]:
     """Write the artifact for `prepared` at `output`; returns its manifest."""
     checkpoint, plan = prepared.checkpoint, prepared.plan
-    _check_disk(Path(output).absolute().parent, plan.output_bytes)
+    check_free_space(Path(output).absolute().parent, plan.output_bytes, "the artifact")
     with atomic_output_dir(output, force) as tmp:
         source_hash = _BackgroundHash(checkpoint, progress)
-        with _bar(plan.source_bytes, "quantize+write", progress) as bar:
+        with progress_bar(plan.source_bytes, "quantize+write", progress) as bar:
             try:
                 shard_digests = write_weights(tmp, checkpoint, plan, workers=workers, progress=bar.update)
             except OSError as exc:
@@ -129,18 +127,6 @@ def compile_checkpoint(
         }
         write_manifest(tmp, manifest)
     return manifest
-
-
-def _check_disk(parent: Path, needed: int) -> None:
-    """Refuse up front when the output cannot fit (weights plus a little for graph and metadata)."""
-    while not parent.exists():
-        parent = parent.parent
-    free = shutil.disk_usage(parent).free
-    if free < needed * 1.01 + (16 << 20):
-        raise ArtifactError(
-            f"{parent}: the artifact needs about {human_bytes(needed)} but only {human_bytes(free)} is free; "
-            "free some space or choose another output directory"
-        )
 
 
 def _locations(root: Path, plan: TensorPlan) -> dict[str, TensorLocation]:
@@ -188,15 +174,3 @@ class _BackgroundHash:
             raise self._error
         assert self._result is not None
         return self._result
-
-
-def _bar(total: int, desc: str, enabled: bool, unit: str = "B") -> tqdm:
-    return tqdm(
-        total=total,
-        desc=desc,
-        unit=unit,
-        unit_scale=unit == "B",
-        unit_divisor=1024,
-        disable=None if enabled else True,
-        leave=False,
-    )  # None: off when not a terminal

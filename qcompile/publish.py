@@ -45,11 +45,11 @@ from pathlib import Path
 from typing import Any
 
 from qruntime.artifact import MANIFEST, ArtifactFormatError, read_manifest, sha256_file, verify_files
-from tqdm import tqdm
 
 from qcompile.errors import PublishError
 from qcompile.io.atomic import atomic_output_dir
 from qcompile.model_card import CardInputs, base_model_name, render_card
+from qcompile.progress import progress_bar
 from qcompile.reports import REPORTS, Report, collect_reports
 from qcompile.runtime_wheel import WHEEL_DIR, runtime_wheel
 
@@ -144,7 +144,7 @@ def _compiled(manifest: dict[str, Any]) -> dict[str, Any]:
 def _verify(root: Path, manifest: dict[str, Any], progress: bool) -> None:
     files = manifest["files"]
     total = sum(f.get("bytes") or 0 for f in files.values())
-    with _bar(total, "verify", progress) as bar:
+    with progress_bar(total, "verify", progress) as bar:
         problems = verify_files(root, manifest, progress=lambda rel: bar.update(files[rel].get("bytes") or 0))
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -266,7 +266,7 @@ def _stage(
     progress: bool,
 ) -> None:
     """Fill `tmp` with the tree: artifact files hard-linked (copied, and checked, across file systems)."""
-    with _bar(sum(e.bytes for e in entries.values()), "stage", progress) as bar:
+    with progress_bar(sum(e.bytes for e in entries.values()), "stage", progress) as bar:
         for rel, entry in entries.items():
             dst = tmp / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
@@ -316,15 +316,3 @@ def _publish_hub(
         push(staged, target, dry_run=dry_run, force=force, progress=progress)
     finally:
         shutil.rmtree(staged, ignore_errors=True)
-
-
-def _bar(total: int, desc: str, enabled: bool) -> tqdm:
-    return tqdm(
-        total=total,
-        desc=desc,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        disable=None if enabled else True,  # None: off when not a terminal
-        leave=False,
-    )

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from qcompile.errors import ArtifactError
+from qcompile.errors import ArtifactError, QCompileError
+from qcompile.units import human_bytes
 
 
 def check_target(target: Path, force: bool) -> None:
@@ -21,6 +22,19 @@ def check_target(target: Path, force: bool) -> None:
             raise ArtifactError(f"{target}: already exists; pass --force to replace it")
         if not target.is_dir() or target.is_symlink():
             raise ArtifactError(f"{target}: exists and is not a directory; refusing to replace it")
+
+
+def check_free_space(parent: Path, needed: int, what: str, error: type[QCompileError] = ArtifactError) -> None:
+    """Refuse up front when `needed` bytes (plus 1% and a little for metadata) do not fit under
+    `parent` (its nearest existing ancestor); `what` names the output in the message."""
+    while not parent.exists():
+        parent = parent.parent
+    free = shutil.disk_usage(parent).free
+    if free < needed * 1.01 + (16 << 20):
+        raise error(
+            f"{parent}: {what} needs about {human_bytes(needed)} but only {human_bytes(free)} is free; "
+            "free some space or choose another output directory"
+        )
 
 
 @contextmanager

@@ -334,12 +334,12 @@ def test_module_entry_point_error(tmp_path):
 
 
 def test_too_little_disk_is_refused_up_front(tiny_ckpt, tmp_path, monkeypatch):
-    from qcompile import pipeline
+    from qcompile.io import atomic
 
     class Usage:
         total, used, free = 10**12, 10**12 - 4096, 4096
 
-    monkeypatch.setattr(pipeline.shutil, "disk_usage", lambda path: Usage())
+    monkeypatch.setattr(atomic.shutil, "disk_usage", lambda path: Usage())
     result = run("compile", tiny_ckpt, "-o", tmp_path / "art", "-q")
     assert result.exit_code == 1
     assert "the artifact needs about" in result.output and "only 4.10 kB is free" in result.output
