@@ -24,6 +24,31 @@ from qcompile.recipe import load_recipe
 from qcompile.synth import get_preset, write_checkpoint
 
 
+def build_artifact(
+    preset: str, workdir: Path, timings: dict[str, float], tune: bool = True
+) -> tuple[Path, dict | None]:
+    """Synthesize PRESET (random weights) and compile it with ptpc-fp8 under workdir, reusing what is
+    already there; tune it on this GPU when `tune`. Returns (artifact, the tuned kernel table or None)
+    and records synth_s / compile_s / tune_s in `timings`."""
+    ckpt, art = workdir / preset, workdir / f"{preset}-ptpc-fp8"
+    start = time.perf_counter()
+    if not (ckpt / "config.json").exists():
+        write_checkpoint(get_preset(preset).config(), ckpt, seed=0)
+    timings["synth_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    if not (art / "manifest.json").exists():
+        compile_checkpoint(prepare(ckpt, load_recipe("ptpc-fp8")), art, workers=16, progress=False)
+    timings["compile_s"] = time.perf_counter() - start
+    if not tune:
+        return art, None
+    from qcompile.tune import tune_artifact
+
+    start = time.perf_counter()
+    tuned = json.loads(tune_artifact(art).read_text())
+    timings["tune_s"] = time.perf_counter() - start
+    return art, tuned
+
+
 def hf_tpot_ms(ckpt: Path, steps: int = 16) -> float:
     """HF transformers bf16 eager, batch 1: ms per decode token with its KV cache (greedy)."""
     from transformers import AutoModelForCausalLM
@@ -110,22 +135,9 @@ def main() -> None:
     report["machine"]["gpu"] = torch.cuda.get_device_name()
     report["versions"].update(torch=torch.__version__, triton=triton.__version__)
     report["weights"] = "synthetic: random bf16 weights of the preset's exact shapes (qcompile synth)"
-    ckpt, art = args.workdir / args.preset, args.workdir / f"{args.preset}-ptpc-fp8"
-    timings = {}
-    start = time.perf_counter()
-    if not (ckpt / "config.json").exists():
-        write_checkpoint(get_preset(args.preset).config(), ckpt, seed=0)
-    timings["synth_s"] = time.perf_counter() - start
-    start = time.perf_counter()
-    if not (art / "manifest.json").exists():
-        compile_checkpoint(prepare(ckpt, load_recipe("ptpc-fp8")), art, workers=16, progress=False)
-    timings["compile_s"] = time.perf_counter() - start
-    if not args.no_tune:
-        from qcompile.tune import tune_artifact
-
-        start = time.perf_counter()
-        tuned = json.loads(tune_artifact(art).read_text())
-        timings["tune_s"] = time.perf_counter() - start
+    timings: dict[str, float] = {}
+    art, tuned = build_artifact(args.preset, args.workdir, timings, tune=not args.no_tune)
+    if tuned is not None:
         report["tuned"] = {
             shape: {bucket: (e["backend"], e["us"], e["cublaslt_us"]) for bucket, e in table.items()}
             for shape, table in tuned["entries"].items()
@@ -166,7 +178,7 @@ def main() -> None:
     del engine
     gc.collect()
     torch.cuda.empty_cache()
-    hf = None if args.skip_hf else hf_tpot_ms(ckpt)
+    hf = None if args.skip_hf else hf_tpot_ms(args.workdir / args.preset)
     print("hf bf16 tpot ms", hf, flush=True)
     report.update(
         timings=timings,

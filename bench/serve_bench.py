@@ -26,29 +26,8 @@ from pathlib import Path
 import httpx
 import torch
 from compile_bench import report_header
+from decode_bench import build_artifact
 from loadgen import random_token_specs, run_load, summarize
-
-from qcompile.pipeline import compile_checkpoint, prepare
-from qcompile.recipe import load_recipe
-from qcompile.synth import get_preset, write_checkpoint
-
-
-def build(preset: str, workdir: Path, timings: dict) -> Path:
-    ckpt, art = workdir / preset, workdir / f"{preset}-ptpc-fp8"
-    start = time.perf_counter()
-    if not (ckpt / "config.json").exists():
-        write_checkpoint(get_preset(preset).config(), ckpt, seed=0)
-    timings["synth_s"] = time.perf_counter() - start
-    start = time.perf_counter()
-    if not (art / "manifest.json").exists():
-        compile_checkpoint(prepare(ckpt, load_recipe("ptpc-fp8")), art, workers=16, progress=False)
-    timings["compile_s"] = time.perf_counter() - start
-    from qcompile.tune import tune_artifact
-
-    start = time.perf_counter()
-    tune_artifact(art)
-    timings["tune_s"] = time.perf_counter() - start
-    return art
 
 
 def start_server(art: Path, max_num_seqs: int, timeout: float = 300) -> tuple[subprocess.Popen, str]:
@@ -93,7 +72,7 @@ def main() -> None:
     report["weights"] = "synthetic: random bf16 weights of the preset's exact shapes (qcompile synth)"
     levels = [int(c) for c in args.concurrency.split(",")]
     timings: dict = {}
-    art = build(args.preset, args.workdir, timings)
+    art, _ = build_artifact(args.preset, args.workdir, timings)
     print("built", timings, flush=True)
     proc, url = start_server(art, max(levels))
     try:
