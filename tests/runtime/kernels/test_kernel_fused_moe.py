@@ -1,0 +1,382 @@
+"""The fused FP8 MoE kernels (routing + quant, align, up/SiLU, down, combine) and the fast-path MoE
+op against the torch references of qruntime.ops (interpreter on CPU, native on a GPU).
+
+Shapes are small and odd on purpose: E not a power of two, I and H not multiples of the tiles,
+T not a multiple of BLOCK_M, single tokens, experts without tokens and all tokens on one expert.
+"""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+from qruntime.artifact import read_manifest
+from qruntime.kernel_configs import KernelTable
+from qruntime.kernels.fused_moe import MoEConfig, TileConfig, default_config, fused_moe, sweep_configs, table_key
+from qruntime.kernels.moe_align import expert_load, moe_align, padded_size
+from qruntime.kernels.moe_combine import moe_combine
+from qruntime.kernels.moe_gemm import PairBlocks, moe_down, moe_up_silu
+from qruntime.kernels.moe_routing import moe_route_quant
+from qruntime.kv_cache import KVCacheSpec
+from qruntime.ops import functional as fn
+from qruntime.ops import moe, triton_ops
+from qruntime.ops.base import OpEnv
+from qruntime.ops.registry import reference_ops
+from qruntime.ops.registry import triton_ops as triton_ops_table
+from qruntime.plan import Plan
+from qruntime.weights import load_initializers
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = MoEConfig(16, TileConfig(32, 32, 4, 2), TileConfig(32, 32, 4, 2))  # tails in I, H and K
+
+
+def _quant_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row FP8 weights and bf16 scales, as the ptpc-fp8 scheme stores them."""
+    scale = (w.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12)
+    return (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale.to(torch.bfloat16)
+
+
+def experts(num_experts: int, inter: int, hidden: int) -> tuple[torch.Tensor, ...]:
+    """Fresh random PTPC experts on DEVICE: (w13 [E, 2I, H], w13_scale, w2 [E, H, I], w2_scale)."""
+    w13, s13 = _quant_rows(torch.randn(num_experts, 2 * inter, hidden) * torch.rand(num_experts, 2 * inter, 1))
+    w2, s2 = _quant_rows(torch.randn(num_experts, hidden, inter) * torch.rand(num_experts, hidden, 1))
+    return tuple(t.to(DEVICE) for t in (w13, s13, w2, s2))
+
+
+def routed_ids(tokens: int, num_experts: int, top_k: int, only: int | None = None) -> torch.Tensor:
+    """[T, k] int32 distinct experts per token (random; or experts only, only+1, ... for all tokens)."""
+    if only is not None:
+        return torch.arange(only, only + top_k, dtype=torch.int32).repeat(tokens, 1).to(DEVICE)
+    return torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(tokens)]).int().to(DEVICE)
+
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    _, e = torch.frexp(x.float().abs())
+    return torch.ldexp(torch.ones_like(x, dtype=torch.float32), e - 8)
+
+
+def rounding_misses(y: torch.Tensor, ref: torch.Tensor, ulps: int = 1, rel: float = 1e-6) -> float:
+    """Fraction of elements further apart than fp32 summation order (rel of the largest |ref|) or,
+    in bf16 / fp16, than `ulps` ulps (roundings that summation order or a last-bit exp flipped)."""
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    exact = ref.dtype == torch.float32
+    y, ref = y.float().cpu(), ref.float().cpu()
+    tol = rel * ref.abs().amax() if exact else ulps * bf16_ulp(torch.maximum(y.abs(), ref.abs()))
+    return float(((y - ref).abs() > tol).float().mean())
+
+
+def sqnr_db(ref: torch.Tensor, y: torch.Tensor) -> float:
+    ref, y = ref.float().cpu(), y.float().cpu()
+    noise = (ref - y).pow(2).mean().clamp(min=1e-30)
+    return float(10 * torch.log10(ref.pow(2).mean() / noise))
+
+
+# ---- routing + quantization of x ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    ("tokens", "num_experts", "top_k", "norm", "hidden", "max_block"),
+    [(1, 8, 2, True, 64, 8192), (9, 6, 3, False, 100, 32), (5, 128, 8, True, 48, 8192), (4, 5, 1, True, 33, 8192)],
+)
+def test_route_quant_matches_moe_routing_and_dynamic_quant(tokens, num_experts, top_k, norm, hidden, max_block, dtype):
+    logits = (torch.randn(tokens, num_experts) * 3).to(dtype)
+    x = (torch.randn(tokens, hidden) * torch.logspace(-3, 3, tokens)[:, None]).to(dtype)
+    weights, ids, xq, xs = moe_route_quant(logits.to(DEVICE), x.to(DEVICE), top_k, norm, max_block=max_block)
+    ref_w, ref_ids = fn.moe_routing(logits.float(), top_k, norm)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    if dtype == torch.float32:  # random fp32 logits have no ties
+        assert torch.equal(ids.cpu().long(), ref_ids)
+    # bf16 logits over many experts do tie: equal probabilities come lowest id first (torch.topk on
+    # CUDA's order; on CPU it varies), so the ids are the stable descending order of the probabilities
+    stable = torch.sort(logits.float().softmax(-1), dim=-1, descending=True, stable=True).indices[:, :top_k]
+    assert torch.equal(ids.cpu().long(), stable)
+    # tied slots hold equal weights; on a GPU Triton's exp is within a few fp32 ulps of torch's
+    torch.testing.assert_close(weights.cpu(), ref_w, rtol=2e-6, atol=1e-9)
+    ref_q, ref_s = fn.dynamic_quant(x, 0)
+    assert torch.equal(xq.cpu().view(torch.uint8), ref_q.view(torch.uint8))
+    assert torch.equal(xs.cpu(), ref_s)
+
+
+def test_route_ties_pick_the_lowest_expert_id():
+    logits = torch.randint(-2, 3, (16, 12)).float()  # many exact ties
+    weights, ids, _, _ = moe_route_quant(logits.to(DEVICE), torch.randn(16, 32, device=DEVICE), 4, False)
+    probs = logits.softmax(-1)
+    order = torch.sort(probs, dim=-1, descending=True, stable=True)  # equal values: lower index first
+    assert torch.equal(ids.cpu().long(), order.indices[:, :4])
+    torch.testing.assert_close(weights.cpu(), order.values[:, :4], rtol=2e-6, atol=0)
+
+
+def test_route_quant_checks_its_inputs():
+    x = torch.randn(3, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="top_k must be in 1..4"):
+        moe_route_quant(torch.randn(3, 4, device=DEVICE), x, 5, True)
+    with pytest.raises(ValueError, match="disagree on T"):
+        moe_route_quant(torch.randn(2, 4, device=DEVICE), x, 2, True)
+    with pytest.raises(TypeError):
+        moe_route_quant(torch.randn(3, 4, device=DEVICE), x.int(), 2, True)
+
+
+# ---- align --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tokens", "num_experts", "top_k", "block_m", "only"),
+    [
+        (1, 128, 8, 16, None),
+        (7, 6, 2, 16, None),
+        (37, 5, 1, 32, None),
+        (300, 128, 8, 64, None),
+        (19, 8, 1, 16, 3),
+        (1100, 24, 8, 16, None),  # 8800 pairs: count and scatter over a grid (SPLIT_CHUNKS)
+        (1030, 12, 8, 32, 2),
+    ],
+)
+def test_align_groups_every_pair_once_by_expert(tokens, num_experts, top_k, block_m, only):
+    ids = routed_ids(tokens, num_experts, top_k, only)
+    sorted_ids, block_expert, num_padded, amax = moe_align(ids, num_experts, block_m)
+    pairs = tokens * top_k
+    assert sorted_ids.numel() == padded_size(pairs, num_experts, block_m) == block_expert.numel() * block_m
+    counts = expert_load(ids, num_experts).cpu()
+    assert counts.sum() == pairs
+    padded = (counts + block_m - 1) // block_m * block_m
+    assert int(num_padded.item()) == int(padded.sum()) <= sorted_ids.numel()
+    flat, sorted_ids, block_expert = ids.cpu().reshape(-1), sorted_ids.cpu(), block_expert.cpu()
+    start = 0
+    for e in range(num_experts):
+        segment = sorted_ids[start : start + padded[e]]
+        real, pad = segment[: counts[e]], segment[counts[e] :]
+        assert sorted(real.tolist()) == torch.where(flat == e)[0].tolist()  # each pair of e exactly once
+        assert torch.all(pad == pairs)  # the sentinel
+        assert torch.all(block_expert[start // block_m : (start + padded[e]) // block_m] == e)
+        start += int(padded[e])
+    assert torch.all(amax.cpu()[: sorted_ids.numel()] == 0)
+    if only is not None:
+        assert counts[only] == tokens and int((counts > 0).sum()) == top_k
+
+
+def test_align_checks_its_inputs():
+    with pytest.raises(ValueError, match="int32"):
+        moe_align(torch.zeros(2, 2, dtype=torch.int64, device=DEVICE), 4, 16)
+    with pytest.raises(ValueError, match="block_m"):
+        moe_align(torch.zeros(2, 2, dtype=torch.int32, device=DEVICE), 4, 24)
+
+
+# ---- grouped GEMMs ------------------------------------------------------------------------------
+
+
+def _blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> PairBlocks:
+    sorted_ids, block_expert, num_padded, amax = moe_align(ids, num_experts, block_m)
+    return PairBlocks(sorted_ids, block_expert, num_padded, amax, block_m, ids.shape[1], ids.numel())
+
+
+def _positions(blocks: PairBlocks) -> dict[int, int]:
+    """pair id -> its list position."""
+    used = blocks.sorted_ids.cpu()[: int(blocks.num_padded.item())]
+    return {int(p): i for i, p in enumerate(used.tolist()) if p < blocks.num_pairs}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("tokens", "num_experts", "top_k", "inter", "hidden"), [(1, 8, 2, 48, 64), (21, 6, 3, 40, 72)])
+def test_up_silu_matches_ptpc_linear_then_silu_mul(tokens, num_experts, top_k, inter, hidden, dtype):
+    w13, s13, _, _ = experts(num_experts, inter, hidden)
+    x = torch.randn(tokens, hidden, device=DEVICE).to(dtype)
+    xq, xs = fn.dynamic_quant(x, 0)
+    ids = routed_ids(tokens, num_experts, top_k)
+    blocks = _blocks(ids, num_experts, 16)
+    act = moe_up_silu(xq, xs, w13, s13, blocks, dtype, block_n=32, block_k=32, num_warps=4, num_stages=2)
+    assert act.dtype == dtype
+    where = _positions(blocks)
+    rows = torch.tensor([where[p] for p in range(tokens * top_k)])
+    flat = ids.cpu().reshape(-1).long()
+    ref = torch.stack(
+        [
+            fn.silu_mul(fn.ptpc_linear(xq[p // top_k][None], xs[p // top_k][None], w13[flat[p]], s13[flat[p]], dtype))[
+                0
+            ]
+            for p in range(tokens * top_k)
+        ]
+    )
+    got = act.cpu()[rows]
+    # on a GPU Triton's exp may move sigmoid's last bit: act then differs by up to 2 ulps, rarely
+    assert rounding_misses(got, ref, ulps=2, rel=4e-6) == 0 and rounding_misses(got, ref, ulps=0) <= 0.01
+    # the row amax is exactly that of the stored act rows
+    assert torch.equal(blocks.row_amax.cpu()[rows], got.float().abs().amax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("tokens", "num_experts", "top_k", "inter", "hidden"), [(1, 8, 2, 48, 64), (21, 6, 3, 72, 40)])
+def test_down_quantizes_act_per_row_and_weights_the_pairs(tokens, num_experts, top_k, inter, hidden, dtype):
+    _, _, w2, s2 = experts(num_experts, inter, hidden)
+    ids = routed_ids(tokens, num_experts, top_k)
+    blocks = _blocks(ids, num_experts, 16)
+    rows = blocks.sorted_ids.numel()
+    act = (torch.randn(rows, inter) * torch.logspace(-2, 2, rows)[torch.randperm(rows)][:, None]).to(dtype)
+    blocks.row_amax.copy_(act.float().abs().amax(-1).to(DEVICE))
+    topk_w = torch.rand(tokens, top_k, device=DEVICE)
+    out = moe_down(act.to(DEVICE), w2, s2, topk_w, blocks, block_n=32, block_k=32, num_warps=4, num_stages=2)
+    where = _positions(blocks)
+    flat = ids.cpu().reshape(-1).long()
+    ref = []
+    for p in range(tokens * top_k):
+        aq, as_ = fn.dynamic_quant(act[where[p]][None], 0)  # the reference's per-token quantization
+        down = fn.ptpc_linear(aq, as_, w2[flat[p]].cpu(), s2[flat[p]].cpu(), dtype)
+        ref.append((down * topk_w.cpu().reshape(-1)[p].to(dtype))[0])
+    assert out.dtype == dtype and out.shape == (tokens * top_k, hidden)
+    ref = torch.stack(ref)
+    assert rounding_misses(out, ref) == 0 and rounding_misses(out, ref, ulps=0) <= 0.01
+
+
+@pytest.mark.parametrize("top_k", [1, 3, 8])
+def test_combine_adds_the_slots_in_order(top_k):
+    out_pairs = torch.randn(5 * top_k, 70, device=DEVICE).to(torch.bfloat16)
+    out = moe_combine(out_pairs, top_k)
+    acc = torch.zeros(5, 70)
+    for s in range(top_k):
+        acc = acc + out_pairs.cpu().view(5, top_k, 70)[:, s].float()
+    assert torch.equal(out.cpu(), acc.to(torch.bfloat16))
+
+
+# ---- the whole op -------------------------------------------------------------------------------
+
+
+def _ops(num_experts: int, top_k: int, dtype: torch.dtype, kernels: KernelTable | None = None, **attrs):
+    attrs = {"num_experts": num_experts, "top_k": top_k, "norm_topk_prob": True, "linear": "PTPCLinear"} | attrs
+    attrs.setdefault("group_size", 0)
+    ref = moe.MoE(attrs, OpEnv(dtype, torch.device("cpu"), None))
+    fast = triton_ops.MoE(attrs, OpEnv(dtype, torch.device(DEVICE), None, kernels))
+    return ref, fast
+
+
+CASES = [  # tokens, E, k, I, H, norm, all tokens on one expert set
+    (1, 8, 2, 48, 64, True, False),
+    (27, 6, 3, 80, 72, False, False),  # T, I, H off the tiles; E not a power of two
+    (20, 8, 8, 32, 64, True, False),  # k = E: every expert gets every token
+    (23, 10, 1, 40, 48, True, False),  # k = 1: some experts get none
+    (18, 7, 1, 48, 40, True, True),  # every token on one expert
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("tokens", "num_experts", "top_k", "inter", "hidden", "norm", "one_expert"), CASES)
+def test_fused_moe_op_matches_the_reference_op(tokens, num_experts, top_k, inter, hidden, norm, one_expert, dtype):
+    w13, s13, w2, s2 = experts(num_experts, inter, hidden)
+    if one_expert:  # x > 0 and router rows c_e * 1 with c_2 the largest: every token picks expert 2
+        x = (torch.rand(tokens, hidden) + 0.1).to(dtype)
+        router_w = (torch.ones(num_experts, hidden) * torch.randperm(num_experts).float()[:, None] * 0.01).to(dtype)
+        router_w[2] = 0.2
+    else:
+        x = torch.randn(tokens, hidden).to(dtype)
+        router_w = (torch.randn(num_experts, hidden) * 0.3).to(dtype)
+    ref_op, fast_op = _ops(num_experts, top_k, dtype, norm_topk_prob=norm)
+    assert fast_op.capturable and not ref_op.capturable
+    fast_op.configs[tokens] = SMALL  # small tiles: tails in I, H and K at these sizes
+    weights = (w13.cpu(), s13.cpu(), w2.cpu(), s2.cpu())
+    ref = ref_op(None, x, router_w, *weights)
+    y = fast_op(None, x.to(DEVICE), router_w.to(DEVICE), w13, s13, w2, s2)
+    assert y.dtype == dtype and y.shape == (tokens, hidden)
+    if one_expert:
+        assert torch.all(fn.moe_routing(F.linear(x, router_w), top_k, norm)[1] == 2)
+    # bf16: the reference adds the k contributions in bf16, the kernel in fp32 (~2^-9 relative);
+    # fp32: summation order only
+    assert sqnr_db(ref, y) > (40 if dtype == torch.bfloat16 else 100)
+    if top_k == 1:  # one contribution per token, no adds: the same roundings (on a GPU, an exp's
+        # last bit may flip an fp8 rounding of act and so move a few outputs)
+        assert rounding_misses(y, ref, ulps=0) <= 0.01
+    if dtype == torch.bfloat16:  # deterministic, whatever order the atomics give the pairs
+        assert torch.equal(fast_op(None, x.to(DEVICE), router_w.to(DEVICE), w13, s13, w2, s2), y)
+
+
+def test_fused_moe_default_config_and_fp16():
+    w13, s13, w2, s2 = experts(6, 40, 48)
+    x = torch.randn(3, 48).half()
+    router_w = torch.randn(6, 48).half()
+    ref = moe.MoE(
+        {"num_experts": 6, "top_k": 2, "norm_topk_prob": True, "linear": "PTPCLinear", "group_size": 0},
+        OpEnv(torch.float16, torch.device("cpu"), None),
+    )(None, x, router_w, w13.cpu(), s13.cpu(), w2.cpu(), s2.cpu())
+    x, router_w = x.to(DEVICE), router_w.to(DEVICE)
+    y = fused_moe(x, F.linear(x, router_w), w13, s13, w2, s2, 2, True)
+    assert y.dtype == torch.float16 and sqnr_db(ref, y) > 40
+
+
+def test_fast_op_uses_the_tuned_config_and_falls_back_where_the_kernel_does_not_apply():
+    w13, _, _, _ = experts(8, 48, 64)
+    tuned = MoEConfig(32, TileConfig(16, 64, 2, 3), TileConfig(64, 32, 8, 5))
+    key = table_key(8, 96, 64, 2)
+    table = KernelTable.from_dict({"device": "GPU X", "entries": {key: {"4": tuned.to_dict() | {"us": 1.5}}}}, "t")
+    _, fast = _ops(8, 2, torch.bfloat16, kernels=table)
+    assert fast._config(3, w13) == tuned and fast._config(9, w13) == tuned  # bucket 4, the largest beyond
+    _, untuned = _ops(8, 2, torch.bfloat16)
+    assert untuned._config(3, w13) == default_config(3, 8, 48, 64, 2)
+    for attrs in ({"group_size": 128}, {"group_size": -1}, {"linear": "Gemm"}, {"linear": "BlockFP8Linear"}):
+        _, other = _ops(8, 2, torch.bfloat16, **attrs)
+        assert other.kernel is None and not other.capturable
+
+
+def test_fast_op_is_in_the_triton_op_table():
+    from qruntime.ops import registry
+
+    assert registry.triton_ops()[(registry.QCOMPILE_DOMAIN, "MoE")] is triton_ops.MoE
+    assert registry.reference_ops()[(registry.QCOMPILE_DOMAIN, "MoE")] is moe.MoE
+
+
+def test_a_moe_graph_plans_capturable_on_the_fast_path(tiny_moe_ckpt, compiled):
+    """tiny-moe (ptpc-fp8) bound to the fast op table: its MoE nodes run the kernel, so nothing in
+    the plan keeps it out of CUDA graphs; a MoE node on the artifact's weights matches the reference."""
+    artifact = compiled(tiny_moe_ckpt, "ptpc-fp8")
+    graph = onnx.load(str(artifact / "graph.onnx"), load_external_data=False).graph
+    spec = KVCacheSpec.from_manifest(read_manifest(artifact)["kv_cache"])
+    weights = load_initializers(artifact, graph, torch.device(DEVICE), torch.bfloat16)
+    env = OpEnv(torch.bfloat16, torch.device(DEVICE), spec)
+    ref_plan, fast_plan = (Plan.build(graph, weights, env, table) for table in (reference_ops(), triton_ops_table()))
+    assert not ref_plan.capturable and fast_plan.capturable
+    moe_nodes = [(r, f) for r, f in zip(ref_plan.nodes, fast_plan.nodes, strict=True) if isinstance(r.op, moe.MoE)]
+    assert len(moe_nodes) == 2 and all(type(f.op) is triton_ops.MoE for _, f in moe_nodes)
+    ref_node, fast_node = moe_nodes[0]
+    x = torch.randn(13, 64, device=DEVICE).to(torch.bfloat16)
+    args = [weights[name] for name in ref_node.inputs[1:]]
+    assert sqnr_db(ref_node.op(None, x, *args), fast_node.op(None, x, *args)) > 40
+
+
+def test_fused_moe_checks_its_inputs():
+    w13, s13, w2, s2 = experts(4, 16, 32)
+    x = torch.randn(2, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="disagree"):
+        fused_moe(x, torch.randn(2, 5, device=DEVICE), w13, s13, w2, s2, 2, True)
+    with pytest.raises(ValueError, match="w13 must be float8_e4m3fn"):
+        fused_moe(x, torch.randn(2, 4, device=DEVICE), w13.float(), s13, w2, s2, 2, True)
+    with pytest.raises(ValueError, match="top_k"):
+        fused_moe(x, torch.randn(2, 4, device=DEVICE), w13, s13, w2, s2, 5, True)
+    assert fused_moe(x[:0], torch.randn(0, 4, device=DEVICE), w13, s13, w2, s2, 2, True).shape == (0, 32)
+
+
+# ---- configs ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 16, 64, 512, 8192])
+@pytest.mark.parametrize(("inter", "hidden"), [(768, 2048), (384, 4096)])
+def test_configs_round_trip_and_default_comes_first(tokens, inter, hidden):
+    cands = sweep_configs(tokens, 128, inter, hidden, 8)
+    assert cands[0] == default_config(tokens, 128, inter, hidden, 8)
+    assert len(set(cands)) == len(cands) >= 4
+    for config in cands:
+        assert MoEConfig.from_dict(config.to_dict() | {"us": 3.0}) == config
+    # pairs per hit expert: <= 16 up to T = 256 (decode tiles), 32 at 512, 512 at 8192
+    assert cands[0].block_m == {1: 16, 4: 16, 16: 16, 64: 16, 512: 32, 8192: 64}[tokens]
+
+
+def test_decode_default_fills_the_sms():
+    config = default_config(1, 128, 768, 2048, 8)  # 8 experts hit, 16-row blocks
+    assert config.block_m == 16
+    assert 8 * -(-768 // config.w13.block_n) >= 132 and 8 * -(-2048 // config.w2.block_n) >= 132
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="block_m"):
+        MoEConfig(24, TileConfig(32, 32), TileConfig(32, 32))
+    with pytest.raises(ValueError, match="block_k"):
+        TileConfig(32, 16)
+    with pytest.raises(ValueError, match="lacks"):
+        MoEConfig.from_dict({"block_m": 16})
