@@ -23,8 +23,7 @@ import qruntime
 import torch
 from compile_bench import report_header
 from qruntime import SamplingParams
-from qruntime.engine.request import Request
-from qruntime.engine.scheduler import ScheduledChunk
+from qruntime.engine.model_runner import StepChunk
 from qruntime.kernel_configs import load_kernel_table
 from qruntime.kv_cache import KVCache
 from qruntime.ops.base import OpEnv, StepContext
@@ -67,19 +66,17 @@ def sqnr_db(ref: torch.Tensor, other: torch.Tensor) -> float:
     return float(10 * torch.log10(ref.float().pow(2).mean() / noise))
 
 
-def _chunks(prompts: list[list[int]], decode: bool, block_size: int) -> list[ScheduledChunk]:
+def _chunks(prompts: list[list[int]], decode: bool, block_size: int) -> list[StepChunk]:
     """A prefill of every prompt (decode=False) or one decode step after it, in disjoint blocks."""
     chunks, next_block = [], 1
-    for i, prompt in enumerate(prompts):
-        request = Request(f"r{i}", list(prompt), max_tokens=4)
+    for prompt in prompts:
         blocks = -(-(len(prompt) + 1) // block_size)
         table = tuple(range(next_block, next_block + blocks))
         next_block += blocks
-        if decode:
-            request.output_token_ids.append(prompt[0])
-            chunks.append(ScheduledChunk(request, len(prompt), 1, table, True))
+        if decode:  # the token after the prompt: its first token again
+            chunks.append(StepChunk((prompt[0],), len(prompt), table))
         else:
-            chunks.append(ScheduledChunk(request, 0, len(prompt), table, True))
+            chunks.append(StepChunk(tuple(prompt), 0, table))
     return chunks
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from qruntime.kv_layout import KV_LAYOUTS
 
 from qcompile.recipe import Recipe
+from qcompile.sharding import local_heads
 from qcompile.spec import ModelSpec
 
 
@@ -32,7 +33,8 @@ class KVScales:
 
 
 def kv_cache_spec(spec: ModelSpec, recipe: Recipe, kv_scales: KVScales | None = None) -> dict[str, Any]:
-    """The manifest's `kv_cache` entry. FP8 caches without calibration get unit scales, marked so."""
+    """The manifest's `kv_cache` entry: the cache of one rank (num_kv_heads its share of the KV heads at
+    tp > 1). FP8 caches without calibration get unit scales, marked so."""
     kv = recipe.kv_cache
     layout = KV_LAYOUTS[kv.layout]  # fit to the model already checked by graph.build.check_plan
     scales = None
@@ -46,7 +48,7 @@ def kv_cache_spec(spec: ModelSpec, recipe: Recipe, kv_scales: KVScales | None = 
         "layout": layout.to_dict(),
         "block_size": kv.block_size,
         "num_layers": spec.num_hidden_layers,
-        "num_kv_heads": spec.num_key_value_heads,
+        "num_kv_heads": local_heads(spec, recipe.tp)[1],
         "head_dim": spec.head_dim,
         "scales": scales,
     }

@@ -31,13 +31,18 @@ def tensor_table(plan: TensorPlan) -> dict[str, dict[str, Any]]:
 
     `parts` lists, per slice along the stack axis, [source tensor, first row, end row] of each
     source in the fused tensor: enough to split it back without the source checkpoint.
+
+    At tp > 1 an entry describes the whole (tp=1) tensor — dtype, shape, role, scheme, parts — and
+    how the ranks hold it instead of `file`: `axis` (the axis of `shape` it is split along; null when
+    every rank holds all of it) and `ranks`, per rank {file, shape, spans}, `spans` the [begin, end)
+    ranges along `axis` whose concatenation is that rank's tensor (absent when axis is null).
     """
-    files = plan.file_of()
+    files = [plan.file_of(rank) for rank in range(plan.tp)]
     table: dict[str, dict[str, Any]] = {}
     for job in plan.jobs:
         for out in job.outputs(plan.source_shapes, plan.model_dtype):
-            entry: dict[str, Any] = {
-                "file": files[out.name],
+            entry: dict[str, Any] = {"file": files[0][out.name]} if plan.tp == 1 else {}
+            entry |= {
                 "dtype": DTYPE_NAMES[out.dtype],
                 "shape": list(out.shape),
                 "role": job.role if out.name == job.weight_name else "scale",
@@ -46,8 +51,27 @@ def tensor_table(plan: TensorPlan) -> dict[str, dict[str, Any]]:
             if out.name == job.weight_name:
                 entry["parts"] = [[list(part) for part in group] for group in job.part_rows(plan.source_shapes)]
                 entry["stacked"] = job.stacked
+            if plan.tp > 1:
+                split = plan.splits[out.name]
+                entry["axis"] = split.axis
+                entry["ranks"] = [
+                    {"file": files[rank][out.name], "shape": list(split.shape(out.shape))}
+                    | ({} if split.axis is None else {"spans": [list(span) for span in split.ranks[rank]]})
+                    for rank in range(plan.tp)
+                ]
             table[out.name] = entry
     return table
+
+
+def rank_tensors(manifest: dict[str, Any], rank: int = 0) -> dict[str, dict[str, Any]]:
+    """name -> {file, dtype, shape, role, scheme} of the tensors rank `rank` holds, whatever the
+    artifact's tp: at tp=1 the table itself, at tp > 1 each entry with that rank's file and shape."""
+    if manifest.get("tp", 1) == 1:
+        return manifest["tensors"]
+    return {
+        name: {k: v for k, v in info.items() if k != "ranks"} | info["ranks"][rank]
+        for name, info in manifest["tensors"].items()
+    }
 
 
 def file_table(root: Path, known: dict[str, str] | None = None, workers: int = 2) -> dict[str, dict[str, Any]]:

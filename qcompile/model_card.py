@@ -100,13 +100,26 @@ def _intro(inputs: CardInputs, name: str) -> str:
         if m["source"].get("license")
         else "License: not recorded (the source checkpoint's README.md names none); the source's terms apply."
     )
+    tp = m.get("tp", 1)
+    graph = (
+        "the fused execution graph as ONNX (`graph.onnx`)"
+        if tp == 1
+        else f"pre-sharded for {tp}-way tensor parallelism (each GPU's slice of the weights in "
+        f"`weights/rank<r>/`), one fused execution graph per rank as ONNX (`graph.rank0.onnx` … "
+        f"`graph.rank{tp - 1}.onnx`)"
+    )
+    runs = (
+        "or, exported to compressed-tensors, on vLLM"
+        if tp == 1
+        else f"on {tp} GPUs of one host (export to compressed-tensors reads the tp=1 compile)"
+    )
     return (
         f"# {name}\n\n"
         f"{link} compiled by qcompile with the `{m['recipe']['name']}` recipe "
         f"({m['recipe'].get('description') or m['recipe']['quantization']['scheme']}): weights quantized and "
-        "pre-fused for the kernels, the KV-cache layout decided ahead of time, the fused execution graph as "
-        "ONNX (`graph.onnx`) and a manifest with the sha256 of every file. It runs on **qruntime**, the lean "
-        f"runtime bundled here as a wheel (`{inputs.wheel}`), or, exported to compressed-tensors, on vLLM.\n\n"
+        f"pre-fused for the kernels, the KV-cache layout decided ahead of time, {graph} and a manifest with "
+        "the sha256 of every file. It runs on **qruntime**, the lean "
+        f"runtime bundled here as a wheel (`{inputs.wheel}`), {runs}.\n\n"
         f"{license_line}\n"
     )
 
@@ -172,6 +185,17 @@ def _kv(kv: dict[str, Any]) -> str:
     return text + "; scales 1.0 for every layer (not calibrated)"
 
 
+def _tp(manifest: dict[str, Any]) -> str:
+    tp = manifest.get("tp", 1)
+    if tp == 1:
+        return "1"
+    spec = manifest["spec"]
+    return (
+        f"{tp}: pre-sharded, rank r's weights in `weights/rank<r>/` and its graph `graph.rank<r>.onnx`; per GPU "
+        f"{spec['num_attention_heads'] // tp} query / {manifest['kv_cache']['num_kv_heads']} KV head(s)"
+    )
+
+
 def _inside(inputs: CardInputs) -> str:
     m = inputs.manifest
     spec, recipe, tensors = m["spec"], m["recipe"], m["tensors"]
@@ -205,7 +229,7 @@ def _inside(inputs: CardInputs) -> str:
         ("kept unquantized", f"{_kept(m)}; embeddings and norms are not linear layers and stay in the model dtype"),
         ("fusion passes", ", ".join(f"`{p}`" for p in m["passes"]) or "none (unfused graph)"),
         ("KV cache", _kv(m["kv_cache"])),
-        ("tensor parallel", str(m["tp"])),
+        ("tensor parallel", _tp(m)),
         ("tuned kernels", tuned),
         (
             "size",
@@ -226,6 +250,9 @@ def _run(inputs: CardInputs, name: str) -> str:
         else "\n"
     )
     wheel = inputs.files[inputs.wheel]
+    tp = inputs.manifest.get("tp", 1)
+    if tp > 1:
+        return _run_sharded(inputs, name, tp, wheel)
     return (
         "## Run it with qruntime\n\n"
         f"In a copy of this folder (from the hub: `hf download REPO --local-dir {name}`), install the bundled "
@@ -244,6 +271,23 @@ def _run(inputs: CardInputs, name: str) -> str:
         "changes a row's bytes or its scale) and writes a compressed-tensors checkpoint that vLLM, SGLang and "
         "transformers load:\n\n"
         f"```\nqcompile export {name} --format compressed-tensors -o {name}-ct\nvllm serve {name}-ct\n```\n"
+    )
+
+
+def _run_sharded(inputs: CardInputs, name: str, tp: int, wheel: dict[str, Any]) -> str:
+    return (
+        "## Run it with qruntime\n\n"
+        f"The weights are pre-sharded for {tp} GPUs of one host. In a copy of this folder (from the hub: "
+        f"`hf download REPO --local-dir {name}`), install the bundled runtime (sha256 `{wheel['sha256']}`):\n\n"
+        f"```\npip install {name}/{inputs.wheel}\n```\n\n"
+        "```python\nimport qruntime\n\n"
+        f'engine = qruntime.load("{name}", tp={tp})  # rank r on cuda:r, a worker process per GPU beyond the first\n'
+        "params = qruntime.SamplingParams(max_tokens=64)\n"
+        'print(engine.generate("The capital of France is", params)[0].text)\n```\n\n'
+        "## Serve it with vLLM\n\n"
+        "`qcompile export` reads unsharded (tp=1) artifacts: compile the source with `tp: 1` (below), export "
+        "that to compressed-tensors and let vLLM shard it (`vllm serve DIR --tensor-parallel-size "
+        f"{tp}`).\n"
     )
 
 

@@ -3,9 +3,12 @@
     load      checkpoint dir -> ModelSpec + lazy tensors, every shard header checked
     plan      spec + recipe  -> graph (built unfused, then the recipe's passes) + tensor plan
     kv layout recipe         -> the KV-cache contract
-    quantize / fuse / permute (streamed, row chunk by row chunk)  -> weights/*.safetensors
+    quantize / fuse / permute / shard (streamed, row chunk by row chunk)  -> weights/*.safetensors
     graph     graph + where each weight landed -> graph.onnx (weights as external data)
     write     config.json, tokenizer files, manifest.json with every hash; renamed into place
+
+At tp > 1 (recipe `tp`, `compile --tp N`) the graph is every rank's, the weights each rank's slices
+in weights/rank{r}/, and each rank gets its own graph.rank{r}.onnx pointing into its files.
 
 Stages talk through plain data. Nothing appears at the output path until every stage is done.
 """
@@ -36,9 +39,14 @@ from qcompile.progress import progress_bar
 from qcompile.quant import get_scheme
 from qcompile.quant_config import quantization_config
 from qcompile.recipe import Recipe, RecipeError
-from qcompile.writer import write_weights
+from qcompile.writer import SPARSE_DIGEST, write_sparse_weights, write_weights
 
 GRAPH_FILE = "graph.onnx"
+
+
+def graph_files(tp: int) -> list[str]:
+    """The graph file of each rank: graph.onnx at tp=1, graph.rank{r}.onnx at tp > 1."""
+    return [GRAPH_FILE] if tp == 1 else [f"graph.rank{rank}.onnx" for rank in range(tp)]
 
 
 @dataclass(frozen=True)
@@ -80,7 +88,7 @@ def prepare(
     elif calib is not None:
         raise RecipeError(f"--calib {calib}: recipe {recipe.name!r} has no calibrated KV cache (kv_cache.calibrate)")
     graph = apply_passes(build_graph(checkpoint.spec, recipe, scales), recipe.passes)
-    plan = make_plan(checkpoint, graph.weights, recipe.max_shard_mb << 20)
+    plan = make_plan(checkpoint, graph.weights, recipe.max_shard_mb << 20, recipe.tp)
     return Prepared(checkpoint, recipe, graph, plan, kv_cache_spec(checkpoint.spec, recipe, scales))
 
 
@@ -91,20 +99,32 @@ def compile_checkpoint(
     workers: int = 2,
     progress: bool = True,
     source_label: str | None = None,
+    synthetic: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write the artifact for `prepared` at `output`; returns its manifest."""
+    """Write the artifact for `prepared` at `output`; returns its manifest.
+
+    `synthetic` (qcompile.synth.artifact): write every weight file sparse (its header, then a hole)
+    instead of quantizing the source, and record the dict as the manifest's `synthetic` entry; the
+    runtime then makes random weights on the device at load."""
     checkpoint, plan = prepared.checkpoint, prepared.plan
-    check_free_space(Path(output).absolute().parent, plan.output_bytes, "the artifact")
+    if synthetic is None:
+        check_free_space(Path(output).absolute().parent, plan.output_bytes, "the artifact")
     with atomic_output_dir(output, force) as tmp:
-        source_hash = _BackgroundHash(checkpoint, progress)
-        with progress_bar(plan.source_bytes, "quantize+write", progress) as bar:
-            try:
-                shard_digests = write_weights(tmp, checkpoint, plan, workers=workers, progress=bar.update)
-            except OSError as exc:
-                if exc.errno == errno.ENOSPC:
-                    raise ArtifactError(f"{output}: the disk filled up while writing weights ({exc})") from exc
-                raise
-        write_onnx(prepared.graph, _locations(tmp, plan), tmp / GRAPH_FILE)
+        if synthetic is not None:
+            source_hash, shard_digests = None, write_sparse_weights(tmp, plan)
+        else:
+            source_hash = _BackgroundHash(checkpoint, progress)
+            with progress_bar(plan.source_bytes, "quantize+write", progress) as bar:
+                try:
+                    shard_digests = write_weights(tmp, checkpoint, plan, workers=workers, progress=bar.update)
+                except OSError as exc:
+                    if exc.errno == errno.ENOSPC:
+                        raise ArtifactError(f"{output}: the disk filled up while writing weights ({exc})") from exc
+                    raise
+        graphs = graph_files(plan.tp)
+        for rank, file in enumerate(graphs):
+            ranked = {} if plan.tp == 1 else {"rank": str(rank)}
+            write_onnx(prepared.graph, _locations(tmp, plan, rank), tmp / file, metadata=ranked)
         _write_config(tmp, prepared)
         for path in checkpoint.side_files():
             shutil.copyfile(path, tmp / path.name)
@@ -112,7 +132,7 @@ def compile_checkpoint(
             "toolchain": toolchain(),
             "source": {
                 "path": source_label if source_label is not None else str(checkpoint.path),
-                "fingerprint": source_hash.result(),
+                "fingerprint": source_hash.result() if source_hash is not None else SPARSE_DIGEST,
                 "architecture": checkpoint.spec.architecture,
                 **checkpoint.license(),  # from the source's README.md front matter, when it names one
             },
@@ -120,19 +140,27 @@ def compile_checkpoint(
             "recipe": prepared.recipe.to_dict(),
             "passes": list(prepared.graph.applied_passes),
             "kv_cache": prepared.kv_cache,
-            "graph": {"file": GRAPH_FILE, "opset": 23, "domains": {"qcompile": 1}},
+            "graph": {
+                **({"file": GRAPH_FILE} if plan.tp == 1 else {"files": graphs}),
+                "opset": 23,
+                "domains": {"qcompile": 1},
+            },
             "tp": prepared.recipe.tp,
             "tensors": tensor_table(plan),
             "files": file_table(tmp, shard_digests, workers),
         }
+        if synthetic is not None:
+            manifest["synthetic"] = synthetic
         write_manifest(tmp, manifest)
     return manifest
 
 
-def _locations(root: Path, plan: TensorPlan) -> dict[str, TensorLocation]:
-    """Where each tensor's bytes are, read back from the headers actually written."""
+def _locations(root: Path, plan: TensorPlan, rank: int = 0) -> dict[str, TensorLocation]:
+    """Where each tensor's bytes (rank `rank`'s) are, read back from the headers actually written."""
     locations: dict[str, TensorLocation] = {}
     for shard in plan.shards:
+        if shard.rank != rank:
+            continue
         entries, _ = read_header(root / shard.file)
         for name, entry in entries.items():
             locations[name] = TensorLocation(shard.file, entry.begin, entry.nbytes, entry.torch_dtype, entry.shape)

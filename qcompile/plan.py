@@ -3,13 +3,16 @@
 The plan is a strict bijection check in the style of mlc-llm's converter: every tensor of the
 checkpoint is consumed by some job (or explicitly unused, like a tied lm_head), no job reads a
 tensor the checkpoint lacks, and no artifact tensor is written twice.
+
+At tp > 1 every rank gets its own files, `weights/rank{r}/model-…`, laid out alike: the same tensor
+names, each rank's slice of every tensor (qcompile.sharding), the same grouping into files.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,16 +20,19 @@ from qcompile.checkpoint import Checkpoint
 from qcompile.errors import PlanError
 from qcompile.io.safetensors_stream import OutputTensor
 from qcompile.jobs import WeightJob
+from qcompile.sharding import Sharding, Split
 
 WEIGHTS_DIR = "weights"
 
 
 @dataclass(frozen=True)
 class Shard:
-    """One output safetensors file (path relative to the artifact) and the tensors it holds."""
+    """One output safetensors file (path relative to the artifact), the tensors it holds, and the
+    tensor-parallel rank it belongs to (0 at tp=1)."""
 
     file: str
     tensors: tuple[OutputTensor, ...]
+    rank: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -39,10 +45,12 @@ class TensorPlan:
     shards: tuple[Shard, ...]
     source_shapes: Mapping[str, tuple[int, ...]]
     model_dtype: torch.dtype
+    tp: int = 1
+    splits: Mapping[str, Split] = field(default_factory=dict)  # tensor -> how the ranks slice it (tp > 1)
 
-    def file_of(self) -> dict[str, str]:
-        """Artifact tensor name -> relative file."""
-        return {t.name: shard.file for shard in self.shards for t in shard.tensors}
+    def file_of(self, rank: int = 0) -> dict[str, str]:
+        """Artifact tensor name -> relative file (of rank `rank`'s copy)."""
+        return {t.name: shard.file for shard in self.shards if shard.rank == rank for t in shard.tensors}
 
     @property
     def source_bytes(self) -> int:
@@ -55,9 +63,12 @@ class TensorPlan:
         return sum(s.nbytes for s in self.shards)
 
 
-def make_plan(checkpoint: Checkpoint, weights: Mapping[str, WeightJob], max_shard_bytes: int) -> TensorPlan:
+def make_plan(
+    checkpoint: Checkpoint, weights: Mapping[str, WeightJob], max_shard_bytes: int, tp: int = 1
+) -> TensorPlan:
     """Check coverage and lay the jobs' outputs out over shard files of at most `max_shard_bytes`
-    (a job's weight and scale always share a file; a single larger job gets a file of its own)."""
+    (a job's weight and scale always share a file; a single larger job gets a file of its own);
+    at tp > 1, each rank's slices over files of its own."""
     shapes = {name: entry.shape for name, entry in checkpoint.tensors.items()}
     model_dtype = getattr(torch, checkpoint.spec.dtype)
     jobs = tuple(weights.values())
@@ -74,6 +85,8 @@ def make_plan(checkpoint: Checkpoint, weights: Mapping[str, WeightJob], max_shar
             f"({len(leftover)} unused in all); the graph builder must cover every tensor"
         )
 
+    sharding = Sharding(checkpoint.spec, tp)
+    splits: dict[str, Split] = {}
     groups: list[list[OutputTensor]] = [[]]
     sizes = [0]
     seen: set[str] = set()
@@ -82,6 +95,9 @@ def make_plan(checkpoint: Checkpoint, weights: Mapping[str, WeightJob], max_shar
             outputs = job.outputs(shapes, model_dtype)
         except ValueError as exc:
             raise PlanError(str(exc)) from exc
+        if tp > 1:
+            splits.update(sharding.splits(job, shapes))
+            outputs = [OutputTensor(o.name, o.dtype, splits[o.name].shape(o.shape)) for o in outputs]
         for out in outputs:
             if out.name in seen:
                 raise PlanError(f"artifact tensor {out.name!r} would be written twice")
@@ -94,7 +110,13 @@ def make_plan(checkpoint: Checkpoint, weights: Mapping[str, WeightJob], max_shar
         sizes[-1] += size
     count = len(groups)
     shards = tuple(
-        Shard(f"{WEIGHTS_DIR}/model-{i + 1:05d}-of-{count:05d}.safetensors", tuple(group))
+        Shard(f"{rank_dir(rank, tp)}/model-{i + 1:05d}-of-{count:05d}.safetensors", tuple(group), rank)
+        for rank in range(tp)
         for i, group in enumerate(groups)
     )
-    return TensorPlan(jobs, shards, shapes, model_dtype)
+    return TensorPlan(jobs, shards, shapes, model_dtype, tp, splits)
+
+
+def rank_dir(rank: int, tp: int) -> str:
+    """The folder of rank `rank`'s weight files: `weights` at tp=1, `weights/rank{r}` at tp > 1."""
+    return WEIGHTS_DIR if tp == 1 else f"{WEIGHTS_DIR}/rank{rank}"

@@ -30,6 +30,7 @@ DEFAULT_PASSES = (
     "fuse_gate_up_proj",
     "fuse_moe_experts",
     "fuse_add_rmsnorm_quant",
+    "fuse_allreduce_add_rmsnorm",
     "fuse_silu_mul_quant",
     "fuse_qknorm_rope_kvwrite",
 )

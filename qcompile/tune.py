@@ -2,8 +2,9 @@
 
 For every PTPC-FP8 weight shape (N, K) of the artifact and every token-count bucket, time the
 runtime's Triton FP8 GEMM over its candidate configs and torch._scaled_mm (cuBLASLt), check the
-winner against the reference math, and write kernels/<device>.json (docs/ARTIFACT.md). The manifest's
-file table is updated in the same step, so `qcompile verify` still covers every file. Needs a GPU.
+winner against the reference math; likewise the fused MoE kernel for every stacked-expert shape
+(qcompile/tune_moe.py). Write kernels/<device>.json (docs/ARTIFACT.md). The manifest's file table
+is updated in the same step, so `qcompile verify` still covers every file. Needs a GPU.
 """
 
 from __future__ import annotations
@@ -20,18 +21,20 @@ from qruntime.artifact import read_manifest, sha256_file
 from qruntime.kernel_configs import KERNELS_DIR, device_file
 
 from qcompile.errors import QCompileError
-from qcompile.manifest import write_manifest
+from qcompile.manifest import rank_tensors, write_manifest
 from qcompile.quant import get_scheme
+from qcompile.tune_moe import moe_shapes, tune_moe
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 def gemm_shapes(manifest: dict[str, Any]) -> list[tuple[int, int]]:
     """(N, K) of every 2-D weight a PTPCLinear reads (ptpc-fp8, tensor-fp8; stacked MoE experts are
-    tuned with the MoE kernel)."""
+    tuned with the MoE kernel): of a rank's slice at tp > 1, the GEMMs each GPU runs (every rank's
+    slices have the same shapes)."""
     shapes = {
         tuple(info["shape"])
-        for name, info in manifest["tensors"].items()
+        for name, info in rank_tensors(manifest).items()
         if get_scheme(info["scheme"]).linear_op == "PTPCLinear" and info["role"] != "scale" and len(info["shape"]) == 2
     }
     return sorted(shapes)
@@ -120,7 +123,8 @@ def tune_gemm(n: int, k: int, buckets: Iterable[int], device: torch.device) -> d
 def tune_artifact(
     root: str | Path, buckets: Iterable[int] = TOKEN_BUCKETS, progress: Callable[[str], None] | None = None
 ) -> Path:
-    """Tune every GEMM shape of the artifact on the current GPU; returns the kernels/<device>.json written."""
+    """Tune every GEMM and fused-MoE shape of the artifact on the current GPU; returns the
+    kernels/<device>.json written."""
     if not torch.cuda.is_available():
         raise QCompileError("tuning needs a CUDA GPU (it times the runtime's kernels on it)")
     import triton
@@ -134,6 +138,10 @@ def tune_artifact(
         entries[f"PTPCLinear:{n}x{k}"] = tune_gemm(n, k, list(buckets), device)
         if progress is not None:
             progress(f"PTPCLinear:{n}x{k}")
+    for shape in moe_shapes(manifest):
+        entries[shape.key] = tune_moe(shape, list(buckets), device, _time_us, ROTATE_BYTES)
+        if progress is not None:
+            progress(shape.key)
     table = {
         "device": name,
         "capability": list(torch.cuda.get_device_capability(device)),

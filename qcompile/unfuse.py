@@ -29,7 +29,12 @@ def split_to_sources(root: str | Path) -> Iterator[tuple[str, torch.Tensor, torc
     embedding table itself.
     """
     root = Path(root)
-    tensors = read_manifest(root)["tensors"]
+    manifest = read_manifest(root)
+    if manifest.get("tp", 1) != 1:
+        raise ArtifactError(
+            f"{root}: sharded for tp={manifest['tp']}; only a tp=1 artifact splits back into the source's tensors"
+        )
+    tensors = manifest["tensors"]
     handles: dict[str, Any] = {}
 
     def load(name: str) -> Any:

@@ -12,6 +12,10 @@ a source is quantized, a pre-pass reads the source in row chunks of the same siz
 (the pool again, NaN/Inf checked there); its chunks are then quantized with that amax and come out
 byte-identical to quantizing the whole tensor at once. The pre-pass runs just before the source's
 chunks, which then mostly come from the page cache.
+
+At tp > 1 each chunk is still read and quantized once: its rows (or columns) are then written to
+every rank whose slice holds them (qcompile.sharding), so every rank's tensor is the exact slice of
+the tp=1 tensor, scales included, and the source is read once whatever the number of ranks.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from qcompile.io.safetensors_stream import StreamingWriter
 from qcompile.jobs import WeightJob
 from qcompile.plan import TensorPlan
 from qcompile.quant.fp8 import amax_abs, tensor_amax
+from qcompile.sharding import Split
 
 CHUNK_BYTES = 8 << 20
 IN_FLIGHT_BYTES = 128 << 20  # source bytes in flight across all workers: bounds memory on many-core hosts
@@ -73,20 +78,20 @@ def iter_tasks(plan: TensorPlan, chunk_bytes: int = CHUNK_BYTES) -> Iterator[Chu
 
 
 class _Writers:
-    """One StreamingWriter per output shard, looked up by tensor name."""
+    """One StreamingWriter per output shard, looked up by (rank, tensor name)."""
 
     def __init__(self, root: Path, plan: TensorPlan) -> None:
-        self.by_tensor: dict[str, StreamingWriter] = {}
+        self.by_tensor: dict[tuple[int, str], StreamingWriter] = {}
         self.files: list[StreamingWriter] = []
-        (root / "weights").mkdir(parents=True, exist_ok=True)
         try:
             for shard in plan.shards:
+                (root / shard.file).parent.mkdir(parents=True, exist_ok=True)
                 writer = StreamingWriter(
                     root / shard.file, list(shard.tensors), metadata={"format": "pt"}, hash_while_writing=True
                 )
                 self.files.append(writer)
                 for tensor in shard.tensors:
-                    self.by_tensor[tensor.name] = writer
+                    self.by_tensor[(shard.rank, tensor.name)] = writer
         except BaseException:
             self.abort()  # stop the hashers of the files already opened
             raise
@@ -121,16 +126,50 @@ def _run_task(
             _raise_nonfinite(task.source, task.start, chunk)  # the amax carries any NaN or Inf: a one-pass check
         q, scale = chunk, None
     row = task.dest_row + task.start
-    row_bytes = q[0].numel() * q.element_size() if q.dim() > 1 else q.element_size()
-    offset = (task.slice_index * fused_rows + row) * row_bytes
-    writers.by_tensor[job.weight_name].write(job.weight_name, offset, q)
+    _write_rows(writers, plan, job.weight_name, job.stacked, task.slice_index, fused_rows, row, q)
     if scale is not None:
+        assert job.scale_name is not None
         align = job.quant.row_align
         scale_rows_total = -(-fused_rows // align)
-        scale_row = row // align
-        offset = (task.slice_index * scale_rows_total + scale_row) * scale.element_size() * scale.shape[1]
-        writers.by_tensor[job.scale_name].write(job.scale_name, offset, scale)
+        _write_rows(writers, plan, job.scale_name, job.stacked, task.slice_index, scale_rows_total, row // align, scale)
     return entry.row_bytes * (task.stop - task.start)
+
+
+def _write_rows(
+    writers: _Writers,
+    plan: TensorPlan,
+    name: str,
+    stacked: bool,
+    slice_index: int,
+    rows_total: int,
+    row: int,
+    data: torch.Tensor,
+) -> None:
+    """Write `data`, rows [row, row + len(data)) of slice `slice_index` (of `rows_total` rows) of the
+    whole tensor `name`, into every rank's copy: all of it, or the rows or columns its slice keeps."""
+    split = plan.splits.get(name) or Split(plan.tp)
+    if split.axis is None:
+        row_bytes = data[0].numel() * data.element_size() if data.dim() > 1 else data.element_size()
+        for rank in range(plan.tp):
+            writers.by_tensor[(rank, name)].write(name, (slice_index * rows_total + row) * row_bytes, data)
+        return
+    by_rows = split.axis == int(stacked)  # else the split is along the columns
+    row_bytes = data[0].numel() * data.element_size()
+    for rank, spans in enumerate(split.ranks):
+        writer = writers.by_tensor[(rank, name)]
+        if not by_rows:
+            piece = torch.cat([data[:, b:e] for b, e in spans], 1)  # [rows, the rank's columns]
+            writer.write(name, (slice_index * rows_total + row) * piece[0].numel() * piece.element_size(), piece)
+            continue
+        local_rows = sum(e - b for b, e in spans)
+        local = 0  # where the span starts in the rank's slice
+        for begin, end in spans:
+            lo, hi = max(begin, row), min(end, row + data.shape[0])
+            if lo < hi:
+                writer.write(
+                    name, (slice_index * local_rows + local + lo - begin) * row_bytes, data[lo - row : hi - row]
+                )
+            local += end - begin
 
 
 def _chunk_amax(checkpoint: Checkpoint, source: str, start: int, stop: int) -> torch.Tensor:
@@ -237,3 +276,17 @@ def _guarded_amax(
     if stop.is_set():
         raise RuntimeError("the write was stopped")  # never read: the error that stopped it propagates
     return _chunk_amax(checkpoint, source, start, stop_row)
+
+
+SPARSE_DIGEST = "synthetic: sparse file, not hashed"
+
+
+def write_sparse_weights(root: Path, plan: TensorPlan) -> dict[str, str]:
+    """A synthetic artifact's weight files: every shard of `plan` with its real header and its data
+    left as a hole (all zero, no disk). Returns {relative path: SPARSE_DIGEST}: nothing was hashed."""
+    digests = {}
+    for shard in plan.shards:
+        (root / shard.file).parent.mkdir(parents=True, exist_ok=True)
+        StreamingWriter(root / shard.file, list(shard.tensors), metadata={"format": "pt"}).close()
+        digests[shard.file] = SPARSE_DIGEST
+    return digests

@@ -28,7 +28,7 @@ def _summary_rows(prepared, output: Path, workers: int) -> list[tuple[str, str]]
         ("ignore", ", ".join(recipe.quantization.ignore) or "-"),
         ("passes", ", ".join(prepared.graph.applied_passes) or "(none: unfused)"),
         ("kv cache", f"{kv.dtype}, layout {kv.layout}, block {kv.block_size}"),
-        ("tp", str(recipe.tp)),
+        ("tp", _tp_row(prepared)),
         ("tensors", f"{len(plan.jobs)} weights from {len(prepared.checkpoint.tensors)} source tensors"),
         (
             "bytes",
@@ -37,6 +37,18 @@ def _summary_rows(prepared, output: Path, workers: int) -> list[tuple[str, str]]
         ("output", str(output)),
         ("workers", str(workers)),
     ]
+
+
+def _tp_row(prepared) -> str:
+    tp = prepared.recipe.tp
+    if tp == 1:
+        return "1"
+    from qcompile.sharding import local_heads
+
+    spec = prepared.checkpoint.spec
+    heads, kv_heads = local_heads(spec, tp)
+    replicated = " (replicated)" if spec.num_key_value_heads < tp else ""
+    return f"{tp}: per rank {heads} query / {kv_heads} KV head(s){replicated}, weights/rank0 … rank{tp - 1}"
 
 
 @click.command("compile")
@@ -58,6 +70,14 @@ def _summary_rows(prepared, output: Path, workers: int) -> list[tuple[str, str]]
     help="Override a recipe key, e.g. --set kv_cache.layout=hnd --set passes=fuse_qkv_proj,fuse_gate_up_proj "
     "--set 'quantization.ignore=[lm_head]'. Repeatable.",
 )
+@click.option(
+    "--tp",
+    type=int,
+    default=None,
+    metavar="N",
+    help="Pre-shard the weights for N-way tensor parallelism (a power of two; overrides the recipe's tp): "
+    "weights/rank{r}/ and graph.rank{r}.onnx per rank.",
+)
 @click.option("--force", is_flag=True, help="Replace an existing output directory (only once the new one is complete).")
 @click.option("-j", "--workers", type=click.IntRange(1, 64), default=None, help="Worker threads [default: all cores].")
 @click.option("--dry-run", is_flag=True, help="Validate the checkpoint and recipe and print the plan; write nothing.")
@@ -70,7 +90,7 @@ def _summary_rows(prepared, output: Path, workers: int) -> list[tuple[str, str]]
     help="Calibration text for a recipe with a calibrated fp8 KV cache (ptpc-fp8-kv8): per-layer K/V "
     "scales from the source model run on it, one layer in memory at a time.",
 )
-def command(checkpoint, output, recipe, overrides, force, workers, dry_run, quiet, tune, calib):
+def command(checkpoint, output, recipe, overrides, tp, force, workers, dry_run, quiet, tune, calib):
     """Compile a Hugging Face Qwen3 checkpoint into an artifact.
 
     Streams CHECKPOINT (a directory with config.json and safetensors shards) tensor by tensor —
@@ -83,6 +103,9 @@ def command(checkpoint, output, recipe, overrides, force, workers, dry_run, quie
     --calib FILE). Example:
 
         qcompile compile ./Qwen3-8B -o ./qwen3-8b-fp8 --set kv_cache.layout=hnd
+
+    With --tp N the artifact is pre-sharded for N GPUs: each rank's slice of every weight in
+    weights/rank{r}/ and its own graph, graph.rank{r}.onnx (docs/ARTIFACT.md).
     """
     if tune and not dry_run:
         import torch
@@ -93,6 +116,8 @@ def command(checkpoint, output, recipe, overrides, force, workers, dry_run, quie
     from qcompile.pipeline import compile_checkpoint, prepare
 
     workers = workers or max(1, len(os.sched_getaffinity(0)))
+    if tp is not None:
+        overrides = (*overrides, f"tp={tp}")  # last: the flag wins over the recipe and --set
     resolved = load_recipe(recipe, overrides)
     prepared = prepare(checkpoint, resolved, calib, calibrate=not dry_run, progress=not quiet)
     check_target(output.absolute(), force)

@@ -19,12 +19,13 @@ from qcompile.units import human_bytes, human_count
 def summarize(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """The facts `inspect` shows, as plain data."""
     spec, recipe, kv = manifest["spec"], manifest["recipe"], manifest["kv_cache"]
-    tensors = manifest["tensors"]
+    tensors, tp = manifest["tensors"], manifest["tp"]
     by_dtype: Counter[str] = Counter()
     params = 0
     for info in tensors.values():
-        count = math.prod(info["shape"])
-        by_dtype[info["dtype"]] += count * DTYPES[info["dtype"]].itemsize
+        count = math.prod(info["shape"])  # the whole tensor's (at tp > 1 too)
+        stored = [count] if tp == 1 else [math.prod(rank["shape"]) for rank in info["ranks"]]
+        by_dtype[info["dtype"]] += sum(stored) * DTYPES[info["dtype"]].itemsize
         if info["role"] != "scale":
             params += count
     quantized = sorted({name.rsplit(".", 1)[0] for name, info in tensors.items() if info["role"] == "scale"})
@@ -58,12 +59,26 @@ def summarize(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
             "block_size": kv["block_size"],
             "calibrated_scales": bool(kv["scales"] and kv["scales"].get("calibrated")),
         },
-        "tp": manifest["tp"],
+        "tp": tp,
+        "graphs": [graph["file"]] if "file" in (graph := manifest["graph"]) else list(graph["files"]),
+        "kv_heads_per_rank": kv["num_kv_heads"],
         "tuned_devices": tuned,
         "bytes": {"weights": weight_bytes, "by_dtype": dict(by_dtype), "files": len(manifest["files"])},
         "source": manifest["source"],
         "toolchain": manifest["toolchain"],
     }
+
+
+def _tp(info: dict[str, Any]) -> str:
+    tp = info["tp"]
+    if tp == 1:
+        return "1"
+    heads = info["model"]["heads"] // tp
+    per_rank = info["bytes"]["weights"] / tp
+    return (
+        f"{tp} (pre-sharded: per rank {heads} query / {info['kv_heads_per_rank']} KV head(s), "
+        f"{human_bytes(per_rank)} of weights in weights/rank<r>/, graphs {info['graphs'][0]} … {info['graphs'][-1]})"
+    )
 
 
 @click.command("inspect")
@@ -98,7 +113,7 @@ def command(artifact: Path, as_json: bool) -> None:
             f"V[{', '.join(kv['v_dims'])}], block {kv['block_size']}"
             + (", calibrated scales" if kv["calibrated_scales"] else ""),
         ),
-        ("tp", str(info["tp"])),
+        ("tp", _tp(info)),
         (
             "weights",
             f"{human_bytes(info['bytes']['weights'])} ("

@@ -12,6 +12,7 @@ from qcompile.graph.ir import Graph
 from qcompile.graph.layers import attention, dense_mlp, sparse_moe
 from qcompile.kvcache import KVScales
 from qcompile.recipe import Recipe
+from qcompile.sharding import check_tp
 from qcompile.spec import ModelSpec
 
 # name, dtype, shape of the graph inputs, in the order of docs/OPS.md
@@ -31,7 +32,9 @@ def build_graph(spec: ModelSpec, recipe: Recipe, kv_scales: KVScales | None = No
     """The unfused graph: one op per step of the math, every weight under its source (HF) name.
 
     Raises PlanError when the recipe cannot be applied to this model (KV layout constraints, an unknown
-    scheme, tensor parallelism).
+    scheme, a tensor-parallel degree the model does not divide by). At tp > 1 it is the graph of every
+    rank: each rank's share of the heads and intermediate dims, an AllReduce after each row-parallel
+    output (qcompile.sharding).
     """
     check_plan(spec, recipe)
     b = GraphBuilder(spec, recipe, kv_scales)
@@ -67,6 +70,8 @@ def build_graph(spec: ModelSpec, recipe: Recipe, kv_scales: KVScales | None = No
         "quantization": recipe.quantization.scheme,
         "kv_cache": f"{recipe.kv_cache.layout}/{recipe.kv_cache.dtype}/block_size={recipe.kv_cache.block_size}",
     }
+    if recipe.tp > 1:
+        metadata["tp"] = str(recipe.tp)
     return b.finish([LOGITS], metadata)
 
 
@@ -113,20 +118,5 @@ def _check_ignore(spec: ModelSpec, recipe: Recipe) -> None:
 
 
 def _check_tp(spec: ModelSpec, recipe: Recipe) -> None:
-    tp = recipe.tp
-    if tp == 1:
-        return
-    sizes = {
-        "num_attention_heads": spec.num_attention_heads,
-        "num_key_value_heads": spec.num_key_value_heads,
-        "intermediate_size": spec.intermediate_size,
-    }
-    if spec.moe is not None:
-        sizes["moe_intermediate_size"] = spec.moe.moe_intermediate_size
-    for key, size in sizes.items():
-        if size % tp:
-            raise PlanError(f"tp={tp} does not divide the model's {key} ({size}); choose a tp that divides it")
-    raise PlanError(
-        f"tp={tp}: the model can be sharded {tp} ways, but tensor-parallel sharding is validated, not yet "
-        "implemented, in this version of qcompile; compile with tp: 1"
-    )
+    """The model must split `recipe.tp` ways: heads, KV heads (split or evenly replicated), intermediate sizes."""
+    check_tp(spec, recipe.tp)

@@ -25,6 +25,7 @@ class GraphBuilder:
     def __init__(self, spec: ModelSpec, recipe: Recipe, kv_scales: KVScales | None = None) -> None:
         self.spec = spec
         self.recipe = recipe
+        self.tp = recipe.tp  # > 1: the graph of one rank, sizes its share of the heads and intermediate dims
         self.kv_scales = kv_scales  # calibrated fp8 KV scales, per layer (None: 1.0)
         self.dtype: torch.dtype = getattr(torch, spec.dtype)
         self.nodes: list[Node] = []
@@ -139,6 +140,18 @@ class GraphBuilder:
             name=module,
         )[0]
 
+    def partial(self, out: str) -> str:
+        """The name of the value a row-parallel linear writes before it is all-reduced into `out`
+        (`out` itself at tp=1, where nothing is reduced)."""
+        return out if self.tp == 1 else f"{out}.partial"
+
+    def all_reduce(self, partial: str, out: str) -> str:
+        """AllReduce of a rank's partial sum `partial` into `out`: the sum over the ranks (tp > 1);
+        at tp=1 `partial` is already `out` and no node is added."""
+        if self.tp == 1:
+            return partial
+        return self.node("AllReduce", [partial], [self.act(out, self.shape(partial))], name=f"{out}.all_reduce")[0]
+
     def binary(self, op_type: str, a: str, b: str, out: str) -> str:
         """Add / Mul of two values; the result has the first one's shape."""
         return self.node(op_type, [a, b], [self.act(out, self.shape(a))])[0]
@@ -154,6 +167,7 @@ class GraphBuilder:
             weights=self.weights,
             constants=self.constants,
             metadata=metadata,
+            tp=self.tp,
         )
         check_graph(graph)
         return graph

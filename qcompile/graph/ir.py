@@ -20,6 +20,7 @@ import torch
 from qcompile.graph.ops import OP_DOMAINS, SIGNATURES, check_signature
 from qcompile.jobs import WeightJob
 from qcompile.model import expected_tensors
+from qcompile.sharding import Sharding
 from qcompile.spec import ModelSpec
 
 AttrValue = int | float | str | tuple[int, ...]
@@ -72,6 +73,7 @@ class Graph:
     constants: Mapping[str, np.ndarray]  # small int64 initializers
     applied_passes: tuple[str, ...] = ()
     metadata: Mapping[str, str] = field(default_factory=dict)
+    tp: int = 1  # tensor-parallel degree: the graph is each rank's, its weights each rank's slices
 
     def __post_init__(self) -> None:
         for name in ("types", "weights", "constants", "metadata"):
@@ -88,12 +90,16 @@ class Graph:
 
     @cached_property
     def weight_tensors(self) -> Mapping[str, TensorType]:
-        """Tensor name -> type of every tensor the weight jobs write (the graph's external initializers)."""
+        """Tensor name -> type of every tensor the weight jobs write (the graph's external initializers):
+        at tp > 1, of one rank's slice of it."""
         shapes = expected_tensors(self.spec)
+        sharding = Sharding(self.spec, self.tp) if self.tp > 1 else None
         out: dict[str, TensorType] = {}
         for job in self.weights.values():
+            splits = sharding.splits(job, shapes) if sharding is not None else {}
             for tensor in job.outputs(shapes, self.model_dtype):
-                out[tensor.name] = TensorType(tensor.dtype, tensor.shape)
+                split = splits.get(tensor.name)
+                out[tensor.name] = TensorType(tensor.dtype, split.shape(tensor.shape) if split else tensor.shape)
         return MappingProxyType(out)
 
     def producers(self) -> dict[str, int]:

@@ -1,4 +1,9 @@
-"""The unfused blocks of one decoder layer (docs/OPS.md): attention, dense MLP, sparse MoE MLP."""
+"""The unfused blocks of one decoder layer (docs/OPS.md): attention, dense MLP, sparse MoE MLP.
+
+At tp > 1 each block is one rank's share (qcompile.sharding): its query / KV heads and its slice of
+the intermediate dim, and the row-parallel output (o_proj, down_proj, the MoE sum) is a partial sum
+all-reduced over the ranks.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import torch
 
 from qcompile import model as hf
 from qcompile.graph.builder import GraphBuilder
+from qcompile.sharding import local_heads
 
 KV_READY = torch.uint8
 
@@ -26,11 +32,11 @@ def kv_attrs(b: GraphBuilder, layer: int) -> dict[str, int | float | str]:
 def attention(b: GraphBuilder, layer: int, x: str) -> str:
     """q/k/v projections, per-head q/k norm, RoPE, cache write, paged attention, o_proj. x [T,H] -> [T,H]."""
     spec, p = b.spec, f"layers.{layer}."
-    nh, kvh, d = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
+    (nh, kvh), d = local_heads(spec, b.tp), spec.head_dim
     rows = b.shape(x)[0]
-    q = b.linear(x, hf.attn_proj(layer, "q_proj"), spec.q_size, p + "q")  # [T, nh*d]
-    k = b.linear(x, hf.attn_proj(layer, "k_proj"), spec.kv_size, p + "k")  # [T, kvh*d]
-    v = b.linear(x, hf.attn_proj(layer, "v_proj"), spec.kv_size, p + "v")
+    q = b.linear(x, hf.attn_proj(layer, "q_proj"), nh * d, p + "q")  # [T, nh*d]
+    k = b.linear(x, hf.attn_proj(layer, "k_proj"), kvh * d, p + "k")  # [T, kvh*d]
+    v = b.linear(x, hf.attn_proj(layer, "v_proj"), kvh * d, p + "v")
     heads = {}
     for name, value, count in (("q", q, nh), ("k", k, kvh), ("v", v, kvh)):
         shape = b.constant([-1, count, d])
@@ -57,7 +63,8 @@ def attention(b: GraphBuilder, layer: int, x: str) -> str:
         [b.act(p + "attn", (rows, nh * d))],
         {**kv_attrs(b, layer), "num_heads": nh, "num_kv_heads": kvh, "head_dim": d, "scale": d**-0.5},
     )
-    return b.linear(o, hf.attn_proj(layer, "o_proj"), spec.hidden_size, p + "attn_out")
+    out = p + "attn_out"
+    return b.all_reduce(b.linear(o, hf.attn_proj(layer, "o_proj"), spec.hidden_size, b.partial(out)), out)
 
 
 def silu_mul(b: GraphBuilder, gate: str, up: str, prefix: str) -> str:
@@ -70,11 +77,11 @@ def silu_mul(b: GraphBuilder, gate: str, up: str, prefix: str) -> str:
 def dense_mlp(b: GraphBuilder, layer: int, x: str, out: str) -> str:
     """down(silu(gate(x)) * up(x)). x [T,H] -> out [T,H]."""
     spec, p = b.spec, f"layers.{layer}.mlp."
-    inter = spec.intermediate_size
+    inter = spec.intermediate_size // b.tp
     gate = b.linear(x, hf.mlp_proj(layer, "gate_proj"), inter, p + "gate")
     up = b.linear(x, hf.mlp_proj(layer, "up_proj"), inter, p + "up")
     act = silu_mul(b, gate, up, p)
-    return b.linear(act, hf.mlp_proj(layer, "down_proj"), spec.hidden_size, out)
+    return b.all_reduce(b.linear(act, hf.mlp_proj(layer, "down_proj"), spec.hidden_size, b.partial(out)), out)
 
 
 def sparse_moe(b: GraphBuilder, layer: int, x: str, out: str) -> str:
@@ -84,6 +91,7 @@ def sparse_moe(b: GraphBuilder, layer: int, x: str, out: str) -> str:
     moe = spec.moe
     assert moe is not None, "sparse_moe called on a dense model"
     rows, k = b.shape(x)[0], moe.num_experts_per_tok
+    inter, partial = moe.moe_intermediate_size // b.tp, b.partial(out)
     logits = b.linear(x, hf.router(layer), moe.num_experts, p + "router_logits", role="router")
     weights, ids = b.node(
         "MoERouting",
@@ -95,11 +103,11 @@ def sparse_moe(b: GraphBuilder, layer: int, x: str, out: str) -> str:
     total = ""
     for e in range(moe.num_experts):
         q = f"{p}experts.{e}."
-        gate = b.linear(x, hf.expert_proj(layer, e, "gate_proj"), moe.moe_intermediate_size, q + "gate")
-        up = b.linear(x, hf.expert_proj(layer, e, "up_proj"), moe.moe_intermediate_size, q + "up")
+        gate = b.linear(x, hf.expert_proj(layer, e, "gate_proj"), inter, q + "gate")
+        up = b.linear(x, hf.expert_proj(layer, e, "up_proj"), inter, q + "up")
         down = b.linear(silu_mul(b, gate, up, q), hf.expert_proj(layer, e, "down_proj"), spec.hidden_size, q + "down")
         coef = b.node("ExpertWeight", [weights, ids], [b.act(q + "coef", (rows, 1))], {"expert": e})[0]
         last = e == moe.num_experts - 1
-        weighted = b.binary("Mul", down, coef, out if last and e == 0 else q + "weighted")
-        total = weighted if e == 0 else b.binary("Add", total, weighted, out if last else q + "sum")
-    return total
+        weighted = b.binary("Mul", down, coef, partial if last and e == 0 else q + "weighted")
+        total = weighted if e == 0 else b.binary("Add", total, weighted, partial if last else q + "sum")
+    return b.all_reduce(total, out)

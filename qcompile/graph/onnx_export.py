@@ -47,8 +47,11 @@ class TensorLocation:
     shape: tuple[int, ...]
 
 
-def to_onnx(graph: Graph, locations: Mapping[str, TensorLocation]) -> onnx.ModelProto:
-    """The ModelProto of `graph`; `locations` maps every weight tensor name to where its bytes are.
+def to_onnx(
+    graph: Graph, locations: Mapping[str, TensorLocation], metadata: Mapping[str, str] | None = None
+) -> onnx.ModelProto:
+    """The ModelProto of `graph`; `locations` maps every weight tensor name to where its bytes are;
+    `metadata` adds model properties (a tensor-parallel rank's graph: its `rank`).
 
     Raises ArtifactError when a weight has no location, or one whose dtype, shape or length disagrees
     with what the graph's weight jobs produce.
@@ -83,14 +86,17 @@ def to_onnx(graph: Graph, locations: Mapping[str, TensorLocation]) -> onnx.Model
         "architecture": graph.spec.architecture,
         "model_dtype": graph.spec.dtype,
         "passes": ",".join(graph.applied_passes),
+        **(metadata or {}),
     }
     helper.set_model_props(model, metadata)
     return model
 
 
-def write_onnx(graph: Graph, locations: Mapping[str, TensorLocation], path: Path | str) -> onnx.ModelProto:
+def write_onnx(
+    graph: Graph, locations: Mapping[str, TensorLocation], path: Path | str, metadata: Mapping[str, str] | None = None
+) -> onnx.ModelProto:
     """Write `graph` to `path` as ONNX (external data locations are relative to path's directory)."""
-    model = to_onnx(graph, locations)
+    model = to_onnx(graph, locations, metadata)
     Path(path).write_bytes(model.SerializeToString())
     return model
 

@@ -71,11 +71,20 @@ SIGNATURES: Mapping[str, OpSignature] = MappingProxyType(
             {"top_k": int, "norm_topk_prob": int},
         ),
         "ExpertWeight": OpSignature((("topk_weights", "T"), ("topk_ids", "I64")), (("coef", "T"),), {"expert": int}),
+        "AllReduce": OpSignature((("x", "T"),), (("y", "T"),)),
         # fused ops
         "AddRMSNorm": OpSignature(
             (("x", "T"), ("residual?", "T"), ("w", "T")), (("y", "T"), ("residual_out", "T")), {"epsilon": float}
         ),
         "AddRMSNormQuant": OpSignature(
+            (("x", "T"), ("residual?", "T"), ("w", "T")),
+            (*_QUANT_OUT, ("residual_out", "T")),
+            {"epsilon": float, "group_size": int},
+        ),
+        "AllReduceAddRMSNorm": OpSignature(
+            (("x", "T"), ("residual?", "T"), ("w", "T")), (("y", "T"), ("residual_out", "T")), {"epsilon": float}
+        ),
+        "AllReduceAddRMSNormQuant": OpSignature(
             (("x", "T"), ("residual?", "T"), ("w", "T")),
             (*_QUANT_OUT, ("residual_out", "T")),
             {"epsilon": float, "group_size": int},
@@ -103,8 +112,21 @@ SIGNATURES: Mapping[str, OpSignature] = MappingProxyType(
         ),
     }
 )
-FUSED_OPS = frozenset({"AddRMSNorm", "AddRMSNormQuant", "SiluMul", "SiluMulQuant", "QKNormRoPEKVWrite", "MoE"})
+FUSED_OPS = frozenset(
+    {
+        "AddRMSNorm",
+        "AddRMSNormQuant",
+        "AllReduceAddRMSNorm",
+        "AllReduceAddRMSNormQuant",
+        "SiluMul",
+        "SiluMulQuant",
+        "QKNormRoPEKVWrite",
+        "MoE",
+    }
+)
 SIMPLE_OPS = frozenset(SIGNATURES) - FUSED_OPS
+# the ops that sum the tensor-parallel ranks' partial outputs (only in the graphs of a tp > 1 artifact)
+COLLECTIVE_OPS = frozenset({"AllReduce", "AllReduceAddRMSNorm", "AllReduceAddRMSNormQuant"})
 
 # op type -> domain ('' is the ONNX default domain)
 OP_DOMAINS = MappingProxyType({**{op: "" for op in STANDARD_OPS}, **{op: DOMAIN for op in SIGNATURES}})

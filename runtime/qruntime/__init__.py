@@ -9,12 +9,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "InvalidRequest", "RequestOutput", "SamplingParams", "StreamDelta", "load"]
+__all__ = ["Engine", "InvalidRequest", "RequestOutput", "SamplingParams", "StreamDelta", "WorkerError", "load"]
 
 if TYPE_CHECKING:
     from qruntime.engine.engine import Engine
     from qruntime.engine.outputs import InvalidRequest, RequestOutput, StreamDelta
     from qruntime.engine.sampling_params import SamplingParams
+    from qruntime.engine.workers import WorkerError
     from qruntime.loader import load
 
 _EXPORTS = {
@@ -23,6 +24,7 @@ _EXPORTS = {
     "RequestOutput": "qruntime.engine.outputs",
     "StreamDelta": "qruntime.engine.outputs",
     "SamplingParams": "qruntime.engine.sampling_params",
+    "WorkerError": "qruntime.engine.workers",
     "load": "qruntime.loader",
 }
 

@@ -1,31 +1,24 @@
-"""`load(path)`: an artifact directory -> a ready Engine (manifest checked, plan bound, cache sized)."""
+"""`load(path)`: an artifact directory -> a ready Engine (manifest checked, plan bound, cache sized);
+at tp > 1 with a worker process per rank beyond the first (engine/workers.py)."""
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
-import onnx
 import torch
 
 from qruntime.artifact import ArtifactFormatError, check_relative_path, read_manifest, verify_files
-from qruntime.engine.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
 from qruntime.engine.engine import Engine
-from qruntime.engine.model_runner import ModelRunner
 from qruntime.engine.scheduler import Scheduler, SchedulerConfig
+from qruntime.engine.workers import Workers
 from qruntime.hub import is_hub_url, pull
-from qruntime.kernel_configs import load_kernel_table
-from qruntime.kv_cache import KVCache, KVCacheSpec
-from qruntime.ops.base import OpEnv
-from qruntime.ops.registry import reference_ops, triton_ops
-from qruntime.plan import Plan, PlanError
+from qruntime.kv_cache import KVCacheSpec
+from qruntime.rank import Rank, RankConfig, build_rank
+from qruntime.synthetic import is_synthetic
 from qruntime.tokenizer import Tokenizer, TokenizerError
-from qruntime.weights import load_initializers
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-CPU_KV_BUDGET = 512 << 20  # default cache bytes on CPU (a GPU uses what is free after the weights)
-GPU_HEADROOM = 0.10  # share of GPU memory left for activations when sizing the cache
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None, manifest: dict) -> torch.dtype:
@@ -68,20 +61,6 @@ def _check_files(root: Path, manifest: dict, verify: bool) -> None:
         raise ArtifactFormatError(f"{root}: the artifact does not match its manifest:\n  " + "\n  ".join(problems))
 
 
-def _num_blocks(spec: KVCacheSpec, dtype, device, max_model_len, max_num_seqs, num_kv_blocks, kv_cache_memory) -> int:
-    if num_kv_blocks is not None:
-        return num_kv_blocks
-    per_block = spec.block_bytes(dtype)
-    if kv_cache_memory is None:
-        if device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            kv_cache_memory = int(free - GPU_HEADROOM * total)
-        else:
-            wanted = max_num_seqs * -(-max_model_len // spec.block_size) * per_block
-            kv_cache_memory = min(CPU_KV_BUDGET, wanted)
-    return max(kv_cache_memory // per_block, 0)
-
-
 TRITON_DTYPES = (torch.bfloat16, torch.float16)  # what the Triton kernels compute in
 
 
@@ -98,11 +77,63 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> s
     return backend
 
 
+def _check_tp(tp: int | None, manifest: dict, root: Path) -> int:
+    """The artifact's tp; a different `tp` asked for is a ValueError naming both."""
+    sharded = manifest.get("tp", 1)
+    if not isinstance(sharded, int) or isinstance(sharded, bool) or sharded < 1:
+        raise ArtifactFormatError(f"{root / 'manifest.json'}: tp {sharded!r} is not a positive integer")
+    if tp is not None and tp != sharded:
+        raise ValueError(
+            f"tp={tp} was asked for but {root} is sharded for tp={sharded}: load it with tp={sharded} "
+            f"(or leave tp out), or compile the checkpoint again with `qcompile compile --tp {tp}`"
+        )
+    return sharded
+
+
+def _graph_files(manifest: dict, tp: int, root: Path) -> tuple[str, ...]:
+    """Each rank's graph file: graph.file at tp=1, graph.files (graph.rank{r}.onnx) at tp > 1."""
+    graph = manifest.get("graph", {})
+    files = [graph.get("file", "graph.onnx")] if tp == 1 else graph.get("files")
+    if not isinstance(files, list) or len(files) != tp or not all(isinstance(f, str) for f in files):
+        raise ArtifactFormatError(
+            f"{root / 'manifest.json'}: a tp={tp} artifact lists one graph file per rank in graph.files (got {files!r})"
+        )
+    for name in files:
+        check_relative_path(name)
+    return tuple(files)
+
+
+def _check_tp_device(device: torch.device, tp: int) -> None:
+    if tp > 1 and device.type == "cuda":
+        if device.index not in (None, 0):
+            raise ValueError(
+                f"tp={tp} runs rank r on cuda:r; device {device} cannot be rank 0 (choose GPUs with "
+                "CUDA_VISIBLE_DEVICES)"
+            )
+        if torch.cuda.device_count() < tp:
+            raise ValueError(f"tp={tp} needs {tp} GPUs; this machine has {torch.cuda.device_count()}")
+
+
+def _build(config: RankConfig) -> tuple[Rank, Workers | None]:
+    """Rank 0's runner; at tp > 1 also the workers of the other ranks, built alongside it."""
+    if config.tp == 1:
+        return build_rank(config), None
+    workers = Workers(config)
+    try:
+        return build_rank(config, 0, workers.store, workers.checkpoint), workers
+    except BaseException as exc:
+        error = workers.abandon(exc)
+        if error is exc:
+            raise
+        raise error from exc
+
+
 def load(
     path: str | Path,
     device: str | torch.device | None = None,
     dtype: torch.dtype | str | None = None,
     *,
+    tp: int | None = None,
     verify: bool = False,
     max_model_len: int | None = None,
     max_num_seqs: int = 64,
@@ -126,6 +157,19 @@ def load(
     "auto" (triton on CUDA in bf16/fp16, reference otherwise: fp32 is the reference path's).
     cuda_graphs: replay decode steps from captured graphs (default: on with the triton backend when
     every op of the graph can be captured).
+
+    tp: the tensor-parallel degree; default, and the only value accepted, the artifact's (`qcompile
+    compile --tp N`). At tp=N > 1 this process is rank 0: it runs the scheduler, the sampler and the
+    tokenizer, and sends every step to N-1 worker processes it spawns (one per other rank, each
+    holding its shard of the weights and of the KV cache); the graphs' all-reduces run over
+    torch.distributed, NCCL on CUDA (rank r on cuda:r; NCCL_NVLS_ENABLE=0 is set, NVLink multicast
+    stays off) or gloo on CPU. Every size above applies per rank; the KV cache gets the fewest blocks
+    any rank can hold. Call `engine.close()` (or use `with qruntime.load(...) as engine:`) to stop
+    the workers; a finaliser does it when the engine is collected or the interpreter exits. A worker
+    that fails (at load or in a step) raises qruntime.WorkerError naming its rank, with its
+    traceback, and closes the engine. The workers are spawned: a script that loads at tp > 1 must
+    guard its entry point with `if __name__ == "__main__":`. One tp engine per process at a time,
+    in a process without a torch.distributed default group of its own.
     """
     if is_hub_url(path):
         root = pull(path)
@@ -133,17 +177,13 @@ def load(
     else:
         root = Path(path)
     manifest = read_manifest(root)
-    if manifest.get("tp", 1) != 1:
-        raise ArtifactFormatError(f"{root}: sharded for tp={manifest['tp']}; this runtime loads tp=1 artifacts")
+    tp = _check_tp(tp, manifest, root)
+    graph_files = _graph_files(manifest, tp, root)
     device = resolve_device(device)
+    _check_tp_device(device, tp)
     compute_dtype = _resolve_dtype(dtype, manifest)
     backend = resolve_backend(backend, device, compute_dtype)
     _check_files(root, manifest, verify)
-    graph_path = root / manifest.get("graph", {}).get("file", "graph.onnx")
-    try:
-        graph = onnx.load(str(graph_path), load_external_data=False).graph
-    except Exception as exc:  # onnx raises DecodeError / OSError variants
-        raise ArtifactFormatError(f"{graph_path}: cannot be read as ONNX ({exc})") from exc
     try:
         kv_spec = KVCacheSpec.from_manifest(manifest["kv_cache"])
         spec = manifest["spec"]
@@ -157,63 +197,56 @@ def load(
     except TokenizerError as exc:
         raise ArtifactFormatError(str(exc)) from exc
 
-    kernels = None
-    if backend == "triton":
-        gpu = torch.cuda.get_device_name(device)
-        kernels = load_kernel_table(root, gpu)
-        if kernels is None:
-            warnings.warn(
-                f"{root}: no tuned kernel configs for {gpu}; using default configs (`qcompile tune` makes them)",
-                stacklevel=2,
-            )
-    registry = triton_ops() if backend == "triton" else reference_ops()
-    weights = load_initializers(root, graph, device, compute_dtype)
-    try:
-        plan = Plan.build(graph, weights, OpEnv(compute_dtype, device, kv_spec, kernels), registry)
-    except PlanError as exc:
-        raise ArtifactFormatError(f"{graph_path}: {exc}") from exc
-
-    wanted_len = max_model_len or context
-    blocks = _num_blocks(kv_spec, compute_dtype, device, wanted_len, max_num_seqs, num_kv_blocks, kv_cache_memory)
-    capacity = blocks * kv_spec.block_size
-    if max_model_len is None:
-        max_model_len = min(context, capacity)
-    if capacity < max_model_len or max_model_len < 2:
-        raise ValueError(
-            f"the KV cache holds {capacity} tokens ({blocks} block(s) of {kv_spec.block_size}), less than "
-            f"max_model_len {max_model_len}: give more num_kv_blocks / kv_cache_memory or a smaller max_model_len"
-        )
-    if cuda_graphs is None:
-        cuda_graphs = backend == "triton" and plan.capturable
-    if cuda_graphs and not plan.capturable:
-        raise ValueError("cuda_graphs=True but some ops of this graph cannot be captured (MoE, reference attention)")
-    # one block more than the scheduler hands out: the scratch block padded graph rows write to
-    kv_cache = KVCache(kv_spec, blocks + int(cuda_graphs), compute_dtype, device)
-    config = SchedulerConfig(
-        num_blocks=blocks,
-        block_size=kv_spec.block_size,
+    config = RankConfig(
+        root=root,
+        graph_files=graph_files,
+        kv_spec=kv_spec,
+        device=device,
+        dtype=compute_dtype,
+        backend=backend,
+        context=context,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
+        num_kv_blocks=num_kv_blocks,
+        kv_cache_memory=kv_cache_memory,
+        cuda_graphs=cuda_graphs,
+        synthetic=is_synthetic(manifest),
     )
+    built, workers = _build(config)
+    try:
+        scheduler = Scheduler(
+            SchedulerConfig(
+                num_blocks=built.num_blocks,
+                block_size=kv_spec.block_size,
+                max_model_len=built.max_model_len,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+            )
+        )
+    except BaseException:
+        if workers is not None:
+            workers.close()
+        raise
     description: dict[str, Any] = {
         "artifact": str(path) if is_hub_url(path) else str(root),
         "device": str(device),
         "dtype": str(compute_dtype).removeprefix("torch."),
-        "kv_cache": f"{kv_spec.layout.name} {kv_spec.kv_dtype}, {blocks} blocks x {kv_spec.block_size}",
-        "max_model_len": max_model_len,
+        "kv_cache": f"{kv_spec.layout.name} {kv_spec.kv_dtype}, {built.num_blocks} blocks x {kv_spec.block_size}",
+        "max_model_len": built.max_model_len,
     }
-    graphs = None
-    if cuda_graphs:
-        buckets = [b for b in DEFAULT_BUCKETS if b <= max_num_seqs] or [max_num_seqs]
-        graphs = DecodeGraphs(plan, kv_cache, blocks, max_model_len, buckets)
-        description["cuda_graphs"] = list(graphs.buckets)
+    if tp > 1:
+        description["tp"] = tp
+    if built.graph_buckets is not None:
+        description["cuda_graphs"] = list(built.graph_buckets)
     description["backend"] = backend
+    if config.synthetic:
+        description["weights"] = "SYNTHETIC: random values made on the device (qcompile synth --artifact)"
     return Engine(
-        ModelRunner(plan, kv_cache, device, max_model_len, graphs),
-        Scheduler(config),
+        built.runner,
+        scheduler,
         tokenizer,
         vocab_size=vocab_size,
-        max_model_len=max_model_len,
+        max_model_len=built.max_model_len,
         description=description,
+        workers=workers,
     )

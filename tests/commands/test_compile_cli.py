@@ -273,7 +273,8 @@ def test_compile_tensor_fp8_recipe_by_path(tiny_moe_ckpt, tmp_path):
         (["--set", "kv_cache.layuot=hnd"], "unknown key 'kv_cache.layuot'"),
         (["--set", "quantization.scheme=int3"], "quantization.scheme 'int3' is unknown"),
         (["--recipe", "no-such-recipe"], "unknown recipe 'no-such-recipe'"),
-        (["--set", "tp=2"], "tensor-parallel"),
+        (["--set", "tp=3"], "'tp' must be a power of two"),
+        (["--tp", "8"], "tp=8 is more than the model's num_attention_heads (4)"),
         (["--recipe", "block-fp8"], "has 64 rows, not a multiple of the 128"),
         (
             ["--set", "quantization.ignore=[lm_head, model.layers.0.mlp.down_proj]"],

@@ -21,13 +21,18 @@ PASS_NAMES = tuple(PASSES)  # every registered pass, in registry order (the reci
 # every pass, in an order other than the recipes' (norms first), requirements still met
 NORM_FIRST = (
     "fuse_add_rmsnorm_quant",
+    "fuse_allreduce_add_rmsnorm",
     "fuse_qkv_proj",
     "fuse_moe_experts",
     "fuse_qknorm_rope_kvwrite",
     "fuse_gate_up_proj",
     "fuse_silu_mul_quant",
 )
-REQUIRES = {"fuse_silu_mul_quant": ("fuse_gate_up_proj",), "fuse_qknorm_rope_kvwrite": ("fuse_qkv_proj",)}
+REQUIRES = {
+    "fuse_silu_mul_quant": ("fuse_gate_up_proj",),
+    "fuse_qknorm_rope_kvwrite": ("fuse_qkv_proj",),
+    "fuse_allreduce_add_rmsnorm": ("fuse_add_rmsnorm_quant",),
+}
 
 
 def dense_spec(tied: bool = False, dtype: str = "bfloat16", **changes: object) -> ModelSpec:

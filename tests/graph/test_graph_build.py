@@ -184,10 +184,16 @@ def test_tp_sizes_that_do_not_divide_are_named() -> None:
         build_graph(dense_spec(), rec)  # 3 KV heads
 
 
-def test_tp_above_one_is_not_implemented_yet() -> None:
+def test_tp_above_one_builds_each_ranks_graph() -> None:
+    """tp=2 of 4 query / 2 KV heads: each rank's graph has 2 / 1 heads, its share of the MLP, and an
+    AllReduce after each row-parallel output (tests/graph/test_graph_tp.py covers the rest)."""
     rec = dataclasses.replace(recipe("ptpc-fp8"), tp=2)
-    with pytest.raises(PlanError, match="tensor-parallel.*not yet implemented"):
-        build_graph(dense_spec(num_key_value_heads=2, num_attention_heads=4), rec)
+    graph = build_graph(dense_spec(num_key_value_heads=2, num_attention_heads=4), rec)
+    assert graph.tp == 2 and graph.metadata["tp"] == "2"
+    assert sum(n.op_type == "AllReduce" for n in graph.nodes) == 2 * graph.spec.num_hidden_layers
+    attn = next(n for n in graph.nodes if n.op_type == "PagedAttention")
+    assert (attn.attrs["num_heads"], attn.attrs["num_kv_heads"]) == (2, 1)
+    assert graph.types["layers.0.mlp.gate"].shape == ("T", 36)
 
 
 def test_unknown_scheme_is_refused_before_the_graph() -> None:

@@ -117,9 +117,15 @@ def test_unknown_op_names_node_and_type(copy):
         qruntime.load(copy, **SMALL_CACHE)
 
 
-def test_tensor_parallel_artifact_refused(copy):
-    edit_manifest(copy, lambda m: m.update(tp=2))
-    with pytest.raises(ArtifactFormatError, match=r"sharded for tp=2; this runtime loads tp=1 artifacts"):
+def test_tp_other_than_the_artifacts_names_both(art):
+    tp = random.choice([2, 4, 8])
+    with pytest.raises(ValueError, match=rf"tp={tp} was asked for but .* is sharded for tp=1: load it with tp=1"):
+        qruntime.load(art, tp=tp, **SMALL_CACHE)
+
+
+def test_tp_manifest_without_a_graph_per_rank(copy):
+    edit_manifest(copy, lambda m: m.update(tp=2))  # graph still {"file": "graph.onnx"}
+    with pytest.raises(ArtifactFormatError, match=r"a tp=2 artifact lists one graph file per rank in graph.files"):
         qruntime.load(copy, **SMALL_CACHE)
 
 

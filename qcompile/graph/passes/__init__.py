@@ -9,6 +9,7 @@ from qcompile.errors import PlanError
 from qcompile.graph.ir import Graph, check_graph
 from qcompile.graph.passes import (
     fuse_add_rmsnorm_quant,
+    fuse_allreduce_add_rmsnorm,
     fuse_gate_up_proj,
     fuse_moe_experts,
     fuse_qknorm_rope_kvwrite,
@@ -25,6 +26,7 @@ PASSES = MappingProxyType(
             fuse_gate_up_proj.PASS,
             fuse_moe_experts.PASS,
             fuse_add_rmsnorm_quant.PASS,
+            fuse_allreduce_add_rmsnorm.PASS,
             fuse_silu_mul_quant.PASS,
             fuse_qknorm_rope_kvwrite.PASS,
         )

@@ -7,7 +7,7 @@ import heapq
 from qcompile import model as hf
 from qcompile.errors import PlanError
 from qcompile.graph.ir import AttrValue, Graph, Node
-from qcompile.graph.ops import DOMAIN
+from qcompile.graph.ops import COLLECTIVE_OPS, DOMAIN
 from qcompile.graph.passes._fusion import check_fusable, linear_reading, linear_weight
 from qcompile.graph.passes.base import GraphPass
 from qcompile.graph.rewrite import Rewrite
@@ -77,7 +77,8 @@ def fuse_moe_experts(graph: Graph) -> Graph:
 
 
 def _subgraph(rw: Rewrite, x: str, layer: int, static: set[str]) -> tuple[list[int], str]:
-    """The nodes computed from `x` alone (plus `static`: weights, constants), and the one value they hand on."""
+    """The nodes computed from `x` alone (plus `static`: weights, constants), and the one value they hand on.
+    A collective (the AllReduce of a tensor-parallel rank's partial sum) is not part of the MLP."""
     available, members = {x}, []
     heap = list(rw.users(x))
     heapq.heapify(heap)
@@ -85,7 +86,9 @@ def _subgraph(rw: Rewrite, x: str, layer: int, static: set[str]) -> tuple[list[i
     while heap:
         index = heapq.heappop(heap)
         node = rw.node(index)
-        if rw.is_removed(index) or not all(v in available or v in static for v in node.inputs):
+        if rw.is_removed(index) or node.op_type in COLLECTIVE_OPS:
+            continue
+        if not all(v in available or v in static for v in node.inputs):
             continue
         members.append(index)
         available.update(node.outputs)

@@ -3,20 +3,25 @@
 A decode step (one new token per sequence) has the same shapes for every batch of the same size, so
 the whole plan is captured once per bucket and replayed: the host launches one graph instead of
 thousands of kernels. Batches are padded up to their bucket with rows that write a scratch KV block
-no sequence owns and read only that block. Captured graphs share one memory pool.
+no sequence owns and read only that block. Captured graphs share one memory pool. At tp > 1 every
+rank captures the same buckets in the same order (the graphs hold the all-reduces, which must pair
+up across ranks) and replays the same bucket each step.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from qruntime.engine.scheduler import ScheduledChunk
 from qruntime.kv_cache import KVCache
 from qruntime.ops.base import AttentionMetadata, StepContext
 from qruntime.plan import Plan
+
+if TYPE_CHECKING:
+    from qruntime.engine.model_runner import StepChunk
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 
@@ -67,11 +72,11 @@ class DecodeGraphs:
             logits = self.plan.run(step, feeds)
         return graph, logits
 
-    def fits(self, chunks: Sequence[ScheduledChunk]) -> bool:
+    def fits(self, chunks: Sequence[StepChunk]) -> bool:
         return len(chunks) <= self.buckets[-1] and all(c.num_tokens == 1 for c in chunks)
 
     @torch.inference_mode()
-    def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+    def run(self, chunks: Sequence[StepChunk]) -> torch.Tensor:
         """Logits [len(chunks), V] of a decode step."""
         batch = len(chunks)
         bucket = self.buckets[bisect_left(self.buckets, batch)]
@@ -80,7 +85,7 @@ class DecodeGraphs:
         ids, positions, slots, lens = [], [], [], []
         for b, chunk in enumerate(chunks):
             pos = chunk.start
-            ids.append(chunk.request.all_token_ids[pos])
+            ids.append(chunk.token_ids[0])
             positions.append(pos)
             slots.append(chunk.block_table[pos // bs] * bs + pos % bs)
             lens.append(pos + 1)

@@ -3,7 +3,8 @@
 `generate` runs a batch to completion, `stream` yields one request's tokens as they come, and
 `add_request` / `step` / `abort` are the loop a server drives. Each step schedules a batch
 (continuous batching, chunked prefill, preemption), runs the model once, samples, and applies the
-stop rules.
+stop rules. At tp > 1 the engine lives on rank 0 and each step also goes to the workers of the
+other ranks (engine/workers.py); `close()` stops them.
 """
 
 from __future__ import annotations
@@ -13,18 +14,22 @@ import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from qruntime.engine.block_manager import NoFreeBlocks
-from qruntime.engine.model_runner import ModelRunner
+from qruntime.engine.model_runner import ModelRunner, StepChunk
 from qruntime.engine.outputs import InvalidRequest, RequestOutput, StreamDelta, Timings
 from qruntime.engine.request import Request
 from qruntime.engine.sampler import sample
 from qruntime.engine.sampling_params import SamplingParams, as_list
-from qruntime.engine.scheduler import ScheduledChunk, Scheduler
+from qruntime.engine.scheduler import Scheduler
 from qruntime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from qruntime.engine.workers import Workers
 
 Prompt = str | Sequence[int]
 Messages = Sequence[Mapping[str, Any]]
@@ -46,7 +51,8 @@ class _Tracked:
 
 
 class Engine:
-    """A loaded artifact ready to generate. Build it with `qruntime.load(path)`."""
+    """A loaded artifact ready to generate. Build it with `qruntime.load(path)`; `close()` it (or use
+    it as a context manager) to stop a tensor-parallel engine's workers."""
 
     def __init__(
         self,
@@ -57,8 +63,10 @@ class Engine:
         vocab_size: int,
         max_model_len: int,
         description: Mapping[str, Any],
+        workers: Workers | None = None,
     ) -> None:
-        self.runner = runner
+        self.runner = runner  # rank 0's at tp > 1
+        self.workers = workers  # the other ranks' processes (tp > 1), which run every step with rank 0
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -66,6 +74,7 @@ class Engine:
         self.description = dict(description)  # what was loaded and how the engine is sized (for logs / CLI)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
+        self._closed = False
 
     # --- the loop a server drives ------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -94,7 +103,7 @@ class Engine:
         output = self.scheduler.schedule()
         if not output.chunks:
             return []
-        logits = self.runner.execute(output.chunks)
+        logits = self._execute([StepChunk.of(chunk) for chunk in output.chunks])
         rows = [i for i, chunk in enumerate(output.chunks) if chunk.samples]
         tracked = [self._tracked[output.chunks[i].request.request_id] for i in rows]
         tokens = sample(logits[rows], [t.params for t in tracked], [t.generator for t in tracked])
@@ -121,6 +130,21 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def close(self) -> None:
+        """Release the engine: at tp > 1 stop the workers and destroy the process group. Idempotent;
+        a closed engine runs no more steps."""
+        self._closed = True
+        if self.workers is not None:
+            self.workers.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
 
     # --- convenience APIs --------------------------------------------------------------------------
     def generate(
@@ -194,12 +218,18 @@ class Engine:
         except NoFreeBlocks:
             raise InvalidRequest(f"{len(ids)} tokens do not fit in the free KV blocks now") from None
         try:
-            chunk = ScheduledChunk(scratch, 0, len(ids), table, True)
-            return self.runner.execute([chunk], all_logits=True).float()
+            return self._execute([StepChunk(tuple(ids), 0, table)], all_logits=True).float()
         finally:
             manager.free(scratch.request_id)
 
     # --- internals ---------------------------------------------------------------------------------
+    def _execute(self, chunks: list[StepChunk], all_logits: bool = False) -> torch.Tensor:
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        if self.workers is not None:
+            return self.workers.step(self.runner, chunks, all_logits)
+        return self.runner.execute(chunks, all_logits)
+
     def _step_or_fail(self) -> list[StreamDelta]:
         deltas = self.step()
         if not deltas and not self.scheduler.has_unfinished():

@@ -1,9 +1,13 @@
-"""One engine step on the model: the scheduled chunks become the graph's inputs and attention
-metadata (built once per step, shared by every layer), the plan runs, logits come back."""
+"""One engine step on the model: the step's chunks become the graph's inputs and attention metadata
+(built once per step, shared by every layer), the plan runs, logits come back.
+
+A step is plain data (StepChunk: token ids, start position, block table), so rank 0 of a
+tensor-parallel engine can send it to the other ranks, which run this same code on their shard."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -12,6 +16,32 @@ from qruntime.engine.scheduler import ScheduledChunk
 from qruntime.kv_cache import KVCache
 from qruntime.ops.base import AttentionMetadata, StepContext
 from qruntime.plan import Plan
+
+
+@dataclass(frozen=True, slots=True)
+class StepChunk:
+    """The tokens one sequence computes in one step: positions start .. start + len(token_ids) - 1,
+    whose KV goes to the blocks of block_table (which covers every position up to the last)."""
+
+    token_ids: tuple[int, ...]
+    start: int
+    block_table: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def __reduce__(self) -> tuple:
+        return StepChunk, (self.token_ids, self.start, self.block_table)  # 2x faster than the dataclass default
+
+    @classmethod
+    def of(cls, chunk: ScheduledChunk) -> StepChunk:
+        """The step data of a scheduled chunk: its request's token ids of this step (sliced from the
+        prompt and the outputs, not from their concatenation: a decode step costs O(1), not O(context))."""
+        request, start, end = chunk.request, chunk.start, chunk.start + chunk.num_tokens
+        n = len(request.prompt_token_ids)
+        ids = request.prompt_token_ids[start:end] + request.output_token_ids[max(start - n, 0) : max(end - n, 0)]
+        return cls(tuple(ids), start, chunk.block_table)
 
 
 class ModelRunner:
@@ -31,7 +61,7 @@ class ModelRunner:
         self.decode_graphs = decode_graphs
 
     def prepare(
-        self, chunks: Sequence[ScheduledChunk], all_logits: bool = False
+        self, chunks: Sequence[StepChunk], all_logits: bool = False
     ) -> tuple[dict[str, torch.Tensor], AttentionMetadata]:
         """Graph inputs (docs/OPS.md) and attention metadata for one step. logits_indices picks each
         chunk's last token, or with all_logits every token of the step."""
@@ -44,7 +74,7 @@ class ModelRunner:
         tables = torch.zeros(len(chunks), width, dtype=torch.int32)
         for b, chunk in enumerate(chunks):
             end = chunk.start + chunk.num_tokens
-            ids += chunk.request.all_token_ids[chunk.start : end]
+            ids += chunk.token_ids
             positions += range(chunk.start, end)
             starts.append(starts[-1] + chunk.num_tokens)
             context_lens.append(end)
@@ -77,7 +107,7 @@ class ModelRunner:
         return feeds, meta
 
     @torch.inference_mode()
-    def execute(self, chunks: Sequence[ScheduledChunk], all_logits: bool = False) -> torch.Tensor:
+    def execute(self, chunks: Sequence[StepChunk], all_logits: bool = False) -> torch.Tensor:
         """Run the plan on the step's chunks; logits [len(chunks), V] of each chunk's last token
         (all_logits: [tokens, V], a row per token of the step). Decode steps replay a CUDA graph
         when graphs were captured."""

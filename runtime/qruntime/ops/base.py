@@ -24,6 +24,7 @@ class OpEnv:
     device: torch.device
     kv_spec: KVCacheSpec
     kernels: KernelTable | None = None  # tuned kernel configs for this GPU (fast path only)
+    tp_group: Any = None  # the torch.distributed process group of a tp > 1 artifact's ranks (None: tp=1)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from qruntime.ops import attention, moe, quant, standard
+from qruntime.ops import attention, collective, moe, quant, standard
 from qruntime.ops.base import Op
 
 DEFAULT_DOMAIN = ""
@@ -23,6 +23,7 @@ def reference_ops() -> Mapping[tuple[str, str], type[Op]]:
     qcompile_ops += [quant.AddRMSNormQuant, quant.SiluMul, quant.SiluMulQuant]
     qcompile_ops += [attention.RoPE, attention.KVCacheWrite, attention.PagedAttention, attention.QKNormRoPEKVWrite]
     qcompile_ops += [moe.MoERouting, moe.ExpertWeight, moe.MoE]
+    qcompile_ops += [collective.AllReduce, collective.AllReduceAddRMSNorm, collective.AllReduceAddRMSNormQuant]
     table = {(DEFAULT_DOMAIN, op.__name__): op for op in standard_ops}
     table.update({(QCOMPILE_DOMAIN, op.__name__): op for op in qcompile_ops})
     return MappingProxyType(table)
@@ -30,8 +31,9 @@ def reference_ops() -> Mapping[tuple[str, str], type[Op]]:
 
 def triton_ops() -> Mapping[tuple[str, str], type[Op]]:
     """The reference table with the GPU fast path's ops in place of their reference versions."""
-    from qruntime.ops.triton_ops import FAST_OPS
+    from qruntime.ops.triton_ops import FAST_COLLECTIVE_OPS, FAST_OPS
 
     table = dict(reference_ops())
-    table.update({(QCOMPILE_DOMAIN, op.__name__): op for op in FAST_OPS})  # same names as the reference ops
+    fast = (*FAST_OPS, *FAST_COLLECTIVE_OPS)
+    table.update({(QCOMPILE_DOMAIN, op.__name__): op for op in fast})  # same names as the reference ops
     return MappingProxyType(table)

@@ -9,9 +9,11 @@ Kernels are imported when an op is bound, so the reference path never imports tr
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from qruntime.ops import attention, quant
+from qruntime.ops import attention, collective, moe, quant
+from qruntime.ops import functional as fn
 from qruntime.ops.base import OpBindError
 
 # torch's fused attention backends in the order tried (the first that takes the inputs runs)
@@ -104,6 +106,51 @@ class PTPCLinear(quant.PTPCLinear):
         return self.gemm(xq, xs, w, ws, out_dtype=self.env.dtype, config=config)
 
 
+class MoE(moe.MoE):
+    """PTPC FP8 experts with per-token activations (linear PTPCLinear, group_size 0) on a device
+    Triton runs on: the fused Triton MoE (kernels/fused_moe.py) with the config tuned for
+    (E, 2I, H, k) at the step's token count, else its heuristic. Its shapes depend on T only and it
+    never syncs with the host, so the op is capturable then. Anything else (Gemm, BlockFP8Linear,
+    group_size != 0, a CPU device without Triton's interpreter) runs the reference op."""
+
+    def __init__(self, attrs, env, consts=()) -> None:
+        super().__init__(attrs, env, consts)
+        from qruntime.kernels import fused_moe
+
+        self.kernel = None
+        if self.a["linear"] == "PTPCLinear" and self.a["group_size"] == 0 and fused_moe.kernel_runs_on(env.device):
+            self.kernel = fused_moe.fused_moe
+            self.capturable = True  # the reference's routing-dependent host loop is gone
+        self.config_from, self.default, self.table_key = (
+            fused_moe.MoEConfig.from_dict,
+            fused_moe.default_config,
+            fused_moe.table_key,
+        )
+        self.configs: dict[int, object] = {}  # tokens -> MoEConfig, filled on first use
+        self.expert_counts: torch.Tensor | None = None  # [E] int64: set it to count tokens per expert (benches)
+
+    def _config(self, tokens: int, w13: torch.Tensor):
+        if tokens not in self.configs:
+            num_experts, inter2, hidden = w13.shape
+            key = self.table_key(num_experts, inter2, hidden, self.a["top_k"])
+            tuned = self.env.kernels.lookup(key, tokens) if self.env.kernels is not None else None
+            if tuned is not None:
+                self.configs[tokens] = self.config_from(tuned)
+            else:
+                self.configs[tokens] = self.default(tokens, num_experts, inter2 // 2, hidden, self.a["top_k"])
+        return self.configs[tokens]
+
+    def __call__(self, step, x, router_w, w13, w13_scale, w2, w2_scale):
+        if self.kernel is None:
+            return super().__call__(step, x, router_w, w13, w13_scale, w2, w2_scale)
+        top_k, norm = self.a["top_k"], bool(self.a["norm_topk_prob"])
+        logits = F.linear(x, router_w)  # [T, E]
+        if self.expert_counts is not None:  # the expert load report: same routing, counted (eager steps only)
+            _, ids = fn.moe_routing(logits, top_k, norm)
+            self.expert_counts += torch.bincount(ids.flatten(), minlength=self.expert_counts.numel())
+        return self.kernel(x, logits, w13, w13_scale, w2, w2_scale, top_k, norm, self._config(x.shape[0], w13))
+
+
 class QKNormRoPEKVWrite(attention.QKNormRoPEKVWrite):
     def __init__(self, attrs, env, consts=()) -> None:
         super().__init__(attrs, env, consts)
@@ -192,4 +239,55 @@ class PagedAttention(attention.PagedAttention):
         return out
 
 
-FAST_OPS = (DynamicQuant, AddRMSNorm, AddRMSNormQuant, SiluMulQuant, PTPCLinear, QKNormRoPEKVWrite, PagedAttention)
+FAST_OPS = (
+    DynamicQuant,
+    AddRMSNorm,
+    AddRMSNormQuant,
+    SiluMulQuant,
+    PTPCLinear,
+    MoE,
+    QKNormRoPEKVWrite,
+    PagedAttention,
+)
+
+
+class AllReduce(collective.AllReduce):
+    """The sum over the ranks, reduced in place: x is the rank's partial sum, which nothing else reads."""
+
+    def __call__(self, step, x):
+        torch.distributed.all_reduce(x, group=self.env.tp_group)
+        return x
+
+
+class AllReduceAddRMSNorm(collective.AllReduceAddRMSNorm):
+    """All-reduce x in place (the rank's partial sum, read by nothing else), then the AddRMSNorm kernel."""
+
+    def __init__(self, attrs, env, consts=()) -> None:
+        super().__init__(attrs, env, consts)
+        from qruntime.kernels.add_rmsnorm_quant import add_rmsnorm
+
+        self.kernel = add_rmsnorm
+
+    def __call__(self, step, x, residual, w):
+        torch.distributed.all_reduce(x, group=self.env.tp_group)
+        return self.kernel(x, residual, w, self.a["epsilon"])
+
+
+class AllReduceAddRMSNormQuant(collective.AllReduceAddRMSNormQuant):
+    """All-reduce x in place (the rank's partial sum, read by nothing else), then the AddRMSNormQuant
+    kernel (per-token quantization; other group sizes run the reference)."""
+
+    def __init__(self, attrs, env, consts=()) -> None:
+        super().__init__(attrs, env, consts)
+        from qruntime.kernels.add_rmsnorm_quant import add_rmsnorm_quant
+
+        self.kernel = add_rmsnorm_quant if self.a["group_size"] == 0 else None
+
+    def __call__(self, step, x, residual, w):
+        if self.kernel is None:
+            return super().__call__(step, x, residual, w)
+        torch.distributed.all_reduce(x, group=self.env.tp_group)
+        return self.kernel(x, residual, w, self.a["epsilon"])
+
+
+FAST_COLLECTIVE_OPS = (AllReduce, AllReduceAddRMSNorm, AllReduceAddRMSNormQuant)

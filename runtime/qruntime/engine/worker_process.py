@@ -1,0 +1,77 @@
+"""What runs in a spawned tensor-parallel worker: build one rank, then run the steps rank 0 sends.
+
+Messages, over the worker's pipe to rank 0 (engine/workers.py has rank 0's side):
+  worker -> rank 0: `(tag, None)` at each build checkpoint ("loaded", "planned", "ready");
+                    `("error", Report)` when it raises, then it exits.
+  rank 0 -> worker: `("step", chunks, all_logits)` (StepChunk tuples, pickled once by rank 0 for
+                    every worker), `("close",)`; end of file means rank 0 is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from qruntime.engine.model_runner import ModelRunner
+from qruntime.rank import GROUP_TIMEOUT, RankConfig, build_rank
+
+MAX_REPORT = 16384  # characters of a traceback sent: a small pipe write never blocks a dying worker
+DISTRIBUTED_DIR = str(Path(dist.__file__).parent)
+
+
+class Report(NamedTuple):
+    """A worker's exception: its last line, its traceback, and whether it was raised inside a
+    torch.distributed call (then most likely the echo of another rank's failure, not the cause)."""
+
+    summary: str
+    traceback: str
+    in_collective: bool
+
+
+def report(exc: BaseException) -> Report:
+    frames = traceback.extract_tb(exc.__traceback__)
+    return Report(
+        "".join(traceback.format_exception_only(exc)).strip()[-MAX_REPORT:],
+        "".join(traceback.format_exception(exc))[-MAX_REPORT:],
+        any(frame.filename.startswith(DISTRIBUTED_DIR) for frame in frames),
+    )
+
+
+def _serve(conn: Connection, runner: ModelRunner) -> None:
+    while True:
+        try:
+            message = pickle.loads(conn.recv_bytes())
+        except EOFError:  # rank 0 is gone
+            return
+        if message[0] == "close":
+            return
+        _, chunks, all_logits = message
+        runner.execute(chunks, all_logits)  # rank 0 samples; every rank computes the same logits
+
+
+def worker_main(rank: int, config: RankConfig, port: int, conn: Connection) -> None:
+    """The target of worker `rank`'s process: rendezvous at rank 0's store on `port`, build, serve."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops the workers
+    try:
+        device = config.device_of(rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:  # share the cores between the ranks instead of each taking them all
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp))
+        store = dist.TCPStore("127.0.0.1", port, config.tp, is_master=False, timeout=GROUP_TIMEOUT)
+        built = build_rank(config, rank, store, lambda tag: conn.send((tag, None)))
+        _serve(conn, built.runner)
+        dist.destroy_process_group()
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            conn.send(("error", report(exc)))
+        os._exit(1)  # no interpreter teardown: a broken process group or CUDA context may hang in it

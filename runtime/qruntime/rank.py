@@ -1,0 +1,191 @@
+"""One rank's model: its graph and weights loaded, its plan bound, its KV cache sized and allocated,
+its decode steps captured.
+
+tp=1 builds rank 0 alone. At tp=N every rank runs `build_rank` (rank 0 in the caller's process,
+ranks 1..N-1 in spawned workers, engine/workers.py) and they meet at checkpoints: "loaded" (graph
+and weights read: what a bad file breaks), "planned" (process group joined, plan bound), "ready"
+(cache allocated, graphs captured). Rank 0 passes a checkpoint only when every worker reports it, so
+a rank that fails is reported, with its traceback, before any rank waits in a collective for it.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import onnx
+import torch
+import torch.distributed as dist
+
+from qruntime.artifact import ArtifactFormatError
+from qruntime.engine.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
+from qruntime.engine.model_runner import ModelRunner
+from qruntime.kernel_configs import KernelTable, load_kernel_table
+from qruntime.kv_cache import KVCache, KVCacheSpec
+from qruntime.ops.base import OpEnv
+from qruntime.ops.registry import reference_ops, triton_ops
+from qruntime.plan import Plan, PlanError
+from qruntime.synthetic import random_initializers
+from qruntime.weights import load_initializers
+
+CPU_KV_BUDGET = 512 << 20  # default cache bytes on CPU (a GPU uses what is free after the weights)
+GPU_HEADROOM = 0.10  # share of GPU memory left for activations when sizing the cache
+GROUP_TIMEOUT = timedelta(minutes=10)  # longest wait of one collective (or the group's rendezvous)
+
+Checkpoint = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class RankConfig:
+    """What every rank needs to build its runner: plain data, pickled to the spawned workers."""
+
+    root: Path
+    graph_files: tuple[str, ...]  # rank r's graph, relative to root; one per rank
+    kv_spec: KVCacheSpec
+    device: torch.device  # tp=1: the device; tp>1 on CUDA: rank r runs on cuda:r
+    dtype: torch.dtype
+    backend: str  # "reference" | "triton" (resolved)
+    context: int  # the model's max_position_embeddings
+    max_model_len: int | None
+    max_num_seqs: int
+    num_kv_blocks: int | None
+    kv_cache_memory: int | None
+    cuda_graphs: bool | None
+    synthetic: bool = False  # random weights made on the device instead of read (qruntime.synthetic)
+
+    @property
+    def tp(self) -> int:
+        return len(self.graph_files)
+
+    def device_of(self, rank: int) -> torch.device:
+        if self.tp == 1 or self.device.type == "cpu":
+            return self.device
+        return torch.device("cuda", rank)
+
+
+@dataclass(frozen=True)
+class Rank:
+    """A built rank: its runner and the sizes every rank agreed on."""
+
+    runner: ModelRunner
+    num_blocks: int  # KV blocks the scheduler hands out (the cache holds one more with CUDA graphs)
+    max_model_len: int
+    graph_buckets: tuple[int, ...] | None  # batch sizes of the captured decode graphs
+
+
+def _no_checkpoint(tag: str) -> None:
+    pass
+
+
+def read_graph(path: Path) -> onnx.GraphProto:
+    """A graph file's nodes and initializers (the weights stay in their safetensors shards)."""
+    try:
+        return onnx.load(str(path), load_external_data=False).graph
+    except Exception as exc:  # onnx raises DecodeError / OSError variants
+        raise ArtifactFormatError(f"{path}: cannot be read as ONNX ({exc})") from exc
+
+
+def init_group(config: RankConfig, rank: int, store: dist.Store) -> dist.ProcessGroup:
+    """Join the default process group of the config's tp ranks: NCCL on CUDA (rank r on cuda:r),
+    gloo on CPU. NVLink multicast (NVLS) stays off: the lent multi-GPU machines do not support it,
+    and NCCL reads the variable when the communicator is made."""
+    device = config.device_of(rank)
+    if device.type == "cuda":
+        os.environ["NCCL_NVLS_ENABLE"] = "0"
+        dist.init_process_group(
+            "nccl", store=store, rank=rank, world_size=config.tp, timeout=GROUP_TIMEOUT, device_id=device
+        )
+    else:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=config.tp, timeout=GROUP_TIMEOUT)
+    return dist.group.WORLD
+
+
+def _kernels(config: RankConfig, device: torch.device, warn: bool) -> KernelTable | None:
+    if config.backend != "triton":
+        return None
+    gpu = torch.cuda.get_device_name(device)
+    kernels = load_kernel_table(config.root, gpu)
+    if kernels is None and warn:
+        warnings.warn(
+            f"{config.root}: no tuned kernel configs for {gpu}; using default configs (`qcompile tune` makes them)",
+            stacklevel=5,  # load's caller
+        )
+    return kernels
+
+
+def _local_blocks(config: RankConfig, device: torch.device) -> int:
+    """KV blocks this rank can hold: as asked, or what its memory allows."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    spec = config.kv_spec
+    per_block = spec.block_bytes(config.dtype)
+    memory = config.kv_cache_memory
+    if memory is None:
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            memory = int(free - GPU_HEADROOM * total)
+        else:
+            wanted_len = config.max_model_len or config.context
+            memory = min(CPU_KV_BUDGET, config.max_num_seqs * -(-wanted_len // spec.block_size) * per_block)
+    return max(memory // per_block, 0)
+
+
+def _agree(device: torch.device, blocks: int, capturable: bool) -> tuple[int, bool]:
+    """The minimum over ranks of the KV blocks each can hold, and whether every rank's plan can be captured."""
+    values = torch.tensor([blocks, int(capturable)], dtype=torch.int64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MIN)
+    return int(values[0]), bool(values[1])
+
+
+def build_rank(
+    config: RankConfig, rank: int = 0, store: dist.Store | None = None, checkpoint: Checkpoint = _no_checkpoint
+) -> Rank:
+    """Build rank `rank`'s runner (see the module docstring); `store` rendezvous the tp > 1 group."""
+    device = config.device_of(rank)
+    graph_path = config.root / config.graph_files[rank]
+    graph = read_graph(graph_path)
+    kernels = _kernels(config, device, warn=rank == 0)
+    if config.synthetic:
+        weights = random_initializers(graph, device, config.dtype)
+    else:
+        weights = load_initializers(config.root, graph, device, config.dtype)
+    checkpoint("loaded")
+
+    group = init_group(config, rank, store) if config.tp > 1 else None
+    registry = triton_ops() if config.backend == "triton" else reference_ops()
+    env = OpEnv(config.dtype, device, config.kv_spec, kernels, tp_group=group)
+    try:
+        plan = Plan.build(graph, weights, env, registry)
+    except PlanError as exc:
+        raise ArtifactFormatError(f"{graph_path}: {exc}") from exc
+    blocks, capturable = _local_blocks(config, device), plan.capturable
+    checkpoint("planned")
+    if group is not None:
+        blocks, capturable = _agree(device, blocks, capturable)
+
+    spec = config.kv_spec
+    capacity = blocks * spec.block_size
+    max_model_len = config.max_model_len or min(config.context, capacity)
+    if capacity < max_model_len or max_model_len < 2:
+        raise ValueError(
+            f"the KV cache holds {capacity} tokens ({blocks} block(s) of {spec.block_size}), less than "
+            f"max_model_len {max_model_len}: give more num_kv_blocks / kv_cache_memory or a smaller max_model_len"
+        )
+    cuda_graphs = config.cuda_graphs
+    if cuda_graphs is None:
+        cuda_graphs = config.backend == "triton" and capturable
+    if cuda_graphs and not capturable:
+        raise ValueError("cuda_graphs=True but some ops of this graph cannot be captured (MoE, reference attention)")
+    # one block more than the scheduler hands out: the scratch block padded graph rows write to
+    kv_cache = KVCache(spec, blocks + int(cuda_graphs), config.dtype, device)
+    graphs = None
+    if cuda_graphs:  # every rank captures the same buckets in the same order: the graphs hold the all-reduces
+        buckets = [b for b in DEFAULT_BUCKETS if b <= config.max_num_seqs] or [config.max_num_seqs]
+        graphs = DecodeGraphs(plan, kv_cache, blocks, max_model_len, buckets)
+    checkpoint("ready")
+    runner = ModelRunner(plan, kv_cache, device, max_model_len, graphs)
+    return Rank(runner, blocks, max_model_len, graphs.buckets if graphs is not None else None)

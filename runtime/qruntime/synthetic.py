@@ -1,0 +1,86 @@
+"""Synthetic weights: random values of an artifact's exact shapes and dtypes, made on the device.
+
+A synthetic artifact (`qcompile synth PRESET --artifact`) has the graph, manifest and tokenizer of
+a real compile, but its weight files are sparse (all zero, no disk) and its manifest says
+`"synthetic"`. Loading it fills every initializer with random values on the device instead of
+reading the files, so the runtime can be measured at qwen3-235b-a22b scale without a 470 GB
+download. The text it generates is noise; its speed is the real model's.
+
+Values (FP8 codes stay well inside e4m3's range, activations stay bounded through the layers):
+FP8 weights e4m3(N(0, 1) x 32) with scales 0.02/32 x U(0.5, 1.5) (dequantized weights ~ N(0, 0.02)),
+other matrices N(0, 0.02), 1-D tensors (norms) 1 + N(0, 0.02). Each tensor's values are a function
+of its name alone, so a tensor replicated over tensor-parallel ranks is equal on every rank.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import onnx
+import torch
+from onnx import numpy_helper
+
+from qruntime.artifact import ArtifactFormatError
+from qruntime.weights import ONNX_TO_TORCH
+
+FP8_SPREAD = 32.0  # std of the FP8 codes (e4m3 reaches 448)
+WEIGHT_STD = 0.02
+CHUNK_ELEMENTS = 1 << 28  # bound the bf16 temporaries of a large stacked tensor
+
+
+def is_synthetic(manifest: dict) -> bool:
+    return bool(manifest.get("synthetic"))
+
+
+def _generator(name: str, device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(zlib.crc32(name.encode()))
+    return generator
+
+
+def _fill_normal(out: torch.Tensor, mean: float, std: float, generator: torch.Generator) -> torch.Tensor:
+    """out <- N(mean, std) cast to out's dtype, in chunks along the first axis."""
+    flat = out.view(-1)
+    for start in range(0, flat.numel(), CHUNK_ELEMENTS):
+        part = flat[start : start + CHUNK_ELEMENTS]
+        values = torch.randn(part.shape, generator=generator, device=out.device, dtype=torch.float32)
+        part.copy_(values.mul_(std).add_(mean))
+    return out
+
+
+def random_tensor(name: str, shape: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The synthetic value of initializer `name` ([shape] of `dtype`, the compute dtype for floats)."""
+    generator = _generator(name, device)
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if dtype == torch.float8_e4m3fn:
+        return _fill_normal(out, 0.0, FP8_SPREAD, generator)
+    if not dtype.is_floating_point:
+        raise ArtifactFormatError(f"graph.onnx initializer {name!r}: a synthetic artifact has no {dtype} weights")
+    if name.endswith("weight_scale"):
+        scale = torch.rand(shape, generator=generator, device=device, dtype=torch.float32).add_(0.5)
+        return out.copy_(scale.mul_(WEIGHT_STD / FP8_SPREAD))
+    if len(shape) == 1:
+        return _fill_normal(out, 1.0, WEIGHT_STD, generator)
+    return _fill_normal(out, 0.0, WEIGHT_STD, generator)
+
+
+def random_initializers(
+    graph: onnx.GraphProto, device: torch.device, compute_dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """name -> tensor on `device` for every initializer, as `weights.load_initializers` returns them,
+    with random values for the external (weight file) ones; small inline constants are read as written."""
+    out: dict[str, torch.Tensor] = {}
+    for init in graph.initializer:
+        dtype = ONNX_TO_TORCH.get(init.data_type)
+        if dtype is None:
+            raise ArtifactFormatError(f"graph.onnx initializer {init.name!r} has unsupported type {init.data_type}")
+        if init.data_location == onnx.TensorProto.EXTERNAL:
+            if dtype.is_floating_point and dtype != torch.float8_e4m3fn:
+                dtype = compute_dtype
+            out[init.name] = random_tensor(init.name, list(init.dims), dtype, device)
+            continue
+        tensor = torch.from_numpy(numpy_helper.to_array(init).copy())
+        if tensor.is_floating_point() and dtype != torch.float8_e4m3fn:
+            tensor = tensor.to(compute_dtype)
+        out[init.name] = tensor.to(device)
+    return out
