@@ -24,27 +24,9 @@ from pathlib import Path
 
 from compile_bench import report_header, timed
 
-from qcompile.checkpoint import INDEX_FILE
-from qcompile.io.safetensors_stream import StreamingWriter
-from qcompile.synth import get_preset, plan_checkpoint, write_tokenizer_files
+from qcompile.synth.sparse import write_sparse_checkpoint
 
 HERE = Path(__file__).resolve().parent
-
-
-def write_sparse_checkpoint(preset: str, path: Path) -> int:
-    """Headers and holes: returns the checkpoint's apparent size in bytes."""
-    plan = plan_checkpoint(get_preset(preset).config(), 5_000_000_000)
-    path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps(plan.config, indent=2))
-    write_tokenizer_files(plan.config, path)
-    weight_map = {}
-    for shard in plan.shards:
-        StreamingWriter(path / shard.file, list(shard.tensors), metadata={"format": "pt"}).close()
-        weight_map.update({t.name: shard.file for t in shard.tensors})
-    if len(plan.shards) > 1:
-        index = {"metadata": {"total_size": plan.weight_bytes}, "weight_map": weight_map}
-        (path / INDEX_FILE).write_text(json.dumps(index, indent=2))
-    return plan.weight_bytes
 
 
 def main() -> None:

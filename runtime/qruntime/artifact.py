@@ -80,6 +80,9 @@ def verify_files(root: str | Path, manifest: dict[str, Any] | None = None, progr
     """
     root = Path(root)
     manifest = manifest if manifest is not None else read_manifest(root)
+    if manifest.get("synthetic"):
+        reason = "a SYNTHETIC artifact: its weights are random, made at load; it has nothing to verify or publish"
+        return [FileProblem(MANIFEST, reason)]
     problems: list[FileProblem] = []
     for rel, info in manifest["files"].items():
         path = root / check_relative_path(rel)
