@@ -78,3 +78,27 @@ def copy_bandwidth(device: torch.device | str = "cuda", nbytes: int = 1 << 30, r
     end.record()
     torch.cuda.synchronize(device)
     return 2 * nbytes * repeats / (start.elapsed_time(end) / 1e3)
+
+
+def step_read_bytes(
+    weights: dict[str, torch.Tensor],
+    kv_bytes_per_token: int,
+    batch: int,
+    context_len: int,
+    experts_read: int | None = None,
+    tied_lm_head: bool = False,
+) -> int:
+    """Bytes one decode step of this process's weights must read at least, from the loaded tensors
+    themselves (a tensor-parallel rank counts its own shards): every weight once, but the embedding
+    only for its `batch` rows (unless it is also the lm_head), and of each stacked MoE expert tensor
+    ([E, ...]) only the `experts_read` experts the step routes to (default: all); plus the KV cache
+    of `batch` contexts of `context_len` tokens."""
+    total = 0
+    for name, tensor in weights.items():
+        size = tensor.numel() * tensor.element_size()
+        if "embed_tokens" in name and not tied_lm_head:
+            size = batch * tensor.shape[-1] * tensor.element_size()
+        elif ".experts." in name and tensor.dim() == 3 and experts_read is not None:
+            size = size * min(experts_read, tensor.shape[0]) // tensor.shape[0]
+        total += size
+    return total + batch * context_len * kv_bytes_per_token

@@ -1,0 +1,177 @@
+"""Issue-7 benchmark: MoE models on one GPU and across the GPUs of one host, on SYNTHETIC artifacts.
+
+Each run `PRESET:TP` writes a synthetic artifact (`qcompile synth PRESET --artifact --tp TP`: the
+real graph, manifest and tokenizer, sparse weight files) whose random weights are made on the GPUs
+at load, tunes its GEMM and MoE shapes on this GPU for the buckets used, loads it with `tp=TP`
+(TP processes over NCCL), then measures in one go:
+
+- decode, batch 1, a short context: TPOT against the bandwidth floor of the bytes a step really
+  reads on one rank (attention, the routed experts, router, norms, lm_head, KV) at the measured
+  copy bandwidth of one GPU;
+- the scenario: one request of `--input-len` prompt tokens and `--output-len` output tokens: TTFT
+  and TPOT;
+- the expert load of the scenario's prefill (tokens per expert, every MoE layer).
+
+    python bench/moe_tp_bench.py --runs qwen3-30b-a3b:1 --out bench/results/moe_bench_qwen3-30b-a3b.json
+    python bench/moe_tp_bench.py --runs qwen3-30b-a3b:1,qwen3-30b-a3b:2,qwen3-30b-a3b:4,qwen3-235b-a22b:4
+
+Every number it prints comes from random weights and is labelled synthetic in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import time
+from pathlib import Path
+
+import qruntime
+import torch
+from compile_bench import report_header
+from decode_bench import decode_profile, replay_ms
+from qruntime.benchmark import copy_bandwidth, measure, step_read_bytes
+
+from qcompile.recipe import load_recipe
+from qcompile.synth.artifact import write_synthetic_artifact
+
+SYNTHETIC = "SYNTHETIC: random weights generated on the GPUs at load (qcompile synth --artifact); speed only"
+
+
+def build(preset: str, tp: int, workdir: Path, buckets: tuple[int, ...], timings: dict) -> Path:
+    from qcompile.tune import tune_artifact
+
+    art = workdir / f"{preset}-tp{tp}"
+    shutil.rmtree(art, ignore_errors=True)
+    start = time.perf_counter()
+    write_synthetic_artifact(preset, art, load_recipe("ptpc-fp8"), tp=tp, progress=False)
+    timings["synth_artifact_s"] = round(time.perf_counter() - start, 2)
+    start = time.perf_counter()
+    tune_artifact(art, buckets=buckets)
+    timings["tune_s"] = round(time.perf_counter() - start, 2)
+    gc.collect()
+    torch.cuda.empty_cache()  # the tuner's buffers: free for the engine
+    return art
+
+
+def moe_ops(engine) -> list:
+    return [node.op for node in engine.runner.plan.nodes if hasattr(node.op, "expert_counts")]
+
+
+def expert_load(engine, input_len: int) -> dict:
+    """Tokens per expert over one prefill of `input_len` random tokens, every MoE layer."""
+    ops = moe_ops(engine)
+    if not ops:
+        return {}
+    for op in ops:
+        op.expert_counts = torch.zeros(op.a["num_experts"], dtype=torch.int64, device=engine.runner.device)
+    measure(engine, input_len, 1, 1, seed=11)
+    counts = torch.stack([op.expert_counts for op in ops]).float()  # [layers, E]
+    for op in ops:
+        op.expert_counts = None
+    per_layer_max_over_mean = counts.max(1).values / counts.mean(1)
+    hottest = counts.sum(0).topk(5)
+    return {
+        "tokens": input_len,
+        "layers": len(ops),
+        "max_over_mean_per_layer": {
+            "median": round(per_layer_max_over_mean.median().item(), 2),
+            "max": round(per_layer_max_over_mean.max().item(), 2),
+        },
+        "idle_experts_per_layer_mean": round((counts == 0).float().sum(1).mean().item(), 2),
+        "hottest_experts_all_layers": {int(i): int(c) for c, i in zip(hottest.values, hottest.indices, strict=True)},
+        "layer0_tokens_per_expert": [int(c) for c in counts[0]],
+    }
+
+
+def run_one(preset: str, tp: int, args, bandwidth: float) -> dict:
+    timings: dict[str, float] = {}
+    art = build(preset, tp, args.workdir, tuple(int(b) for b in args.tune_buckets.split(",")), timings)
+    print(preset, "tp", tp, "built", timings, flush=True)
+    start = time.perf_counter()
+    engine = qruntime.load(
+        art,
+        device="cuda",
+        tp=tp,
+        max_model_len=args.input_len + args.output_len + 64,
+        max_num_seqs=1,
+        max_num_batched_tokens=max(args.input_len, 256),
+        kv_cache_memory=8 << 30,
+    )
+    timings["load_s"] = round(time.perf_counter() - start, 2)
+    row: dict = {"preset": preset, "tp": tp, "weights": SYNTHETIC, "engine": engine.description, "timings": timings}
+    try:
+        measure(engine, 64, 8, 1, seed=1)  # warm-up: triton compiles
+        short = measure(engine, args.short_len, args.short_out, 1, seed=2)
+        spec = engine.runner.kv_cache.spec
+        kv_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * engine.runner.kv_cache.k[0].element_size()
+        moe = moe_ops(engine)
+        top_k = moe[0].a["top_k"] if moe else None
+        read = step_read_bytes(
+            engine.runner.plan.weights, kv_token, 1, args.short_len + args.short_out // 2, experts_read=top_k
+        )
+        row["decode_b1"] = {
+            **short,
+            "bytes_read_per_step_one_rank": read,
+            "floor_ms": read / bandwidth * 1e3,
+            "tpot_over_floor": short["tpot_ms"] / (read / bandwidth * 1e3),
+            "graph_replay_ms": replay_ms(engine) if tp == 1 else None,  # rank 0 alone would wait in its all-reduces
+        }
+        print(row["decode_b1"], flush=True)
+        measure(engine, args.input_len, 2, 1, seed=3)  # warm-up: the large-M configs compile
+        scenario = measure(engine, args.input_len, args.output_len, 1, seed=4)
+        row["scenario"] = scenario
+        print("scenario", scenario, flush=True)
+        row["expert_load"] = expert_load(engine, min(args.input_len, 8192))
+        print("expert load", json.dumps(row["expert_load"])[:400], flush=True)
+        if args.profile and tp == 1:
+            row["decode_profile_b1"] = decode_profile(engine)
+            for r in row["decode_profile_b1"]:
+                print(r, flush=True)
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+        shutil.rmtree(art, ignore_errors=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", default="qwen3-30b-a3b:1", help="comma-separated PRESET:TP")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/qmoe"))
+    parser.add_argument("--input-len", type=int, default=8000)
+    parser.add_argument("--output-len", type=int, default=500)
+    parser.add_argument("--short-len", type=int, default=128)
+    parser.add_argument("--short-out", type=int, default=64)
+    parser.add_argument("--tune-buckets", default="1,8192")
+    parser.add_argument("--profile", action="store_true", help="profile an eager batch-1 decode step by kernel")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    import triton
+
+    report = report_header("moe_tp_bench")
+    report["machine"]["gpu"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
+    report["versions"].update(torch=torch.__version__, triton=triton.__version__)
+    report["weights"] = SYNTHETIC
+    bandwidth = copy_bandwidth()
+    report["copy_bandwidth_gb_s_one_gpu"] = bandwidth / 1e9
+    report["runs"] = []
+    for item in args.runs.split(","):
+        preset, tp = item.split(":")
+        report["runs"].append(run_one(preset, int(tp), args, bandwidth))
+        if args.out:  # written after every run: a later failure keeps the earlier rows
+            args.out.write_text(json.dumps(report, indent=1) + "\n")
+    for r in report["runs"]:
+        d, s = r["decode_b1"], r["scenario"]
+        print(
+            f"{r['preset']:>16} tp={r['tp']}  b1 TPOT {d['tpot_ms']:.2f} ms (floor {d['floor_ms']:.2f}, "
+            f"x{d['tpot_over_floor']:.2f})  scenario TTFT {s['ttft_ms']:.0f} ms TPOT {s['tpot_ms']:.2f} ms"
+        )
+
+
+if __name__ == "__main__":
+    main()
