@@ -25,6 +25,7 @@ import gc
 import json
 import shutil
 import time
+import traceback
 from pathlib import Path
 
 import qruntime
@@ -162,10 +163,17 @@ def main() -> None:
     report["runs"] = []
     for item in args.runs.split(","):
         preset, tp = item.split(":")
-        report["runs"].append(run_one(preset, int(tp), args, bandwidth))
+        try:
+            report["runs"].append(run_one(preset, int(tp), args, bandwidth))
+        except Exception:  # one failed run is reported; the others still run
+            report["runs"].append({"preset": preset, "tp": int(tp), "error": traceback.format_exc(limit=8)})
+            print(report["runs"][-1]["error"], flush=True)
         if args.out:  # written after every run: a later failure keeps the earlier rows
             args.out.write_text(json.dumps(report, indent=1) + "\n")
     for r in report["runs"]:
+        if "error" in r:
+            print(f"{r['preset']:>16} tp={r['tp']}  FAILED")
+            continue
         d, s = r["decode_b1"], r["scenario"]
         print(
             f"{r['preset']:>16} tp={r['tp']}  b1 TPOT {d['tpot_ms']:.2f} ms (floor {d['floor_ms']:.2f}, "
