@@ -23,9 +23,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
-import traceback
 from pathlib import Path
 
 import qruntime
@@ -130,6 +133,9 @@ def run_one(preset: str, tp: int, args, bandwidth: float) -> dict:
             row["decode_profile_b1"] = decode_profile(engine)
             for r in row["decode_profile_b1"]:
                 print(r, flush=True)
+        row["copy_bandwidth_gb_s_one_gpu"] = bandwidth / 1e9
+        if args.row_out is not None:  # before close: a close that hangs must not lose the row
+            args.row_out.write_text(json.dumps(row, indent=1) + "\n")
     finally:
         engine.close()
         del engine
@@ -137,6 +143,31 @@ def run_one(preset: str, tp: int, args, bandwidth: float) -> dict:
         torch.cuda.empty_cache()
         shutil.rmtree(art, ignore_errors=True)
     return row
+
+
+def run_isolated(item: str, args) -> dict:
+    """One PRESET:TP run in its own process (its GPUs, process group and memory are gone after it,
+    and a run that fails or hangs past --run-timeout is recorded while the next one still runs)."""
+    preset, tp = item.split(":")
+    row_out = args.workdir / f"row-{preset}-tp{tp}.json"
+    row_out.unlink(missing_ok=True)
+    passed = [a for a in sys.argv[1:] if not a.startswith("--runs") and a != args.runs]
+    cmd = [sys.executable, __file__, *passed, "--one", item, "--row-out", str(row_out)]
+    try:
+        child = subprocess.Popen(cmd, start_new_session=True)  # its own group: its workers die with it
+        try:
+            if child.wait(timeout=args.run_timeout):
+                raise subprocess.CalledProcessError(child.returncode, cmd[:4])
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            if not row_out.exists():
+                raise
+            print(f"{item}: measured, but its processes did not exit in time (killed)", flush=True)
+        return json.loads(row_out.read_text())
+    except (subprocess.SubprocessError, OSError, ValueError) as exc:
+        print(f"{item}: FAILED ({exc})", flush=True)
+        return {"preset": preset, "tp": int(tp), "error": f"{type(exc).__name__}: {exc}"}
 
 
 def main() -> None:
@@ -150,24 +181,25 @@ def main() -> None:
     parser.add_argument("--tune-buckets", default="1,8192")
     parser.add_argument("--profile", action="store_true", help="profile an eager batch-1 decode step by kernel")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--run-timeout", type=float, default=300, help="seconds one PRESET:TP run may take")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: the child of one run
+    parser.add_argument("--row-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
+    if args.one is not None:
+        preset, tp = args.one.split(":")
+        bandwidth = copy_bandwidth()
+        run_one(preset, int(tp), args, bandwidth)
+        return
     import triton
 
     report = report_header("moe_tp_bench")
     report["machine"]["gpu"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
     report["versions"].update(torch=torch.__version__, triton=triton.__version__)
     report["weights"] = SYNTHETIC
-    bandwidth = copy_bandwidth()
-    report["copy_bandwidth_gb_s_one_gpu"] = bandwidth / 1e9
     report["runs"] = []
     for item in args.runs.split(","):
-        preset, tp = item.split(":")
-        try:
-            report["runs"].append(run_one(preset, int(tp), args, bandwidth))
-        except Exception:  # one failed run is reported; the others still run
-            report["runs"].append({"preset": preset, "tp": int(tp), "error": traceback.format_exc(limit=8)})
-            print(report["runs"][-1]["error"], flush=True)
+        report["runs"].append(run_isolated(item, args))
         if args.out:  # written after every run: a later failure keeps the earlier rows
             args.out.write_text(json.dumps(report, indent=1) + "\n")
     for r in report["runs"]:

@@ -70,6 +70,8 @@ def worker_main(rank: int, config: RankConfig, port: int, conn: Connection) -> N
         store = dist.TCPStore("127.0.0.1", port, config.tp, is_master=False, timeout=GROUP_TIMEOUT)
         built = build_rank(config, rank, store, lambda tag: conn.send((tag, None)))
         _serve(conn, built.runner)
+        if device.type == "cuda":  # NCCL's destroy waits for every rank: leave without it (rank 0 aborts its own)
+            os._exit(0)
         dist.destroy_process_group()
     except BaseException as exc:
         with contextlib.suppress(OSError):

@@ -111,7 +111,10 @@ def _shutdown(state: _State, graceful: bool) -> None:
     if state.watcher is not None:
         state.watcher.join()
     if dist.is_initialized():
-        if state.nccl and not graceful:  # collectives may be pending: do not wait for them
+        if state.nccl:
+            # the workers are gone: NCCL's destroy would wait for peers that no longer exist (seen on
+            # 4 x H200: close hung), and pending collectives must not be waited for either; abort
+            # frees the communicators at once and clears the default group for the next load
             dist.distributed_c10d._abort_process_group()
         else:
             dist.destroy_process_group()
