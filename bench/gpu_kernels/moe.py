@@ -34,12 +34,12 @@ import traceback
 import torch
 import torch.nn.functional as F
 import triton
+from fp8_gemm import copy_bandwidth, graph_us  # a sibling: bench/gpu_kernels is on sys.path
 from qruntime.kernels.fused_moe import MoEConfig, default_config, sweep_configs
 from qruntime.kernels.moe_align import expert_load
 from qruntime.ops import functional as fn
 from qruntime.ops import moe, triton_ops
 from qruntime.ops.base import OpEnv
-from triton.testing import do_bench
 
 SHAPES = {  # name: (E, k, H, I)
     "qwen3-30b-a3b": (128, 8, 2048, 768),
@@ -49,38 +49,6 @@ TOKENS = (1, 4, 16, 64, 512, 8192)
 COPIES = 4  # weight sets per graph: 4 x ~600 MB, far past any L2
 DTYPE = torch.bfloat16
 MIN_SQNR_DB = 30.0
-
-
-def copy_bandwidth(device: str) -> float:
-    """GB/s of a 1 GiB device-to-device copy, counting bytes read plus bytes written."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
-    return 2 * src.numel() / (ms * 1e-3) / 1e9
-
-
-def graph_us(fn_i, copies: int, replays: int = 20) -> float:
-    """Median µs per call of fn_i(0), ..., fn_i(copies - 1) captured back to back in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up (compiles) outside the capture
-        for i in range(copies):
-            fn_i(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn_i(i)
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / copies)
-    return statistics.median(times)
 
 
 def eager_us(call, reps: int = 3) -> float:

@@ -131,19 +131,9 @@ def fp8_e4m3_code(x, scale, inv_scale, HW: tl.constexpr):
 
 
 @triton.jit
-def _dynamic_quant_kernel(
-    x_ptr,  # [T, K] bf16 | fp16 | fp32, unit column stride
-    q_ptr,  # [T, K] uint8 view of the fp8 output, contiguous
-    s_ptr,  # [T] fp32
-    K,
-    stride_x,
-    BLOCK: tl.constexpr,
-    NUM_CHUNKS: tl.constexpr,
-    HW: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    q_row = q_ptr + row * K
+def quantize_row(x_row, q_row, K, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, HW: tl.constexpr):
+    """One row's per-token FP8 quantization: K values at x_row -> e4m3 codes at q_row; returns the
+    scale (amax / 448). NUM_CHUNKS > 1: the row in BLOCK-wide chunks, read twice (amax, then codes)."""
     cols = tl.arange(0, BLOCK)
     if NUM_CHUNKS == 1:
         mask = cols < K
@@ -163,6 +153,22 @@ def _dynamic_quant_kernel(
             mask = offs < K
             x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
             tl.store(q_row + offs, fp8_e4m3_code(x, scale, inv_scale, HW), mask=mask)
+    return scale
+
+
+@triton.jit
+def _dynamic_quant_kernel(
+    x_ptr,  # [T, K] bf16 | fp16 | fp32, unit column stride
+    q_ptr,  # [T, K] uint8 view of the fp8 output, contiguous
+    s_ptr,  # [T] fp32
+    K,
+    stride_x,
+    BLOCK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    HW: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    scale = quantize_row(x_ptr + row * stride_x, q_ptr + row * K, K, BLOCK, NUM_CHUNKS, HW)
     tl.store(s_ptr + row, scale)
 
 

@@ -22,8 +22,7 @@ from qruntime.kernels.dynamic_quant import (
     MAX_BLOCK,
     MIN_SCALE,
     check_model_dtype,
-    fp8_e4m3_code,
-    quant_scale,
+    quantize_row,
     row_config,
     rows_of,
     use_hw_casts,
@@ -76,27 +75,7 @@ def _moe_route_quant_kernel(
     tl.store(ids_ptr + row * TOP_K + slots, top_i, mask=slots < TOP_K)
 
     # ---- per-token FP8 quantization of x (as _dynamic_quant_kernel)
-    x_row = x_ptr + row * stride_x
-    q_row = xq_ptr + row * H
-    cols = tl.arange(0, BLOCK)
-    if NUM_CHUNKS == 1:
-        mask = cols < H
-        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        scale = quant_scale(tl.max(tl.abs(x), axis=0))
-        tl.store(q_row + cols, fp8_e4m3_code(x, scale, tl.math.div_rn(1.0, scale), HW), mask=mask)
-    else:
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for c in range(NUM_CHUNKS):
-            offs = c * BLOCK + cols
-            x = tl.load(x_row + offs, mask=offs < H, other=0.0).to(tl.float32)
-            acc = tl.maximum(acc, tl.abs(x))
-        scale = quant_scale(tl.max(acc, axis=0))
-        inv_scale = tl.math.div_rn(1.0, scale)
-        for c in range(NUM_CHUNKS):
-            offs = c * BLOCK + cols
-            mask = offs < H
-            x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(q_row + offs, fp8_e4m3_code(x, scale, inv_scale, HW), mask=mask)
+    scale = quantize_row(x_ptr + row * stride_x, xq_ptr + row * H, H, BLOCK, NUM_CHUNKS, HW)
     tl.store(xs_ptr + row, scale)
 
 
