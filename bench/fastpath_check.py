@@ -23,6 +23,7 @@ import qruntime
 import torch
 from compile_bench import report_header
 from qruntime import SamplingParams
+from qruntime.benchmark import sqnr_db
 from qruntime.engine.model_runner import StepChunk
 from qruntime.kernel_configs import load_kernel_table
 from qruntime.kv_cache import KVCache
@@ -59,11 +60,6 @@ def kernel_rows() -> dict[str, list[dict]]:
         for row in rows[name]:
             print(name, row, flush=True)
     return rows
-
-
-def sqnr_db(ref: torch.Tensor, other: torch.Tensor) -> float:
-    noise = (ref.float() - other.float()).pow(2).mean()
-    return float(10 * torch.log10(ref.float().pow(2).mean() / noise))
 
 
 def _chunks(prompts: list[list[int]], decode: bool, block_size: int) -> list[StepChunk]:

@@ -88,11 +88,6 @@ def _random_experts(shape: MoEShape, device: torch.device) -> tuple[torch.Tensor
     return w13, s13, w2, s2
 
 
-def _sqnr_db(ref: torch.Tensor, other: torch.Tensor) -> float:
-    noise = (ref.float() - other.float()).pow(2).mean().clamp(min=1e-30)
-    return float(10 * torch.log10(ref.float().pow(2).mean().clamp(min=1e-30) / noise))
-
-
 def tune_moe(
     shape: MoEShape,
     buckets: Iterable[int],
@@ -103,6 +98,7 @@ def tune_moe(
     """bucket -> the fastest fused-MoE config at that many tokens, with its µs (`time_us` times a
     list of calls back to back, each on its own weight copy: tune._time_us)."""
     import torch.nn.functional as F
+    from qruntime.benchmark import sqnr_db
     from qruntime.kernels.fused_moe import default_config, fused_moe, sweep_configs
     from qruntime.ops.base import OpEnv
     from qruntime.ops.moe import MoE
@@ -133,7 +129,7 @@ def tune_moe(
         best_us, best = min(timed, key=lambda t: t[0])
         default = default_config(tokens, e, i, h, k)
         default_us = next((us for us, c in timed if c == default), float("nan"))
-        sqnr = _sqnr_db(reference(None, x, router_w, *copies[0]), run(best, copies[0]))
+        sqnr = sqnr_db(reference(None, x, router_w, *copies[0]), run(best, copies[0]))
         if not sqnr >= MIN_SQNR_DB:
             raise QCompileError(f"tuned MoE {shape.key} at {tokens} tokens ({best}) is wrong: SQNR {sqnr:.1f} dB")
         table[str(tokens)] = table_entry(best.to_dict(), best_us, default_us, sqnr)

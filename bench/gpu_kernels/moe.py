@@ -35,11 +35,14 @@ import torch
 import torch.nn.functional as F
 import triton
 from fp8_gemm import copy_bandwidth, graph_us  # a sibling: bench/gpu_kernels is on sys.path
+from qruntime.benchmark import sqnr_db
 from qruntime.kernels.fused_moe import MoEConfig, default_config, sweep_configs
 from qruntime.kernels.moe_align import expert_load
 from qruntime.ops import functional as fn
 from qruntime.ops import moe, triton_ops
 from qruntime.ops.base import OpEnv
+
+from qcompile.tune_moe import MoEShape
 
 SHAPES = {  # name: (E, k, H, I)
     "qwen3-30b-a3b": (128, 8, 2048, 768),
@@ -82,15 +85,6 @@ def experts(e: int, h: int, i: int, device: str) -> tuple[torch.Tensor, ...]:
     return w13, s13, w2, s2
 
 
-def expert_bytes(h: int, i: int) -> int:
-    return 3 * h * i + (2 * i + h) * 2  # fp8 w13 + w2, bf16 per-row scales
-
-
-def _sqnr_db(ref: torch.Tensor, y: torch.Tensor) -> float:
-    noise = (ref.float() - y.float()).pow(2).mean().clamp(min=1e-30)
-    return float(10 * torch.log10(ref.float().pow(2).mean() / noise))
-
-
 def bench_shape(name: str, shape: tuple[int, int, int, int], tokens: int, weights, router_w, copy_gbps, sweep):
     e, k, h, i = shape
     device = router_w.device
@@ -100,12 +94,12 @@ def bench_shape(name: str, shape: tuple[int, int, int, int], tokens: int, weight
     xs = [torch.randn(tokens, h, device=device, dtype=DTYPE) for _ in range(len(weights))]
     loads = [expert_load(fn.moe_routing(F.linear(x, router_w), k, True)[1], e) for x in xs]
     hit = statistics.mean(int((load > 0).sum()) for load in loads)
-    nbytes = hit * expert_bytes(h, i)
+    nbytes = hit * MoEShape(e, i, h, k, True).expert_bytes()
 
     ref = ref_op(None, xs[0], router_w, *weights[0])
     y = fast_op(None, xs[0], router_w, *weights[0])
     err = (y.float() - ref.float()).abs().max().item()
-    sqnr = _sqnr_db(ref, y)
+    sqnr = sqnr_db(ref, y)
     ok = bool(torch.isfinite(y).all()) and sqnr >= MIN_SQNR_DB
 
     def timed(config: MoEConfig) -> float:

@@ -16,6 +16,13 @@ from qruntime.engine.sampling_params import SamplingParams
 DTYPE_BYTES = {"F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4}
 
 
+def sqnr_db(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio of `other` against `reference`, in dB (fp32 math; an
+    exact match gives a large finite value)."""
+    noise = (reference.float() - other.float()).pow(2).mean().clamp(min=1e-30)
+    return float(10 * torch.log10(reference.float().pow(2).mean().clamp(min=1e-30) / noise))
+
+
 def measure(engine: Engine, input_len: int, output_len: int, batch: int, seed: int | None = None) -> dict[str, Any]:
     """Generate `output_len` tokens (EOS ignored) for `batch` random prompts of `input_len` tokens,
     all submitted at once. TTFT is the slowest request's; TPOT the mean over requests; decode

@@ -39,12 +39,16 @@ def _generator(name: str, device: torch.device) -> torch.Generator:
 
 
 def _fill_normal(out: torch.Tensor, mean: float, std: float, generator: torch.Generator) -> torch.Tensor:
-    """out <- N(mean, std) cast to out's dtype, in chunks along the first axis."""
+    """out <- N(mean, std) cast to out's dtype (clamped to e4m3's range for FP8, whose cast does not
+    saturate), CHUNK_ELEMENTS values at a time."""
     flat = out.view(-1)
     for start in range(0, flat.numel(), CHUNK_ELEMENTS):
         part = flat[start : start + CHUNK_ELEMENTS]
         values = torch.randn(part.shape, generator=generator, device=out.device, dtype=torch.float32)
-        part.copy_(values.mul_(std).add_(mean))
+        values.mul_(std).add_(mean)
+        if out.dtype == torch.float8_e4m3fn:
+            values.clamp_(-448.0, 448.0)
+        part.copy_(values)
     return out
 
 
