@@ -7,6 +7,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,38 +52,70 @@ def _signals_deferred() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-@contextmanager
-def atomic_output_dir(target: str | Path, force: bool = False) -> Iterator[Path]:
-    """Yield a temporary directory beside `target`; on success it is renamed to `target`.
+class AtomicOutputDir:
+    """`with AtomicOutputDir(target, force) as tmp:` yields a temporary directory beside `target`;
+    on success it is renamed to `target`.
 
     Any exception, KeyboardInterrupt included, removes the temporary directory and leaves
     `target` as it was. With `force`, an existing target is replaced only after the new one is
     complete (moved aside, the new one renamed in, the old one deleted). Ctrl-C can land between
     any two statements, so the two places where that would leak a directory or lose the old
-    target hold signals until they are done.
+    target hold signals until they are done. A signal can still land where no Python code can
+    guard (as `__exit__` is entered), so the removal is also a `weakref.finalize`: it runs when
+    this object is collected or, at the latest, when the interpreter exits.
     """
-    target = Path(target).absolute()
-    check_target(target, force)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp: Path | None = None
-    try:
-        with _signals_deferred():
-            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-            umask = os.umask(0)
-            os.umask(umask)
-            tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the artifact is an ordinary directory
-        yield tmp
-        check_target(target, force)  # someone may have created it while we worked
+
+    def __init__(self, target: str | Path, force: bool = False) -> None:
+        self.target = Path(target).absolute()
+        self.force = force
+        self._tmp: Path | None = None
+        self._remove: weakref.finalize | None = None
+
+    def __enter__(self) -> Path:
+        check_target(self.target, self.force)
+        self.target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with _signals_deferred():
+                self._tmp = Path(
+                    tempfile.mkdtemp(prefix=f".{self.target.name}.", suffix=".tmp", dir=self.target.parent)
+                )
+                umask = os.umask(0)
+                os.umask(umask)
+                self._remove = weakref.finalize(self, shutil.rmtree, self._tmp, ignore_errors=True)
+                self._tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the artifact is an ordinary directory
+        except BaseException:
+            self._discard()
+            raise
+        return self._tmp  # a held signal was raised inside the try; nothing from here to the body checks
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        try:
+            if exc_type is None:
+                self._publish()
+        finally:
+            self._discard()
+
+    def _publish(self) -> None:
+        check_target(self.target, self.force)  # someone may have created it while we worked
         with _signals_deferred():
             old = None
-            if target.exists():
-                old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
+            if self.target.exists():
+                old = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.", suffix=".old", dir=self.target.parent))
                 old.rmdir()
-                target.rename(old)
-            tmp.rename(target)
-            tmp = None
+                self.target.rename(old)
+            assert self._tmp is not None and self._remove is not None
+            self._tmp.rename(self.target)
+            self._remove.detach()
+            self._tmp = None
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _discard(self) -> None:
+        if self._remove is not None:
+            self._remove()  # removes the directory once; nothing after a detach
+        self._tmp = None
+
+
+def atomic_output_dir(target: str | Path, force: bool = False) -> AtomicOutputDir:
+    """`with atomic_output_dir(target, force) as tmp:` — see AtomicOutputDir."""
+    return AtomicOutputDir(target, force)

@@ -51,6 +51,21 @@ def routed_ids(tokens: int, num_experts: int, top_k: int, only: int | None = Non
     return torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(tokens)]).int().to(DEVICE)
 
 
+def untied_router(x: torch.Tensor, num_experts: int, top_k: int, scale: float = 0.3) -> torch.Tensor:
+    """Fresh random router rows [E, H] (x's dtype) under which every token's k-th largest logit
+    beats the next by a margin. bf16 logits tie often, and at that boundary a tie picks another
+    expert in the kernel (lowest id) than in torch.topk on CPU (unspecified), which moves the whole
+    token's output; ties themselves are tested by test_route_ties_pick_the_lowest_expert_id."""
+    for _ in range(200):
+        router_w = (torch.randn(num_experts, x.shape[-1]) * scale).to(x.dtype)
+        if top_k == num_experts:
+            return router_w
+        top = F.linear(x, router_w).float().topk(top_k + 1, -1).values
+        if bool((top[:, top_k - 1] - top[:, top_k] > 0.1).all()):
+            return router_w
+    raise AssertionError(f"no router without near-ties for {tuple(x.shape)} tokens, E={num_experts}, k={top_k}")
+
+
 def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     _, e = torch.frexp(x.float().abs())
     return torch.ldexp(torch.ones_like(x, dtype=torch.float32), e - 8)
@@ -268,7 +283,7 @@ def test_fused_moe_op_matches_the_reference_op(tokens, num_experts, top_k, inter
         router_w[2] = 0.2
     else:
         x = torch.randn(tokens, hidden).to(dtype)
-        router_w = (torch.randn(num_experts, hidden) * 0.3).to(dtype)
+        router_w = untied_router(x, num_experts, top_k)
     ref_op, fast_op = _ops(num_experts, top_k, dtype, norm_topk_prob=norm)
     assert fast_op.capturable and not ref_op.capturable
     fast_op.configs[tokens] = SMALL  # small tiles: tails in I, H and K at these sizes
@@ -291,7 +306,7 @@ def test_fused_moe_op_matches_the_reference_op(tokens, num_experts, top_k, inter
 def test_fused_moe_default_config_and_fp16():
     w13, s13, w2, s2 = experts(6, 40, 48)
     x = torch.randn(3, 48).half()
-    router_w = torch.randn(6, 48).half()
+    router_w = untied_router(x, 6, 2, scale=1.0)
     ref = moe.MoE(
         {"num_experts": 6, "top_k": 2, "norm_topk_prob": True, "linear": "PTPCLinear", "group_size": 0},
         OpEnv(torch.float16, torch.device("cpu"), None),
