@@ -307,12 +307,14 @@ def _publish_hub(
     and hand it to the hub uploader."""
     from qcompile.hub import push  # huggingface_hub is needed only for hub targets
 
+    # TemporaryDirectory removes itself through a weakref.finalize, so even a signal that lands
+    # before the `with` is entered leaves nothing once the process exits
     try:
-        staged = Path(tempfile.mkdtemp(prefix=f".{root.name}.publish.", dir=root.absolute().parent))
+        scratch = tempfile.TemporaryDirectory(
+            prefix=f".{root.name}.publish.", dir=root.absolute().parent, ignore_cleanup_errors=True
+        )
     except OSError:
-        staged = Path(tempfile.mkdtemp(prefix="qcompile-publish-stage."))
-    try:
-        _stage(staged, root, manifest, generated, entries, progress)
-        push(staged, target, dry_run=dry_run, force=force, progress=progress)
-    finally:
-        shutil.rmtree(staged, ignore_errors=True)
+        scratch = tempfile.TemporaryDirectory(prefix="qcompile-publish-stage.", ignore_cleanup_errors=True)
+    with scratch as staged:
+        _stage(Path(staged), root, manifest, generated, entries, progress)
+        push(Path(staged), target, dry_run=dry_run, force=force, progress=progress)

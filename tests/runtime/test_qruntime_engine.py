@@ -233,3 +233,24 @@ def test_generation_stops_at_the_context_length(fp8_artifact):
     engine = qruntime.load(fp8_artifact, device="cpu", num_kv_blocks=8, max_model_len=40)
     out = engine.generate([list(range(1, 31))], SamplingParams(max_tokens=100, ignore_eos=True))[0]
     assert len(out.token_ids) == 10 and out.finish_reason == "length"
+
+
+def test_close_drops_the_decode_graphs_after_a_sync_and_before_the_workers_stop(fp8_artifact, monkeypatch):
+    """At tp > 1 the captured graphs hold NCCL kernels of the group the workers' close aborts, so the
+    graphs go first, once the device has finished them."""
+    engine = qruntime.load(fp8_artifact, device="cpu", num_kv_blocks=32)
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(("sync", device)))
+
+    class FakeWorkers:
+        def close(self):
+            events.append(("workers.close", engine.runner.decode_graphs))
+
+    engine.runner.decode_graphs = object()  # what a CUDA engine holds; CPU engines capture none
+    engine.workers = FakeWorkers()
+    engine.close()
+    assert events == [("sync", engine.runner.device), ("workers.close", None)]
+    engine.close()  # idempotent: nothing left to sync
+    assert events[2:] == [("workers.close", None)]
+    with pytest.raises(RuntimeError, match="the engine is closed"):
+        engine.generate([[1, 2, 3]], GREEDY)

@@ -132,9 +132,10 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def close(self) -> None:
-        """Release the engine: at tp > 1 stop the workers and destroy the process group. Idempotent;
-        a closed engine runs no more steps."""
+        """Release the engine: drop the decode graphs, and at tp > 1 stop the workers and destroy
+        the process group. Idempotent; a closed engine runs no more steps."""
         self._closed = True
+        self.runner.drop_graphs()  # first: at tp > 1 they hold NCCL kernels of the group about to go
         if self.workers is not None:
             self.workers.close()
 

@@ -60,6 +60,13 @@ class ModelRunner:
         self.max_context_len = max_context_len
         self.decode_graphs = decode_graphs
 
+    def drop_graphs(self) -> None:
+        """Forget the captured decode graphs once the device has finished with them (their memory
+        pool goes back to the allocator); steps after this run eagerly."""
+        if self.decode_graphs is not None:
+            torch.cuda.synchronize(self.device)
+            self.decode_graphs = None
+
     def prepare(
         self, chunks: Sequence[StepChunk], all_logits: bool = False
     ) -> tuple[dict[str, torch.Tensor], AttentionMetadata]:

@@ -10,6 +10,7 @@ Messages, over the worker's pipe to rank 0 (engine/workers.py has rank 0's side)
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import pickle
 import signal
@@ -61,6 +62,7 @@ def _serve(conn: Connection, runner: ModelRunner) -> None:
 def worker_main(rank: int, config: RankConfig, port: int, conn: Connection) -> None:
     """The target of worker `rank`'s process: rendezvous at rank 0's store on `port`, build, serve."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops the workers
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: a stuck worker's stacks on stderr
     try:
         device = config.device_of(rank)
         if device.type == "cuda":
