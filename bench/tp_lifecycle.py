@@ -17,11 +17,12 @@ import argparse
 import contextlib
 import json
 import os
-import select
+import queue
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -61,12 +62,13 @@ def run(preset: str, tp: int, args) -> dict:
     cmd += ["--tokens", str(args.tokens)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
     row: dict = {"preset": preset, "tp": tp, "device": args.device, "phases": {}}
+    lines: queue.Queue[str] = queue.Queue()  # read on a thread: no line waits in a buffer unseen
+    threading.Thread(target=pump, args=(proc.stdout, lines), daemon=True).start()
     exiting_at = None
-    deadline = time.monotonic() + args.timeout
-    assert proc.stdout is not None
-    while True:  # one deadline per phase: each report re-arms it
-        ready, _, _ = select.select([proc.stdout], [], [], max(deadline - time.monotonic(), 0))
-        if not ready:
+    while True:  # each phase gets its own `--timeout`
+        try:
+            line = lines.get(timeout=args.timeout)
+        except queue.Empty:
             waiting = next((p for p in PHASES if p not in row["phases"]), "exit")
             row["hung_in"] = waiting
             print(
@@ -77,7 +79,6 @@ def run(preset: str, tp: int, args) -> dict:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             break
-        line = proc.stdout.readline()
         if not line:  # the child's stdout closed: it has exited (or is about to)
             proc.wait()
             if exiting_at is not None:
@@ -90,11 +91,17 @@ def run(preset: str, tp: int, args) -> dict:
             row["phases"][event["phase"]] = event["s"]
             row.update({k: v for k, v in event.items() if k not in ("phase", "s")})
         print(f"{preset}:{tp}: {line.strip()}", flush=True)
-        deadline = time.monotonic() + args.timeout
     row["returncode"] = proc.returncode
     kill_group(proc.pid)
     shutil.rmtree(art, ignore_errors=True)
     return row
+
+
+def pump(stream, lines: queue.Queue[str]) -> None:
+    """Every line of `stream` into `lines` as it comes, then "" at its end."""
+    for line in stream:
+        lines.put(line)
+    lines.put("")
 
 
 def kill_group(pgid: int) -> None:
