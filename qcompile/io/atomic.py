@@ -41,15 +41,28 @@ def check_free_space(parent: Path, needed: int, what: str, error: type[QCompileE
 @contextmanager
 def _signals_deferred() -> Iterator[None]:
     """Hold SIGINT/SIGTERM for a few statements that must not be split (create-and-register a temp
-    dir; the renames that publish it); a signal that arrives meanwhile is delivered right after."""
+    dir; the renames that publish it); a signal that arrives meanwhile is raised again right after,
+    to the handler that was in place.
+
+    The Python-level handlers are swapped for one that only notes the signal: a signal mask would
+    hold it for this thread only, and the kernel hands a process-directed signal to any thread that
+    does not block it (torch's, a writer pool's), after which Python runs the handler here at once.
+    """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    pending: list[int] = []
+    previous = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(signum) is not None:  # None: a handler not set from Python, left alone
+            previous[signum] = signal.signal(signum, lambda signum, frame: pending.append(signum))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(pending):
+            signal.raise_signal(signum)
 
 
 class AtomicOutputDir:
