@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 PHASES = ("load", "decode", "close", "exit")
+STARTUP_S = 60  # the child's interpreter start, before it can dump its stacks: not timed as a phase
 
 
 def child(art: Path, tp: int, device: str, tokens: int) -> None:
@@ -34,6 +35,7 @@ def child(art: Path, tp: int, device: str, tokens: int) -> None:
     import faulthandler
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    print(json.dumps({"phase": "started"}), flush=True)  # from here on a hang's stacks can be dumped
     import qruntime
 
     def report(phase: str, start: float, **extra) -> None:
@@ -61,13 +63,13 @@ def run(preset: str, tp: int, args) -> dict:
     cmd = [sys.executable, __file__, "--child", str(art), "--tp", str(tp), "--device", args.device]
     cmd += ["--tokens", str(args.tokens)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    row: dict = {"preset": preset, "tp": tp, "device": args.device, "phases": {}}
+    row: dict = {"preset": preset, "tp": tp, "device": args.device, "process_group": proc.pid, "phases": {}}
     lines: queue.Queue[str] = queue.Queue()  # read on a thread: no line waits in a buffer unseen
     threading.Thread(target=pump, args=(proc.stdout, lines), daemon=True).start()
-    exiting_at = None
-    while True:  # each phase gets its own `--timeout`
+    exiting_at, started = None, False
+    while True:  # each phase gets its own `--timeout`; the interpreter's start is not a phase
         try:
-            line = lines.get(timeout=args.timeout)
+            line = lines.get(timeout=args.timeout if started else max(args.timeout, STARTUP_S))
         except queue.Empty:
             waiting = next((p for p in PHASES if p not in row["phases"]), "exit")
             row["hung_in"] = waiting
@@ -85,6 +87,9 @@ def run(preset: str, tp: int, args) -> dict:
                 row["phases"]["exit"] = round(time.time() - exiting_at, 3)
             break
         event = json.loads(line)
+        if event["phase"] == "started":
+            started = True
+            continue
         if event["phase"] == "exiting":
             exiting_at = event["at"]
         else:
