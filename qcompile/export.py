@@ -37,12 +37,13 @@ from typing import Any
 
 import torch
 import yaml
-from qruntime.artifact import ArtifactFormatError, read_manifest, verify_files
+from qruntime.artifact import ArtifactFormatError, read_manifest
 
 from qcompile.checkpoint import GENERATION_FILE, TOKENIZER_FILES
 from qcompile.errors import ExportError
 from qcompile.io.atomic import atomic_output_dir, check_free_space, check_target
 from qcompile.io.safetensors_stream import DTYPES, OutputTensor, StreamingWriter
+from qcompile.manifest import require_verified
 from qcompile.model_card import base_model_name, describe_scheme
 from qcompile.progress import progress_bar
 from qcompile.quant import get_scheme
@@ -76,7 +77,7 @@ def export_compressed_tensors(
     check_target(output, force)
     if output.resolve() == root.resolve() or output.resolve() in root.resolve().parents:
         raise ExportError(f"{output}: the export would replace the artifact it reads; choose another directory")
-    _verify(root, manifest, progress)
+    require_verified(root, manifest, progress, ExportError, "exported")
     groups, kv_values = _layout(manifest)
     shards = _shards(groups, max_shard_bytes)
     total = sum(t.nbytes for shard in shards.values() for t in shard)
@@ -116,18 +117,6 @@ def _read(root: Path) -> dict[str, Any]:
         return read_manifest(root)
     except ArtifactFormatError as exc:
         raise ExportError(str(exc)) from exc
-
-
-def _verify(root: Path, manifest: dict[str, Any], progress: bool) -> None:
-    files = manifest["files"]
-    with progress_bar(sum(f.get("bytes") or 0 for f in files.values()), "verify", progress) as bar:
-        problems = verify_files(root, manifest, progress=lambda rel: bar.update(files[rel].get("bytes") or 0))
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise ExportError(
-            f"{root / problems[0].path}: {problems[0].reason}{more}; the artifact does not verify against its "
-            "manifest, so it is not exported (`qcompile verify` lists every bad file)"
-        )
 
 
 def _layout(manifest: dict[str, Any]) -> tuple[list[Group], dict[str, torch.Tensor]]:

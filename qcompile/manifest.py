@@ -9,10 +9,12 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from qruntime.artifact import FORMAT_VERSION, MANIFEST, sha256_file
+from qruntime.artifact import FORMAT_VERSION, MANIFEST, sha256_file, verify_files
 
+from qcompile.errors import QCompileError
 from qcompile.io.safetensors_stream import DTYPE_NAMES
 from qcompile.plan import TensorPlan
+from qcompile.progress import progress_bar
 
 
 def toolchain() -> dict[str, str | None]:
@@ -96,3 +98,19 @@ def file_table(root: Path, known: dict[str, str] | None = None, workers: int = 2
 def write_manifest(root: Path, manifest: dict[str, Any]) -> None:
     manifest = {"format_version": FORMAT_VERSION, **manifest}
     (root / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+
+
+def require_verified(
+    root: Path, manifest: dict[str, Any], progress: bool, error: type[QCompileError], action: str
+) -> None:
+    """Check every file of `root` against its manifest (with a progress bar over the bytes); raise
+    `error` naming the first bad file and saying the artifact is not `action` (e.g. "exported")."""
+    files = manifest["files"]
+    with progress_bar(sum(f.get("bytes") or 0 for f in files.values()), "verify", progress) as bar:
+        problems = verify_files(root, manifest, progress=lambda rel: bar.update(files[rel].get("bytes") or 0))
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise error(
+            f"{root / problems[0].path}: {problems[0].reason}{more}; the artifact does not verify against its "
+            f"manifest, so it is not {action} (`qcompile verify` lists every bad file)"
+        )

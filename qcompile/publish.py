@@ -44,10 +44,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qruntime.artifact import MANIFEST, ArtifactFormatError, read_manifest, sha256_file, verify_files
+from qruntime.artifact import MANIFEST, ArtifactFormatError, read_manifest, sha256_file
 
 from qcompile.errors import PublishError
 from qcompile.io.atomic import atomic_output_dir
+from qcompile.manifest import require_verified
 from qcompile.model_card import CardInputs, base_model_name, render_card
 from qcompile.progress import progress_bar
 from qcompile.reports import REPORTS, Report, collect_reports
@@ -100,7 +101,7 @@ def publish(
         raise PublishError(f"--to {target}: give a folder or {HUB_SCHEME}ORG/NAME")
     dest = None if hub else _check_folder(Path(target).absolute(), root)
     manifest = _read(root)
-    _verify(root, manifest, progress)
+    require_verified(root, manifest, progress, PublishError, "published")
     manifest = _compiled(manifest)
     reports = collect_reports(root, evals, benches)
     replaced = False
@@ -139,19 +140,6 @@ def _is_publish_output(rel: str) -> bool:
 def _compiled(manifest: dict[str, Any]) -> dict[str, Any]:
     """The manifest less an earlier publish's entries (publishing a published folder again)."""
     return manifest | {"files": {rel: f for rel, f in manifest["files"].items() if not _is_publish_output(rel)}}
-
-
-def _verify(root: Path, manifest: dict[str, Any], progress: bool) -> None:
-    files = manifest["files"]
-    total = sum(f.get("bytes") or 0 for f in files.values())
-    with progress_bar(total, "verify", progress) as bar:
-        problems = verify_files(root, manifest, progress=lambda rel: bar.update(files[rel].get("bytes") or 0))
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise PublishError(
-            f"{root / problems[0].path}: {problems[0].reason}{more}; the artifact does not verify against its "
-            "manifest, so it is not published (`qcompile verify` lists every bad file)"
-        )
 
 
 def _generate(
