@@ -18,10 +18,9 @@ import zlib
 
 import onnx
 import torch
-from onnx import numpy_helper
 
 from qruntime.artifact import ArtifactFormatError
-from qruntime.weights import ONNX_TO_TORCH
+from qruntime.weights import load_initializers, runtime_dtype
 
 FP8_SPREAD = 32.0  # std of the FP8 codes (e4m3 reaches 448)
 WEIGHT_STD = 0.02
@@ -71,20 +70,10 @@ def random_tensor(name: str, shape: list[int], dtype: torch.dtype, device: torch
 def random_initializers(
     graph: onnx.GraphProto, device: torch.device, compute_dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """name -> tensor on `device` for every initializer, as `weights.load_initializers` returns them,
-    with random values for the external (weight file) ones; small inline constants are read as written."""
-    out: dict[str, torch.Tensor] = {}
-    for init in graph.initializer:
-        dtype = ONNX_TO_TORCH.get(init.data_type)
-        if dtype is None:
-            raise ArtifactFormatError(f"graph.onnx initializer {init.name!r} has unsupported type {init.data_type}")
-        if init.data_location == onnx.TensorProto.EXTERNAL:
-            if dtype.is_floating_point and dtype != torch.float8_e4m3fn:
-                dtype = compute_dtype
-            out[init.name] = random_tensor(init.name, list(init.dims), dtype, device)
-            continue
-        tensor = torch.from_numpy(numpy_helper.to_array(init).copy())
-        if tensor.is_floating_point() and dtype != torch.float8_e4m3fn:
-            tensor = tensor.to(compute_dtype)
-        out[init.name] = tensor.to(device)
-    return out
+    """`weights.load_initializers` with random values, made on `device`, for the external (weight
+    file) initializers; small inline constants are read as written."""
+
+    def make(init: onnx.TensorProto, dtype: torch.dtype) -> torch.Tensor:
+        return random_tensor(init.name, list(init.dims), runtime_dtype(dtype, compute_dtype), device)
+
+    return load_initializers(None, graph, device, compute_dtype, external=make)

@@ -7,6 +7,7 @@ engine copies them straight from the mapping to the device, with no host copy in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import onnx
@@ -55,23 +56,37 @@ def _external(root: Path, init: onnx.TensorProto, dtype: torch.dtype, files: dic
     return data[offset : offset + length].view(dtype).reshape(shape)
 
 
+def runtime_dtype(dtype: torch.dtype, compute_dtype: torch.dtype) -> torch.dtype:
+    """What a stored initializer dtype becomes at run time: floating weights that are not FP8 take
+    `compute_dtype`; FP8 weights and integer constants keep their type."""
+    return compute_dtype if dtype.is_floating_point and dtype != torch.float8_e4m3fn else dtype
+
+
 def load_initializers(
-    root: str | Path, graph: onnx.GraphProto, device: torch.device, compute_dtype: torch.dtype
+    root: str | Path | None,
+    graph: onnx.GraphProto,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    external: Callable[[onnx.TensorProto, torch.dtype], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """name -> tensor on `device` for every initializer; floating weights that are not FP8 are cast to
-    `compute_dtype`, FP8 weights and integer constants keep their type."""
-    root = Path(root)
+    """name -> tensor on `device` in its `runtime_dtype` for every initializer. The external ones
+    (weight-file bytes) are mapped from the files under `root`, or made by `external(init, dtype)`
+    instead (a synthetic artifact's random weights); small inline constants are read as written."""
     files: dict[str, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
     for init in graph.initializer:
         dtype = ONNX_TO_TORCH.get(init.data_type)
         if dtype is None:
             raise ArtifactFormatError(f"graph.onnx initializer {init.name!r} has unsupported type {init.data_type}")
-        if init.data_location == onnx.TensorProto.EXTERNAL:
-            tensor = _external(root, init, dtype, files)
-        else:
+        if init.data_location != onnx.TensorProto.EXTERNAL:
             tensor = torch.from_numpy(numpy_helper.to_array(init).copy())
-        if tensor.is_floating_point() and dtype != torch.float8_e4m3fn:
-            tensor = tensor.to(compute_dtype)
-        out[init.name] = tensor.to(device)
+        elif external is not None:
+            tensor = external(init, dtype)
+        elif root is None:
+            raise ValueError(
+                f"initializer {init.name!r} is in a weight file: load_initializers needs the artifact's root"
+            )
+        else:
+            tensor = _external(Path(root), init, dtype, files)
+        out[init.name] = tensor.to(runtime_dtype(dtype, compute_dtype)).to(device)
     return out

@@ -189,3 +189,25 @@ def test_cpu_fp8_weights_map_the_shard(art):
     for name, w in fp8.items():
         assert w.untyped_storage().nbytes() == size, name
         assert torch.equal(w.view(torch.uint8), stored[name].view(torch.uint8)), name
+
+
+def test_load_initializers_reads_the_files_or_makes_them_and_needs_a_root_to_read(art):
+    from qruntime.weights import load_initializers, runtime_dtype
+
+    graph = onnx.load(str(art / "graph.onnx"), load_external_data=False).graph
+    read = load_initializers(art, graph, torch.device("cpu"), torch.float32)
+    seen = []
+
+    def make(init, dtype):
+        seen.append((init.name, dtype))
+        return torch.full(list(init.dims), 2.0).to(dtype)
+
+    made = load_initializers(None, graph, torch.device("cpu"), torch.float32, external=make)
+    assert read.keys() == made.keys() and len(seen) > 0
+    for name, dtype in seen:  # made in place of the file bytes, then in the same run-time dtype
+        assert made[name].dtype == read[name].dtype == runtime_dtype(dtype, torch.float32)
+        assert made[name].shape == read[name].shape and not torch.equal(made[name], read[name])
+    for name in read.keys() - {name for name, _ in seen}:  # inline constants: read either way
+        assert torch.equal(made[name], read[name])
+    with pytest.raises(ValueError, match="needs the artifact's root"):
+        load_initializers(None, graph, torch.device("cpu"), torch.float32)
