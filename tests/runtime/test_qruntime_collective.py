@@ -20,6 +20,7 @@ from qruntime.ops.registry import reference_ops, triton_ops
 OPS = ("AllReduce", "AllReduceAddRMSNorm", "AllReduceAddRMSNormQuant")
 ATTRS = {"AllReduce": {}, "AllReduceAddRMSNorm": {"epsilon": 1e-6}}
 ATTRS["AllReduceAddRMSNormQuant"] = {"epsilon": 1e-6, "group_size": 0}
+GROUPED = {"group_size": 16}  # per-group scales: no kernel, the reference op after the all-reduce
 TABLES = {"reference": reference_ops, "triton": triton_ops}
 
 
@@ -48,6 +49,8 @@ def _rank(rank: int, store: str, inputs: dict, out: str) -> None:
                 args = (x.clone(),) if op == "AllReduce" else (x.clone(), residual, w)
                 result = impl(None, *args)
                 results[(table, op)] = result if isinstance(result, tuple) else (result,)
+            grouped = make()[("qcompile", "AllReduceAddRMSNormQuant")](ATTRS["AllReduceAddRMSNormQuant"] | GROUPED, env)
+            results[(table, "grouped")] = grouped(None, x.clone(), residual, w)  # the fast table runs the reference
         torch.save(results, out.format(rank))
     finally:
         dist.destroy_process_group()
@@ -71,6 +74,9 @@ def test_two_ranks_sum_their_partial_outputs_then_normalize(tmp_path: Path) -> N
         "AllReduceAddRMSNormQuant": (*fn.dynamic_quant(y, 0), h),
     }
     for results in ranks:
+        for table in TABLES:
+            for g, w in zip(results[(table, "grouped")], (*fn.dynamic_quant(y, 16), h), strict=True):
+                assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), table
         for op in OPS:
             got = results[("reference", op)]
             assert len(got) == len(want[op])

@@ -259,35 +259,29 @@ class AllReduce(collective.AllReduce):
         return x
 
 
-class AllReduceAddRMSNorm(collective.AllReduceAddRMSNorm):
-    """All-reduce x in place (the rank's partial sum, read by nothing else), then the AddRMSNorm kernel."""
+class AllReduceAddRMSNorm(AddRMSNorm):
+    """All-reduce x in place (the rank's partial sum, read by nothing else), then AddRMSNorm's kernel."""
 
     def __init__(self, attrs, env, consts=()) -> None:
         super().__init__(attrs, env, consts)
-        from qruntime.kernels.add_rmsnorm_quant import add_rmsnorm
-
-        self.kernel = add_rmsnorm
+        collective.check_group(env)
 
     def __call__(self, step, x, residual, w):
         torch.distributed.all_reduce(x, group=self.env.tp_group)
-        return self.kernel(x, residual, w, self.a["epsilon"])
+        return super().__call__(step, x, residual, w)
 
 
-class AllReduceAddRMSNormQuant(collective.AllReduceAddRMSNormQuant):
-    """All-reduce x in place (the rank's partial sum, read by nothing else), then the AddRMSNormQuant
+class AllReduceAddRMSNormQuant(AddRMSNormQuant):
+    """All-reduce x in place (the rank's partial sum, read by nothing else), then AddRMSNormQuant's
     kernel (per-token quantization; other group sizes run the reference)."""
 
     def __init__(self, attrs, env, consts=()) -> None:
         super().__init__(attrs, env, consts)
-        from qruntime.kernels.add_rmsnorm_quant import add_rmsnorm_quant
-
-        self.kernel = add_rmsnorm_quant if self.a["group_size"] == 0 else None
+        collective.check_group(env)
 
     def __call__(self, step, x, residual, w):
-        if self.kernel is None:
-            return super().__call__(step, x, residual, w)
         torch.distributed.all_reduce(x, group=self.env.tp_group)
-        return self.kernel(x, residual, w, self.a["epsilon"])
+        return super().__call__(step, x, residual, w)
 
 
 FAST_COLLECTIVE_OPS = (AllReduce, AllReduceAddRMSNorm, AllReduceAddRMSNormQuant)
