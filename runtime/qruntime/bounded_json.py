@@ -1,0 +1,71 @@
+"""JSON from someone else's bytes, with bounds: a request body, a manifest, a config, a safetensors header.
+
+`json.loads` has no depth limit of its own (deep nesting ends in RecursionError, or a stack that Python
+only just catches) and accepts strings no UTF-8 text can hold (lone surrogates written as `\\ud800`),
+which later break whatever encodes them (a tokenizer, a file name, a response). `loads` turns both into
+a `JSONLimitError` naming where in the document the problem is, so every reader reports bad input the
+same way, as a ValueError its caller already handles.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+MAX_DEPTH = 64  # arrays/objects inside each other; every document we read needs fewer than 10
+
+
+class JSONLimitError(ValueError):
+    """The document is valid JSON but past a bound: too deeply nested, or a string that is not text."""
+
+
+def loads(raw: str | bytes, *, what: str, max_depth: int = MAX_DEPTH) -> Any:
+    """Parse `raw` (UTF-8 bytes or str); `what` names the document in errors.
+
+    Raises json.JSONDecodeError / UnicodeDecodeError for malformed input (both ValueErrors) and
+    JSONLimitError for nesting deeper than `max_depth` or a string holding a lone surrogate.
+    """
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise JSONLimitError(f"{what}: nested more than {max_depth} levels deep") from None
+    check(value, what=what, max_depth=max_depth)
+    return value
+
+
+def check(value: Any, *, what: str, max_depth: int = MAX_DEPTH) -> None:
+    """Walk a parsed document (without recursion) and enforce loads' bounds on it."""
+    stack: list[tuple[Any, str, int]] = [(value, "", 0)]
+    while stack:
+        item, where, depth = stack.pop()
+        if isinstance(item, str):
+            _check_text(item, what, where)
+            continue
+        if not isinstance(item, dict | list):
+            continue
+        if depth >= max_depth:
+            at = where if len(where) <= 60 else "..." + where[-57:]
+            raise JSONLimitError(f"{what}: nested more than {max_depth} levels deep (at {at or 'the top'})")
+        if isinstance(item, dict):
+            for key, child in item.items():
+                _check_text(key, what, where)
+                stack.append((child, f"{where}.{_short(key)}" if where else _short(key), depth + 1))
+        else:
+            stack.extend((child, f"{where}[{i}]", depth + 1) for i, child in enumerate(item))
+
+
+def _check_text(text: str, what: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        place = f" at {where}" if where else ""
+        raise JSONLimitError(
+            f"{what}: a string{place} holds a lone surrogate ({exc.object[exc.start]!a} at character {exc.start}), "
+            "which is not text"
+        ) from None
+
+
+def _short(key: str) -> str:
+    """A key as it appears in an error's path: bounded, and printable whatever it holds."""
+    shown = key if len(key) <= 40 else key[:37] + "..."
+    return shown.encode("utf-8", "backslashreplace").decode("utf-8")
