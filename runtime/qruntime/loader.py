@@ -8,7 +8,15 @@ from typing import Any
 
 import torch
 
-from qruntime.artifact import ArtifactFormatError, check_relative_path, read_manifest, verify_files
+from qruntime.artifact import (
+    ArtifactFormatError,
+    artifact_path,
+    file_problem,
+    optional_artifact_path,
+    read_manifest,
+    require,
+    verify_files,
+)
 from qruntime.engine.engine import Engine
 from qruntime.engine.scheduler import Scheduler, SchedulerConfig
 from qruntime.engine.workers import Workers
@@ -16,8 +24,18 @@ from qruntime.hub import is_hub_url, pull
 from qruntime.kv_cache import KVCacheSpec
 from qruntime.rank import Rank, RankConfig, build_rank
 from qruntime.synthetic import is_synthetic
-from qruntime.tokenizer import Tokenizer, TokenizerError
+from qruntime.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG, TOKENIZER_JSON, Tokenizer, TokenizerError
 
+MAX_CPU_TP = 8  # ranks a CPU (gloo) engine may spawn: one process each
+# what Tokenizer.from_dir reads when present: each must be a file the manifest lists, reached by no link
+TOKENIZER_READS = (
+    TOKENIZER_JSON,
+    TOKENIZER_CONFIG,
+    "special_tokens_map.json",
+    "generation_config.json",
+    "config.json",
+    CHAT_TEMPLATE_FILE,
+)
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -46,17 +64,14 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def _check_files(root: Path, manifest: dict, verify: bool) -> None:
-    """Every listed file must exist with its size (cheap, always); with verify, its sha256 too."""
+    """Every listed file must be a regular file of the artifact (no link) with its size (cheap,
+    always); with verify, its sha256 too."""
     if verify:
         problems = [str(p) for p in verify_files(root, manifest)]
     else:
-        problems = []
-        for rel, info in manifest["files"].items():
-            path = root / check_relative_path(rel)
-            if not path.is_file():
-                problems.append(f"{rel}: missing")
-            elif path.stat().st_size != info.get("bytes"):
-                problems.append(f"{rel}: size {path.stat().st_size} != manifest {info.get('bytes')}")
+        problems = [
+            str(p) for rel, info in manifest["files"].items() if (p := file_problem(root, rel, info, hashes=False))
+        ]
     if problems:
         raise ArtifactFormatError(f"{root}: the artifact does not match its manifest:\n  " + "\n  ".join(problems))
 
@@ -79,9 +94,7 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> s
 
 def _check_tp(tp: int | None, manifest: dict, root: Path) -> int:
     """The artifact's tp; a different `tp` asked for is a ValueError naming both."""
-    sharded = manifest.get("tp", 1)
-    if not isinstance(sharded, int) or isinstance(sharded, bool) or sharded < 1:
-        raise ArtifactFormatError(f"{root / 'manifest.json'}: tp {sharded!r} is not a positive integer")
+    sharded = manifest.get("tp", 1)  # a power of two up to manifest_schema.MAX_TP, checked on read
     if tp is not None and tp != sharded:
         raise ValueError(
             f"tp={tp} was asked for but {root} is sharded for tp={sharded}: load it with tp={sharded} "
@@ -94,16 +107,21 @@ def _graph_files(manifest: dict, tp: int, root: Path) -> tuple[str, ...]:
     """Each rank's graph file: graph.file at tp=1, graph.files (graph.rank{r}.onnx) at tp > 1."""
     graph = manifest.get("graph", {})
     files = [graph.get("file", "graph.onnx")] if tp == 1 else graph.get("files")
-    if not isinstance(files, list) or len(files) != tp or not all(isinstance(f, str) for f in files):
+    if not isinstance(files, list) or len(files) != tp:
         raise ArtifactFormatError(
-            f"{root / 'manifest.json'}: a tp={tp} artifact lists one graph file per rank in graph.files (got {files!r})"
+            f"{root / 'manifest.json'}: a tp={tp} artifact lists one graph file per rank in graph.files"
         )
     for name in files:
-        check_relative_path(name)
+        artifact_path(root, name, listed=manifest["files"])
     return tuple(files)
 
 
 def _check_tp_device(device: torch.device, tp: int) -> None:
+    """Before anything is spawned: rank r on cuda:r needs tp GPUs; a CPU engine at most MAX_CPU_TP ranks."""
+    if tp > MAX_CPU_TP and device.type == "cpu":
+        raise ValueError(
+            f"tp={tp} on CPU would start {tp - 1} worker processes; the CPU engine runs at most tp={MAX_CPU_TP}"
+        )
     if tp > 1 and device.type == "cuda":
         if device.index not in (None, 0):
             raise ValueError(
@@ -184,14 +202,16 @@ def load(
     compute_dtype = _resolve_dtype(dtype, manifest)
     backend = resolve_backend(backend, device, compute_dtype)
     _check_files(root, manifest, verify)
+    require(manifest, root, "kv_cache", "spec.vocab_size", "spec.max_position_embeddings")
     try:
         kv_spec = KVCacheSpec.from_manifest(manifest["kv_cache"])
-        spec = manifest["spec"]
-        vocab_size, context = int(spec["vocab_size"]), int(spec["max_position_embeddings"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ArtifactFormatError(f"{root / 'manifest.json'}: bad spec / kv_cache entry ({exc!r})") from exc
+    except ValueError as exc:
+        raise ArtifactFormatError(f"{root / 'manifest.json'}: {exc}") from exc
+    vocab_size, context = manifest["spec"]["vocab_size"], manifest["spec"]["max_position_embeddings"]
     if max_model_len is not None and not 1 < max_model_len <= context:
         raise ValueError(f"max_model_len {max_model_len} must be in 2..{context} (the model's context)")
+    for name in TOKENIZER_READS:  # Tokenizer.from_dir reads them by name: confine them first
+        optional_artifact_path(root, name, listed=manifest["files"])
     try:
         tokenizer = Tokenizer.from_dir(root)
     except TokenizerError as exc:
@@ -200,6 +220,7 @@ def load(
     config = RankConfig(
         root=root,
         graph_files=graph_files,
+        listed=frozenset(manifest["files"]),
         kv_spec=kv_spec,
         device=device,
         dtype=compute_dtype,

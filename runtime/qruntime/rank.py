@@ -21,7 +21,7 @@ import onnx
 import torch
 import torch.distributed as dist
 
-from qruntime.artifact import ArtifactFormatError
+from qruntime.artifact import ArtifactFormatError, artifact_path
 from qruntime.engine.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
 from qruntime.engine.model_runner import ModelRunner
 from qruntime.kernel_configs import KernelTable, load_kernel_table
@@ -45,6 +45,7 @@ class RankConfig:
 
     root: Path
     graph_files: tuple[str, ...]  # rank r's graph, relative to root; one per rank
+    listed: frozenset[str]  # the manifest's files: the only ones read (qruntime.artifact.artifact_path)
     kv_spec: KVCacheSpec
     device: torch.device  # tp=1: the device; tp>1 on CUDA: rank r runs on cuda:r
     dtype: torch.dtype
@@ -108,7 +109,7 @@ def _kernels(config: RankConfig, device: torch.device, warn: bool) -> KernelTabl
     if config.backend != "triton":
         return None
     gpu = torch.cuda.get_device_name(device)
-    kernels = load_kernel_table(config.root, gpu)
+    kernels = load_kernel_table(config.root, gpu, config.listed)
     if kernels is None and warn:
         warnings.warn(
             f"{config.root}: no tuned kernel configs for {gpu}; using default configs (`qcompile tune` makes them)",
@@ -146,13 +147,13 @@ def build_rank(
 ) -> Rank:
     """Build rank `rank`'s runner (see the module docstring); `store` rendezvous the tp > 1 group."""
     device = config.device_of(rank)
-    graph_path = config.root / config.graph_files[rank]
+    graph_path = artifact_path(config.root, config.graph_files[rank], listed=config.listed)
     graph = read_graph(graph_path)
     kernels = _kernels(config, device, warn=rank == 0)
     if config.synthetic:
-        weights = random_initializers(graph, device, config.dtype)
+        weights = random_initializers(config.root, graph, device, config.dtype, config.listed)
     else:
-        weights = load_initializers(config.root, graph, device, config.dtype)
+        weights = load_initializers(config.root, graph, device, config.dtype, listed=config.listed)
     checkpoint("loaded")
 
     group = init_group(config, rank, store) if config.tp > 1 else None

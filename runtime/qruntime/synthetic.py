@@ -15,6 +15,8 @@ of its name alone, so a tensor replicated over tensor-parallel ranks is equal on
 from __future__ import annotations
 
 import zlib
+from collections.abc import Container
+from pathlib import Path
 
 import onnx
 import torch
@@ -68,12 +70,18 @@ def random_tensor(name: str, shape: list[int], dtype: torch.dtype, device: torch
 
 
 def random_initializers(
-    graph: onnx.GraphProto, device: torch.device, compute_dtype: torch.dtype
+    root: Path,
+    graph: onnx.GraphProto,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    listed: Container[str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """`weights.load_initializers` with random values, made on `device`, for the external (weight
-    file) initializers; small inline constants are read as written."""
+    file) initializers, each checked against its (sparse) file under `root` first, so a shape the
+    file could not hold is refused before anything is allocated; small inline constants are read
+    as written."""
 
     def make(init: onnx.TensorProto, dtype: torch.dtype) -> torch.Tensor:
         return random_tensor(init.name, list(init.dims), runtime_dtype(dtype, compute_dtype), device)
 
-    return load_initializers(None, graph, device, compute_dtype, external=make)
+    return load_initializers(root, graph, device, compute_dtype, external=make, listed=listed)

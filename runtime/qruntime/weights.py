@@ -7,14 +7,15 @@ engine copies them straight from the mapping to the device, with no host copy in
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Container
 from pathlib import Path
 
 import onnx
 import torch
 from onnx import numpy_helper
 
-from qruntime.artifact import ArtifactFormatError, check_relative_path
+from qruntime.artifact import ArtifactFormatError, artifact_path
 
 ONNX_TO_TORCH = {
     onnx.TensorProto.FLOAT: torch.float32,
@@ -27,33 +28,49 @@ ONNX_TO_TORCH = {
 }
 
 
-def _mapped(root: Path, location: str, cache: dict[str, torch.Tensor]) -> torch.Tensor:
-    if location not in cache:
-        path = root / check_relative_path(location)
-        if not path.is_file():
-            raise ArtifactFormatError(f"{path}: weight file named by graph.onnx is missing")
-        size = path.stat().st_size
-        storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
-        cache[location] = torch.empty(0, dtype=torch.uint8).set_(storage)
-    return cache[location]
+def _mapped(path: Path, cache: dict[Path, torch.Tensor]) -> torch.Tensor:
+    if path not in cache:
+        storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=path.stat().st_size)
+        cache[path] = torch.empty(0, dtype=torch.uint8).set_(storage)
+    return cache[path]
 
 
-def _external(root: Path, init: onnx.TensorProto, dtype: torch.dtype, files: dict[str, torch.Tensor]) -> torch.Tensor:
+def external_extent(
+    root: Path, init: onnx.TensorProto, dtype: torch.dtype, listed: Container[str] | None
+) -> tuple[Path, int, int]:
+    """(file, offset, length) of an initializer's external data, checked before any byte is read or
+    allocated: the file confined to the artifact and listed by its manifest (artifact_path), the
+    length that of the shape (in Python integers: a huge shape cannot wrap around), the bytes inside
+    the file."""
+    where = f"graph initializer {init.name[:200]!r}"
     info = {entry.key: entry.value for entry in init.external_data}
-    data = _mapped(root, info["location"], files)
-    offset, length = int(info.get("offset", 0)), int(info["length"])
+    if "location" not in info or "length" not in info:
+        raise ArtifactFormatError(f"{where}: its external data names no location or no length")
+    path = artifact_path(root, info["location"], listed=listed)
+    try:
+        offset, length = int(info.get("offset", "0")), int(info["length"])
+    except ValueError:
+        raise ArtifactFormatError(f"{where}: external data offset / length are not integers") from None
     shape = list(init.dims)
-    expected = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    if any(d < 0 for d in shape):
+        raise ArtifactFormatError(f"{where}: negative dimension in shape {shape}")
+    expected = math.prod(shape) * dtype.itemsize
     if length != expected:
+        raise ArtifactFormatError(f"{where}: {length} bytes for shape {shape} of {dtype} (expected {expected})")
+    size = path.stat().st_size
+    if offset < 0 or offset + length > size:
         raise ArtifactFormatError(
-            f"graph.onnx initializer {init.name!r}: {length} bytes for shape {shape} of {dtype} (expected {expected})"
+            f"{path}: initializer {init.name[:200]!r} needs bytes {offset}..{offset + length} but the file has "
+            f"{size} (truncated?)"
         )
-    if offset + length > data.numel():
-        raise ArtifactFormatError(
-            f"{info['location']}: initializer {init.name!r} needs bytes {offset}..{offset + length} but the file "
-            f"has {data.numel()} (truncated?)"
-        )
-    return data[offset : offset + length].view(dtype).reshape(shape)
+    return path, offset, length
+
+
+def _inline(init: onnx.TensorProto) -> torch.Tensor:
+    try:
+        return torch.from_numpy(numpy_helper.to_array(init).copy())
+    except (ValueError, TypeError) as exc:  # dims that the stored values do not fill
+        raise ArtifactFormatError(f"graph initializer {init.name[:200]!r}: {exc}") from None
 
 
 def runtime_dtype(dtype: torch.dtype, compute_dtype: torch.dtype) -> torch.dtype:
@@ -68,25 +85,33 @@ def load_initializers(
     device: torch.device,
     compute_dtype: torch.dtype,
     external: Callable[[onnx.TensorProto, torch.dtype], torch.Tensor] | None = None,
+    *,
+    listed: Container[str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """name -> tensor on `device` in its `runtime_dtype` for every initializer. The external ones
     (weight-file bytes) are mapped from the files under `root`, or made by `external(init, dtype)`
-    instead (a synthetic artifact's random weights); small inline constants are read as written."""
-    files: dict[str, torch.Tensor] = {}
+    instead (a synthetic artifact's random weights); small inline constants are read as written.
+    With `root`, every external initializer is first checked against its file (external_extent;
+    `listed`: the manifest's files, the only ones it may name), the made ones too."""
+    files: dict[Path, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
     for init in graph.initializer:
         dtype = ONNX_TO_TORCH.get(init.data_type)
         if dtype is None:
             raise ArtifactFormatError(f"graph.onnx initializer {init.name!r} has unsupported type {init.data_type}")
         if init.data_location != onnx.TensorProto.EXTERNAL:
-            tensor = torch.from_numpy(numpy_helper.to_array(init).copy())
-        elif external is not None:
+            tensor = _inline(init)
+        elif root is None and external is not None:
             tensor = external(init, dtype)
         elif root is None:
             raise ValueError(
                 f"initializer {init.name!r} is in a weight file: load_initializers needs the artifact's root"
             )
         else:
-            tensor = _external(Path(root), init, dtype, files)
+            path, offset, length = external_extent(Path(root), init, dtype, listed)
+            if external is not None:
+                tensor = external(init, dtype)
+            else:
+                tensor = _mapped(path, files)[offset : offset + length].view(dtype).reshape(list(init.dims))
         out[init.name] = tensor.to(runtime_dtype(dtype, compute_dtype)).to(device)
     return out

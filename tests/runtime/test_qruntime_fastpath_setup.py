@@ -18,16 +18,29 @@ from qruntime.loader import resolve_backend
 from qcompile.cli import main as qcompile_main
 
 
+def gemm(block_m: int) -> dict:
+    """A valid Triton PTPCLinear config (the tuner's record) with this block_m."""
+    return {
+        "backend": "triton",
+        "block_m": block_m,
+        "block_n": 64,
+        "block_k": 128,
+        "split_k": 1,
+        "num_warps": 4,
+        "num_stages": 3,
+    }
+
+
 def test_kernel_table_picks_the_smallest_bucket_at_or_above_the_tokens():
     table = KernelTable.from_dict(
         {
             "device": "GPU X",
-            "entries": {"PTPCLinear:8x4": {"1": {"backend": "a"}, "16": {"backend": "b"}, "256": {"backend": "c"}}},
+            "entries": {"PTPCLinear:8x4": {"1": gemm(16), "16": gemm(32), "256": {"backend": "cublaslt"}}},
         },
         "t.json",
     )
-    picks = {m: table.lookup("PTPCLinear:8x4", m)["backend"] for m in (1, 2, 16, 17, 256, 9000)}
-    assert picks == {1: "a", 2: "b", 16: "b", 17: "c", 256: "c", 9000: "c"}
+    picks = {m: table.lookup("PTPCLinear:8x4", m).get("block_m", "cublaslt") for m in (1, 2, 16, 17, 256, 9000)}
+    assert picks == {1: 16, 2: 32, 16: 32, 17: "cublaslt", 256: "cublaslt", 9000: "cublaslt"}
     assert table.lookup("PTPCLinear:9x9", 4) is None
     with pytest.raises(ValueError, match="t.json: not a kernel-config table"):
         KernelTable.from_dict({"entries": {}}, "t.json")

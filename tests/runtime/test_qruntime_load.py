@@ -125,7 +125,9 @@ def test_tp_other_than_the_artifacts_names_both(art):
 
 def test_tp_manifest_without_a_graph_per_rank(copy):
     edit_manifest(copy, lambda m: m.update(tp=2))  # graph still {"file": "graph.onnx"}
-    with pytest.raises(ArtifactFormatError, match=r"a tp=2 artifact lists one graph file per rank in graph.files"):
+    with pytest.raises(
+        ArtifactFormatError, match=r"graph.files must be a list of 2 graph files \(one per rank at tp=2\)"
+    ):
         qruntime.load(copy, **SMALL_CACHE)
 
 
