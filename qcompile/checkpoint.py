@@ -8,7 +8,6 @@ and dtype. Tensors are then read lazily, by row range, through `TensorEntry.read
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,10 +16,24 @@ import torch
 import yaml
 from qruntime.artifact import sha256_file
 
-from qcompile.errors import CheckpointError
+from qcompile.errors import CheckpointError, shown
+from qcompile.io import bounded_yaml
 from qcompile.io.safetensors_stream import DTYPE_NAMES, TensorEntry, read_header
-from qcompile.model import LM_HEAD, expected_tensors
-from qcompile.spec import ModelSpec, load_config
+from qcompile.model import (
+    EMBED,
+    LM_HEAD,
+    attn_proj,
+    count_expected,
+    expected_tensors,
+    expert_of,
+    expert_proj,
+    iter_expected,
+    layer_of,
+    mlp_proj,
+    norm,
+    router,
+)
+from qcompile.spec import ModelSpec, load_config, read_json
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -35,7 +48,10 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+# What qruntime needs to turn text into token ids; an artifact without it serves token-id prompts only.
+REQUIRED_TOKENIZER_FILES = ("tokenizer.json",)
 GENERATION_FILE = "generation_config.json"
+MAX_INDEX_BYTES = 64 << 20  # a shard index names each tensor once: ~2 MB for the largest Qwen3
 CARD_FILE = "README.md"  # the model card; its YAML front matter may name the license
 
 log = logging.getLogger(__name__)
@@ -61,6 +77,7 @@ class Checkpoint:
         spec = ModelSpec.from_config(config, source=str(root / "config.json"))
         shards, index = _shard_files(root)
         tensors = _read_headers(shards, index)
+        check_sizes(spec, tensors, source=str(root / "config.json"))
         unused = _check_complete(spec, tensors)
         for name in unused:
             log.warning(
@@ -73,6 +90,10 @@ class Checkpoint:
 
     def entry(self, name: str) -> TensorEntry:
         return self.tensors[name]
+
+    def missing_tokenizer_files(self) -> list[str]:
+        """The files qruntime needs for text prompts (REQUIRED_TOKENIZER_FILES) that the checkpoint lacks."""
+        return [name for name in REQUIRED_TOKENIZER_FILES if not (self.path / name).is_file()]
 
     def side_files(self) -> list[Path]:
         """Tokenizer, generation and license files to copy into the artifact."""
@@ -102,7 +123,7 @@ def front_matter(path: Path) -> dict:
         log.warning("%s: front matter has no closing '---' line; ignored", path)
         return {}
     try:
-        meta = yaml.safe_load("\n".join(lines[1:end]))
+        meta = bounded_yaml.loads("\n".join(lines[1:end]), what=f"{path} front matter")
     except yaml.YAMLError as exc:
         log.warning("%s: front matter is not valid YAML (%s); ignored", path, exc)
         return {}
@@ -125,22 +146,21 @@ def fingerprint(checkpoint: Checkpoint) -> str:
 def _shard_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
     index_path = root / INDEX_FILE
     if index_path.is_file():
-        try:
-            index = json.loads(index_path.read_text(encoding="utf-8"))
-            weight_map = index["weight_map"]
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index_path}: malformed shard index ({exc!r})") from exc
+        index = read_json(index_path, MAX_INDEX_BYTES)
+        if not isinstance(index, dict) or "weight_map" not in index:
+            raise CheckpointError(f"{index_path}: malformed shard index (no 'weight_map' object)")
+        weight_map = index["weight_map"]
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index_path}: 'weight_map' must map tensor names to file names")
         names = sorted(set(weight_map.values()))
         for name in names:
             if Path(name).name != name:
-                raise CheckpointError(f"{index_path}: shard {name!r} must be a file name in the checkpoint dir")
+                raise CheckpointError(f"{index_path}: shard {shown(name)} must be a file name in the checkpoint dir")
             if not (root / name).is_file():
                 users = sorted(k for k, v in weight_map.items() if v == name)
                 raise CheckpointError(
                     f"{root / name}: shard listed in {INDEX_FILE} is missing "
-                    f"(it should hold {len(users)} tensors, e.g. {users[0]!r})"
+                    f"(it should hold {len(users)} tensors, e.g. {shown(users[0])})"
                 )
         return [root / n for n in names], weight_map
     if (root / SINGLE_FILE).is_file():
@@ -158,24 +178,36 @@ def _read_headers(shards: list[Path], index: dict[str, str] | None) -> dict[str,
         for name, entry in entries.items():
             if name in tensors:
                 raise CheckpointError(
-                    f"tensor {name!r} is duplicated: in {tensors[name].file.name} and in {shard.name}"
+                    f"tensor {shown(name)} is duplicated: in {tensors[name].file.name} and in {shard.name}"
                 )
             if index is not None and index.get(name) != shard.name:
                 where = index.get(name)
                 raise CheckpointError(
-                    f"{shard.name}: holds tensor {name!r} which {INDEX_FILE} "
-                    + (f"places in {where}" if where else "does not list")
+                    f"{shard.name}: holds tensor {shown(name)} which {INDEX_FILE} "
+                    + (f"places in {shown(where)}" if where else "does not list")
                 )
             tensors[name] = entry
     if index is not None:
         for name, shard_name in sorted(index.items()):
             if name not in tensors:
-                raise CheckpointError(f"{shard_name}: tensor {name!r} is listed in {INDEX_FILE} but not in the shard")
+                raise CheckpointError(
+                    f"{shown(shard_name)}: tensor {shown(name)} is listed in {INDEX_FILE} but not in the shard"
+                )
     return tensors
 
 
 def _check_complete(spec: ModelSpec, tensors: dict[str, TensorEntry]) -> tuple[str, ...]:
-    """Every expected tensor present once with the right shape and dtype; nothing unexpected."""
+    """Every expected tensor present once with the right shape and dtype; nothing unexpected.
+
+    Counted before it is listed: when the config implies more tensors than the shards hold, the
+    first one missing is found by walking the expected names lazily (at most one past the count held)."""
+    want = count_expected(spec)
+    if want > len(tensors):
+        first = next(name for name, _ in iter_expected(spec) if name not in tensors)
+        raise CheckpointError(
+            f"tensor {first!r} is missing from the checkpoint "
+            f"(config.json implies {want} tensors, the shards hold {len(tensors)})"
+        )
     expected = expected_tensors(spec)
     want_dtype = DTYPE_NAMES[getattr(torch, spec.dtype)]
     missing = [n for n in expected if n not in tensors]
@@ -189,7 +221,7 @@ def _check_complete(spec: ModelSpec, tensors: dict[str, TensorEntry]) -> tuple[s
                 unused.append(name)
                 continue
             raise CheckpointError(
-                f"{entry.file.name}: unexpected tensor {name!r} for {spec.architecture} with this config.json"
+                f"{entry.file.name}: unexpected tensor {shown(name)} for {spec.architecture} with this config.json"
             )
         if entry.shape != expected[name]:
             raise CheckpointError(
@@ -201,3 +233,52 @@ def _check_complete(spec: ModelSpec, tensors: dict[str, TensorEntry]) -> tuple[s
                 f"{entry.file.name}: tensor {name!r} is {entry.dtype}, config.json says {spec.dtype} ({want_dtype})"
             )
     return tuple(unused)
+
+
+def check_sizes(spec: ModelSpec, tensors: dict[str, TensorEntry], source: str = "config.json") -> None:
+    """Hold config.json's sizes to the tensors the shards hold, in time linear in their number, before
+    anything is listed or built from the sizes (a config saying 10**12 layers must not make the
+    compiler enumerate them). Each error names the key and the tensor that contradicts it."""
+    layers = {i for name in tensors if (i := layer_of(name)) is not None}
+    if spec.num_hidden_layers != len(layers):
+        held = f"model.layers.{min(layers)} to model.layers.{max(layers)}" if layers else "none"
+        raise CheckpointError(
+            f"{source}: 'num_hidden_layers' is {spec.num_hidden_layers} but the checkpoint's tensors hold "
+            f"{len(layers)} decoder layers ({held})"
+        )
+    h, d = spec.hidden_size, spec.head_dim
+    kinds = [spec.is_sparse_layer(i) for i in range(spec.num_hidden_layers)]
+    checks = [
+        (f"{EMBED}.weight", (spec.vocab_size, h), "'vocab_size' x 'hidden_size'"),
+        (f"{norm(0, 'self_attn.q_norm')}.weight", (d,), "'head_dim'"),
+        (f"{attn_proj(0, 'q_proj')}.weight", (spec.q_size, h), "'num_attention_heads' x 'head_dim'"),
+        (f"{attn_proj(0, 'k_proj')}.weight", (spec.kv_size, h), "'num_key_value_heads' x 'head_dim'"),
+    ]
+    if False in kinds:  # the first dense layer
+        checks.append(
+            (f"{mlp_proj(kinds.index(False), 'gate_proj')}.weight", (spec.intermediate_size, h), "'intermediate_size'")
+        )
+    for name, shape, keys in checks:
+        _expect(tensors, name, shape, keys, source)
+    if spec.moe is not None and True in kinds:
+        sparse = kinds.index(True)
+        moe = spec.moe
+        _expect(tensors, f"{router(sparse)}.weight", (moe.num_experts, h), "'num_experts'", source)
+        held = {e for name in tensors if (e := expert_of(name, sparse)) is not None}
+        if len(held) != moe.num_experts:
+            raise CheckpointError(
+                f"{source}: 'num_experts' is {moe.num_experts} but layer {sparse}'s tensors hold {len(held)} experts"
+            )
+        gate = f"{expert_proj(sparse, 0, 'gate_proj')}.weight"
+        _expect(tensors, gate, (moe.moe_intermediate_size, h), "'moe_intermediate_size'", source)
+
+
+def _expect(tensors: dict[str, TensorEntry], name: str, shape: tuple[int, ...], keys: str, source: str) -> None:
+    entry = tensors.get(name)
+    if entry is None:
+        raise CheckpointError(f"tensor {name!r} is missing from the checkpoint (needed to check {source}'s {keys})")
+    if entry.shape != shape:
+        raise CheckpointError(
+            f"{entry.file.name}: tensor {name!r} has shape {list(entry.shape)}, config.json implies {list(shape)} "
+            f"(from {keys} in {source})"
+        )

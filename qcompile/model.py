@@ -6,15 +6,33 @@ spells out a Hugging Face name.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
+
 from qcompile.spec import ModelSpec
 
 EMBED = "model.embed_tokens"
 FINAL_NORM = "model.norm"
 LM_HEAD = "lm_head"
+_LAYER = re.compile(r"model\.layers\.(\d{1,10})\.")
+_INDEX = re.compile(r"(\d{1,10})\.")
 
 
 def layer_prefix(layer: int) -> str:
     return f"model.layers.{layer}"
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer index a tensor name belongs to (`model.layers.{i}.…`), None for others."""
+    match = _LAYER.match(name)
+    return int(match.group(1)) if match else None
+
+
+def expert_of(name: str, layer: int) -> int | None:
+    """The expert index of a tensor name of layer `layer`'s experts (`….mlp.experts.{e}.…`), else None."""
+    prefix = f"{layer_prefix(layer)}.mlp.experts."
+    match = _INDEX.match(name, len(prefix)) if name.startswith(prefix) else None
+    return int(match.group(1)) if match else None
 
 
 def attn_proj(layer: int, proj: str) -> str:
@@ -42,30 +60,42 @@ def norm(layer: int, which: str) -> str:
 
 def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every tensor a complete checkpoint of `spec` holds, name -> shape (all in spec.dtype)."""
-    h, d = spec.hidden_size, spec.head_dim
-    shapes: dict[str, tuple[int, ...]] = {f"{EMBED}.weight": (spec.vocab_size, h), f"{FINAL_NORM}.weight": (h,)}
-    if not spec.tie_word_embeddings:
-        shapes[f"{LM_HEAD}.weight"] = (spec.vocab_size, h)
+    return dict(iter_expected(spec))
+
+
+def count_expected(spec: ModelSpec) -> int:
+    """len(expected_tensors(spec)), counted per layer without naming a tensor."""
+    count = 2 if spec.tie_word_embeddings else 3  # embed_tokens, norm (, lm_head)
     for i in range(spec.num_hidden_layers):
-        shapes[f"{norm(i, 'input_layernorm')}.weight"] = (h,)
-        shapes[f"{norm(i, 'post_attention_layernorm')}.weight"] = (h,)
-        shapes[f"{norm(i, 'self_attn.q_norm')}.weight"] = (d,)
-        shapes[f"{norm(i, 'self_attn.k_norm')}.weight"] = (d,)
-        shapes[f"{attn_proj(i, 'q_proj')}.weight"] = (spec.q_size, h)
-        shapes[f"{attn_proj(i, 'k_proj')}.weight"] = (spec.kv_size, h)
-        shapes[f"{attn_proj(i, 'v_proj')}.weight"] = (spec.kv_size, h)
-        shapes[f"{attn_proj(i, 'o_proj')}.weight"] = (h, spec.q_size)
-        if spec.is_sparse_layer(i):
-            assert spec.moe is not None
+        count += 8 + (1 + 3 * spec.moe.num_experts if spec.moe is not None and spec.is_sparse_layer(i) else 3)
+    return count
+
+
+def iter_expected(spec: ModelSpec) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor of a complete checkpoint of `spec`, embedding first, layer by layer."""
+    h, d = spec.hidden_size, spec.head_dim
+    yield f"{EMBED}.weight", (spec.vocab_size, h)
+    yield f"{FINAL_NORM}.weight", (h,)
+    if not spec.tie_word_embeddings:
+        yield f"{LM_HEAD}.weight", (spec.vocab_size, h)
+    for i in range(spec.num_hidden_layers):
+        yield f"{norm(i, 'input_layernorm')}.weight", (h,)
+        yield f"{norm(i, 'post_attention_layernorm')}.weight", (h,)
+        yield f"{norm(i, 'self_attn.q_norm')}.weight", (d,)
+        yield f"{norm(i, 'self_attn.k_norm')}.weight", (d,)
+        yield f"{attn_proj(i, 'q_proj')}.weight", (spec.q_size, h)
+        yield f"{attn_proj(i, 'k_proj')}.weight", (spec.kv_size, h)
+        yield f"{attn_proj(i, 'v_proj')}.weight", (spec.kv_size, h)
+        yield f"{attn_proj(i, 'o_proj')}.weight", (h, spec.q_size)
+        if spec.moe is not None and spec.is_sparse_layer(i):
             inter = spec.moe.moe_intermediate_size
-            shapes[f"{router(i)}.weight"] = (spec.moe.num_experts, h)
+            yield f"{router(i)}.weight", (spec.moe.num_experts, h)
             for e in range(spec.moe.num_experts):
-                shapes[f"{expert_proj(i, e, 'gate_proj')}.weight"] = (inter, h)
-                shapes[f"{expert_proj(i, e, 'up_proj')}.weight"] = (inter, h)
-                shapes[f"{expert_proj(i, e, 'down_proj')}.weight"] = (h, inter)
+                yield f"{expert_proj(i, e, 'gate_proj')}.weight", (inter, h)
+                yield f"{expert_proj(i, e, 'up_proj')}.weight", (inter, h)
+                yield f"{expert_proj(i, e, 'down_proj')}.weight", (h, inter)
         else:
             inter = spec.intermediate_size
-            shapes[f"{mlp_proj(i, 'gate_proj')}.weight"] = (inter, h)
-            shapes[f"{mlp_proj(i, 'up_proj')}.weight"] = (inter, h)
-            shapes[f"{mlp_proj(i, 'down_proj')}.weight"] = (h, inter)
-    return shapes
+            yield f"{mlp_proj(i, 'gate_proj')}.weight", (inter, h)
+            yield f"{mlp_proj(i, 'up_proj')}.weight", (inter, h)
+            yield f"{mlp_proj(i, 'down_proj')}.weight", (h, inter)

@@ -16,7 +16,8 @@ from typing import Any
 
 import yaml
 
-from qcompile.errors import RecipeError
+from qcompile.errors import RecipeError, shown
+from qcompile.io import bounded_yaml
 
 
 def recipe_dir() -> Path:
@@ -35,6 +36,7 @@ DEFAULT_PASSES = (
     "fuse_qknorm_rope_kvwrite",
 )
 DEFAULT_IGNORE = ("lm_head", "re:.*mlp.gate$")
+MAX_SHARD_MB = 1 << 20  # 1 TiB: larger than any model; bounds what the writer is asked to lay out
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,7 @@ def resolve_recipe_path(name_or_path: str) -> Path:
     shipped = recipe_dir() / f"{name_or_path}.yaml"
     if not shipped.is_file():
         raise RecipeError(
-            f"unknown recipe {name_or_path!r}: not a file and not a shipped recipe ({', '.join(list_recipes())})"
+            f"unknown recipe {shown(name_or_path)}: not a file and not a shipped recipe ({', '.join(list_recipes())})"
         )
     return shipped
 
@@ -103,10 +105,7 @@ def resolve_recipe_path(name_or_path: str) -> Path:
 def load_recipe(name_or_path: str = DEFAULT_RECIPE, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Load a recipe (ours or an llm-compressor one), apply `key=value` overrides, validate."""
     path = resolve_recipe_path(name_or_path)
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"{path}: not valid YAML ({exc})") from exc
+    raw = _read_yaml(path)
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: a recipe must be a YAML mapping")
     from qcompile.recipe_llmc import is_llmcompressor_recipe, translate_llmcompressor_recipe
@@ -119,14 +118,29 @@ def load_recipe(name_or_path: str = DEFAULT_RECIPE, overrides: list[str] | tuple
     return recipe_from_dict(raw, source=str(path))
 
 
+def _read_yaml(path: Path) -> Any:
+    """The recipe file's YAML, bounded (qcompile.io.bounded_yaml): its size checked before it is read."""
+    try:
+        size = path.stat().st_size
+        if size > bounded_yaml.MAX_CHARS:
+            raise RecipeError(f"{path}: {size:,} bytes; a recipe may be at most {bounded_yaml.MAX_CHARS:,}")
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"{path}: cannot be read as UTF-8 text ({exc})") from exc
+    try:
+        return bounded_yaml.loads(text, what=str(path))
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"{path}: not valid YAML ({exc})") from exc
+
+
 def _apply_override(raw: dict[str, Any], item: str) -> None:
     key, sep, value = item.partition("=")
     if not sep or not key:
-        raise RecipeError(f"--set {item!r}: expected key=value, e.g. kv_cache.layout=hnd")
+        raise RecipeError(f"--set {shown(item)}: expected key=value, e.g. kv_cache.layout=hnd")
     try:
-        parsed = yaml.safe_load(value) if value else ""
+        parsed = bounded_yaml.loads(value, what=f"--set {shown(key)}") if value else ""
     except yaml.YAMLError as exc:
-        raise RecipeError(f"--set {item!r}: value is not valid YAML ({exc})") from exc
+        raise RecipeError(f"--set {shown(item)}: value is not valid YAML ({exc})") from exc
     if key in ("passes", "quantization.ignore") and isinstance(parsed, str):
         parsed = [p.strip() for p in parsed.split(",") if p.strip()]
     node = raw
@@ -134,7 +148,7 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     for part in parts[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise RecipeError(f"--set {key}: {part!r} is not a section")
+            raise RecipeError(f"--set {shown(key)}: {shown(part)} is not a section")
         node = child
     node[parts[-1]] = parsed
 
@@ -146,12 +160,13 @@ def recipe_from_dict(raw: dict[str, Any], source: str = "<recipe>") -> Recipe:
 
 def _build(cls: type, raw: Any, source: str, prefix: str) -> Any:
     if not isinstance(raw, dict):
-        raise RecipeError(f"{source}: {prefix.rstrip('.') or 'recipe'} must be a mapping, got {raw!r}")
+        raise RecipeError(f"{source}: {prefix.rstrip('.') or 'recipe'} must be a mapping, got {shown(raw)}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
+    unknown = [k for k in raw if k not in fields]  # YAML keys may be numbers, lists, ...: not sortable together
     if unknown:
+        name = prefix + unknown[0] if isinstance(unknown[0], str) else unknown[0]
         raise RecipeError(
-            f"{source}: unknown key {prefix + unknown[0]!r}; known keys here: {', '.join(prefix + k for k in fields)}"
+            f"{source}: unknown key {shown(name)}; known keys here: {', '.join(prefix + k for k in fields)}"
         )
     values: dict[str, Any] = {}
     for name, value in raw.items():
@@ -169,19 +184,19 @@ def _build(cls: type, raw: Any, source: str, prefix: str) -> Any:
 def _convert(kind: str, value: Any, source: str, key: str) -> Any:
     if kind == "str":
         if not isinstance(value, str):
-            raise RecipeError(f"{source}: {key!r} must be a string, got {value!r}")
+            raise RecipeError(f"{source}: {key!r} must be a string, got {shown(value)}")
         return value
     if kind == "bool":
         if not isinstance(value, bool):
-            raise RecipeError(f"{source}: {key!r} must be true or false, got {value!r}")
+            raise RecipeError(f"{source}: {key!r} must be true or false, got {shown(value)}")
         return value
     if kind == "int":
         if isinstance(value, bool) or not isinstance(value, int):
-            raise RecipeError(f"{source}: {key!r} must be an integer, got {value!r}")
+            raise RecipeError(f"{source}: {key!r} must be an integer, got {shown(value)}")
         return value
     if kind == "tuple[str, ...]":
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise RecipeError(f"{source}: {key!r} must be a list of strings, got {value!r}")
+            raise RecipeError(f"{source}: {key!r} must be a list of strings, got {shown(value)}")
         return tuple(value)
     raise RecipeError(f"{source}: {key!r} has an unsupported type")  # pragma: no cover - schema bug
 
@@ -190,14 +205,14 @@ def _validate_quantization(q: QuantizationRecipe, source: str) -> None:
     from qcompile.quant import SCHEMES
 
     if q.scheme not in SCHEMES:
-        raise RecipeError(f"{source}: quantization.scheme {q.scheme!r} is unknown; known: {', '.join(SCHEMES)}")
+        raise RecipeError(f"{source}: quantization.scheme {shown(q.scheme)} is unknown; known: {', '.join(SCHEMES)}")
     for pattern in q.ignore:
         if pattern.startswith("re:"):
             try:
                 re.compile(pattern[3:])
             except re.error as exc:
                 raise RecipeError(
-                    f"{source}: quantization.ignore entry {pattern!r} is not a valid regex ({exc})"
+                    f"{source}: quantization.ignore entry {shown(pattern)} is not a valid regex ({exc})"
                 ) from exc
 
 
@@ -205,11 +220,13 @@ def _validate_kv(kv: KVCacheRecipe, source: str) -> None:
     from qruntime.kv_layout import KV_DTYPES, KV_LAYOUTS
 
     if kv.dtype not in KV_DTYPES:
-        raise RecipeError(f"{source}: kv_cache.dtype {kv.dtype!r} is unknown; known: {', '.join(KV_DTYPES)}")
+        raise RecipeError(f"{source}: kv_cache.dtype {shown(kv.dtype)} is unknown; known: {', '.join(KV_DTYPES)}")
     if kv.layout not in KV_LAYOUTS:
-        raise RecipeError(f"{source}: kv_cache.layout {kv.layout!r} is unknown; known: {', '.join(KV_LAYOUTS)}")
+        raise RecipeError(f"{source}: kv_cache.layout {shown(kv.layout)} is unknown; known: {', '.join(KV_LAYOUTS)}")
     if kv.block_size < 1 or kv.block_size & (kv.block_size - 1) or kv.block_size > 1024:
-        raise RecipeError(f"{source}: kv_cache.block_size must be a power of two up to 1024, got {kv.block_size}")
+        raise RecipeError(
+            f"{source}: kv_cache.block_size must be a power of two up to 1024, got {shown(kv.block_size)}"
+        )
     if kv.calibrate and kv.dtype == "bf16":
         raise RecipeError(f"{source}: kv_cache.calibrate needs an fp8 KV cache (kv_cache.dtype fp8_e4m3)")
     try:
@@ -223,13 +240,16 @@ def _validate_recipe(recipe: Recipe, source: str) -> None:
 
     for name in recipe.passes:
         if name not in PASSES:
-            raise RecipeError(f"{source}: passes: unknown pass {name!r}; known: {', '.join(PASSES)}")
+            raise RecipeError(f"{source}: passes: unknown pass {shown(name)}; known: {', '.join(PASSES)}")
     if len(set(recipe.passes)) != len(recipe.passes):
-        raise RecipeError(f"{source}: passes: a pass is listed twice ({', '.join(recipe.passes)})")
+        twice = next(p for i, p in enumerate(recipe.passes) if p in recipe.passes[:i])
+        raise RecipeError(f"{source}: passes: {shown(twice)} is listed twice")
     if recipe.tp < 1 or recipe.tp & (recipe.tp - 1) or recipe.tp > 64:
-        raise RecipeError(f"{source}: 'tp' must be a power of two between 1 and 64, got {recipe.tp}")
-    if recipe.max_shard_mb < 1:
-        raise RecipeError(f"{source}: 'max_shard_mb' must be at least 1, got {recipe.max_shard_mb}")
+        raise RecipeError(f"{source}: 'tp' must be a power of two between 1 and 64, got {shown(recipe.tp)}")
+    if not 1 <= recipe.max_shard_mb <= MAX_SHARD_MB:
+        raise RecipeError(
+            f"{source}: 'max_shard_mb' must be between 1 and {MAX_SHARD_MB}, got {shown(recipe.max_shard_mb)}"
+        )
     if not recipe.name:
         raise RecipeError(f"{source}: 'name' must not be empty")
 

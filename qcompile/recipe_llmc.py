@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qcompile.errors import RecipeError
+from qcompile.errors import RecipeError, shown
 
 
 def _presets() -> dict[str, str]:
@@ -32,12 +32,17 @@ def _modifiers(node: Any, path: str) -> list[tuple[str, str, Any]]:
     found: list[tuple[str, str, Any]] = []
     if isinstance(node, dict):
         for key, value in node.items():
-            where = f"{path}.{key}" if path else str(key)
+            where = f"{path}.{_key(key)}" if path else _key(key)
             if isinstance(key, str) and key.endswith("Modifier"):
                 found.append((where, key, value))
             else:
                 found.extend(_modifiers(value, where))
     return found
+
+
+def _key(key: object) -> str:
+    """A mapping key as it appears in an error's path: bounded whatever it holds."""
+    return key if isinstance(key, str) and len(key) <= 40 else shown(key, 40)
 
 
 def is_llmcompressor_recipe(raw: dict[str, Any]) -> bool:
@@ -60,10 +65,10 @@ def translate_llmcompressor_recipe(raw: dict[str, Any], source: str) -> dict[str
     presets = _presets()
     if not isinstance(args, dict):
         raise RecipeError(f"{source}: {where} must be a mapping of arguments")
-    unknown = sorted(set(args) - _SUPPORTED_KEYS)
+    unknown = [k for k in args if k not in _SUPPORTED_KEYS]
     if unknown:
         raise RecipeError(
-            f"{source}: {where}.{unknown[0]} is not supported when translating "
+            f"{source}: {where}.{_key(unknown[0])} is not supported when translating "
             f"(supported: {', '.join(sorted(_SUPPORTED_KEYS))})"
         )
     scheme, targets = args.get("scheme"), args.get("targets", ["Linear"])
@@ -71,12 +76,12 @@ def translate_llmcompressor_recipe(raw: dict[str, Any], source: str) -> dict[str
         if len(scheme) != 1:
             raise RecipeError(f"{source}: {where}.scheme must name exactly one preset")
         ((scheme, targets),) = scheme.items()
-    if scheme not in presets:
-        raise RecipeError(f"{source}: {where}.scheme {scheme!r} is not supported; supported: {', '.join(presets)}")
+    if not isinstance(scheme, str) or scheme not in presets:
+        raise RecipeError(f"{source}: {where}.scheme {shown(scheme)} is not supported; supported: {', '.join(presets)}")
     if isinstance(targets, str):
         targets = [targets]
     if targets != ["Linear"]:
-        raise RecipeError(f"{source}: {where}.targets must be [Linear] (got {targets!r})")
+        raise RecipeError(f"{source}: {where}.targets must be [Linear] (got {shown(targets)})")
     ignore = args.get("ignore", [])
     if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
         raise RecipeError(f"{source}: {where}.ignore must be a list of module names or 're:' patterns")

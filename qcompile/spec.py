@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from qcompile.errors import CheckpointError
+from qruntime import bounded_json
+
+from qcompile.errors import CheckpointError, shown
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _DTYPES = ("bfloat16", "float16", "float32")
+# Every size in config.json is at most this (int32: token ids, positions and ONNX shapes); the sizes
+# a tensor shows (qcompile.model.check_sizes) are then held to the checkpoint's tensors.
+MAX_SIZE = (1 << 31) - 1
+MAX_CONFIG_BYTES = 16 << 20  # a real config.json is a few kB
 
 
 @dataclass(frozen=True)
@@ -80,16 +86,17 @@ class ModelSpec:
         archs = config.get("architectures")
         if not isinstance(archs, list) or len(archs) != 1:
             raise CheckpointError(
-                f"{source}: 'architectures' must list exactly one architecture, got {archs!r}; "
+                f"{source}: 'architectures' must list exactly one architecture, got {shown(archs)}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise CheckpointError(
-                f"{source}: architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"{source}: architecture {shown(arch)} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         if config.get("hidden_act", "silu") != "silu":
-            raise CheckpointError(f"{source}: hidden_act {config['hidden_act']!r} is not supported (only 'silu')")
+            raise CheckpointError(f"{source}: hidden_act {shown(config['hidden_act'])} is not supported (only 'silu')")
         if config.get("attention_bias", False):
             raise CheckpointError(f"{source}: attention_bias=true is not supported by Qwen3 kernels")
         if config.get("use_sliding_window", False):
@@ -97,12 +104,17 @@ class ModelSpec:
         rope_theta, rope_type = reader.rope()
         if rope_type != "default":
             raise CheckpointError(
-                f"{source}: rope type {rope_type!r} is not supported yet (only 'default'); "
+                f"{source}: rope type {shown(rope_type)} is not supported yet (only 'default'); "
                 "remove 'rope_scaling' to compile with plain RoPE"
             )
 
         heads = reader.positive_int("num_attention_heads")
         hidden = reader.positive_int("hidden_size")
+        if config.get("head_dim") is None and hidden % heads:
+            raise CheckpointError(
+                f"{source}: hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads}) "
+                "and 'head_dim' is not given; set head_dim"
+            )
         head_dim = reader.positive_int("head_dim", default=hidden // heads)
         kv_heads = reader.positive_int("num_key_value_heads", default=heads)
         if heads % kv_heads:
@@ -117,8 +129,12 @@ class ModelSpec:
             if top_k > experts:
                 raise CheckpointError(f"{source}: num_experts_per_tok ({top_k}) exceeds num_experts ({experts})")
             mlp_only = config.get("mlp_only_layers") or []
-            if not isinstance(mlp_only, list) or not all(isinstance(i, int) and 0 <= i < layers for i in mlp_only):
-                raise CheckpointError(f"{source}: 'mlp_only_layers' must list layer indices below {layers}")
+            if not isinstance(mlp_only, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in mlp_only
+            ):
+                raise CheckpointError(
+                    f"{source}: 'mlp_only_layers' must list layer indices below {layers}, got {shown(mlp_only)}"
+                )
             moe = MoESpec(
                 num_experts=experts,
                 num_experts_per_tok=top_k,
@@ -146,16 +162,33 @@ class ModelSpec:
 
 
 def load_config(path: Path) -> dict[str, Any]:
-    """Read a config.json, turning every way it can be broken into a CheckpointError."""
+    """Read a config.json, turning every way it can be broken into a CheckpointError: bounded in
+    size (MAX_CONFIG_BYTES) and nesting (qruntime.bounded_json)."""
     if not path.is_file():
         raise CheckpointError(f"{path}: not found; a Hugging Face checkpoint needs a config.json")
+    return read_json(path, MAX_CONFIG_BYTES)
+
+
+def read_json(path: Path, max_bytes: int) -> Any:
+    """A JSON object from a checkpoint's file, at most `max_bytes` and nested within bounded_json's
+    depth; every way it can be broken (too big, not UTF-8, malformed, too deep, a lone surrogate,
+    an integer too long to convert, not an object) is a CheckpointError naming the file."""
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        with open(path, "rb") as handle:
+            raw = handle.read(max_bytes + 1)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read ({exc})") from exc
+    if len(raw) > max_bytes:
+        raise CheckpointError(f"{path}: larger than {max_bytes:,} bytes; refusing to parse it")
+    try:
+        data = bounded_json.loads(raw, what=str(path))
+    except bounded_json.JSONLimitError as exc:  # its message names the file and the place
+        raise CheckpointError(str(exc)) from exc
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer past Python's 4300 digits
         raise CheckpointError(f"{path}: malformed JSON ({exc})") from exc
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(config).__name__}")
-    return config
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 class _ConfigReader:
@@ -178,27 +211,29 @@ class _ConfigReader:
         value = self._get(key, default, alias)
         if value is None and default is not None:
             value = default
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise CheckpointError(f"{self.source}: {key!r} must be a positive integer, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_SIZE:
+            raise CheckpointError(
+                f"{self.source}: {key!r} must be a positive integer up to {MAX_SIZE}, got {shown(value)}"
+            )
         return value
 
     def positive_float(self, key: str) -> float:
         value = self._get(key, None, None)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise CheckpointError(f"{self.source}: {key!r} must be a positive number, got {value!r}")
+        if not _is_positive_number(value):
+            raise CheckpointError(f"{self.source}: {key!r} must be a positive number (finite), got {shown(value)}")
         return float(value)
 
     def boolean(self, key: str, default: bool) -> bool:
         value = self.config.get(key, default)
         if not isinstance(value, bool):
-            raise CheckpointError(f"{self.source}: {key!r} must be true or false, got {value!r}")
+            raise CheckpointError(f"{self.source}: {key!r} must be true or false, got {shown(value)}")
         return value
 
     def dtype(self) -> str:
         value = self.config.get("dtype") or self.config.get("torch_dtype") or "bfloat16"
-        if value not in _DTYPES:
+        if not isinstance(value, str) or value not in _DTYPES:
             raise CheckpointError(
-                f"{self.source}: dtype {value!r} is not supported; expected one of {', '.join(_DTYPES)}"
+                f"{self.source}: dtype {shown(value)} is not supported; expected one of {', '.join(_DTYPES)}"
             )
         return value
 
@@ -218,6 +253,16 @@ class _ConfigReader:
                 if not isinstance(scaling, dict):
                     raise CheckpointError(f"{self.source}: 'rope_scaling' must be an object or null")
                 rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-            raise CheckpointError(f"{self.source}: 'rope_theta' must be a positive number, got {theta!r}")
-        return float(theta), str(rope_type)
+        if not _is_positive_number(theta):
+            raise CheckpointError(f"{self.source}: 'rope_theta' must be a positive number (finite), got {shown(theta)}")
+        return float(theta), rope_type if isinstance(rope_type, str) else shown(rope_type)
+
+
+def _is_positive_number(value: Any) -> bool:
+    """A JSON number > 0 that is a finite float (json reads NaN / Infinity; 10**400 overflows float)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
