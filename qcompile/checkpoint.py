@@ -91,13 +91,21 @@ class Checkpoint:
     def entry(self, name: str) -> TensorEntry:
         return self.tensors[name]
 
-    def missing_tokenizer_files(self) -> list[str]:
-        """The files qruntime needs for text prompts (REQUIRED_TOKENIZER_FILES) that the checkpoint lacks."""
-        return [name for name in REQUIRED_TOKENIZER_FILES if not (self.path / name).is_file()]
+    def require_tokenizer(self) -> None:
+        """Refuse a checkpoint without the files qruntime needs to turn text into token ids
+        (REQUIRED_TOKENIZER_FILES): its artifact would not load."""
+        missing = [name for name in REQUIRED_TOKENIZER_FILES if not (self.path / name).is_file()]
+        if missing:
+            raise CheckpointError(
+                f"{self.path}: no {' or '.join(missing)}: qruntime could not turn text into token ids, so the "
+                f"artifact would not load. Copy the base model's tokenizer files ({', '.join(TOKENIZER_FILES[:3])}) "
+                "into the checkpoint, or pass --no-tokenizer to compile an artifact without a tokenizer "
+                "(for token-id prompts only)"
+            )
 
-    def side_files(self) -> list[Path]:
-        """Tokenizer, generation and license files to copy into the artifact."""
-        names = (*TOKENIZER_FILES, GENERATION_FILE)
+    def side_files(self, tokenizer: bool = True) -> list[Path]:
+        """Tokenizer (unless `tokenizer` is false), generation and license files to copy into the artifact."""
+        names = (*(TOKENIZER_FILES if tokenizer else ()), GENERATION_FILE)
         licenses = sorted(p for p in self.path.glob("LICEN[CS]E*") if p.is_file())
         return [self.path / n for n in names if (self.path / n).is_file()] + licenses
 

@@ -58,6 +58,7 @@ class Prepared:
     graph: Graph
     plan: TensorPlan
     kv_cache: dict[str, Any]
+    tokenizer: bool = True  # false: compiled with --no-tokenizer, no tokenizer files in the artifact
 
 
 def prepare(
@@ -67,13 +68,19 @@ def prepare(
     *,
     calibrate: bool = True,
     progress: bool = False,
+    tokenizer: bool = True,
 ) -> Prepared:
     """load + plan + kv layout: validates everything, reads only headers.
+
+    The checkpoint must hold a tokenizer qruntime can load (tokenizer.json), unless `tokenizer` is
+    false (`compile --no-tokenizer`): then none is copied and the manifest says `"tokenizer": false`.
 
     A recipe with kv_cache.calibrate needs `calib` (a text file): its fp8 KV scales are calibrated
     on it here, layer by layer through the source model (calibrate=False: only check the file is
     there, for a dry run; the plan does not depend on the scales' values)."""
     checkpoint = Checkpoint.open(checkpoint_path)
+    if tokenizer:
+        checkpoint.require_tokenizer()
     scales = None
     if recipe.kv_cache.calibrate:
         if calib is None:
@@ -89,7 +96,7 @@ def prepare(
         raise RecipeError(f"--calib {calib}: recipe {recipe.name!r} has no calibrated KV cache (kv_cache.calibrate)")
     graph = apply_passes(build_graph(checkpoint.spec, recipe, scales), recipe.passes)
     plan = make_plan(checkpoint, graph.weights, recipe.max_shard_mb << 20, recipe.tp)
-    return Prepared(checkpoint, recipe, graph, plan, kv_cache_spec(checkpoint.spec, recipe, scales))
+    return Prepared(checkpoint, recipe, graph, plan, kv_cache_spec(checkpoint.spec, recipe, scales), tokenizer)
 
 
 def compile_checkpoint(
@@ -126,7 +133,7 @@ def compile_checkpoint(
             ranked = {} if plan.tp == 1 else {"rank": str(rank)}
             write_onnx(prepared.graph, _locations(tmp, plan, rank), tmp / file, metadata=ranked)
         _write_config(tmp, prepared)
-        for path in checkpoint.side_files():
+        for path in checkpoint.side_files(tokenizer=prepared.tokenizer):
             shutil.copyfile(path, tmp / path.name)
         manifest = {
             "toolchain": toolchain(),
@@ -146,6 +153,7 @@ def compile_checkpoint(
                 "domains": {"qcompile": 1},
             },
             "tp": prepared.recipe.tp,
+            "tokenizer": prepared.tokenizer,  # false: no tokenizer files; prompts must be token ids
             "tensors": tensor_table(plan),
             "files": file_table(tmp, shard_digests, workers),
         }

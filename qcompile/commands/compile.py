@@ -29,6 +29,7 @@ def _summary_rows(prepared, output: Path, workers: int) -> list[tuple[str, str]]
         ("passes", ", ".join(prepared.graph.applied_passes) or "(none: unfused)"),
         ("kv cache", f"{kv.dtype}, layout {kv.layout}, block {kv.block_size}"),
         ("tp", _tp_row(prepared)),
+        ("tokenizer", "copied" if prepared.tokenizer else "none (--no-tokenizer): token-id prompts only"),
         ("tensors", f"{len(plan.jobs)} weights from {len(prepared.checkpoint.tensors)} source tensors"),
         (
             "bytes",
@@ -90,7 +91,15 @@ def _tp_row(prepared) -> str:
     help="Calibration text for a recipe with a calibrated fp8 KV cache (ptpc-fp8-kv8): per-layer K/V "
     "scales from the source model run on it, one layer in memory at a time.",
 )
-def command(checkpoint, output, recipe, overrides, tp, force, workers, dry_run, quiet, tune, calib):
+@click.option(
+    "--no-tokenizer",
+    "no_tokenizer",
+    is_flag=True,
+    help="Compile a checkpoint that has no tokenizer.json: the artifact holds no tokenizer files (even if the "
+    'checkpoint has some) and its manifest says "tokenizer": false; it takes token-id prompts only. Without '
+    "this flag such a checkpoint is refused before any work.",
+)
+def command(checkpoint, output, recipe, overrides, tp, force, workers, dry_run, quiet, tune, calib, no_tokenizer):
     """Compile a Hugging Face Qwen3 checkpoint into an artifact.
 
     Streams CHECKPOINT (a directory with config.json and safetensors shards) tensor by tensor —
@@ -119,7 +128,9 @@ def command(checkpoint, output, recipe, overrides, tp, force, workers, dry_run, 
     if tp is not None:
         overrides = (*overrides, f"tp={tp}")  # last: the flag wins over the recipe and --set
     resolved = load_recipe(recipe, overrides)
-    prepared = prepare(checkpoint, resolved, calib, calibrate=not dry_run, progress=not quiet)
+    prepared = prepare(
+        checkpoint, resolved, calib, calibrate=not dry_run, progress=not quiet, tokenizer=not no_tokenizer
+    )
     check_target(output.absolute(), force)
     if not quiet or dry_run:
         rows = _summary_rows(prepared, output, workers)
