@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 import yaml
-from qruntime.artifact import ArtifactFormatError, read_manifest
+from qruntime import bounded_json
+from qruntime.artifact import COMPILED_FIELDS, ArtifactFormatError, artifact_path, read_manifest, require
 
 from qcompile.checkpoint import GENERATION_FILE, TOKENIZER_FILES
 from qcompile.errors import ExportError
@@ -101,7 +102,7 @@ def export_compressed_tensors(
             if rel in (*TOKENIZER_FILES, GENERATION_FILE) or (
                 rel.startswith(("LICENSE", "LICENCE")) and "/" not in rel
             ):
-                shutil.copyfile(root / rel, tmp / rel)
+                shutil.copyfile(_confined(root, rel, manifest), tmp / rel)
         (tmp / "README.md").write_text(_readme(manifest, config), encoding="utf-8")
         names = sorted(p.name for p in tmp.iterdir())
     return names
@@ -114,7 +115,17 @@ EXPORTERS: MappingProxyType[str, Callable[..., list[str]]] = MappingProxyType(
 
 def _read(root: Path) -> dict[str, Any]:
     try:
-        return read_manifest(root)
+        manifest = read_manifest(root)
+        require(manifest, root, *COMPILED_FIELDS)
+    except ArtifactFormatError as exc:
+        raise ExportError(str(exc)) from exc
+    return manifest
+
+
+def _confined(root: Path, rel: str, manifest: dict[str, Any]) -> Path:
+    """The artifact's file `rel`: listed by its manifest, reached through no link (never a copy of a link)."""
+    try:
+        return artifact_path(root, rel, listed=manifest["files"])
     except ArtifactFormatError as exc:
         raise ExportError(str(exc)) from exc
 
@@ -127,6 +138,7 @@ def _layout(manifest: dict[str, Any]) -> tuple[list[Group], dict[str, torch.Tens
     for name, info in tensors.items():
         if info["role"] == "scale":
             continue
+        _check_parts(name, info)
         scheme, scale = get_scheme(info["scheme"]), tensors.get(name + "_scale")
         shape = info["shape"][1:] if info["stacked"] else info["shape"]
         for parts in info["parts"]:
@@ -155,6 +167,21 @@ def _layout(manifest: dict[str, Any]) -> tuple[list[Group], dict[str, torch.Tens
                 group.append(OutputTensor(name, dtype, (1,)))
             groups.append(tuple(group))
     return groups, values
+
+
+def _check_parts(name: str, info: dict[str, Any]) -> None:
+    """A weight's `parts` and `stacked` (types checked on read) must describe rows of its shape."""
+    where = f"manifest.json: tensors[{name[:200]!r}]"
+    if "parts" not in info or "stacked" not in info:
+        raise ExportError(f"{where}: a weight needs `parts` and `stacked` to be split back into its sources")
+    shape = info["shape"][1:] if info["stacked"] else info["shape"]
+    slices = info["shape"][0] if info["stacked"] else 1
+    if not shape or len(info["parts"]) != slices:
+        raise ExportError(f"{where}: {len(info['parts'])} part lists for shape {info['shape']}")
+    for parts in info["parts"]:
+        for _, begin, end in parts:
+            if not begin < end <= shape[0]:
+                raise ExportError(f"{where}: part rows {begin}..{end} are not inside its {shape[0]} rows")
 
 
 def _shards(groups: list[Group], max_bytes: int) -> dict[str, Group]:
@@ -217,7 +244,13 @@ def _write_weights(
 def _config(root: Path, manifest: dict[str, Any], lm_head: bool) -> dict[str, Any]:
     """The artifact's config.json (the source's, with the artifact's quantization_config) with the
     quantization_config rebuilt from the recorded recipe, plus the KV cache's scheme."""
-    config = json.loads((root / "config.json").read_text(encoding="utf-8"))
+    path = _confined(root, "config.json", manifest)
+    try:
+        config = bounded_json.loads(path.read_bytes(), what=str(path))
+    except ValueError as exc:
+        raise ExportError(f"{path}: not a JSON config ({exc})") from exc
+    if not isinstance(config, dict):
+        raise ExportError(f"{path}: not a JSON object")
     recipe = recipe_from_dict(manifest["recipe"], f"{root}/manifest.json recipe")
     kv_scheme = fp8_kv_cache_scheme() if manifest["kv_cache"]["dtype"] != "bf16" else None
     qconfig = quantization_config(get_scheme(recipe.quantization.scheme), recipe, kv_scheme)

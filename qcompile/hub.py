@@ -21,7 +21,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from qruntime.artifact import MANIFEST, ArtifactFormatError, read_manifest, sha256_file, verify_files
+from qruntime.artifact import MANIFEST, ArtifactFormatError, find_links, read_manifest, sha256_file, verify_files
 from qruntime.hub import DEFAULT_REVISION, HUB_METADATA, HubRef, parse_url
 from qruntime.hub import HubError as RuntimeHubError
 from tqdm import tqdm
@@ -158,6 +158,9 @@ def _staged_files(root: Path, progress: bool) -> dict[str, _Local]:
         raise ArtifactError(
             f"{root}: the staged artifact does not match its manifest:\n  " + "\n  ".join(map(str, problems))
         )
+    links = find_links(root)
+    if links:
+        raise ArtifactError(f"{root}: {_names(links)} are symbolic links; an artifact's files must be its own")
     listed = set(files) | {MANIFEST}
     unlisted = sorted(
         rel for path in root.rglob("*") if path.is_file() and (rel := path.relative_to(root).as_posix()) not in listed

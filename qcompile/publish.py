@@ -44,7 +44,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qruntime.artifact import MANIFEST, ArtifactFormatError, read_manifest, sha256_file
+from qruntime import bounded_json
+from qruntime.artifact import (
+    COMPILED_FIELDS,
+    MANIFEST,
+    ArtifactFormatError,
+    artifact_path,
+    read_manifest,
+    require,
+    sha256_file,
+)
 
 from qcompile.errors import PublishError
 from qcompile.io.atomic import atomic_output_dir
@@ -102,11 +111,12 @@ def publish(
     dest = None if hub else _check_folder(Path(target).absolute(), root)
     manifest = _read(root)
     require_verified(root, manifest, progress, PublishError, "published")
+    listed = manifest["files"]  # an earlier publish's wheel included: the one bundled wheel publish may reuse
     manifest = _compiled(manifest)
     reports = collect_reports(root, evals, benches)
     replaced = False
     with tempfile.TemporaryDirectory(prefix="qcompile-publish.") as scratch:
-        generated, wheel, origin = _generate(root, manifest, reports, base_model, Path(scratch))
+        generated, wheel, origin = _generate(root, manifest, listed, reports, base_model, Path(scratch))
         entries = _entries(manifest, generated)
         if dest is None:
             _publish_hub(root, manifest, generated, entries, target, dry_run=dry_run, force=force, progress=progress)
@@ -127,9 +137,24 @@ def publish(
 
 def _read(root: Path) -> dict[str, Any]:
     try:
-        return read_manifest(root)
+        manifest = read_manifest(root)
+        require(manifest, root, *COMPILED_FIELDS)
     except ArtifactFormatError as exc:
         raise PublishError(str(exc)) from exc
+    return manifest
+
+
+def _json_file(root: Path, rel: str, manifest: dict[str, Any]) -> Any:
+    """A listed JSON file of the artifact, confined (artifact_path) and bounded (bounded_json); None
+    when it is not JSON."""
+    try:
+        path = artifact_path(root, rel, listed=manifest["files"])
+    except ArtifactFormatError as exc:
+        raise PublishError(str(exc)) from exc
+    try:
+        return bounded_json.loads(path.read_bytes(), what=str(path))
+    except ValueError:
+        return None
 
 
 def _is_publish_output(rel: str) -> bool:
@@ -143,11 +168,17 @@ def _compiled(manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def _generate(
-    root: Path, manifest: dict[str, Any], reports: tuple[Report, ...], base_model: str | None, scratch: Path
+    root: Path,
+    manifest: dict[str, Any],
+    listed: dict[str, Any],
+    reports: tuple[Report, ...],
+    base_model: str | None,
+    scratch: Path,
 ) -> tuple[dict[str, Path], str, str]:
     """The wheel, the reports, the card and the published manifest (the artifact's, its `files` extended
-    by those three), written under `scratch`: ({tree path: file}, wheel path, the wheel's origin)."""
-    wheel_file, origin = runtime_wheel(root, scratch / WHEEL_DIR)
+    by those three), written under `scratch`: ({tree path: file}, wheel path, the wheel's origin).
+    `listed`: the artifact's `files` before an earlier publish's entries were dropped."""
+    wheel_file, origin = runtime_wheel(root, scratch / WHEEL_DIR, listed)
     wheel = f"{WHEEL_DIR}/{wheel_file.name}"
     generated = {wheel: wheel_file}
     for report in reports:
@@ -157,7 +188,8 @@ def _generate(
         generated[f"{REPORTS}/{report.name}"] = path
     files = {rel: {"sha256": info["sha256"], "bytes": info["bytes"]} for rel, info in manifest["files"].items()}
     files |= {rel: _digest(path) for rel, path in sorted(generated.items())}
-    config = json.loads((root / "config.json").read_text(encoding="utf-8")) if "config.json" in files else {}
+    config = _json_file(root, "config.json", manifest) if "config.json" in manifest["files"] else {}
+    config = config if isinstance(config, dict) else {}
     inputs = CardInputs(
         manifest=manifest,
         base_model=base_model or base_model_name(manifest["source"]["path"], config),
@@ -185,10 +217,8 @@ def _tuned(root: Path, manifest: dict[str, Any]) -> tuple[tuple[str, str], ...]:
     tuned = []
     for rel in sorted(manifest["files"]):
         if rel.startswith("kernels/") and rel.endswith(".json"):
-            try:
-                device = json.loads((root / rel).read_text(encoding="utf-8")).get("device")
-            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-                device = None
+            table = _json_file(root, rel, manifest)
+            device = table.get("device") if isinstance(table, dict) else None
             tuned.append((rel, device if isinstance(device, str) else Path(rel).stem))
     return tuple(tuned)
 
@@ -198,10 +228,8 @@ def _has_chat_template(root: Path, manifest: dict[str, Any]) -> bool:
         return True
     if "tokenizer_config.json" not in manifest["files"]:
         return False
-    try:
-        return bool(json.loads((root / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template"))
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        return False
+    config = _json_file(root, "tokenizer_config.json", manifest)
+    return isinstance(config, dict) and bool(config.get("chat_template"))
 
 
 def _entries(manifest: dict[str, Any], generated: dict[str, Path]) -> dict[str, Entry]:
@@ -261,8 +289,16 @@ def _stage(
             if rel in generated:
                 shutil.copyfile(generated[rel], dst)
             else:
-                _link_or_copy(root / rel, dst, entry)
+                _link_or_copy(_confined(root, rel, manifest), dst, entry)
             bar.update(entry.bytes)
+
+
+def _confined(root: Path, rel: str, manifest: dict[str, Any]) -> Path:
+    """The listed artifact file `rel`, reached through no link: publish never links or copies a link."""
+    try:
+        return artifact_path(root, rel, listed=manifest["files"])
+    except ArtifactFormatError as exc:
+        raise PublishError(str(exc)) from exc
 
 
 def _link_or_copy(src: Path, dst: Path, entry: Entry) -> None:

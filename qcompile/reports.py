@@ -4,17 +4,21 @@ rendered as a Markdown table."""
 
 from __future__ import annotations
 
-import json
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any
 
+from qruntime import bounded_json
+from qruntime.artifact import LINK_REFUSED, ArtifactFormatError, artifact_path
+
 from qcompile.errors import PublishError
 
 EVAL, EVAL_RECIPES, BENCH = "eval", "eval-recipes", "bench"
 REPORTS = "reports"  # ART/reports/*.json: picked up by publish (qcompile/publish.py)
+MAX_REPORT_BYTES = 64 << 20  # a results file is a few KB
 _EVAL_METRICS = ("ppl_artifact", "ppl_ratio", "kl", "top1_agreement")
 _BENCH_METRICS = (
     "batch",
@@ -56,11 +60,15 @@ def read_report(path: Path, kinds: Iterable[str]) -> Report:
     """Read a results file that must be one of `kinds`; errors name the file and what is wrong."""
     kinds = tuple(kinds)
     try:
+        if path.stat().st_size > MAX_REPORT_BYTES:
+            raise PublishError(
+                f"{path}: {path.stat().st_size} bytes, more than a results file holds ({MAX_REPORT_BYTES})"
+            )
         raw = path.read_bytes()
-        data = json.loads(raw)
+        data = bounded_json.loads(raw, what=str(path))
     except OSError as exc:
         raise PublishError(f"{path}: cannot read it ({exc.strerror or exc})") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # malformed, too deep, or a lone surrogate
         raise PublishError(f"{path}: not JSON ({exc})") from exc
     kind = report_kind(data)
     wanted = " or ".join(f"`qcompile {k} --json`" for k in kinds)
@@ -72,9 +80,9 @@ def read_report(path: Path, kinds: Iterable[str]) -> Report:
 
 
 def collect_reports(root: Path, evals: Iterable[str | Path], benches: Iterable[str | Path]) -> tuple[Report, ...]:
-    """ART/reports/*.json, then the --eval and --bench files; two files of one name must be the same bytes."""
-    found = sorted((root / REPORTS).glob("*.json")) if (root / REPORTS).is_dir() else []
-    reports = [read_report(p, (EVAL, EVAL_RECIPES, BENCH)) for p in found if p.is_file()]
+    """ART/reports/*.json (each confined to the artifact: a link there is an error), then the --eval and
+    --bench files; two files of one name must be the same bytes."""
+    reports = [read_report(p, (EVAL, EVAL_RECIPES, BENCH)) for p in artifact_reports(root)]
     reports += [read_report(Path(p), (EVAL, EVAL_RECIPES)) for p in evals]
     reports += [read_report(Path(p), (BENCH,)) for p in benches]
     by_name: dict[str, Report] = {}
@@ -85,6 +93,22 @@ def collect_reports(root: Path, evals: Iterable[str | Path], benches: Iterable[s
                 f"two different reports are named {report.name} (both would be {REPORTS}/{report.name}); rename one"
             )
     return tuple(by_name.values())
+
+
+def artifact_reports(root: Path) -> list[Path]:
+    """The artifact's reports/*.json, listed by the manifest or not (docs/ARTIFACT.md), each a regular
+    file of the artifact reached through no link (qruntime.artifact.artifact_path)."""
+    folder = root / REPORTS
+    if folder.is_symlink():
+        raise PublishError(f"{folder}: {LINK_REFUSED}")
+    if not folder.is_dir():
+        return []
+    try:
+        return [
+            artifact_path(root, f"{REPORTS}/{name}") for name in sorted(os.listdir(folder)) if name.endswith(".json")
+        ]
+    except ArtifactFormatError as exc:
+        raise PublishError(str(exc)) from exc
 
 
 def _check_numbers(path: Path, kind: str, data: dict[str, Any]) -> None:

@@ -5,7 +5,10 @@ install of qruntime), offline: pip with `--no-build-isolation --no-index` and th
 environment, on a copy of the source (the source tree gets no build/ directory). Zip timestamps are
 pinned through SOURCE_DATE_EPOCH, so the same source gives the same wheel bytes and re-publishing
 gives the same card. Without the source (qcompile installed from a wheel), a wheel an earlier
-publish bundled in the artifact (ART/runtime/) is used instead.
+publish bundled in the artifact (ART/runtime/) is used instead, and only when the artifact's
+manifest lists it with its sha256 (the copy is checked against it). A file under ART/runtime/ that
+the manifest does not list is refused either way: publish ships no code it did not build or the
+manifest does not vouch for.
 """
 
 from __future__ import annotations
@@ -18,9 +21,12 @@ import subprocess
 import sys
 import tempfile
 import tomllib
+from collections.abc import Mapping
 from importlib import metadata
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from urllib.parse import unquote, urlparse
+
+from qruntime.artifact import ArtifactFormatError, artifact_path, find_links, sha256_file
 
 from qcompile.errors import PublishError
 
@@ -88,27 +94,50 @@ def build_wheel(source: Path, out_dir: Path) -> Path:
         return Path(shutil.copy2(built[0], out_dir / built[0].name))
 
 
-def bundled_wheel(artifact: Path) -> Path | None:
-    """The runtime wheel an earlier publish left in `artifact`/runtime/, when there is exactly one."""
-    found = sorted((artifact / WHEEL_DIR).glob(WHEEL_GLOB)) if (artifact / WHEEL_DIR).is_dir() else []
-    return found[0] if len(found) == 1 else None
+def bundled_wheel(artifact: Path, listed: Mapping[str, Mapping[str, object]]) -> Path | None:
+    """The runtime wheel an earlier publish left in `artifact`/runtime/ and the manifest lists (`listed`:
+    its `files`), when there is exactly one; any file there the manifest does not list is a PublishError."""
+    folder = artifact / WHEEL_DIR
+    if not os.path.lexists(folder):
+        return None
+    if folder.is_symlink() or not folder.is_dir():
+        raise PublishError(f"{folder}: not a directory of the artifact (a link or a file); remove it")
+    present = sorted(f"{WHEEL_DIR}/{name}" for name in os.listdir(folder))
+    planted = [rel for rel in present if rel not in listed] + [f"{WHEEL_DIR}/{rel}" for rel in find_links(folder)]
+    if planted:
+        raise PublishError(
+            f"{artifact / planted[0]}: not listed in manifest.json `files` (or a link); publish bundles only a runtime "
+            "wheel it builds from the installed qruntime or one the manifest lists with its sha256: remove it"
+        )
+    found = [rel for rel in present if PurePosixPath(rel).match(WHEEL_GLOB)]
+    if len(found) != 1:
+        return None
+    try:
+        return artifact_path(artifact, found[0], listed=listed)
+    except ArtifactFormatError as exc:
+        raise PublishError(str(exc)) from exc
 
 
-def runtime_wheel(artifact: Path, out_dir: Path) -> tuple[Path, str]:
+def runtime_wheel(artifact: Path, out_dir: Path, listed: Mapping[str, Mapping[str, object]]) -> tuple[Path, str]:
     """(the wheel to bundle, where it came from): built from the runtime's source, else the one
-    bundled in the artifact; an error saying how to get either when there is neither."""
+    bundled in the artifact and listed in its manifest (`listed`: the manifest's `files`, the copy
+    checked against its sha256); an error saying how to get either when there is neither."""
+    bundled = bundled_wheel(artifact, listed)  # refuses an unlisted file under runtime/ in either case
     source = runtime_source()
     if source is not None:
         return build_wheel(source, out_dir), f"built from {source}"
-    bundled = bundled_wheel(artifact)
     if bundled is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        return Path(shutil.copy2(bundled, out_dir / bundled.name)), f"the wheel bundled in {artifact}"
+        copy = Path(shutil.copyfile(bundled, out_dir / bundled.name))
+        rel = f"{WHEEL_DIR}/{bundled.name}"
+        if sha256_file(copy) != listed[rel].get("sha256"):
+            raise PublishError(f"{bundled}: its sha256 is not the one manifest.json lists; the wheel is not bundled")
+        return copy, f"the wheel bundled in {artifact}"
     raise PublishError(
         f"the runtime's source is not available to build its wheel (qruntime is installed at "
         f"{_installed_at()}, not as an editable install of a qcompile checkout's runtime/), and {artifact} "
-        f"bundles no {WHEEL_DIR}/{WHEEL_GLOB}; install from a source checkout (`pip install -e ./runtime -e .`) "
-        "and publish again"
+        f"bundles no {WHEEL_DIR}/{WHEEL_GLOB} that its manifest lists; install from a source checkout "
+        "(`pip install -e ./runtime -e .`) and publish again"
     )
 
 

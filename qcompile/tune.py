@@ -152,6 +152,8 @@ def tune_artifact(
     }
     rel = f"{KERNELS_DIR}/{device_file(name)}"
     path = root / rel
+    if path.parent.is_symlink() or path.is_symlink():
+        raise QCompileError(f"{path}: a symbolic link in the artifact; tune writes only the artifact's own files")
     path.parent.mkdir(exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")

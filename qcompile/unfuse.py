@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from qruntime.artifact import read_manifest
-from safetensors import safe_open
+from qruntime.artifact import ArtifactFormatError, artifact_path, read_manifest
+from safetensors import SafetensorError, safe_open
 
 from qcompile.errors import ArtifactError
 from qcompile.jobs import split_rows
@@ -42,8 +42,20 @@ def split_to_sources(root: str | Path) -> Iterator[tuple[str, torch.Tensor, torc
         slice of a stacked tensor), so memory holds one part at a time, not a fused tensor."""
         file = tensors[name]["file"]
         if file not in handles:
-            handles[file] = safe_open(str(root / file), framework="pt")
-        return handles[file].get_slice(name)
+            try:
+                path = artifact_path(root, file, listed=manifest["files"])
+            except ArtifactFormatError as exc:
+                raise ArtifactError(str(exc)) from exc
+            try:
+                handles[file] = safe_open(str(path), framework="pt")
+            except (SafetensorError, OSError) as exc:
+                raise ArtifactError(f"{path}: not a readable safetensors file ({exc})") from exc
+        try:
+            return handles[file].get_slice(name)
+        except SafetensorError as exc:
+            raise ArtifactError(
+                f"{root / file}: has no tensor {name[:200]!r} that manifest.json places there ({exc})"
+            ) from exc
 
     for name, info in tensors.items():
         if info["role"] == "scale":

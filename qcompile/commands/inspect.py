@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import click
-from qruntime.artifact import ArtifactFormatError, read_manifest
+from qruntime.artifact import COMPILED_FIELDS, ArtifactFormatError, read_manifest, require
 
 from qcompile.errors import ArtifactError
 from qcompile.io.safetensors_stream import DTYPES
@@ -19,7 +19,7 @@ from qcompile.units import human_bytes, human_count
 def summarize(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """The facts `inspect` shows, as plain data."""
     spec, recipe, kv = manifest["spec"], manifest["recipe"], manifest["kv_cache"]
-    tensors, tp = manifest["tensors"], manifest["tp"]
+    tensors, tp = manifest["tensors"], manifest.get("tp", 1)
     by_dtype: Counter[str] = Counter()
     params = 0
     for info in tensors.values():
@@ -29,7 +29,8 @@ def summarize(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
         if info["role"] != "scale":
             params += count
     quantized = sorted({name.rsplit(".", 1)[0] for name, info in tensors.items() if info["role"] == "scale"})
-    tuned = sorted(p.stem for p in (root / "kernels").glob("*.json")) if (root / "kernels").is_dir() else []
+    # the tables the manifest lists (the runtime reads no other): named, not opened
+    tuned = sorted(Path(rel).stem for rel in manifest["files"] if rel.startswith("kernels/") and rel.endswith(".json"))
     weight_bytes = sum(f["bytes"] for path, f in manifest["files"].items() if path.startswith("weights/"))
     return {
         "path": str(root),
@@ -57,10 +58,10 @@ def summarize(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
             "k_dims": kv["layout"]["k_dims"],
             "v_dims": kv["layout"]["v_dims"],
             "block_size": kv["block_size"],
-            "calibrated_scales": bool(kv["scales"] and kv["scales"].get("calibrated")),
+            "calibrated_scales": bool(kv.get("scales") and kv["scales"].get("calibrated")),
         },
         "tp": tp,
-        "graphs": [graph["file"]] if "file" in (graph := manifest["graph"]) else list(graph["files"]),
+        "graphs": [manifest["graph"].get("file", "graph.onnx")] if tp == 1 else list(manifest["graph"]["files"]),
         "kv_heads_per_rank": kv["num_kv_heads"],
         "tuned_devices": tuned,
         "bytes": {"weights": weight_bytes, "by_dtype": dict(by_dtype), "files": len(manifest["files"])},
@@ -88,6 +89,7 @@ def command(artifact: Path, as_json: bool) -> None:
     """Summarise ARTIFACT: model, scheme, sizes, passes, KV layout, tuned devices."""
     try:
         manifest = read_manifest(artifact)
+        require(manifest, artifact, *COMPILED_FIELDS)
     except ArtifactFormatError as exc:
         raise ArtifactError(str(exc)) from exc
     info = summarize(artifact, manifest)

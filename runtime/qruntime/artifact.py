@@ -31,6 +31,29 @@ from qruntime.manifest_schema import SchemaError, check_manifest
 FORMAT_VERSION = "1.0"
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 256 << 20  # a 235B-parameter MoE's manifest is a few MB
+# what a compiled artifact's manifest holds beyond REQUIRED, and what inspect, export and publish read
+COMPILED_FIELDS = (
+    "toolchain",
+    "source.path",
+    "source.fingerprint",
+    "spec.architecture",
+    "spec.dtype",
+    "spec.vocab_size",
+    "spec.hidden_size",
+    "spec.num_hidden_layers",
+    "spec.num_attention_heads",
+    "spec.num_key_value_heads",
+    "spec.head_dim",
+    "spec.max_position_embeddings",
+    "spec.tie_word_embeddings",
+    "recipe.name",
+    "recipe.quantization.scheme",
+    "recipe.quantization.ignore",
+    "passes",
+    "kv_cache",
+    "graph",
+    "tensors",
+)
 LINK_REFUSED = "is a symbolic link; an artifact's files must be its own (links are refused)"
 
 

@@ -510,7 +510,14 @@ def test_existing_dir_needs_force(art_copy, tmp_path):
 
 def test_tp_artifact_is_refused(art_copy, tmp_path):
     manifest = json.loads((art_copy / "manifest.json").read_text())
-    (art_copy / "manifest.json").write_text(json.dumps({**manifest, "tp": 2}))
+    # a well-formed tp=2 manifest (graph.files, per-rank entries; the ranks share tp=1's files here)
+    graph = manifest["graph"] | {"files": [manifest["graph"]["file"]] * 2}
+    tensors = {
+        name: {k: v for k, v in info.items() if k != "file"}
+        | {"axis": None, "ranks": [{"file": info["file"], "shape": info["shape"]}] * 2}
+        for name, info in manifest["tensors"].items()
+    }
+    (art_copy / "manifest.json").write_text(json.dumps({**manifest, "tp": 2, "graph": graph, "tensors": tensors}))
     result = run("export", art_copy, "-o", tmp_path / "ct", "--no-progress")
     assert result.exit_code == 1 and "tp=2" in result.output and "not supported yet" in result.output
     assert beside(tmp_path, "ct") == []
