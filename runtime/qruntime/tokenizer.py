@@ -20,6 +20,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
+from qruntime.stop_strings import StopMatcher
+
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # written by newer transformers; wins over tokenizer_config's
@@ -30,6 +32,12 @@ MAX_HELD_TOKENS = 16  # undecodable bytes held back longer than this are release
 
 class TokenizerError(ValueError):
     """Missing or malformed tokenizer files, a bad chat template or bad chat messages."""
+
+
+def _bounded(exc: BaseException, limit: int = 200) -> str:
+    """An exception's text for an error message, cut to `limit` characters (it may quote user input)."""
+    text = str(exc)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -148,7 +156,17 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text` (special tokens written in it are recognised); BOS/EOS as tokenizer.json adds them."""
+        """Token ids of `text` (special tokens written in it are recognised); BOS/EOS as tokenizer.json adds them.
+
+        TokenizerError for what is not text: a non-str, or a str holding a lone surrogate."""
+        if not isinstance(text, str):
+            raise TokenizerError(f"can only tokenize text (got {type(text).__name__})")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise TokenizerError(
+                f"the text holds a lone surrogate ({exc.object[exc.start]!a} at character {exc.start}), which is not text"
+            ) from None
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -178,7 +196,13 @@ class Tokenizer:
         try:
             return self.chat_template.render(variables, messages=checked, add_generation_prompt=add_generation_prompt)
         except jinja2.TemplateError as exc:
-            raise TokenizerError(f"{self.template_source}: the chat template failed: {exc}") from exc
+            raise TokenizerError(f"{self.template_source}: the chat template failed: {_bounded(exc)}") from exc
+        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as exc:
+            # what the messages or template variables make the template's own expressions raise
+            raise TokenizerError(
+                f"{self.template_source}: the chat template failed on these messages "
+                f"({type(exc).__name__}: {_bounded(exc)})"
+            ) from exc
 
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kw: Any
@@ -193,7 +217,8 @@ class IncrementalDetokenizer:
     Each step decodes a short window: the tokens since the last point where the text was complete,
     after the chunk before it as context (vLLM's prefix/read offsets), so characters spanning tokens
     come out whole and long outputs cost O(1) per token. Text that may begin a stop string is held
-    back until it cannot. The earliest stop string to complete wins (on a tie, the one starting first).
+    back until it cannot. The earliest stop string to complete wins (on a tie, the one starting first);
+    finding it costs O(new text) per token, whatever the number of stop strings (stop_strings.py).
     """
 
     def __init__(
@@ -204,9 +229,10 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
     ) -> None:
-        self._stops = tuple(stop)
-        if not all(isinstance(s, str) and s for s in self._stops):
-            raise ValueError(f"stop strings must be non-empty strings, got {self._stops!r}")
+        stops = tuple(stop)
+        if not all(isinstance(s, str) and s for s in stops):
+            raise ValueError(f"stop strings must be non-empty strings, got {stops!r:.200}")
+        self._stops = StopMatcher(stops) if stops else None
         self._tokenizer, self._skip = tokenizer, skip_special_tokens
         context = [int(i) for i in prompt_ids[-CONTEXT_TOKENS:]]
         prefix = self._decode(context)
@@ -258,22 +284,17 @@ class IncrementalDetokenizer:
         return text[start:]
 
     def _release(self, new: str, final: bool) -> str:
-        buffer = self._pending + new
-        hits = [(i + len(s), i, s) for s in self._stops if (i := buffer.find(s)) >= 0]
-        if hits:
-            _, cut, self.stop_matched = min(hits)
+        buffer = self._pending + new  # _pending: the characters the matcher holds (held) before `new`
+        hit = self._stops.feed(new) if self._stops is not None else None
+        if hit is not None:
+            end, length = hit
+            end += len(self._pending)
+            cut = end - length
+            self.stop_matched = buffer[cut:end]
             out, self._pending = buffer[:cut], ""
         else:
-            keep = 0 if final else self._stop_prefix_len(buffer)
+            keep = 0 if final or self._stops is None else self._stops.held
             out, self._pending = buffer[: len(buffer) - keep], buffer[len(buffer) - keep :]
         if out:
             self._parts.append(out)
         return out
-
-    def _stop_prefix_len(self, buffer: str) -> int:
-        """Length of the longest end of `buffer` that begins some stop string."""
-        longest = max((len(s) for s in self._stops), default=1) - 1
-        for k in range(min(len(buffer), longest), 0, -1):
-            if any(s.startswith(buffer[-k:]) for s in self._stops):
-                return k
-        return 0

@@ -9,7 +9,9 @@ other ranks (engine/workers.py); `close()` stops them.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -26,10 +28,13 @@ from qruntime.engine.request import Request
 from qruntime.engine.sampler import sample
 from qruntime.engine.sampling_params import SamplingParams, as_list
 from qruntime.engine.scheduler import Scheduler
-from qruntime.tokenizer import IncrementalDetokenizer, Tokenizer
+from qruntime.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 
 if TYPE_CHECKING:
     from qruntime.engine.workers import Workers
+
+
+logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
 Messages = Sequence[Mapping[str, Any]]
@@ -99,24 +104,44 @@ class Engine:
         return request_id
 
     def step(self) -> list[StreamDelta]:
-        """Run one scheduled batch; a delta for every request that got a token or finished."""
+        """Run one scheduled batch; a delta for every request that got a token or finished.
+
+        A failure that belongs to requests fails those requests alone (finish_reason "error", the
+        cause logged with their ids): non-finite logits or a detokenizer error fail one request, a
+        model step that raises fails the requests of its batch. The engine runs on for the others;
+        only a device error (the GPU is gone, every later step would fail too) is raised."""
         output = self.scheduler.schedule()
         if not output.chunks:
             return []
-        logits = self._execute([StepChunk.of(chunk) for chunk in output.chunks])
         rows = [i for i, chunk in enumerate(output.chunks) if chunk.samples]
         tracked = [self._tracked[output.chunks[i].request.request_id] for i in rows]
-        tokens = sample(logits[rows], [t.params for t in tracked], [t.generator for t in tracked])
-        self.scheduler.update(output, {t.request.request_id: tok for t, tok in zip(tracked, tokens, strict=True)})
+        try:
+            logits = self._execute([StepChunk.of(chunk) for chunk in output.chunks])
+            tokens = sample(logits[rows], [t.params for t in tracked], [t.generator for t in tracked])
+        except Exception as exc:
+            if self._is_fatal(exc):
+                raise
+            batch = [self._tracked[c.request.request_id] for c in output.chunks]
+            return self._fail(batch, "the model step running this request failed", exc)
+        self.scheduler.update(
+            output, {t.request.request_id: tok for t, tok in zip(tracked, tokens, strict=True) if tok is not None}
+        )
         now = time.perf_counter()
         deltas = []
         for t, token in zip(tracked, tokens, strict=True):
-            t.first_token = t.first_token if t.first_token is not None else now
-            t.new_ids.append(token)
-            t.new_text += t.detok.add(token)
-            reason = self._stop_reason(t, token)
-            if reason is not None:
-                self._finish(t, *reason, now)
+            if token is None:
+                deltas += self._fail([t], "the model produced non-finite logits (NaN or inf) for this request")
+                continue
+            try:
+                t.first_token = t.first_token if t.first_token is not None else now
+                t.new_ids.append(token)
+                t.new_text += t.detok.add(token)
+                reason = self._stop_reason(t, token)
+                if reason is not None:
+                    self._finish(t, *reason, now)
+            except Exception as exc:  # detokenizing or a stop check: this request's alone
+                deltas += self._fail([t], "turning this request's tokens into text failed", exc)
+                continue
             deltas.append(self._delta(t))
         return deltas
 
@@ -231,6 +256,17 @@ class Engine:
             return self.workers.step(self.runner, chunks, all_logits)
         return self.runner.execute(chunks, all_logits)
 
+    def _is_fatal(self, exc: BaseException) -> bool:
+        """Whether a failed step means no later step can run: a CUDA error (torch.AcceleratorError;
+        the CUDA context is unusable after one), or any failure at tp > 1 (the workers have been
+        abandoned then). Anything else, out-of-memory included, fails only the step's requests."""
+        accelerator_error = getattr(torch, "AcceleratorError", None)
+        return (
+            self._closed
+            or self.workers is not None
+            or (accelerator_error is not None and isinstance(exc, accelerator_error))
+        )
+
     def _step_or_fail(self) -> list[StreamDelta]:
         deltas = self.step()
         if not deltas and not self.scheduler.has_unfinished():
@@ -250,7 +286,10 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("empty prompt")
-            ids = self.tokenizer.encode(prompt)
+            try:
+                ids = self.tokenizer.encode(prompt)
+            except TokenizerError as exc:
+                raise InvalidRequest(f"prompt: {exc}") from None
         elif isinstance(prompt, Sequence):
             ids = list(prompt)
             bad = [(i, t) for i, t in enumerate(ids) if isinstance(t, bool) or not isinstance(t, int)]
@@ -283,13 +322,16 @@ class Engine:
             return "length", None
         return None
 
-    def _finish(self, t: _Tracked, reason: str, stop_reason: str | int | None, now: float) -> None:
+    def _finish(
+        self, t: _Tracked, reason: str, stop_reason: str | int | None, now: float, error: str | None = None
+    ) -> None:
         """Record the output, free the request's blocks and forget it (its last delta carries the output)."""
         request = t.request
         self.scheduler.finish(request.request_id)
         del self._tracked[request.request_id]
-        if reason != "stop" or not isinstance(stop_reason, str):
-            t.new_text += t.detok.flush()
+        if reason not in ("stop", "error") or not isinstance(stop_reason, str):
+            with contextlib.suppress(Exception):  # a request failing in its detokenizer keeps what it has
+                t.new_text += t.detok.flush()
         timings = Timings(t.arrival, t.first_token, now, len(request.output_token_ids))
         t.output = RequestOutput(
             request.request_id,
@@ -300,7 +342,20 @@ class Engine:
             stop_reason,
             timings,
             request.num_preemptions,
+            error,
         )
+
+    def _fail(self, failed: list[_Tracked], what: str, exc: BaseException | None = None) -> list[StreamDelta]:
+        """Finish `failed` with finish_reason "error" (`what` is the output's error; the cause goes to
+        the log with the request ids, never to the output) and return their last deltas."""
+        ids = [t.request.request_id for t in failed]
+        logger.error("%s: failing request(s) %s", what, ", ".join(ids), exc_info=exc)
+        now = time.perf_counter()
+        deltas = []
+        for t in failed:
+            self._finish(t, "error", None, now, error=what)
+            deltas.append(self._delta(t))
+        return deltas
 
     def _delta(self, t: _Tracked) -> StreamDelta:
         delta = StreamDelta(t.request.request_id, tuple(t.new_ids), t.new_text, t.output is not None, t.output)

@@ -40,7 +40,8 @@ class Timings:
 @dataclass(frozen=True)
 class RequestOutput:
     """A finished request. finish_reason: "stop" (EOS, stop token or stop string; stop_reason says
-    which), "length" (max_tokens or the context length) or "abort"."""
+    which), "length" (max_tokens or the context length), "abort", or "error": the engine could not
+    run this request on (`error` says what failed; the cause is in the engine's log under its id)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -50,6 +51,7 @@ class RequestOutput:
     stop_reason: str | int | None
     timings: Timings
     num_preemptions: int
+    error: str | None = None
 
 
 @dataclass(frozen=True)
