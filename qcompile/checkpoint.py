@@ -256,6 +256,14 @@ def check_sizes(spec: ModelSpec, tensors: dict[str, TensorEntry], source: str = 
         )
     h, d = spec.hidden_size, spec.head_dim
     kinds = [spec.is_sparse_layer(i) for i in range(spec.num_hidden_layers)]
+    if spec.moe is not None:  # each layer sparse by the config's rule exactly when it holds a router
+        for layer, sparse in enumerate(kinds):
+            if sparse != (f"{router(layer)}.weight" in tensors):
+                raise CheckpointError(
+                    f"{source}: 'decoder_sparse_step' ({spec.moe.decoder_sparse_step}) and 'mlp_only_layers' "
+                    f"({shown(list(spec.moe.mlp_only_layers))}) make layer {layer} {'sparse' if sparse else 'dense'}, "
+                    f"but the checkpoint {'lacks' if sparse else 'holds'} its router {router(layer)}.weight"
+                )
     checks = [
         (f"{EMBED}.weight", (spec.vocab_size, h), "'vocab_size' x 'hidden_size'"),
         (f"{norm(0, 'self_attn.q_norm')}.weight", (d,), "'head_dim'"),

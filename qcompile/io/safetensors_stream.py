@@ -19,8 +19,9 @@ from pathlib import Path
 from types import MappingProxyType
 
 import torch
+from qruntime import bounded_json
 
-from qcompile.errors import CheckpointError
+from qcompile.errors import CheckpointError, shown
 from qcompile.io.frontier_hash import FrontierHasher
 
 # safetensors dtype name <-> torch dtype
@@ -41,7 +42,8 @@ DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
     }
 )
 DTYPE_NAMES: Mapping[torch.dtype, str] = MappingProxyType({v: k for k, v in DTYPES.items()})
-_MAX_HEADER = 100 * 1024 * 1024
+MAX_HEADER = 100_000_000  # bytes of JSON header: the safetensors library's own limit
+MAX_DIMS = 64  # a tensor's rank at most (torch's limit)
 
 
 @dataclass(frozen=True)
@@ -93,8 +95,10 @@ class TensorEntry:
 def read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
     """Parse and check a safetensors header against the file's size: (entries, metadata).
 
-    A truncated file, a header that does not parse, offsets outside the file, overlapping
-    tensors or a byte count that does not match dtype x shape are errors naming the file and tensor.
+    A truncated file, a header longer than MAX_HEADER (safetensors' own limit) or nested past
+    qruntime.bounded_json's depth, one that does not parse, entries of the wrong types, offsets
+    outside the file, overlapping tensors or a byte count that does not match dtype x shape are
+    errors naming the file and tensor. Only the 8-byte length and then at most MAX_HEADER bytes are read.
     """
     size = path.stat().st_size
     with open(path, "rb") as handle:
@@ -102,44 +106,73 @@ def read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
         if len(head) < 8:
             raise CheckpointError(f"{path.name}: truncated safetensors file ({size} bytes, no header)")
         (header_len,) = struct.unpack("<Q", head)
-        if header_len > min(size - 8, _MAX_HEADER):
+        if header_len > MAX_HEADER:
+            raise CheckpointError(
+                f"{path.name}: safetensors header length {header_len} is over the {MAX_HEADER}-byte limit "
+                "(a corrupt file, or not safetensors)"
+            )
+        if header_len > size - 8:
             raise CheckpointError(
                 f"{path.name}: truncated or corrupt safetensors file (header of {header_len} bytes "
                 f"in a file of {size} bytes)"
             )
         raw = handle.read(header_len)
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        header = bounded_json.loads(raw, what=f"{path.name}: safetensors header")
+    except bounded_json.JSONLimitError as exc:
+        raise CheckpointError(str(exc)) from exc
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer past Python's 4300 digits
         raise CheckpointError(f"{path.name}: safetensors header is not valid JSON ({exc})") from exc
     if not isinstance(header, dict):
         raise CheckpointError(f"{path.name}: safetensors header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{path.name}: safetensors __metadata__ must map names to strings")
     data_start = 8 + header_len
     entries: dict[str, TensorEntry] = {}
     for name, info in header.items():
-        try:
-            dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{path.name}: malformed header entry for tensor {name!r}") from exc
-        if dtype not in DTYPES:
-            raise CheckpointError(f"{path.name}: tensor {name!r} has unknown dtype {dtype!r}")
+        dtype, shape, begin, end = _entry_fields(path, name, info)
         expected = math.prod(shape) * DTYPES[dtype].itemsize
-        if end - begin != expected or begin < 0:
+        if end - begin != expected:
             raise CheckpointError(
-                f"{path.name}: tensor {name!r} spans {end - begin} bytes but {dtype} x {list(shape)} needs {expected}"
+                f"{path.name}: tensor {shown(name)} spans {end - begin} bytes but {dtype} x {list(shape)} "
+                f"needs {expected}"
             )
         if data_start + end > size:
             raise CheckpointError(
-                f"{path.name}: truncated file: tensor {name!r} ends at byte {data_start + end} "
+                f"{path.name}: truncated file: tensor {shown(name)} ends at byte {data_start + end} "
                 f"but the file has {size} bytes"
             )
         entries[name] = TensorEntry(name, path, dtype, shape, data_start + begin, data_start + end)
     spans = sorted((e.begin, e.end, e.name) for e in entries.values() if e.nbytes)
     for (_, end_a, name_a), (begin_b, _, name_b) in zip(spans, spans[1:], strict=False):
         if begin_b < end_a:
-            raise CheckpointError(f"{path.name}: tensors {name_a!r} and {name_b!r} overlap")
+            raise CheckpointError(f"{path.name}: tensors {shown(name_a)} and {shown(name_b)} overlap")
     return entries, metadata
+
+
+def _entry_fields(path: Path, name: str, info: object) -> tuple[str, tuple[int, ...], int, int]:
+    """(dtype, shape, begin, end) of one header entry, each of the type and range the format allows."""
+    where = f"{path.name}: header entry for tensor {shown(name)}"
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        raise CheckpointError(f"{where} must be an object with dtype, shape and data_offsets")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise CheckpointError(f"{path.name}: tensor {shown(name)} has unknown dtype {shown(dtype)}")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_u64(d) for d in shape):
+        raise CheckpointError(
+            f"{where}: shape must list at most {MAX_DIMS} integers from 0 to 2**63-1, got {shown(shape)}"
+        )
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_u64(o) for o in offsets):
+        raise CheckpointError(f"{where}: data_offsets must be two integers from 0 to 2**63-1, got {shown(offsets)}")
+    begin, end = offsets
+    if begin > end:
+        raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] end before they begin")
+    return dtype, tuple(shape), begin, end
+
+
+def _is_u64(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 63
 
 
 @dataclass(frozen=True)
