@@ -9,7 +9,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from qruntime.artifact import FORMAT_VERSION, MANIFEST, sha256_file, verify_files
+from qruntime.artifact import FORMAT_VERSION, MANIFEST, FileProblem, find_links, sha256_file, verify_files
 
 from qcompile.errors import QCompileError
 from qcompile.io.safetensors_stream import DTYPE_NAMES
@@ -103,11 +103,13 @@ def write_manifest(root: Path, manifest: dict[str, Any]) -> None:
 def require_verified(
     root: Path, manifest: dict[str, Any], progress: bool, error: type[QCompileError], action: str
 ) -> None:
-    """Check every file of `root` against its manifest (with a progress bar over the bytes); raise
-    `error` naming the first bad file and saying the artifact is not `action` (e.g. "exported")."""
+    """Check every file of `root` against its manifest (with a progress bar over the bytes), and that
+    the artifact holds no symbolic link, listed or not; raise `error` naming the first bad file and
+    saying the artifact is not `action` (e.g. "exported")."""
     files = manifest["files"]
+    problems = [FileProblem(rel, "is a symbolic link (refused)") for rel in find_links(root)]
     with progress_bar(sum(f.get("bytes") or 0 for f in files.values()), "verify", progress) as bar:
-        problems = verify_files(root, manifest, progress=lambda rel: bar.update(files[rel].get("bytes") or 0))
+        problems += verify_files(root, manifest, progress=lambda rel: bar.update(files[rel].get("bytes") or 0))
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise error(

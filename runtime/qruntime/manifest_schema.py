@@ -299,6 +299,12 @@ def check_manifest(manifest: Any) -> None:
     graph = manifest.get("graph")
     if graph is not None and tp > 1 and len(graph.get("files", ())) != tp:
         raise SchemaError("graph.files", f"a list of {tp} graph files (one per rank at tp={tp})")
+    if graph is not None:
+        named = [("graph.file", graph["file"])] if "file" in graph else []
+        named += [(f"graph.files[{rank}]", name) for rank, name in enumerate(graph.get("files", ()))]
+        for where, name in named:
+            if name not in files:
+                raise SchemaError(where, f"a file listed in files (got {json.dumps(name[:200])})")
     for name, info in manifest.get("tensors", {}).items():
         where = key_path("tensors", name)
         if tp == 1:
