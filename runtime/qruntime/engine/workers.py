@@ -1,8 +1,10 @@
 """Rank 0's handle on a tensor-parallel engine's other ranks: N-1 spawned worker processes, each
 holding its shard of the model (engine/worker_process.py is what runs in them).
 
-Protocol. Rank 0 serves a TCP store on a free localhost port (the process group's rendezvous) and
-spawns the workers ("spawn" context), each with one duplex pipe. Every rank builds its runner
+Protocol. Rank 0 serves a TCP store on a free port of 127.0.0.1 only (the process group's
+rendezvous; `serve_store`) and spawns the workers ("spawn" context), each with one duplex pipe. Once
+every rank has joined the process group (the "planned" checkpoint) the store stops listening: the
+ranks keep the connections they made, and no other process can connect. Every rank builds its runner
 (qruntime.rank.build_rank); at each build checkpoint rank 0 waits until every worker has reported
 it. Then each step is pickled once and written to every pipe before rank 0 runs it itself; the
 graphs' collectives keep the ranks in lockstep. No reply per step: a worker only speaks to report
@@ -20,8 +22,10 @@ at exit, asks the workers to leave and destroys the process group.
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import signal
+import socket
 import threading
 import time
 import weakref
@@ -80,14 +84,58 @@ class _State:
     conns: list[Connection] = field(default_factory=list)
     nccl: bool = False
     store: Any = None
+    listener: socket.socket | None = None  # our handle on the store's listening socket (serve_store)
     watcher: threading.Thread | None = None
     wake_watcher: Connection | None = None
     closing: bool = False
 
 
+def serve_store(world_size: int) -> tuple[dist.TCPStore, socket.socket]:
+    """Rank 0's rendezvous store, listening on 127.0.0.1 only, and our handle on its listening socket.
+
+    torch's TCPStore(host, port, is_master=True) listens on every interface whatever `host` says
+    (torch 2.13: [::]:port, seen in /proc/net/tcp6), so the socket is made here, bound to loopback,
+    and handed to the store through `master_listen_fd` as a duplicate (the store closes its copy when
+    it is destroyed). `stop_listening(handle)` ends the listening once every rank has connected."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+        fd = os.dup(listener.fileno())
+        try:
+            store = dist.TCPStore(
+                "127.0.0.1",
+                listener.getsockname()[1],
+                world_size,
+                is_master=True,
+                wait_for_workers=False,
+                master_listen_fd=fd,
+                use_libuv=True,
+            )
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
+    except BaseException:
+        listener.close()
+        raise
+    return store, listener
+
+
+def stop_listening(listener: socket.socket) -> None:
+    """Stop the store's socket from accepting connections (the store's copy of it too: shutdown acts
+    on the socket, not the descriptor); the connections made before keep working."""
+    with contextlib.suppress(OSError):
+        listener.shutdown(socket.SHUT_RDWR)
+    listener.close()
+
+
 def _shutdown(state: _State, graceful: bool) -> None:
     """Stop every worker (asked to leave when graceful, else terminated), then rank 0's group."""
     state.closing = True
+    if state.listener is not None:
+        stop_listening(state.listener)
+        state.listener = None
     if state.wake_watcher is not None:
         with contextlib.suppress(OSError):
             state.wake_watcher.send_bytes(b"")
@@ -141,9 +189,9 @@ class Workers:
         self._state = state = _State(nccl=config.device.type == "cuda")
         self._finalizer = weakref.finalize(self, _shutdown, state, True)
         self.failure: str | None = None  # why the workers were stopped, when an error stopped them
-        state.store = dist.TCPStore("127.0.0.1", 0, config.tp, is_master=True, wait_for_workers=False)
         context = mp.get_context("spawn")
         try:
+            state.store, state.listener = serve_store(config.tp)
             for rank in range(1, config.tp):
                 ours, theirs = context.Pipe()
                 state.conns.append(ours)
@@ -178,7 +226,14 @@ class Workers:
 
     def checkpoint(self, tag: str) -> None:
         """Wait until every worker reports `tag` (build_rank's checkpoints); a worker's error or death
-        meanwhile is a WorkerError, and so is a wait beyond LOAD_TIMEOUT_S."""
+        meanwhile is a WorkerError, and so is a wait beyond LOAD_TIMEOUT_S. After "planned" (every
+        rank in the process group) the store stops listening."""
+        self._wait_for(tag)
+        if tag == "planned" and self._state.listener is not None:
+            stop_listening(self._state.listener)
+            self._state.listener = None
+
+    def _wait_for(self, tag: str) -> None:
         pending = {rank: (process, conn) for rank, process, conn in self._ranks()}
         deadline = time.monotonic() + LOAD_TIMEOUT_S
         while pending:
