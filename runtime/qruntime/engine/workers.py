@@ -3,8 +3,8 @@ holding its shard of the model (engine/worker_process.py is what runs in them).
 
 Protocol. Rank 0 serves a TCP store on a free port of 127.0.0.1 only (the process group's
 rendezvous; `serve_store`) and spawns the workers ("spawn" context), each with one duplex pipe. Once
-every rank has joined the process group (the "planned" checkpoint) the store stops listening: the
-ranks keep the connections they made, and no other process can connect. Every rank builds its runner
+every rank is built (the "ready" checkpoint: in the process group, its collectives run) the store
+stops listening: the ranks keep the connections they made, and no other process can connect. Every rank builds its runner
 (qruntime.rank.build_rank); at each build checkpoint rank 0 waits until every worker has reported
 it. Then each step is pickled once and written to every pipe before rank 0 runs it itself; the
 graphs' collectives keep the ranks in lockstep. No reply per step: a worker only speaks to report
@@ -226,10 +226,10 @@ class Workers:
 
     def checkpoint(self, tag: str) -> None:
         """Wait until every worker reports `tag` (build_rank's checkpoints); a worker's error or death
-        meanwhile is a WorkerError, and so is a wait beyond LOAD_TIMEOUT_S. After "planned" (every
-        rank in the process group) the store stops listening."""
+        meanwhile is a WorkerError, and so is a wait beyond LOAD_TIMEOUT_S. After "ready" (every
+        rank built, its communicators made and used) the store stops listening."""
         self._wait_for(tag)
-        if tag == "planned" and self._state.listener is not None:
+        if tag == "ready" and self._state.listener is not None:
             stop_listening(self._state.listener)
             self._state.listener = None
 
