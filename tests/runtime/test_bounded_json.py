@@ -6,7 +6,6 @@ import json
 import random
 
 import pytest
-
 from qruntime.bounded_json import MAX_DEPTH, JSONLimitError, check, loads
 
 

@@ -6,6 +6,7 @@ engine loop, and answer from the deltas that come back, streamed (SSE) or whole.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -15,14 +16,15 @@ from typing import Any
 import anyio.to_thread
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from qruntime.engine.engine import Engine
 from qruntime.engine.outputs import RequestOutput
 from qruntime.serve.engine_loop import EngineLoop, FailedRequest, Handle, QueueFull, ShuttingDown
-from qruntime.serve.errors import APIError, error_body, invalid
+from qruntime.serve.errors import APIError, error_body
+from qruntime.serve.limits import RequestLimits, check_api_key, check_content_type, read_json_body
 from qruntime.serve.metrics import CONTENT_TYPE, Metrics
 from qruntime.serve.protocol import GenerationRequest, ServedModel, parse_chat, parse_completion
 from qruntime.serve.responses import ResponseBuilder
@@ -30,27 +32,18 @@ from qruntime.serve.sse import SSEResponse, sse_event, until_disconnected
 
 RETRY_AFTER_S = 1  # the Retry-After of a 429: a step or a few frees room in the queue
 
+logger = logging.getLogger(__name__)
+
 
 def _dumps(body: Any) -> str:
     return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
 
 
-async def read_json(request: Request) -> Any:
-    try:
-        raw = await request.body()
-    except ClientDisconnect:
-        raise APIError(499, "the client disconnected while sending the request") from None
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise invalid(None, f"the request body is not valid JSON: {exc}", "invalid_json") from None
-
-
 class OpenAIRoutes:
     """The handlers of one served model."""
 
-    def __init__(self, model: ServedModel, loop: EngineLoop, metrics: Metrics) -> None:
-        self.model, self.loop, self.metrics = model, loop, metrics
+    def __init__(self, model: ServedModel, loop: EngineLoop, metrics: Metrics, limits: RequestLimits) -> None:
+        self.model, self.loop, self.metrics, self.limits = model, loop, metrics, limits
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, parse_completion, "cmpl")
@@ -81,7 +74,8 @@ class OpenAIRoutes:
     async def _generate(
         self, request: Request, parse: Callable[[Any, ServedModel], GenerationRequest], prefix: str
     ) -> Response:
-        body = await read_json(request)
+        check_content_type(request)
+        body = await read_json_body(request, self.limits)
         # tokenizing (and rendering a chat template) off the event loop keeps other streams flowing
         parsed = await anyio.to_thread.run_sync(parse, body, self.model)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -142,16 +136,51 @@ class OpenAIRoutes:
         return JSONResponse(builder.full(outputs))
 
 
-def build_app(engine: Engine, *, model_name: str, max_waiting: int = 256, stop_timeout: float = 60.0) -> Starlette:
+def build_app(
+    engine: Engine,
+    *,
+    model_name: str,
+    max_waiting: int = 256,
+    stop_timeout: float = 60.0,
+    limits: RequestLimits | None = None,
+    api_key: str | None = None,
+) -> Starlette:
     """The server's ASGI app. Its lifespan starts the engine loop and stops it (aborting whatever is
-    still running) at shutdown; `app.state.engine_loop` / `app.state.metrics` are there for tests."""
+    still running) at shutdown; `app.state.engine_loop` / `app.state.metrics` are there for tests.
+    With `api_key`, every /v1/* route wants `Authorization: Bearer <api_key>` (401 otherwise)."""
+    if api_key is not None and not api_key:
+        raise ValueError("api_key is empty: give a key, or None for none")
+    limits = limits if limits is not None else RequestLimits()
     loop = EngineLoop(engine, max_waiting=max_waiting)
     metrics = Metrics(loop.stats)
     loop.metrics = metrics
     model = ServedModel(
-        model_name, engine.tokenizer, engine.vocab_size, engine.max_model_len, int(time.time()), max_waiting
+        model_name, engine.tokenizer, engine.vocab_size, engine.max_model_len, int(time.time()), max_waiting, limits
     )
-    routes = OpenAIRoutes(model, loop, metrics)
+    routes = OpenAIRoutes(model, loop, metrics, limits)
+
+    def internal_error(request: Request, exc: Exception) -> Response:
+        # the cause goes to the log under an id the client sees; its text may hold anything
+        error_id = f"err-{uuid.uuid4().hex[:16]}"
+        logger.error("%s %s failed (%s)", request.method, request.url.path, error_id, exc_info=exc)
+        metrics.on_rejected(500)
+        message = f"internal server error ({error_id}); the server log has the details under that id"
+        return JSONResponse(error_body(500, message), 500)
+
+    def guarded(endpoint: Callable[[Request], Any]) -> Callable[[Request], Any]:
+        """The endpoint behind the API key check, its unexpected exceptions answered as a 500 here
+        (Starlette's last-resort handler would re-raise them to uvicorn, which then drops the connection)."""
+
+        async def handle(request: Request) -> Response:
+            check_api_key(request, api_key)
+            try:
+                return await endpoint(request)
+            except (APIError, HTTPException):
+                raise
+            except Exception as exc:
+                return internal_error(request, exc)
+
+        return handle
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncGenerator[None, None]:
@@ -170,15 +199,15 @@ def build_app(engine: Engine, *, model_name: str, max_waiting: int = 256, stop_t
         return JSONResponse(error_body(exc.status_code, exc.detail), exc.status_code, headers=exc.headers)
 
     async def server_error(request: Request, exc: Exception) -> Response:
-        return JSONResponse(error_body(500, f"internal server error: {exc!r}"), 500)
+        return internal_error(request, exc)
 
     app = Starlette(
         routes=[
-            Route("/v1/completions", routes.completions, methods=["POST"]),
-            Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
-            Route("/v1/models", routes.models, methods=["GET"]),
-            Route("/health", routes.health, methods=["GET"]),
-            Route("/metrics", routes.metrics_text, methods=["GET"]),
+            Route("/v1/completions", guarded(routes.completions), methods=["POST"]),
+            Route("/v1/chat/completions", guarded(routes.chat_completions), methods=["POST"]),
+            Route("/v1/models", guarded(routes.models), methods=["GET"]),
+            Route("/health", guarded(routes.health), methods=["GET"]),
+            Route("/metrics", guarded(routes.metrics_text), methods=["GET"]),
         ],
         lifespan=lifespan,
         exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error},

@@ -104,6 +104,12 @@ class Handle:
                 self._owner.abort(self)
 
 
+def _internal_failure(handle: Handle, what: str | None = None) -> Failure:
+    """A 500 naming the request, whose cause is in the server log (never in the response)."""
+    cause = f": {what}" if what else ""
+    return Failure(500, f"request {handle.request_id} failed in the engine{cause}; the server log has the details")
+
+
 def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
     for queue, item in items:
         queue.put_nowait(item)
@@ -142,7 +148,9 @@ class EngineLoop:
         with self._cond:
             if not self._accepting or self._error is not None:
                 raise ShuttingDown(
-                    "the server is shutting down" if self._error is None else f"the engine failed: {self._error!r}"
+                    "the server is shutting down"
+                    if self._error is None
+                    else "the engine failed and this server must be restarted (its log has the cause)"
                 )
             waiting = self._inbox_seqs + self._engine_waiting
             if waiting + len(sequences) > self.max_waiting:
@@ -225,7 +233,8 @@ class EngineLoop:
                 self._accepting = False
                 pending, self._inbox = self._inbox, []
             logger.error("the engine failed; failing %d sequence(s) in flight", len(self._live), exc_info=exc)
-            self._fail_all(Failure(500, f"the engine failed: {exc!r}"), [h for kind, h in pending if kind == "add"])
+            failure = Failure(500, "the engine failed while running this request (the server log has the cause)")
+            self._fail_all(failure, [h for kind, h in pending if kind == "add"])
         else:
             self._abort_all()
             self._publish()
@@ -240,6 +249,10 @@ class EngineLoop:
         except InvalidRequest as exc:  # the HTTP side checks first; this is the engine's word on it
             self._abort(handle, notify=False)
             self._send({handle.loop: [(handle.queue, Failure(400, str(exc)))]})
+        except Exception as exc:  # a bug reached by this request alone: it fails, the engine serves on
+            logger.error("request %s could not be added to the engine", handle.request_id, exc_info=exc)
+            self._abort(handle, notify=False)
+            self._send({handle.loop: [(handle.queue, _internal_failure(handle))]})
 
     def _abort(self, handle: Handle, notify: bool = True) -> None:
         items = []
@@ -274,6 +287,10 @@ class EngineLoop:
                 del self._live[delta.request_id]
                 if self.metrics is not None:
                     self.metrics.on_finished(delta.output, handle.submitted)
+                if delta.output.finish_reason == "error":  # the engine failed this sequence alone
+                    self._abort(handle, notify=False)  # and so the request: its other choices go too
+                    by_loop[handle.loop].append((handle.queue, _internal_failure(handle, delta.output.error)))
+                    continue
             by_loop[handle.loop].append((handle.queue, (index, delta)))
         if self.metrics is not None and deltas:
             self.metrics.on_step(len(deltas), tokens)

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import os
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+API_KEY_ENV = "QRUNTIME_API_KEY"  # --api-key's default, so the key need not show in the process list
 ARTIFACT_HELP = "Artifact directory written by `qcompile compile`, or hf://org/name[@revision] on the Hugging Face Hub."
 
 
@@ -29,6 +31,11 @@ class ServeOptions:
     verify: bool = False
     shutdown_timeout: float = 30.0
     log_level: str = "info"
+    api_key: str | None = field(default=None, repr=False)
+    max_body_bytes: int = 4 << 20
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    limit_concurrency: int = 1024
 
     @property
     def model_name(self) -> str:
@@ -103,6 +110,42 @@ def add_serve_parser(verbs: Any) -> None:
         default=30.0,
         metavar="S",
         help="On SIGINT/SIGTERM, seconds running requests get to finish before they are aborted (default 30).",
+    )
+    add(
+        "--api-key",
+        metavar="KEY",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"Require `Authorization: Bearer KEY` on every /v1/* route (401 otherwise); /health and /metrics stay "
+        f"open. Default: the {API_KEY_ENV} environment variable, else no key.",
+    )
+    add(
+        "--max-body-bytes",
+        type=int,
+        default=4 << 20,
+        metavar="N",
+        help="Largest request body; a larger one is refused with 413 before it is read whole (default 4 MiB).",
+    )
+    add(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="Seconds a connection gets to send a request's headers, from connecting or from its last response; "
+        "then it is closed (default 10).",
+    )
+    add(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="Seconds a request's body gets to arrive after its headers; then 408 (default 30).",
+    )
+    add(
+        "--limit-concurrency",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="Most open connections and requests at once; past it, new requests get 503 (default 1024).",
     )
     add(
         "--log-level",

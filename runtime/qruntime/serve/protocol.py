@@ -18,6 +18,7 @@ from typing import Any
 
 from qruntime.engine.sampling_params import SamplingParams
 from qruntime.serve.errors import APIError, invalid
+from qruntime.serve.limits import RequestLimits
 from qruntime.tokenizer import Tokenizer, TokenizerError
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -47,6 +48,10 @@ UNSUPPORTED_CHAT = {
 }
 
 
+# template variables the server sets itself; chat_template_kwargs may set any other
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt"})
+
+
 @dataclass(frozen=True)
 class ServedModel:
     """What requests are checked against; immutable, so shared freely with the HTTP side."""
@@ -57,6 +62,7 @@ class ServedModel:
     max_model_len: int
     created: int  # unix time the server started, /v1/models's `created`
     max_sequences: int  # most sequences (prompts x n) one request may ask for: the server's --max-waiting
+    limits: RequestLimits = RequestLimits()
 
 
 @dataclass(frozen=True)
@@ -118,22 +124,33 @@ def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
+def _stop(body: Mapping[str, Any], limits: RequestLimits) -> tuple[str, ...]:
     value = body.get("stop")
     if value is None:
         return ()
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise invalid("stop", f"stop must be a non-empty string or a list of them (got {_show(value)})", "invalid_type")
+    if len(stops) > limits.max_stop:
+        raise invalid("stop", f"stop has {len(stops)} strings; this server takes at most {limits.max_stop}")
+    if (chars := sum(map(len, stops))) > limits.max_stop_chars:
+        raise invalid(
+            "stop", f"the stop strings hold {chars} characters; this server takes at most {limits.max_stop_chars}"
+        )
     return tuple(stops)
 
 
-def _int_list(body: Mapping[str, Any], name: str) -> tuple[int, ...]:
+def _int_list(body: Mapping[str, Any], name: str, most: int, below: int | None = None) -> tuple[int, ...]:
+    """A list of at most `most` integers in [0, below)."""
     value = body.get(name)
     if value is None:
         return ()
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
         raise invalid(name, f"{name} must be a list of non-negative integers (got {_show(value)})", "invalid_type")
+    if len(value) > most:
+        raise invalid(name, f"{name} has {len(value)} entries; this server takes at most {most}")
+    if below is not None and (too_big := [v for v in value if v >= below]):
+        raise invalid(name, f"{name}: {_show(too_big[0])} is not a token id (the vocabulary is ids 0..{below - 1})")
     return tuple(value)
 
 
@@ -224,6 +241,11 @@ def chat_prompt(body: Mapping[str, Any], model: ServedModel) -> list[int]:
         raise invalid(
             "chat_template_kwargs", f"chat_template_kwargs must be an object (got {_show(kwargs)})", "invalid_type"
         )
+    if reserved := sorted(RESERVED_TEMPLATE_VARIABLES & kwargs.keys()):
+        raise invalid(
+            "chat_template_kwargs",
+            f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them from the request",
+        )
     rendered = []
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
@@ -284,6 +306,8 @@ def _build(
     if seed is not None and seed >= MAX_SEED:
         raise invalid("seed", f"seed must be < 2**63 (got {seed})")
     n = _int(body, "n", 1, minimum=1)
+    if n > model.limits.max_n:
+        raise invalid("n", f"n must be <= {model.limits.max_n} (got {n})")
     if n * len(prompts) > model.max_sequences:
         raise invalid(
             "n",
@@ -299,8 +323,8 @@ def _build(
         "temperature": temperature,
         "top_p": top_p,
         "top_k": max(top_k, 0),
-        "stop": _stop(body),
-        "stop_token_ids": _int_list(body, "stop_token_ids"),
+        "stop": _stop(body, model.limits),
+        "stop_token_ids": _int_list(body, "stop_token_ids", model.limits.max_stop_token_ids, model.vocab_size),
         "ignore_eos": _bool(body, "ignore_eos", False),
         "skip_special_tokens": _bool(body, "skip_special_tokens", True),
     }

@@ -11,6 +11,7 @@ lifespan stops the engine loop and its thread ends.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import socket
@@ -28,6 +29,8 @@ import qruntime
 from qruntime.artifact import ArtifactFormatError
 from qruntime.cli import RunError, load_line
 from qruntime.serve.app import build_app
+from qruntime.serve.connections import HeaderTimeoutProtocol
+from qruntime.serve.limits import RequestLimits
 from qruntime.serve.options import ServeOptions
 
 SHUTDOWN_GRACE_S = 5.0  # after the aborts, how long uvicorn waits for responses to finish sending
@@ -58,6 +61,16 @@ def serve(options: ServeOptions, err: TextIO | None = None) -> None:
         raise RunError(f"--max-waiting must be >= 1 (got {options.max_waiting})")
     if options.shutdown_timeout < 0:
         raise RunError(f"--shutdown-timeout must be >= 0 (got {options.shutdown_timeout})")
+    for flag, value in (
+        ("--max-body-bytes", options.max_body_bytes),
+        ("--header-timeout", options.header_timeout),
+        ("--body-timeout", options.body_timeout),
+        ("--limit-concurrency", options.limit_concurrency),
+    ):
+        if not value > 0:
+            raise RunError(f"{flag} must be > 0 (got {value})")
+    if options.api_key is not None and not options.api_key.strip():
+        raise RunError("--api-key is empty: give a key, or leave the option (and QRUNTIME_API_KEY) unset")
     if options.threads is not None:
         if options.threads < 1:
             raise RunError(f"--threads must be >= 1 (got {options.threads})")
@@ -81,18 +94,17 @@ def serve(options: ServeOptions, err: TextIO | None = None) -> None:
 
     _log_like_uvicorn(options.log_level)
     sock = listen(options.host, options.port)
-    app = build_app(engine, model_name=options.model_name, max_waiting=options.max_waiting)
+    limits = RequestLimits(max_body_bytes=options.max_body_bytes, body_timeout=options.body_timeout)
+    app = build_app(
+        engine, model_name=options.model_name, max_waiting=options.max_waiting, limits=limits, api_key=options.api_key
+    )
     ready = (
         f"serving {options.model_name} on {url_of(sock)} (max_num_seqs {options.max_num_seqs}, "
-        f"max_waiting {options.max_waiting}, max_model_len {engine.max_model_len})"
+        f"max_waiting {options.max_waiting}, max_model_len {engine.max_model_len}"
+        f"{', API key required' if options.api_key else ''})"
     )
     loop = app.state.engine_loop
-    config = uvicorn.Config(
-        app,
-        log_level=options.log_level,
-        timeout_graceful_shutdown=options.shutdown_timeout + SHUTDOWN_GRACE_S,
-        lifespan="on",
-    )
+    config = uvicorn_config(app, options)
 
     def drain() -> None:
         loop.close()
@@ -110,6 +122,19 @@ def serve(options: ServeOptions, err: TextIO | None = None) -> None:
             signal.signal(signal.SIGTERM, previous)
         loop.stop()  # a no-op after the lifespan's; covers a forced exit
         sock.close()
+
+
+def uvicorn_config(app: Any, options: ServeOptions) -> uvicorn.Config:
+    """uvicorn's settings for `app` under `options`: connections that must send their headers within
+    --header-timeout, at most --limit-concurrency of them, the graceful shutdown's grace."""
+    return uvicorn.Config(
+        app,
+        http=functools.partial(HeaderTimeoutProtocol, header_timeout=options.header_timeout),
+        limit_concurrency=options.limit_concurrency,
+        log_level=options.log_level,
+        timeout_graceful_shutdown=options.shutdown_timeout + SHUTDOWN_GRACE_S,
+        lifespan="on",
+    )
 
 
 def _log_like_uvicorn(level: str) -> None:

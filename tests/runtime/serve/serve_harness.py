@@ -127,12 +127,14 @@ class ThreadedServer:
     """An ASGI app on uvicorn in a thread of this process, on a free loopback port; `url` while in
     the `with` block, which ends with uvicorn's own shutdown (lifespan included)."""
 
-    def __init__(self, app: object) -> None:
+    def __init__(self, app: object, config: object | None = None) -> None:
+        """`config`: a uvicorn.Config of `app` (e.g. the server's own, qruntime.serve.server.uvicorn_config)."""
         import uvicorn
 
         self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(config or uvicorn.Config(app, log_level="warning", lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> ThreadedServer:
