@@ -52,6 +52,7 @@ TOKENIZER_FILES = (
 REQUIRED_TOKENIZER_FILES = ("tokenizer.json",)
 GENERATION_FILE = "generation_config.json"
 MAX_INDEX_BYTES = 64 << 20  # a shard index names each tensor once: ~2 MB for the largest Qwen3
+MAX_NAME_BYTES = 255  # of a shard's file name (NAME_MAX: a longer one makes is_file() raise)
 CARD_FILE = "README.md"  # the model card; its YAML front matter may name the license
 
 log = logging.getLogger(__name__)
@@ -162,8 +163,10 @@ def _shard_files(root: Path) -> tuple[list[Path], dict[str, str] | None]:
             raise CheckpointError(f"{index_path}: 'weight_map' must map tensor names to file names")
         names = sorted(set(weight_map.values()))
         for name in names:
-            if Path(name).name != name:
-                raise CheckpointError(f"{index_path}: shard {shown(name)} must be a file name in the checkpoint dir")
+            if Path(name).name != name or len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+                raise CheckpointError(
+                    f"{index_path}: shard {shown(name)} must be a file name (at most 255 bytes) in the checkpoint dir"
+                )
             if not (root / name).is_file():
                 users = sorted(k for k, v in weight_map.items() if v == name)
                 raise CheckpointError(

@@ -130,7 +130,12 @@ def _read_yaml(path: Path) -> Any:
     try:
         return bounded_yaml.loads(text, what=str(path))
     except yaml.YAMLError as exc:
-        raise RecipeError(f"{path}: not valid YAML ({exc})") from exc
+        raise RecipeError(f"{path}: not valid YAML ({_one_line(exc)})") from exc
+
+
+def _one_line(exc: Exception) -> str:
+    """PyYAML's multi-line error (problem, context, marks) as one line."""
+    return " ".join(str(exc).split())
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:
@@ -140,7 +145,7 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     try:
         parsed = bounded_yaml.loads(value, what=f"--set {shown(key)}") if value else ""
     except yaml.YAMLError as exc:
-        raise RecipeError(f"--set {shown(item)}: value is not valid YAML ({exc})") from exc
+        raise RecipeError(f"--set {shown(item)}: value is not valid YAML ({_one_line(exc)})") from exc
     if key in ("passes", "quantization.ignore") and isinstance(parsed, str):
         parsed = [p.strip() for p in parsed.split(",") if p.strip()]
     node = raw

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -174,8 +175,8 @@ def read_json(path: Path, max_bytes: int) -> Any:
     depth; every way it can be broken (too big, not UTF-8, malformed, too deep, a lone surrogate,
     an integer too long to convert, not an object) is a CheckpointError naming the file."""
     try:
-        with open(path, "rb") as handle:
-            raw = handle.read(max_bytes + 1)
+        with open(path, "rb") as handle:  # read(n) allocates n bytes first: ask for what the file holds
+            raw = handle.read(min(os.fstat(handle.fileno()).st_size, max_bytes) + 1)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot be read ({exc})") from exc
     if len(raw) > max_bytes:

@@ -14,7 +14,8 @@ from typing import Any
 import yaml
 
 MAX_DEPTH = 32  # mappings/sequences inside each other; an llm-compressor recipe needs 5
-MAX_CHARS = 1 << 20  # 1 MiB of text; the shipped recipes are under 1 kB
+MAX_CHARS = 64 << 10  # the shipped recipes are under 1 kB; PyYAML composes ~30k list items a second
+# in pure Python (its C loader cannot refuse aliases as it composes), so this keeps any document ~2 s
 
 
 class YAMLLimitError(yaml.YAMLError):
