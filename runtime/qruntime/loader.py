@@ -195,6 +195,7 @@ def load(
     else:
         root = Path(path)
     manifest = read_manifest(root)
+    require(manifest, root, "kv_cache", "spec.vocab_size", "spec.max_position_embeddings")
     tp = _check_tp(tp, manifest, root)
     graph_files = _graph_files(manifest, tp, root)
     device = resolve_device(device)
@@ -202,7 +203,6 @@ def load(
     compute_dtype = _resolve_dtype(dtype, manifest)
     backend = resolve_backend(backend, device, compute_dtype)
     _check_files(root, manifest, verify)
-    require(manifest, root, "kv_cache", "spec.vocab_size", "spec.max_position_embeddings")
     try:
         kv_spec = KVCacheSpec.from_manifest(manifest["kv_cache"])
     except ValueError as exc:
