@@ -88,7 +88,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("--no-stream", "no_stream", None, "Print the text when generation ends instead of token by token."),
     Option(
         "--json", "as_json", None,
-        "Print one JSON object instead of text: text, token_ids, finish_reason, stop_reason, ttft_s, tpot_s, "
+        "Print one JSON object instead of text: text, token_ids, finish_reason, stop_reason, error, ttft_s, tpot_s, "
         "tokens_per_s, prompt_tokens, output_tokens, device, dtype.",
     ),
 )  # fmt: skip
@@ -163,6 +163,8 @@ def run(options: RunOptions, out: TextIO | None = None, err: TextIO | None = Non
     else:
         print("" if printing else output.text, file=out, flush=True)  # end the text's line
         print(summary_line(record), file=err, flush=True)
+    if output.finish_reason == "error":  # the engine's log line above has the cause
+        raise RunError(f"generation failed after {len(output.token_ids)} tokens: {output.error}")
     return record
 
 
@@ -191,6 +193,7 @@ def result_record(output: Any, description: dict[str, Any]) -> dict[str, Any]:
         "token_ids": list(output.token_ids),
         "finish_reason": output.finish_reason,
         "stop_reason": output.stop_reason,
+        "error": output.error,
         "ttft_s": t.ttft,
         "tpot_s": t.tpot,
         "tokens_per_s": len(output.token_ids) / e2e if e2e else None,

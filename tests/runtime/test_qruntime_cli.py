@@ -24,7 +24,7 @@ SUMMARY = re.compile(
     r"finish: (\w+)"
 )
 JSON_FIELDS = {
-    "text", "token_ids", "finish_reason", "stop_reason", "ttft_s", "tpot_s", "tokens_per_s",
+    "text", "token_ids", "finish_reason", "stop_reason", "error", "ttft_s", "tpot_s", "tokens_per_s",
     "prompt_tokens", "output_tokens", "device", "dtype",
 }  # fmt: skip
 
@@ -229,6 +229,21 @@ def test_usage_errors_and_help(capsys):
         assert flag in help_text
     for flag in ("--device", "--dtype", "--verify", "--max-model-len", "--no-stream", "--json"):
         assert flag in help_text
+
+
+def test_a_request_the_engine_fails_is_a_one_line_error(art, capsys, monkeypatch):
+    import qruntime.engine.engine as engine_module
+
+    def nan_logits(logits, params, generators):
+        return [None] * len(params)  # what the sampler says of NaN logits
+
+    monkeypatch.setattr(engine_module, "sample", nan_logits)
+    assert main(["run", str(art), random_prompt(), "--max-tokens", "4"]) == 1
+    err = capsys.readouterr().err
+    assert "finish: error" in err and "error: generation failed after 0 tokens: the model produced non-finite" in err
+    assert main(["run", str(art), random_prompt(), "--max-tokens", "4", "--json"]) == 1
+    record = json.loads(capsys.readouterr().out)
+    assert record["finish_reason"] == "error" and "non-finite" in record["error"]
 
 
 def test_ctrl_c_exits_130(art, capsys, monkeypatch):

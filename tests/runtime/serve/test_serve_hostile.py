@@ -357,3 +357,25 @@ def test_slow_connections_do_not_hold_the_server(served, client, reference, rng)
         for sock in socks:
             sock.close()
     assert client.get("/health").status_code == 200
+
+
+def test_a_request_the_engine_cannot_add_fails_alone(client, served, reference, rng, caplog):
+    _, app = served
+    engine = app.state.engine_loop.engine
+    marker = [rng.randrange(500)] * 9
+    add_request = engine.add_request
+
+    def add_or_fail(prompt, params=None, request_id=None):
+        if list(prompt) == marker:
+            raise KeyError("a bug reached by this prompt alone")
+        return add_request(prompt, params, request_id)
+
+    engine.add_request = add_or_fail
+    try:
+        response = client.post("/v1/completions", json={"prompt": marker, "max_tokens": 3, "n": 2})
+    finally:
+        del engine.add_request
+    _error(response, 500, "failed in the engine", "server log")
+    assert "bug reached" not in response.text
+    assert any("could not be added" in r.getMessage() for r in caplog.records)
+    _still_serving(client, app, reference, rng)
