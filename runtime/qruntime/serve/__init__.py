@@ -1,7 +1,8 @@
 """`qruntime serve ART`: an OpenAI-compatible HTTP server over one Engine (the `serve` extra).
 
-The layout is the request's path: `app` (Starlette routes) parses a body with `protocol` into
-engine sequences, hands them to `engine_loop` (the one thread that owns the Engine and steps it,
+The layout is the request's path: `connections` (uvicorn's protocol with a header timeout) hands
+it to `app` (Starlette routes), which checks it against `limits` (API key, Content-Type, body size
+and time, bounded JSON) and parses the body with `protocol` into engine sequences, hands them to `engine_loop` (the one thread that owns the Engine and steps it,
 batching every client's sequences together), and answers with `responses` shapes, streamed through
 `sse`; `errors` is OpenAI's error JSON, `metrics` the Prometheus side, `server` runs uvicorn with
 the CLI's `options`. Importing this package or `options` is cheap: the framework (starlette,
