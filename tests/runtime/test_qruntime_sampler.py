@@ -88,20 +88,23 @@ def test_a_single_stop_string_becomes_a_tuple():
 # below fp32's smallest number, logits spread as wide as bf16 holds
 EXTREME_TEMPERATURES = (5e-324, 1e-300, 1e-38, SAMPLING_EPS / 2, SAMPLING_EPS, 1e-4, 1e-2, 1e30, 1.7e308)
 EXTREME_TOP_P = (5e-324, 1e-300, 1e-46, 1e-8, 0.5, 1.0)
+# the sampler runs where the logits are: on a GPU machine these tests run there too
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
-def _wide_logits(rng: random.Random, rows: int, vocab: int) -> torch.Tensor:
+def _wide_logits(rng: random.Random, rows: int, vocab: int, device: str) -> torch.Tensor:
     scale = rng.choice([1.0, 1e3, 1e4, 3e38])  # 3e38: near the largest bf16 / fp32 values
     logits = (torch.rand(rows, vocab, generator=torch.Generator().manual_seed(rng.randrange(1 << 30))) * 2 - 1) * scale
-    return logits.to(rng.choice([torch.float32, torch.bfloat16]))
+    return logits.to(device, rng.choice([torch.float32, torch.bfloat16]))
 
 
-def test_extreme_sampling_values_never_fail_and_tiny_ones_are_greedy():
+@pytest.mark.parametrize("device", DEVICES)
+def test_extreme_sampling_values_never_fail_and_tiny_ones_are_greedy(device):
     seed = random.randrange(1 << 30)
     print("seed", seed)
     rng = random.Random(seed)
     for _ in range(40):
-        logits = _wide_logits(rng, 3, rng.randrange(2, 300))
+        logits = _wide_logits(rng, 3, rng.randrange(2, 300), device)
         params = [
             SamplingParams(
                 temperature=rng.choice(EXTREME_TEMPERATURES),
@@ -110,7 +113,7 @@ def test_extreme_sampling_values_never_fail_and_tiny_ones_are_greedy():
             )
             for _ in range(3)
         ]
-        gens = [torch.Generator().manual_seed(rng.randrange(1 << 30)) for _ in range(3)]
+        gens = [torch.Generator(device).manual_seed(rng.randrange(1 << 30)) for _ in range(3)]
         tokens = sample(logits, params, gens)
         argmax = logits.float().argmax(-1).tolist()
         for token, p, best, row in zip(tokens, params, argmax, logits.float(), strict=True):
@@ -119,23 +122,25 @@ def test_extreme_sampling_values_never_fail_and_tiny_ones_are_greedy():
                 assert row[token] == row[best], (p, token, best)  # greedy: the best token (or one tied with it)
 
 
-def test_a_top_p_that_rounds_to_zero_keeps_the_best_token():
-    logits = torch.randn(4, 50)
-    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_top_p_that_rounds_to_zero_keeps_the_best_token(device):
+    logits = torch.randn(4, 50, device=device)
+    gens = [torch.Generator(device).manual_seed(i) for i in range(4)]
     assert sample(logits, [SamplingParams(temperature=1.0, top_p=1e-300)] * 4, gens) == logits.argmax(-1).tolist()
 
 
-def test_a_non_finite_row_is_none_and_the_others_are_sampled():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_non_finite_row_is_none_and_the_others_are_sampled(device):
     seed = random.randrange(1 << 30)
     print("seed", seed)
     torch.manual_seed(seed)
-    logits = torch.randn(6, 30)
+    logits = torch.randn(6, 30).to(device)
     logits[1, 7] = float("nan")
     logits[3, 2] = float("inf")
     logits[4, 0] = float("-inf")  # a masked token is fine
     logits[5] = float("-inf")  # nothing left to choose from
     params = [SamplingParams(temperature=t) for t in (0.0, 0.8, 0.0, 1.0, 0.9, 0.0)]
-    gens = [None if p.greedy else torch.Generator().manual_seed(i) for i, p in enumerate(params)]
+    gens = [None if p.greedy else torch.Generator(device).manual_seed(i) for i, p in enumerate(params)]
     tokens = sample(logits, params, gens)
     assert tokens[1] is None and tokens[3] is None and tokens[5] is None
     assert tokens[0] == int(logits[0].argmax()) and tokens[2] == int(logits[2].argmax())
