@@ -107,7 +107,7 @@ def require_verified(
     the artifact holds no symbolic link, listed or not; raise `error` naming the first bad file and
     saying the artifact is not `action` (e.g. "exported")."""
     files = manifest["files"]
-    problems = [FileProblem(rel, "is a symbolic link (refused)") for rel in find_links(root)]
+    problems = [FileProblem(rel, "is a symbolic link (refused)") for rel in find_links(root) if rel not in files]
     with progress_bar(sum(f.get("bytes") or 0 for f in files.values()), "verify", progress) as bar:
         problems += verify_files(root, manifest, progress=lambda rel: bar.update(files[rel].get("bytes") or 0))
     if problems:
