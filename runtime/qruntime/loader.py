@@ -24,7 +24,14 @@ from qruntime.hub import is_hub_url, pull
 from qruntime.kv_cache import KVCacheSpec
 from qruntime.rank import Rank, RankConfig, build_rank
 from qruntime.synthetic import is_synthetic
-from qruntime.tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG, TOKENIZER_JSON, Tokenizer, TokenizerError
+from qruntime.tokenizer import (
+    CHAT_TEMPLATE_FILE,
+    TOKENIZER_CONFIG,
+    TOKENIZER_JSON,
+    TokenIdsOnly,
+    Tokenizer,
+    TokenizerError,
+)
 
 MAX_CPU_TP = 8  # ranks a CPU (gloo) engine may spawn: one process each
 # what Tokenizer.from_dir reads when present: each must be a file the manifest lists, reached by no link
@@ -212,8 +219,11 @@ def load(
         raise ValueError(f"max_model_len {max_model_len} must be in 2..{context} (the model's context)")
     for name in TOKENIZER_READS:  # Tokenizer.from_dir reads them by name: confine them first
         optional_artifact_path(root, name, listed=manifest["files"])
+    has_tokenizer = manifest.get("tokenizer", True)  # false: compiled with --no-tokenizer
+    if not isinstance(has_tokenizer, bool):
+        raise ArtifactFormatError(f"{root / 'manifest.json'}: tokenizer must be true or false")
     try:
-        tokenizer = Tokenizer.from_dir(root)
+        tokenizer = Tokenizer.from_dir(root) if has_tokenizer else TokenIdsOnly.from_dir(root)
     except TokenizerError as exc:
         raise ArtifactFormatError(str(exc)) from exc
 

@@ -14,12 +14,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, ClassVar, NoReturn
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
+from qruntime.bounded_json import loads
 from qruntime.stop_strings import StopMatcher
 
 TOKENIZER_JSON = "tokenizer.json"
@@ -45,8 +46,8 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = loads(path.read_bytes(), what=str(path))
+    except (OSError, ValueError) as exc:  # ValueError: malformed JSON, or past bounded_json's bounds
         raise TokenizerError(f"{path}: malformed JSON ({exc})") from exc
     if not isinstance(data, dict):
         raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
@@ -59,7 +60,7 @@ def _token_content(config: Mapping[str, Any], key: str, path: Path) -> str | Non
     if isinstance(value, Mapping):
         value = value.get("content")
     if value is not None and not isinstance(value, str):
-        raise TokenizerError(f"{path}: {key} must be a string, {{'content': str}} or null, got {config[key]!r}")
+        raise TokenizerError(f"{path}: {key} must be a string, {{'content': str}} or null, got {config[key]!r:.100}")
     return value
 
 
@@ -68,7 +69,7 @@ def _token_ids(config: Mapping[str, Any], key: str, path: Path) -> list[int]:
     value = config.get(key)
     values = value if isinstance(value, list) else [] if value is None else [value]
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise TokenizerError(f"{path}: {key} must be an integer or a list of integers, got {value!r}")
+        raise TokenizerError(f"{path}: {key} must be an integer or a list of integers, got {value!r:.100}")
     return values
 
 
@@ -100,6 +101,7 @@ class Tokenizer:
     special_tokens: Mapping[str, str]  # bos_token, eos_token, ... as the chat template sees them
     chat_template: jinja2.Template | None = field(repr=False)
     template_source: str  # where the chat template came from, for error messages
+    has_text: ClassVar[bool] = True  # TokenIdsOnly: False
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -132,13 +134,12 @@ class Tokenizer:
             raise TokenizerError(f"{cfg_path}: split_special_tokens must be true or false, got {split!r}")
         backend.encode_special_tokens = split
 
-        gen_path, model_path = root / "generation_config.json", root / "config.json"
-        gen, model_cfg = _read_json(gen_path), _read_json(model_path)
-        eos_ids = {*_token_ids(gen, "eos_token_id", gen_path), *_token_ids(model_cfg, "eos_token_id", model_path)}
+        configs = _model_configs(root)
+        eos_ids = set(_ids_in(configs, "eos_token_id"))
         if eos_id is not None:
             eos_ids.add(eos_id)
         if bos_id is None:  # Qwen has no BOS token; the generation config still names one (<|endoftext|>)
-            bos_ids = _token_ids(gen, "bos_token_id", gen_path) or _token_ids(model_cfg, "bos_token_id", model_path)
+            bos_ids = _ids_in(configs, "bos_token_id")
             bos_id = bos_ids[0] if bos_ids else None
 
         template_path = root / CHAT_TEMPLATE_FILE
@@ -211,6 +212,52 @@ class Tokenizer:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kw), add_special_tokens=False)
 
 
+def _model_configs(root: Path) -> list[tuple[dict[str, Any], Path]]:
+    """generation_config.json then config.json ({} when absent), each with its path."""
+    return [(_read_json(path), path) for path in (root / "generation_config.json", root / "config.json")]
+
+
+def _ids_in(configs: list[tuple[dict[str, Any], Path]], key: str) -> list[int]:
+    """The ids `key` names in each config, in order."""
+    return [i for config, path in configs for i in _token_ids(config, key, path)]
+
+
+@dataclass(frozen=True)
+class TokenIdsOnly:
+    """Stands in for the tokenizer of an artifact compiled with --no-tokenizer (manifest "tokenizer":
+    false), as vLLM's skip_tokenizer_init: prompts are token ids, outputs are token ids with empty
+    text, generation stops at the EOS ids of generation_config.json / config.json; text prompts, chat
+    and stop strings are refused with a TokenizerError saying why."""
+
+    eos_token_ids: frozenset[int]
+    source: str  # the artifact, for error messages
+    bos_token_id: int | None = None
+    special_tokens: Mapping[str, str] = field(default_factory=dict)
+    has_text: ClassVar[bool] = False
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> TokenIdsOnly:
+        root = Path(path)
+        return cls(frozenset(_ids_in(_model_configs(root), "eos_token_id")), str(root))
+
+    def _refuse(self, what: str) -> NoReturn:
+        raise TokenizerError(
+            f"{self.source} has no tokenizer (compiled with --no-tokenizer): {what}; give prompts as token ids"
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self._refuse("text cannot be tokenized")
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *args: Any, **kwargs: Any) -> str:
+        self._refuse("there is no chat template")
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *args: Any, **kwargs: Any) -> list[int]:
+        self._refuse("there is no chat template")
+
+
 class IncrementalDetokenizer:
     """Turns a request's output token ids into text as they arrive, for streaming, with stop strings.
 
@@ -223,7 +270,7 @@ class IncrementalDetokenizer:
 
     def __init__(
         self,
-        tokenizer: Tokenizer,
+        tokenizer: Tokenizer | TokenIdsOnly,
         prompt_ids: Sequence[int],
         *,
         skip_special_tokens: bool = True,

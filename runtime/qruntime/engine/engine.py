@@ -28,7 +28,7 @@ from qruntime.engine.request import Request
 from qruntime.engine.sampler import sample
 from qruntime.engine.sampling_params import SamplingParams, as_list
 from qruntime.engine.scheduler import Scheduler
-from qruntime.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from qruntime.tokenizer import IncrementalDetokenizer, TokenIdsOnly, Tokenizer, TokenizerError
 
 if TYPE_CHECKING:
     from qruntime.engine.workers import Workers
@@ -63,7 +63,7 @@ class Engine:
         self,
         runner: ModelRunner,
         scheduler: Scheduler,
-        tokenizer: Tokenizer,
+        tokenizer: Tokenizer | TokenIdsOnly,
         *,
         vocab_size: int,
         max_model_len: int,
@@ -88,6 +88,11 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be a SamplingParams (got {type(params).__name__})")
         token_ids = self._prompt_ids(prompt)
+        if params.stop and not self.tokenizer.has_text:
+            raise InvalidRequest(
+                "stop strings need the artifact's tokenizer, which it does not have (compiled with --no-tokenizer): "
+                "use stop_token_ids"
+            )
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._tracked:
             raise InvalidRequest(f"request id {request_id!r} is already in use")

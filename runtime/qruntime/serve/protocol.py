@@ -19,7 +19,7 @@ from typing import Any
 from qruntime.engine.sampling_params import SamplingParams
 from qruntime.serve.errors import APIError, invalid
 from qruntime.serve.limits import RequestLimits
-from qruntime.tokenizer import Tokenizer, TokenizerError
+from qruntime.tokenizer import TokenIdsOnly, Tokenizer, TokenizerError
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_SEED = 1 << 63
@@ -57,7 +57,7 @@ class ServedModel:
     """What requests are checked against; immutable, so shared freely with the HTTP side."""
 
     name: str
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | TokenIdsOnly
     vocab_size: int
     max_model_len: int
     created: int  # unix time the server started, /v1/models's `created`
@@ -212,7 +212,10 @@ def completion_prompts(value: Any, model: ServedModel) -> list[list[int]]:
         if isinstance(item, str):
             if not item:
                 raise invalid("prompt", "prompt is an empty string")
-            item = model.tokenizer.encode(item)
+            try:
+                item = model.tokenizer.encode(item)
+            except TokenizerError as exc:
+                raise invalid("prompt", str(exc)) from None
         prompts.append(_check_ids(list(item), model, "prompt"))
     return prompts
 
