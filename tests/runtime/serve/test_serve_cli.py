@@ -3,6 +3,7 @@ errors (a missing `serve` extra, a bad artifact, a busy port) as one `error:` li
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -28,6 +29,11 @@ def test_help_lists_the_options(capsys):
         "--backend",
         "--served-model-name",
         "--shutdown-timeout",
+        "--api-key",
+        "--max-body-bytes",
+        "--header-timeout",
+        "--body-timeout",
+        "--limit-concurrency",
     ):
         assert flag in out, flag
     assert main(["--help"]) == 0 and "serve" in capsys.readouterr().out
@@ -65,3 +71,25 @@ def test_user_errors_are_one_line(tmp_path, art):
     assert result.returncode == 1 and f"error: cannot listen on 127.0.0.1:{port}" in result.stderr
     result = serve(art, "--max-waiting", 0)
     assert result.returncode == 1 and "error: --max-waiting must be >= 1" in result.stderr
+    for flag in ("--max-body-bytes", "--header-timeout", "--body-timeout", "--limit-concurrency"):
+        result = serve(art, flag, 0)
+        assert result.returncode == 1 and f"error: {flag} must be > 0" in result.stderr
+
+
+def test_the_api_key_comes_from_the_flag_or_the_environment(art, monkeypatch):
+    """A real `qruntime serve` process: the key from QRUNTIME_API_KEY guards /v1/*, and --api-key wins."""
+    import httpx
+    from serve_harness import ServerProcess
+
+    env_key, flag_key = "env-" + os.urandom(8).hex(), "flag-" + os.urandom(8).hex()
+    monkeypatch.setenv("QRUNTIME_API_KEY", env_key)
+
+    def status(server, key=None):
+        headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+        return httpx.get(f"{server.url}/v1/models", headers=headers, timeout=30).status_code
+
+    with ServerProcess(art, "--threads", "1") as server:
+        assert "API key required" in server.stderr
+        assert (status(server), status(server, env_key)) == (401, 200)
+    with ServerProcess(art, "--threads", "1", "--api-key", flag_key) as server:
+        assert (status(server, env_key), status(server, flag_key)) == (401, 200)
