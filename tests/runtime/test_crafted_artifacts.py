@@ -213,6 +213,16 @@ def test_a_listed_runtime_wheel_is_bundled_as_listed(art, out, rng, monkeypatch)
     check(art, out, names=(wheel, "sha256"), refuse=("publish", "verify"), verbs=("publish", "verify"))
 
 
+def test_a_junk_report_is_a_clear_publish_error(art, out, rng):
+    """reports/*.json are read by publish (listed or not): bounded JSON, a shape it knows, numbers where numbers go."""
+    depth = rng.randint(100, 5000)
+    junk = rng.choice(["[" * depth + "]" * depth, '{"rows": "\\ud800"}', '{"ppl_artifact": "x"}', "{"])
+    (art / "reports").mkdir()
+    (art / "reports" / "eval.json").write_text(junk)
+    print(f"report {junk[:40]!r}")
+    check(art, out, names=("reports/eval.json",), refuse=("publish",), verbs=("publish",))
+
+
 # --- paths outside --------------------------------------------------------------------------------
 @pytest.mark.parametrize("field", ["files", "graph.file", "tensors.file"])
 def test_paths_outside_the_artifact(art, outside, out, rng, field):
