@@ -234,6 +234,7 @@ MANIFEST_SCHEMA = Obj(
         "format_version": Str(max_len=32),
         "files": Map(Obj({"sha256": Str(max_len=128), "bytes": Int(hi=1 << 50)}, ("sha256", "bytes"))),
         "tp": Int(lo=1, hi=MAX_TP, pow2=True),
+        "tokenizer": Bool(),  # false: compiled with --no-tokenizer (token-id prompts only)
         "synthetic": Obj({"preset": Str()}),  # qcompile synth --artifact: what made the random weights
         "graph": Obj({"file": Str(), "files": List(Str(), max_len=MAX_TP), "opset": Int(), "domains": Map(Int())}),
         "tensors": Map(TENSOR),
