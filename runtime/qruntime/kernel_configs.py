@@ -29,7 +29,7 @@ KERNELS_DIR = "kernels"
 MAX_BUCKET = 1 << 31  # token counts a bucket may name
 BACKENDS = ("triton", "cublaslt")
 # key prefix -> {config key: (least, most)} of the powers of two it holds; num_stages is any count in STAGES
-_GEMM = {"block_m": (16, 512), "block_n": (16, 512), "block_k": (16, 512), "split_k": (1, 64), "num_warps": (1, 16)}
+_GEMM = {"block_m": (16, 512), "block_n": (16, 512), "block_k": (16, 512), "split_k": (1, 1024), "num_warps": (1, 16)}
 _TILE = {"block_n": (16, 512), "block_k": (32, 512), "num_warps": (1, 16)}
 POW2_KEYS: Mapping[str, Mapping[str, tuple[int, int]]] = MappingProxyType(
     {
@@ -40,7 +40,7 @@ POW2_KEYS: Mapping[str, Mapping[str, tuple[int, int]]] = MappingProxyType(
     }
 )
 STAGE_KEYS = MappingProxyType({"PTPCLinear": ("num_stages",), "MoE": ("w13_num_stages", "w2_num_stages")})
-STAGES = (1, 8)
+STAGES = (1, 16)
 
 
 def device_file(device_name: str) -> str:

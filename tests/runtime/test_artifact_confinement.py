@@ -18,7 +18,7 @@ from qruntime.artifact import (
     read_manifest,
     verify_files,
 )
-from qruntime.kernel_configs import POW2_KEYS, STAGE_KEYS, KernelTable, device_file, load_kernel_table
+from qruntime.kernel_configs import POW2_KEYS, STAGE_KEYS, STAGES, KernelTable, device_file, load_kernel_table
 from qruntime.manifest_schema import DTYPE_SIZES, ROLES, SCHEMES
 
 from qcompile.io.safetensors_stream import DTYPES
@@ -153,7 +153,7 @@ def valid_config(op: str, rng: random.Random) -> dict:
     for name, (least, most) in POW2_KEYS[op].items():
         config[name] = 2 ** rng.randint(least.bit_length() - 1, most.bit_length() - 1)
     for name in STAGE_KEYS[op]:
-        config[name] = rng.randint(1, 8)
+        config[name] = rng.randint(*STAGES)
     return config
 
 
@@ -170,7 +170,12 @@ def test_kernel_table_values_are_checked_at_load(rng):
     for _ in range(8):
         name = rng.choice([*POW2_KEYS[op], *STAGE_KEYS[op], "backend"])
         value = rng.choice(("cuda", "", 7) if name == "backend" else JUNK)
-        if name in STAGE_KEYS[op] and isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 8:
+        if (
+            name in STAGE_KEYS[op]
+            and isinstance(value, int)
+            and not isinstance(value, bool)
+            and STAGES[0] <= value <= STAGES[1]
+        ):
             continue  # a valid stage count
         print(f"{op} {name} = {value!r}")
         broken = {"device": "GPU X", "entries": {key: {bucket: config | {name: value}}}}
