@@ -390,6 +390,15 @@ def _billion_laughs(rng: random.Random) -> str:
     return "\n".join(lines) + f"\ndescription: *l{depth - 1}\n"
 
 
+def _billion_laughs_echoed(rng: random.Random) -> str:
+    """The bomb inside a key whose error echoed its value: repr() expanded it (a 468-byte recipe ran
+    for minutes before this was refused)."""
+    width, depth = rng.randrange(6, 12), rng.randrange(6, 10)
+    items = [f"&l0 [{', '.join(['lol'] * width)}]"]
+    items += [f"&l{i} [{', '.join([f'*l{i - 1}'] * width)}]" for i in range(1, depth)]
+    return f"passes: [{', '.join(items)}]\n"
+
+
 def _deep_yaml(rng: random.Random) -> str:
     """Flow or block nesting past 32 levels, within the 64 KiB a recipe may hold."""
     if rng.random() < 0.5:
@@ -400,6 +409,7 @@ def _deep_yaml(rng: random.Random) -> str:
 
 YAML_CASES: dict[str, tuple[Callable[[random.Random], str], str]] = {
     "billion laughs": (_billion_laughs, r"line 1: YAML anchors and aliases \(&name, \*name\) are not allowed"),
+    "billion laughs echoed": (_billion_laughs_echoed, r"line 1: YAML anchors and aliases .* are not allowed"),
     "one anchor": (lambda r: f"tp: &n {r.choice([1, 2, 4])}\nname: *n\n", r"anchors and aliases .* are not allowed"),
     "merge key": (
         lambda r: "base: &b {dtype: bf16}\nkv_cache:\n  <<: *b\n  block_size: 16\n",
