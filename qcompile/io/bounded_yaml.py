@@ -39,6 +39,8 @@ class _BoundedLoader(yaml.SafeLoader):
                 f"{self.what}: line {mark.line + 1}: YAML anchors and aliases (&name, *name) are not "
                 "allowed; write the value out where it is used"
             )
+        if not isinstance(event, yaml.SequenceStartEvent | yaml.MappingStartEvent):
+            return super().compose_node(parent, index)
         if self.depth >= self.max_depth:
             mark = event.start_mark
             raise YAMLLimitError(f"{self.what}: line {mark.line + 1}: nested more than {self.max_depth} levels deep")
