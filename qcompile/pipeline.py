@@ -1,6 +1,7 @@
 """The compiler, stage by stage (ARCHITECTURE.md's table):
 
-    load      checkpoint dir -> ModelSpec + lazy tensors, every shard header checked
+    load      checkpoint dir -> ModelSpec + lazy tensors, every shard header checked, config.json's
+              sizes held to the tensors (sizes.py), a tokenizer present (or --no-tokenizer)
     plan      spec + recipe  -> graph (built unfused, then the recipe's passes) + tensor plan
     kv layout recipe         -> the KV-cache contract
     quantize / fuse / permute / shard (streamed, row chunk by row chunk)  -> weights/*.safetensors
