@@ -219,9 +219,7 @@ def load(
         raise ValueError(f"max_model_len {max_model_len} must be in 2..{context} (the model's context)")
     for name in TOKENIZER_READS:  # Tokenizer.from_dir reads them by name: confine them first
         optional_artifact_path(root, name, listed=manifest["files"])
-    has_tokenizer = manifest.get("tokenizer", True)  # false: compiled with --no-tokenizer
-    if not isinstance(has_tokenizer, bool):
-        raise ArtifactFormatError(f"{root / 'manifest.json'}: tokenizer must be true or false")
+    has_tokenizer = manifest.get("tokenizer", True)  # false: compiled with --no-tokenizer (a bool: the schema)
     try:
         tokenizer = Tokenizer.from_dir(root) if has_tokenizer else TokenIdsOnly.from_dir(root)
     except TokenizerError as exc:
