@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,11 @@ class MoESpec:
     norm_topk_prob: bool
     decoder_sparse_step: int
     mlp_only_layers: tuple[int, ...]
+
+    @cached_property
+    def dense_layers(self) -> frozenset[int]:
+        """mlp_only_layers as a set: is_sparse_layer runs once per layer, and both may number thousands."""
+        return frozenset(self.mlp_only_layers)
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,7 @@ class ModelSpec:
 
     def is_sparse_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` has a sparse (MoE) MLP, by Qwen3-MoE's own rule."""
-        if self.moe is None or layer in self.moe.mlp_only_layers:
+        if self.moe is None or layer in self.moe.dense_layers:
             return False
         return (layer + 1) % self.moe.decoder_sparse_step == 0
 
