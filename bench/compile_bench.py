@@ -112,12 +112,28 @@ def machine() -> dict[str, object]:
     return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "memory_gib": round(mem / 2**20, 1), "gpu": None}
 
 
+def git_commit() -> str | None:
+    """The commit the bench runs: `git rev-parse HEAD` (+ "-dirty" when tracked files differ from it).
+    A copy of the tree without .git (the lent GPU machines get one) says it in QCOMPILE_GIT_COMMIT;
+    None when neither is there."""
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo, capture_output=True, text=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("QCOMPILE_GIT_COMMIT") or None
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
 def report_header(benchmark: str) -> dict[str, object]:
-    """What every committed bench JSON starts with: which bench, when, how it was run, where."""
+    """What every committed bench JSON starts with: which bench, when, how it was run, at which commit, where."""
     return {
         "benchmark": benchmark,
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "git_commit": git_commit(),
         "machine": machine(),
         "versions": versions(),
     }
