@@ -7,12 +7,14 @@ MIN_TOP_P, so the top-ranked token always survives the cuts and the distribution
 NaN. A row whose logits hold a NaN or +inf, or are all -inf (a model fault), gets None: the engine
 fails that request alone. A -inf beside finite logits is a masked token, as usual.
 
-The check costs the hot path nothing it did not pay before: one max over the vocabulary gives the
-greedy token and, through NaN propagation, whether the row is finite; one host sync reads both.
+The check costs the hot path little: one max over the vocabulary gives the greedy token and, through
+NaN propagation, whether the row is finite; both lists are read by the host (two small copies cost
+less than any device op to combine them: on an H100 host each torch op is ~20 us of dispatch).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -27,7 +29,7 @@ MAX_TEMPERATURE = 1e30
 MIN_TOP_P = 1e-30
 
 
-def _distribution(logits: torch.Tensor, best: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def _distribution(logits: torch.Tensor, best: float, params: SamplingParams) -> torch.Tensor:
     """Probabilities [V] fp32 from logits [V] fp32 whose maximum `best` is finite: temperature, then the cuts."""
     scaled = (logits - best).div_(min(params.temperature, MAX_TEMPERATURE))  # <= 0, the best token exactly 0
     if 0 < params.top_k < scaled.numel():
@@ -49,14 +51,14 @@ def sample(
 
     None for a row whose logits hold a NaN or +inf, or are all -inf."""
     best, index = logits.max(-1)  # NaN propagates into best: one reduction finds NaN, +inf and all -inf rows
-    chosen = torch.where(torch.isfinite(best), index, -1).tolist()  # the one sync
+    peaks, chosen = best.tolist(), index.tolist()
     tokens: list[int | None] = []
     for i, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        if chosen[i] < 0:
+        if not math.isfinite(peaks[i]):
             tokens.append(None)
         elif p.greedy:
             tokens.append(chosen[i])
         else:
-            probs = _distribution(logits[i].float(), best[i].float(), p)
+            probs = _distribution(logits[i].float(), peaks[i], p)
             tokens.append(int(torch.multinomial(probs, 1, generator=gen)))
     return tokens
