@@ -84,9 +84,16 @@ class Step:
         return paged_prefill_attention(*args, **self.kwargs(), max_q_len=self.max_q_len)
 
 
+BF16_ATOL = 4e-5
+
+
 def assert_close(got: torch.Tensor, ref: torch.Tensor) -> None:
     """fp32: 1e-5. bf16: both round an fp32 result, which may land on either side of a rounding
-    boundary: within 2 bf16 ulps of the reference value (1e-5 absolute for values near 0)."""
+    boundary: within 2 bf16 ulps of the reference value, plus BF16_ATOL for outputs near 0. Those are
+    sums of terms of size ~|v| / context that cancel, and the kernel's fp32 (exp2, scales folded into
+    qk) and the reference's differ there by more than an ulp of the result: with fp8 pools, 3 of 120
+    draws of nhd-fp8-g3 needed more than 1e-5 (the largest 1.34e-5); a wrong mask, block or scale is
+    off by 1e-2 and more."""
     assert got.dtype == ref.dtype and got.shape == ref.shape
     assert torch.isfinite(got).all()
     err = (got.float() - ref.float()).abs()
@@ -94,7 +101,7 @@ def assert_close(got: torch.Tensor, ref: torch.Tensor) -> None:
         tol = 1e-5 + 1e-5 * ref.abs()
     else:
         exponent = torch.floor(torch.log2(ref.float().abs().clamp_min(2.0**-100)))
-        tol = 2 * torch.exp2(exponent - 7) + 1e-5
+        tol = 2 * torch.exp2(exponent - 7) + BF16_ATOL
     assert (err <= tol).all(), f"max err {err.max().item():.3g} (worst excess {(err - tol).max().item():.3g})"
 
 
@@ -158,7 +165,7 @@ def test_prefill_rows_of_decode_steps_equal_the_decode_kernel():
     step = Step("nhd", "fp8_e4m3", torch.bfloat16, (6, 3, 64, 16), [(33, 1), (1, 1), (70, 1)])
     prefill = step.prefill()
     assert_close(prefill, step.ref)
-    assert torch.allclose(prefill.float(), step.decode(num_splits=2).float(), rtol=2**-7, atol=1e-5)
+    assert torch.allclose(prefill.float(), step.decode(num_splits=2).float(), rtol=2**-7, atol=BF16_ATOL)
 
 
 def test_bad_inputs_are_refused():
