@@ -1,11 +1,12 @@
 """Next-token choice from logits: greedy, or temperature / top-k / top-p sampling with per-request RNGs.
 
-Numerically safe for every SamplingParams that validates: the logits are shifted so their maximum is
-0 before the temperature divides them (no overflow however small the temperature; a temperature
-below SAMPLING_EPS is greedy, one above MAX_TEMPERATURE counts as it), and top_p is at least
-MIN_TOP_P, so the top-ranked token always survives the cuts and the distribution is never empty or
-NaN. A row whose logits hold a NaN or +inf, or are all -inf (a model fault), gets None: the engine
-fails that request alone. A -inf beside finite logits is a masked token, as usual.
+Numerically safe for every SamplingParams that validates: a temperature below SAMPLING_EPS is greedy,
+one above MAX_TEMPERATURE counts as it, logits whose maximum would overflow fp32 once divided by the
+temperature are shifted to a maximum of 0 first (a host-side test, so sane logits pay no extra op),
+and top_p is at least MIN_TOP_P, so the top-ranked token always survives the cuts and the
+distribution is never empty or NaN. A row whose logits hold a NaN or +inf,
+or are all -inf (a model fault), gets None: the engine fails that request alone. A -inf beside finite
+logits is a masked token, as usual.
 
 The check costs the hot path little: one max over the vocabulary gives the greedy token and, through
 NaN propagation, whether the row is finite; both lists are read by the host (two small copies cost
@@ -27,11 +28,14 @@ MAX_TEMPERATURE = 1e30
 # smaller top_p act as this one (it keeps only the best token, as any top_p below it does): a top_p
 # that rounds to 0 in fp32 would make `mass before >= top_p` true for the best token too and drop it
 MIN_TOP_P = 1e-30
+FP32_SAFE = 1e37  # below fp32's largest value (3.4e38) with room for softmax's sums
 
 
-def _distribution(logits: torch.Tensor, best: float, params: SamplingParams) -> torch.Tensor:
-    """Probabilities [V] fp32 from logits [V] fp32 whose maximum `best` is finite: temperature, then the cuts."""
-    scaled = (logits - best).div_(min(params.temperature, MAX_TEMPERATURE))  # <= 0, the best token exactly 0
+def _distribution(logits: torch.Tensor, peak: float, params: SamplingParams) -> torch.Tensor:
+    """Probabilities [V] fp32 from logits [V] fp32 whose maximum `peak` is finite: temperature, then the cuts."""
+    temperature = min(params.temperature, MAX_TEMPERATURE)
+    # softmax shifts by the maximum itself; logits that would overflow once divided are shifted to <= 0 first
+    scaled = logits / temperature if abs(peak) / temperature < FP32_SAFE else (logits - peak).div_(temperature)
     if 0 < params.top_k < scaled.numel():
         kth = torch.topk(scaled, params.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -52,6 +56,7 @@ def sample(
     None for a row whose logits hold a NaN or +inf, or are all -inf."""
     best, index = logits.max(-1)  # NaN propagates into best: one reduction finds NaN, +inf and all -inf rows
     peaks, chosen = best.tolist(), index.tolist()
+    wide = logits.float() if not all(p.greedy for p in params) else None  # one cast for every sampled row
     tokens: list[int | None] = []
     for i, (p, gen) in enumerate(zip(params, generators, strict=True)):
         if not math.isfinite(peaks[i]):
@@ -59,6 +64,5 @@ def sample(
         elif p.greedy:
             tokens.append(chosen[i])
         else:
-            probs = _distribution(logits[i].float(), peaks[i], p)
-            tokens.append(int(torch.multinomial(probs, 1, generator=gen)))
+            tokens.append(int(torch.multinomial(_distribution(wide[i], peaks[i], p), 1, generator=gen)))
     return tokens
