@@ -113,9 +113,11 @@ def machine() -> dict[str, object]:
 
 
 def git_commit() -> str | None:
-    """The commit the bench runs: `git rev-parse HEAD` (+ "-dirty" when tracked files differ from it).
-    A copy of the tree without .git (the lent GPU machines get one) says it in QCOMPILE_GIT_COMMIT;
-    None when neither is there."""
+    """The commit the bench runs: QCOMPILE_GIT_COMMIT when set (a copied tree: the lent GPU machines get
+    the working tree with a .git that need not be at its HEAD), else `git rev-parse HEAD` (+ "-dirty"
+    when tracked files differ from it); None when neither is there."""
+    if given := os.environ.get("QCOMPILE_GIT_COMMIT"):
+        return given
     repo = Path(__file__).resolve().parents[1]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True)
@@ -123,7 +125,7 @@ def git_commit() -> str | None:
             ["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo, capture_output=True, text=True
         )
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("QCOMPILE_GIT_COMMIT") or None
+        return None
     return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
