@@ -38,13 +38,13 @@ from typing import Any
 import torch
 import yaml
 from qruntime import bounded_json
-from qruntime.artifact import COMPILED_FIELDS, ArtifactFormatError, artifact_path, read_manifest, require
+from qruntime.artifact import ArtifactFormatError, artifact_path
 
 from qcompile.checkpoint import GENERATION_FILE, TOKENIZER_FILES
 from qcompile.errors import ExportError
 from qcompile.io.atomic import atomic_output_dir, check_free_space, check_target
 from qcompile.io.safetensors_stream import DTYPES, OutputTensor, StreamingWriter
-from qcompile.manifest import require_verified
+from qcompile.manifest import read_compiled, require_verified
 from qcompile.model_card import base_model_name, describe_scheme
 from qcompile.progress import progress_bar
 from qcompile.quant import get_scheme
@@ -69,7 +69,7 @@ def export_compressed_tensors(
 ) -> list[str]:
     """Write the compressed-tensors checkpoint of `artifact` at `output`; returns its file names."""
     root, output = Path(artifact), Path(output).absolute()
-    manifest = _read(root)
+    manifest = read_compiled(root, ExportError)
     if manifest.get("tp", 1) != 1:
         raise ExportError(
             f"{root}: sharded for tp={manifest['tp']}; export reads tp=1 artifacts only (not supported yet): "
@@ -111,15 +111,6 @@ def export_compressed_tensors(
 EXPORTERS: MappingProxyType[str, Callable[..., list[str]]] = MappingProxyType(
     {"compressed-tensors": export_compressed_tensors}
 )
-
-
-def _read(root: Path) -> dict[str, Any]:
-    try:
-        manifest = read_manifest(root)
-        require(manifest, root, *COMPILED_FIELDS)
-    except ArtifactFormatError as exc:
-        raise ExportError(str(exc)) from exc
-    return manifest
 
 
 def _confined(root: Path, rel: str, manifest: dict[str, Any]) -> Path:

@@ -9,7 +9,18 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from qruntime.artifact import FORMAT_VERSION, MANIFEST, FileProblem, find_links, sha256_file, verify_files
+from qruntime.artifact import (
+    COMPILED_FIELDS,
+    FORMAT_VERSION,
+    MANIFEST,
+    ArtifactFormatError,
+    FileProblem,
+    find_links,
+    read_manifest,
+    require,
+    sha256_file,
+    verify_files,
+)
 
 from qcompile.errors import QCompileError
 from qcompile.io.safetensors_stream import DTYPE_NAMES
@@ -98,6 +109,17 @@ def file_table(root: Path, known: dict[str, str] | None = None, workers: int = 2
 def write_manifest(root: Path, manifest: dict[str, Any]) -> None:
     manifest = {"format_version": FORMAT_VERSION, **manifest}
     (root / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+
+
+def read_compiled(root: Path, error: type[QCompileError]) -> dict[str, Any]:
+    """The manifest of a compiled artifact with every field a compiler verb reads (COMPILED_FIELDS),
+    or `error` naming what is wrong."""
+    try:
+        manifest = read_manifest(root)
+        require(manifest, root, *COMPILED_FIELDS)
+    except ArtifactFormatError as exc:
+        raise error(str(exc)) from exc
+    return manifest
 
 
 def require_verified(

@@ -46,18 +46,15 @@ from typing import Any
 
 from qruntime import bounded_json
 from qruntime.artifact import (
-    COMPILED_FIELDS,
     MANIFEST,
     ArtifactFormatError,
     artifact_path,
-    read_manifest,
-    require,
     sha256_file,
 )
 
 from qcompile.errors import PublishError
 from qcompile.io.atomic import atomic_output_dir
-from qcompile.manifest import require_verified
+from qcompile.manifest import read_compiled, require_verified
 from qcompile.model_card import CardInputs, base_model_name, render_card
 from qcompile.progress import progress_bar
 from qcompile.reports import REPORTS, Report, collect_reports
@@ -109,7 +106,7 @@ def publish(
     if not hub and "://" in target:
         raise PublishError(f"--to {target}: give a folder or {HUB_SCHEME}ORG/NAME")
     dest = None if hub else _check_folder(Path(target).absolute(), root)
-    manifest = _read(root)
+    manifest = read_compiled(root, PublishError)
     require_verified(root, manifest, progress, PublishError, "published")
     listed = manifest["files"]  # an earlier publish's wheel included: the one bundled wheel publish may reuse
     manifest = _compiled(manifest)
@@ -133,15 +130,6 @@ def publish(
                 with atomic_output_dir(dest, force=True) as tmp:  # what may be replaced was checked just above
                     _stage(tmp, root, manifest, generated, entries, progress)
     return Publication(target, tuple(entries.values()), wheel, origin, replaced, dry_run)
-
-
-def _read(root: Path) -> dict[str, Any]:
-    try:
-        manifest = read_manifest(root)
-        require(manifest, root, *COMPILED_FIELDS)
-    except ArtifactFormatError as exc:
-        raise PublishError(str(exc)) from exc
-    return manifest
 
 
 def _json_file(root: Path, rel: str, manifest: dict[str, Any]) -> Any:
