@@ -8,7 +8,7 @@ size. Unknown keys and bad values are errors naming the key and the file.
 from __future__ import annotations
 
 import dataclasses
-import re
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from qcompile.errors import RecipeError, shown
+from qcompile.ignore_list import IgnoreList
 from qcompile.io import bounded_yaml
 
 
@@ -47,6 +48,11 @@ class QuantizationRecipe:
     scheme: str = "ptpc-fp8"
     ignore: tuple[str, ...] = DEFAULT_IGNORE
 
+    @functools.cached_property
+    def ignore_list(self) -> IgnoreList:
+        """`ignore` compiled (once: validating the recipe does it), matched with bounded work."""
+        return IgnoreList(self.ignore)
+
 
 @dataclass(frozen=True)
 class KVCacheRecipe:
@@ -74,13 +80,7 @@ class Recipe:
 
     def ignores(self, module: str) -> bool:
         """Whether the linear module `module` is kept unquantized by the ignore list."""
-        return any(_matches(pattern, module) for pattern in self.quantization.ignore)
-
-
-def _matches(pattern: str, name: str) -> bool:
-    if pattern.startswith("re:"):
-        return re.match(pattern[3:], name) is not None
-    return pattern == name
+        return self.quantization.ignore_list.matches(module)
 
 
 def list_recipes() -> list[str]:
@@ -211,14 +211,10 @@ def _validate_quantization(q: QuantizationRecipe, source: str) -> None:
 
     if q.scheme not in SCHEMES:
         raise RecipeError(f"{source}: quantization.scheme {shown(q.scheme)} is unknown; known: {', '.join(SCHEMES)}")
-    for pattern in q.ignore:
-        if pattern.startswith("re:"):
-            try:
-                re.compile(pattern[3:])
-            except re.error as exc:
-                raise RecipeError(
-                    f"{source}: quantization.ignore entry {shown(pattern)} is not a valid regex ({exc})"
-                ) from exc
+    try:
+        q.ignore_list  # noqa: B018 - compiles the patterns (cached on q), refusing bad or unbounded ones
+    except RecipeError as exc:
+        raise RecipeError(f"{source}: {exc}") from exc
 
 
 def _validate_kv(kv: KVCacheRecipe, source: str) -> None:

@@ -461,6 +461,129 @@ def test_set_value_out_of_bounds(value, pattern, tiny_ckpt, tmp_path):
     refused(tiny_ckpt, tmp_path, pattern, "--set", f"passes={value}", measure_memory=False)
 
 
+# ---------------------------------------------------------------- recipe regexes ('re:' in quantization.ignore)
+
+# Patterns that backtrack exponentially in the length of a module name. `regex` merges two different sets
+# into one, and stops at once when a literal the pattern needs is not in the name, so one side of each
+# alternation is a dot and each tail is made of characters the names hold (at the end of none of them).
+DOTS = [".", "(?s:.)"]
+COVERING = [".", "(?s:.)", r"\S", "[^!]", r"[\w.]", "[a-z._0-9]", r"[^\s]"]  # every character of a name
+TAILS = ["a$", "_$", r"\.$", r"\d$", "m$", "l$", "s$", "(?:y|a)$", r"\d\d$", r"[a-z]\d$", r"_\w$"]
+ALTERNATIONS = [
+    "({a}|{b})*{t}",  # the issue's (.|.)*X, with an X that is in the names
+    "({a}|{b})+{t}",
+    "(?:{a}|{b})*?{t}",
+    "(({a}|{b}))*{t}",
+    "(?:({a}|{b})*)*{t}",
+    "(?:({a}|{b}){{1,}}){{1,}}{t}",
+]
+NESTED = [  # nested quantifiers: (a+)+$, (\w+\s?)*$ and kin; `regex` guards these, `re` does not
+    "({c}+)+{t}",
+    "({c}+\\s?)*{t}",
+    "(({c})*)*{t}",
+    "({c}*{d}*)*{t}",
+    "(?:{c}|{d}+)+{t}",
+]
+TIMED_OUT = r"quantization\.ignore entry 're:.+' took more than 0\.05 s to match 'model\.layers\.[^']+': simplify it"
+
+
+def _alternation(rng: random.Random) -> str:
+    a, b = rng.choice(DOTS), rng.choice(COVERING)
+    a, b = rng.sample([a, b], 2)
+    return rng.choice(ALTERNATIONS).format(a=a, b=b, t=rng.choice(TAILS))
+
+
+def _nested(rng: random.Random) -> str:
+    return rng.choice(NESTED).format(c=rng.choice(COVERING), d=rng.choice(COVERING), t=rng.choice(TAILS))
+
+
+def _ignore(*patterns: str) -> tuple[str, str]:
+    """--set quantization.ignore=[lm_head, 're:...', ...] (YAML single quotes: backslashes stay as written)."""
+    return "--set", "quantization.ignore=[lm_head, " + ", ".join(f"'re:{p}'" for p in patterns) + "]"
+
+
+@pytest.mark.parametrize("draw", range(8))
+def test_catastrophic_ignore_pattern_is_refused(draw, rng, tiny_ckpt, tmp_path):
+    """`re` backtracks for minutes to hours on these (2**31 ways to read a 31-character name); the match
+    now stops at 0.05 s with an error naming the key, the pattern and the name, before anything is written."""
+    pattern = _alternation(rng)
+    print(f"pattern: {pattern}")
+    refused(tiny_ckpt, tmp_path, TIMED_OUT, *_ignore(pattern))
+
+
+@pytest.mark.parametrize("draw", range(6))
+def test_nested_quantifier_ignore_pattern_is_bounded(draw, rng, tiny_ckpt, tmp_path):
+    """Whatever `regex` does with these (it answers at once where `re` backtracks), the compile ends in time:
+    compiled, with the pattern selecting what `re` would (no name ends with the tail), or refused clearly."""
+    pattern = _nested(rng)
+    print(f"pattern: {pattern}")
+    out = tmp_path / "art"
+    start = time.perf_counter()
+    result = CliRunner().invoke(main, ["compile", str(tiny_ckpt), "-o", str(out), "-q", *_ignore(pattern)])
+    elapsed = time.perf_counter() - start
+    assert elapsed < SECONDS, f"{elapsed:.2f} s: {pattern}"
+    if result.exit_code:
+        assert re.fullmatch(f"error: {TIMED_OUT}\n", result.output), result.output
+        assert not out.exists()
+    else:
+        recipe = json.loads((out / "manifest.json").read_text())["recipe"]
+        assert recipe["quantization"]["ignore"] == ["lm_head", f"re:{pattern}"]
+        from qcompile.recipe import recipe_from_dict
+
+        names = _linear_names(tiny_ckpt)
+        assert [n for n in names if recipe_from_dict(recipe).ignores(n)] == ["lm_head"]
+
+
+def _linear_names(ckpt: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(ckpt / "model.safetensors", "pt") as f:
+        tensors = f.keys()  # safe_open is not a mapping
+    return sorted(n.removesuffix(".weight") for n in tensors if n.endswith("_proj.weight") or n == "lm_head.weight")
+
+
+def test_the_issue_pattern_compiles_at_once(tiny_ckpt, tmp_path):
+    """Issue 14's (.|.)*X ran past 20 s under `re`; `regex` sees no X in the names and answers at once."""
+    out = tmp_path / "art"
+    start = time.perf_counter()
+    result = CliRunner().invoke(main, ["compile", str(tiny_ckpt), "-o", str(out), "-q", *_ignore("(.|.)*X")])
+    assert result.exit_code == 0, result.output
+    assert time.perf_counter() - start < SECONDS
+
+
+def _patterns_over_the_limit(rng: random.Random) -> list[str]:
+    return [f"model\\.layers\\.{i}\\." for i in rng.sample(range(10_000), rng.randrange(257, 400))]
+
+
+IGNORE_CASES: dict[str, tuple[Callable[[random.Random], list[str]], str]] = {
+    "counted repeats": (
+        lambda r: [f"(?:{r.choice(['a', '.', '[a-z]'])}{{{r.randrange(400, 5000)}}}){{{r.randrange(400, 5000)}}}"],
+        r"its counted repeats unroll to [\d,]+ items, over 100,000; use \* or \+",
+    ),
+    "one huge count": (lambda r: [f"x{{{r.randrange(100_001, 4294967295)}}}"], r"unroll to [\d,]+ items, over 100,000"),
+    "long": (lambda r: ["a" * r.randrange(1025, 60_000)], r"'re:a+\.\.\.a+': [\d,]+ characters; a pattern may be at most 1,024"),
+    "many": (_patterns_over_the_limit, r"holds \d+ 're:' patterns; the limit is 256"),
+    "nested deep": (lambda r: ["(" * (n := r.randrange(33, 500)) + "a" + ")" * n], r"groups nested more than 32 deep"),
+    "fuzzy": (lambda r: [f"(?:gate){{e<={r.randrange(1, 4)}}}$"], r"'\{' at position 8 is not a repeat count .*fuzzy matching"),
+    "posix class": (lambda r: [f"[[:{r.choice(['digit', 'alpha', 'alnum'])}:]]"], r"'\[' inside a set at position 1 .*POSIX class"),
+    "invalid": (lambda r: [r.choice(["([", "a**", "(?<n>a)", r"\p{L}", "(?<=a+)b"])], r"is not a valid regex \("),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", sorted(IGNORE_CASES))
+def test_ignore_pattern_out_of_bounds(kind, rng, tiny_ckpt, tmp_path):
+    """Compiling a pattern is work too (`regex` unrolls counted repeats; both packages recurse per group):
+    refused, naming the key and the pattern, with the patterns `regex` would read otherwise than `re`."""
+    make, pattern = IGNORE_CASES[kind]
+    refused(
+        tiny_ckpt,
+        tmp_path,
+        rf"ptpc-fp8\.yaml: quantization\.ignore.*{pattern}",
+        *_ignore(*make(rng)),
+        measure_memory=kind != "many",
+    )
+
+
 # ---------------------------------------------------------------- no tokenizer
 
 
