@@ -103,10 +103,11 @@ def load_engine(
     """qruntime.load sized for scoring one window: a KV cache of window + 1 tokens, no CUDA graphs.
     The window is capped by the model's context."""
     import qruntime
-    from qruntime.artifact import ArtifactFormatError, read_manifest
+    from qruntime.artifact import ArtifactFormatError, read_manifest, require
 
     try:
         manifest = read_manifest(path)
+        require(manifest, path, "spec.max_position_embeddings", "kv_cache.block_size")
         context = int(manifest["spec"]["max_position_embeddings"])
         block_size = int(manifest["kv_cache"]["block_size"])
         length = min(window, context - 1) + 1
@@ -121,7 +122,7 @@ def load_engine(
             backend=backend,
             cuda_graphs=False,
         )
-    except (ArtifactFormatError, KeyError, TypeError, ValueError) as exc:
+    except (ArtifactFormatError, ValueError) as exc:
         raise EvalError(f"the {role} {path} cannot be loaded: {exc}") from exc
 
 

@@ -86,6 +86,19 @@ def test_eval_twice_gives_identical_numbers(tiny_ckpt, compiled, text_file):
     assert (first.reference_kind, first.recipe, first.window) == ("transformers", "ptpc-fp8", 64)
 
 
+@pytest.mark.parametrize("field", ["spec", "kv_cache"])
+def test_an_artifact_without_the_fields_eval_reads_is_an_error_naming_them(
+    tiny_ckpt, compiled, text_file, tmp_path, field
+):
+    artifact = tmp_path / "art"
+    shutil.copytree(compiled(tiny_ckpt, "ptpc-fp8"), artifact)
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    del manifest[field]
+    (artifact / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(EvalError, match=rf"cannot be loaded: .*manifest.json: {field}\.\w+ is missing"):
+        evaluate(artifact, tiny_ckpt, text_file, window=64, progress=False)
+
+
 @pytest.mark.parametrize(
     ("dtype", "ratio_tol", "kl_tol", "min_agreement"),
     [("fp32", 1e-6, 1e-12, 0.99), ("bf16", 1e-3, 1e-5, 0.95)],  # bf16: the two implementations round differently
