@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 import yaml
 from qruntime.artifact import sha256_file
+from qruntime.shown import shown
 
-from qcompile.errors import CheckpointError, shown
+from qcompile.errors import CheckpointError
 from qcompile.io import bounded_yaml
 from qcompile.io.safetensors_stream import DTYPE_NAMES, TensorEntry, read_header
 from qcompile.model import LM_HEAD, count_expected, expected_tensors, iter_expected

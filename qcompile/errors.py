@@ -1,6 +1,5 @@
-"""The error types users see. Each message names the file, key or tensor at fault."""
-
-import reprlib
+"""The error types users see. Each message names the file, key or tensor at fault (echoing user values
+through qruntime.shown, bounded)."""
 
 
 class QCompileError(Exception):
@@ -44,34 +43,3 @@ class HubError(QCompileError):
 class ExportError(QCompileError):
     """An artifact cannot be exported: it does not verify, its layout is not supported by the format
     (tp > 1), or the target exists."""
-
-
-SHOWN_CHARS = 60  # the most characters of a user's value an error message echoes
-
-
-def shown(value: object, limit: int = SHOWN_CHARS) -> str:
-    """`value` as an error message echoes it: its repr cut to `limit` characters, at a bounded cost
-    whatever it is (a 10 MB string, a list nested 10,000 deep, an integer of 10,000 digits)."""
-    text = _BoundedRepr(limit).repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-class _BoundedRepr(reprlib.Repr):
-    """reprlib's bounded repr (a few items of each container, a few levels deep), with integers
-    too long for `repr` (Python refuses over 4,300 digits) shown by their size."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__()
-        self.maxstring = self.maxother = self.maxlong = limit
-        self.maxlevel = 3
-
-    def repr_int(self, x: int, level: int) -> str:
-        if x.bit_length() > 4 * self.maxlong:
-            return f"<an integer of {x.bit_length()} bits>"
-        return super().repr_int(x, level)
-
-    def repr_instance(self, x: object, level: int) -> str:
-        try:
-            return super().repr_instance(x, level)
-        except (ValueError, RecursionError):
-            return f"<{type(x).__name__}>"

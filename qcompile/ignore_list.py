@@ -20,8 +20,9 @@ from re import _constants as sre
 from re import _parser  # the stdlib's own parser (private, stable since 2.x): reads a pattern, unrolls nothing
 
 import regex
+from qruntime.shown import shown
 
-from qcompile.errors import RecipeError, shown
+from qcompile.errors import RecipeError
 
 MAX_PATTERNS = 256  # `re:` entries in one list
 MAX_PATTERN_CHARS = 1024  # of one pattern (module names are under 100 characters)

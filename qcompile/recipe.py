@@ -15,8 +15,9 @@ from types import MappingProxyType
 from typing import Any
 
 import yaml
+from qruntime.shown import shown
 
-from qcompile.errors import RecipeError, shown
+from qcompile.errors import RecipeError
 from qcompile.ignore_list import IgnoreList
 from qcompile.io import bounded_yaml
 

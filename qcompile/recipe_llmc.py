@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from qcompile.errors import RecipeError, shown
+from qruntime.shown import shown
+
+from qcompile.errors import RecipeError
 
 
 def _presets() -> dict[str, str]:

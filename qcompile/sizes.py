@@ -7,7 +7,9 @@ a config that says 10**9 layers or experts is an error naming the key, never a l
 
 from __future__ import annotations
 
-from qcompile.errors import CheckpointError, shown
+from qruntime.shown import shown
+
+from qcompile.errors import CheckpointError
 from qcompile.io.safetensors_stream import TensorEntry
 from qcompile.model import EMBED, attn_proj, expert_of, expert_proj, layer_of, mlp_proj, norm, router
 from qcompile.spec import ModelSpec

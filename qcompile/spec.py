@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from qruntime import bounded_json
+from qruntime.shown import shown
 
-from qcompile.errors import CheckpointError, shown
+from qcompile.errors import CheckpointError
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _DTYPES = ("bfloat16", "float16", "float32")

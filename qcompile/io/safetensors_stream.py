@@ -20,8 +20,9 @@ from types import MappingProxyType
 
 import torch
 from qruntime import bounded_json
+from qruntime.shown import shown
 
-from qcompile.errors import CheckpointError, shown
+from qcompile.errors import CheckpointError
 from qcompile.io.frontier_hash import FrontierHasher
 
 # safetensors dtype name <-> torch dtype

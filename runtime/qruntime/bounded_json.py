@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from qruntime.shown import clip
+
 MAX_DEPTH = 64  # arrays/objects inside each other; every document we read needs fewer than 10
 
 
@@ -67,5 +69,4 @@ def _check_text(text: str, what: str, where: str) -> None:
 
 def _short(key: str) -> str:
     """A key as it appears in an error's path: bounded, and printable whatever it holds."""
-    shown = key if len(key) <= 40 else key[:37] + "..."
-    return shown.encode("utf-8", "backslashreplace").decode("utf-8")
+    return clip(key, 40).encode("utf-8", "backslashreplace").decode("utf-8")

@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from qruntime.shown import clip
+
 MAX_TP = 64  # the most ranks a manifest may ask for (the loader bounds it again by the devices)
 MAX_DIM = 1 << 40  # the largest size of one axis, or count, a manifest may give
 REQUIRED = ("format_version", "files")
@@ -45,8 +47,7 @@ class SchemaError(ValueError):
 
 def key_path(where: str, key: str) -> str:
     """`where["key"]`, the key bounded and printable whatever it holds."""
-    shown = key if len(key) <= 60 else key[:57] + "..."
-    return f"{where}[{json.dumps(shown)}]"
+    return f"{where}[{json.dumps(clip(key))}]"
 
 
 class Node:

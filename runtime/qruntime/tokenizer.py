@@ -21,6 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
 from qruntime.bounded_json import loads
+from qruntime.shown import clip
 from qruntime.stop_strings import StopMatcher
 
 TOKENIZER_JSON = "tokenizer.json"
@@ -33,12 +34,6 @@ MAX_HELD_TOKENS = 16  # undecodable bytes held back longer than this are release
 
 class TokenizerError(ValueError):
     """Missing or malformed tokenizer files, a bad chat template or bad chat messages."""
-
-
-def _bounded(exc: BaseException, limit: int = 200) -> str:
-    """An exception's text for an error message, cut to `limit` characters (it may quote user input)."""
-    text = str(exc)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -197,12 +192,12 @@ class Tokenizer:
         try:
             return self.chat_template.render(variables, messages=checked, add_generation_prompt=add_generation_prompt)
         except jinja2.TemplateError as exc:
-            raise TokenizerError(f"{self.template_source}: the chat template failed: {_bounded(exc)}") from exc
+            raise TokenizerError(f"{self.template_source}: the chat template failed: {clip(str(exc), 200)}") from exc
         except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as exc:
             # what the messages or template variables make the template's own expressions raise
             raise TokenizerError(
                 f"{self.template_source}: the chat template failed on these messages "
-                f"({type(exc).__name__}: {_bounded(exc)})"
+                f"({type(exc).__name__}: {clip(str(exc), 200)})"
             ) from exc
 
     def encode_chat(

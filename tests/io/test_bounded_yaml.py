@@ -8,8 +8,8 @@ import time
 
 import pytest
 import yaml
+from qruntime.shown import SHOWN_CHARS, shown
 
-from qcompile.errors import SHOWN_CHARS, shown
 from qcompile.io.bounded_yaml import MAX_CHARS, MAX_DEPTH, YAMLLimitError, loads
 
 

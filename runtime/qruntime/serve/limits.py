@@ -19,6 +19,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from qruntime.bounded_json import JSONLimitError, loads
 from qruntime.serve.errors import APIError, invalid
+from qruntime.shown import shown
 
 JSON_TYPES = ("application/json",)
 
@@ -62,10 +63,9 @@ def check_content_type(request: Request) -> None:
     given = request.headers.get("content-type", "")
     media_type = given.partition(";")[0].strip().lower()
     if media_type not in JSON_TYPES:
-        shown = given if len(given) <= 60 else given[:57] + "..."
         raise APIError(
             415,
-            f"Content-Type must be application/json (got {shown!r}); send the body as JSON with that header.",
+            f"Content-Type must be application/json (got {shown(given)}); send the body as JSON with that header.",
             code="unsupported_media_type",
         )
 

@@ -19,6 +19,7 @@ from typing import Any
 from qruntime.engine.sampling_params import SamplingParams
 from qruntime.serve.errors import APIError, invalid
 from qruntime.serve.limits import RequestLimits
+from qruntime.shown import shown
 from qruntime.tokenizer import TokenIdsOnly, Tokenizer, TokenizerError
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -88,17 +89,12 @@ class GenerationRequest:
 
 
 # --- fields ---------------------------------------------------------------------------------------
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _int(body: Mapping[str, Any], name: str, default: int | None, minimum: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid(name, f"{name} must be an integer (got {_show(value)})", "invalid_type")
+        raise invalid(name, f"{name} must be an integer (got {shown(value)})", "invalid_type")
     if minimum is not None and value < minimum:
         raise invalid(name, f"{name} must be >= {minimum} (got {value})")
     return value
@@ -109,7 +105,7 @@ def _number(body: Mapping[str, Any], name: str, default: float) -> float:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise invalid(name, f"{name} must be a number (got {_show(value)})", "invalid_type")
+        raise invalid(name, f"{name} must be a number (got {shown(value)})", "invalid_type")
     if not math.isfinite(value):
         raise invalid(name, f"{name} must be a finite number (got {value})")
     return float(value)
@@ -120,7 +116,7 @@ def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise invalid(name, f"{name} must be a boolean (got {_show(value)})", "invalid_type")
+        raise invalid(name, f"{name} must be a boolean (got {shown(value)})", "invalid_type")
     return value
 
 
@@ -130,7 +126,7 @@ def _stop(body: Mapping[str, Any], limits: RequestLimits) -> tuple[str, ...]:
         return ()
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise invalid("stop", f"stop must be a non-empty string or a list of them (got {_show(value)})", "invalid_type")
+        raise invalid("stop", f"stop must be a non-empty string or a list of them (got {shown(value)})", "invalid_type")
     if len(stops) > limits.max_stop:
         raise invalid("stop", f"stop has {len(stops)} strings; this server takes at most {limits.max_stop}")
     if (chars := sum(map(len, stops))) > limits.max_stop_chars:
@@ -146,11 +142,11 @@ def _int_list(body: Mapping[str, Any], name: str, most: int, below: int | None =
     if value is None:
         return ()
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
-        raise invalid(name, f"{name} must be a list of non-negative integers (got {_show(value)})", "invalid_type")
+        raise invalid(name, f"{name} must be a list of non-negative integers (got {shown(value)})", "invalid_type")
     if len(value) > most:
         raise invalid(name, f"{name} has {len(value)} entries; this server takes at most {most}")
     if below is not None and (too_big := [v for v in value if v >= below]):
-        raise invalid(name, f"{name}: {_show(too_big[0])} is not a token id (the vocabulary is ids 0..{below - 1})")
+        raise invalid(name, f"{name}: {shown(too_big[0])} is not a token id (the vocabulary is ids 0..{below - 1})")
     return tuple(value)
 
 
@@ -160,7 +156,7 @@ def check_model(body: Mapping[str, Any], model: ServedModel) -> None:
     if name is None:
         return
     if not isinstance(name, str):
-        raise invalid("model", f"model must be a string (got {_show(name)})", "invalid_type")
+        raise invalid("model", f"model must be a string (got {shown(name)})", "invalid_type")
     if name != model.name:
         raise APIError(
             404, f"The model `{name}` does not exist; this server serves `{model.name}`.", "model", "model_not_found"
@@ -173,7 +169,7 @@ def _check_unsupported(body: Mapping[str, Any], table: Mapping[str, tuple[Any, .
         if value is not None and not any(
             value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in allowed
         ):
-            raise invalid(name, f"{name}={_show(value)} is not supported by this server", "unsupported")
+            raise invalid(name, f"{name}={shown(value)} is not supported by this server", "unsupported")
 
 
 # --- prompts --------------------------------------------------------------------------------------
@@ -204,7 +200,7 @@ def completion_prompts(value: Any, model: ServedModel) -> list[list[int]]:
     else:
         raise invalid(
             "prompt",
-            f"prompt must be a string, a list of strings, a list of token ids or a list of such lists (got {_show(value)})",
+            f"prompt must be a string, a list of strings, a list of token ids or a list of such lists (got {shown(value)})",
             "invalid_type",
         )
     prompts = []
@@ -227,7 +223,7 @@ def _text_content(content: Any, index: int) -> Any:
     texts = []
     for part in content:
         if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-            raise invalid("messages", f"messages[{index}].content: only text parts are supported (got {_show(part)})")
+            raise invalid("messages", f"messages[{index}].content: only text parts are supported (got {shown(part)})")
         texts.append(part["text"])
     return "".join(texts)
 
@@ -237,12 +233,12 @@ def chat_prompt(body: Mapping[str, Any], model: ServedModel) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid(
-            "messages", f"messages must be a non-empty list of {{role, content}} objects (got {_show(messages)})"
+            "messages", f"messages must be a non-empty list of {{role, content}} objects (got {shown(messages)})"
         )
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, Mapping):
         raise invalid(
-            "chat_template_kwargs", f"chat_template_kwargs must be an object (got {_show(kwargs)})", "invalid_type"
+            "chat_template_kwargs", f"chat_template_kwargs must be an object (got {shown(kwargs)})", "invalid_type"
         )
     if reserved := sorted(RESERVED_TEMPLATE_VARIABLES & kwargs.keys()):
         raise invalid(
@@ -252,7 +248,7 @@ def chat_prompt(body: Mapping[str, Any], model: ServedModel) -> list[int]:
     rendered = []
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise invalid("messages", f"messages[{index}] must be an object (got {_show(message)})", "invalid_type")
+            raise invalid("messages", f"messages[{index}] must be an object (got {shown(message)})", "invalid_type")
         rendered.append({**message, "content": _text_content(message.get("content"), index)})
     try:
         ids = model.tokenizer.encode_chat(rendered, **kwargs)
@@ -320,7 +316,7 @@ def _build(
     stream = _bool(body, "stream", False)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, Mapping):
-        raise invalid("stream_options", f"stream_options must be an object (got {_show(options)})", "invalid_type")
+        raise invalid("stream_options", f"stream_options must be an object (got {shown(options)})", "invalid_type")
     include_usage = _bool(options or {}, "include_usage", False)
     shared = {
         "temperature": temperature,
