@@ -71,7 +71,7 @@ def compare_bytes(ours: Path, reference: Path) -> dict[str, int]:
     import torch
     from safetensors import safe_open
 
-    from qcompile.unfuse import split_to_sources
+    from qcompile.publish.unfuse import split_to_sources
 
     ref: dict[str, object] = {}
     for file in sorted(reference.glob("*.safetensors")):

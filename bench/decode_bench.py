@@ -19,8 +19,8 @@ from compile_bench import report_header
 from qruntime.artifact import read_manifest
 from qruntime.benchmark import copy_bandwidth, decode_step_bytes, measure
 
-from qcompile.pipeline import compile_checkpoint, prepare
-from qcompile.recipe import load_recipe
+from qcompile.compile.pipeline import compile_checkpoint, prepare
+from qcompile.recipe.schema import load_recipe
 from qcompile.synth import get_preset, write_checkpoint
 
 
@@ -41,7 +41,7 @@ def build_artifact(
     timings["compile_s"] = time.perf_counter() - start
     if not tune:
         return art, None
-    from qcompile.tune import tune_artifact
+    from qcompile.tune.artifact import tune_artifact
 
     start = time.perf_counter()
     tuned = json.loads(tune_artifact(art).read_text())

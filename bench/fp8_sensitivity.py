@@ -29,7 +29,7 @@ from qruntime.ops import functional as fn
 from qruntime.tokenizer import Tokenizer
 from transformers import AutoModelForCausalLM
 
-from qcompile.evaluate import Totals, read_text, window_starts
+from qcompile.evaluate.accuracy import Totals, read_text, window_starts
 from qcompile.quant.fp8 import quantize_per_channel
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "qwen3-stdlib"

@@ -37,14 +37,14 @@ from compile_bench import report_header
 from decode_bench import decode_profile, replay_ms
 from qruntime.benchmark import copy_bandwidth, measure, step_read_bytes
 
-from qcompile.recipe import load_recipe
+from qcompile.recipe.schema import load_recipe
 from qcompile.synth.artifact import write_synthetic_artifact
 
 SYNTHETIC = "SYNTHETIC: random weights generated on the GPUs at load (qcompile synth --artifact); speed only"
 
 
 def build(preset: str, tp: int, workdir: Path, buckets: tuple[int, ...], timings: dict) -> Path:
-    from qcompile.tune import tune_artifact
+    from qcompile.tune.artifact import tune_artifact
 
     art = workdir / f"{preset}-tp{tp}"
     shutil.rmtree(art, ignore_errors=True)

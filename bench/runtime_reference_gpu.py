@@ -24,8 +24,8 @@ from compile_bench import report_header
 from qruntime import SamplingParams
 from transformers import AutoModelForCausalLM
 
-from qcompile.pipeline import compile_checkpoint, prepare
-from qcompile.recipe import load_recipe
+from qcompile.compile.pipeline import compile_checkpoint, prepare
+from qcompile.recipe.schema import load_recipe
 from qcompile.synth import get_preset, write_checkpoint
 
 

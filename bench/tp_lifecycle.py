@@ -54,7 +54,7 @@ def child(art: Path, tp: int, device: str, tokens: int) -> None:
 
 
 def run(preset: str, tp: int, args) -> dict:
-    from qcompile.recipe import load_recipe
+    from qcompile.recipe.schema import load_recipe
     from qcompile.synth.artifact import write_synthetic_artifact
 
     art = args.workdir / f"{preset}-tp{tp}"

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from qcompile.pipeline import compile_checkpoint, prepare
-from qcompile.recipe import load_recipe
+from qcompile.compile.pipeline import compile_checkpoint, prepare
+from qcompile.recipe.schema import load_recipe
 from qcompile.synth import get_preset, write_checkpoint
 
 MakeCkpt = Callable[..., Path]

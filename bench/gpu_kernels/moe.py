@@ -11,7 +11,7 @@ agreement; ok = SQNR >= 30 dB and finite.
 
 Timing: a CUDA graph of COPIES back-to-back calls, each on its own weight copy and its own x (so
 its own routing): the active experts are read from HBM, not from an L2 warmed by the call before;
-replayed 20 times, median µs per call (as qcompile/tune.py times its candidates). Bandwidth counts
+replayed 20 times, median µs per call (as qcompile/tune/gemm.py times its candidates). Bandwidth counts
 the bytes of the experts each call hits (distinct experts x FP8 w13 + w2 bytes and their scales),
 averaged over the copies; at decode that is the whole cost, so GB/s against the device-to-device
 copy bandwidth says how close the kernel is to the floor. ref_us: the reference op, eager (it
@@ -42,7 +42,7 @@ from qruntime.ops import functional as fn
 from qruntime.ops import moe, triton_ops
 from qruntime.ops.base import OpEnv
 
-from qcompile.tune_moe import MoEShape
+from qcompile.tune.moe import MoEShape
 
 SHAPES = {  # name: (E, k, H, I)
     "qwen3-30b-a3b": (128, 8, 2048, 768),

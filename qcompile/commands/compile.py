@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from qcompile.errors import QCompileError
-from qcompile.recipe import DEFAULT_RECIPE, load_recipe
+from qcompile.recipe.schema import DEFAULT_RECIPE, load_recipe
 from qcompile.units import human_bytes
 
 
@@ -44,7 +44,7 @@ def _tp_row(prepared) -> str:
     tp = prepared.recipe.tp
     if tp == 1:
         return "1"
-    from qcompile.sharding import local_heads
+    from qcompile.compile.sharding import local_heads
 
     spec = prepared.checkpoint.spec
     heads, kv_heads = local_heads(spec, tp)
@@ -121,8 +121,8 @@ def command(checkpoint, output, recipe, overrides, tp, force, workers, dry_run, 
 
         if not torch.cuda.is_available():
             raise QCompileError("--tune needs a CUDA GPU on this machine (run `qcompile tune ART` on one later)")
+    from qcompile.compile.pipeline import compile_checkpoint, prepare
     from qcompile.io.atomic import check_target
-    from qcompile.pipeline import compile_checkpoint, prepare
 
     workers = workers or max(1, len(os.sched_getaffinity(0)))
     if tp is not None:
@@ -147,6 +147,6 @@ def command(checkpoint, output, recipe, overrides, tp, force, workers, dry_run, 
         f"wrote {output} ({human_bytes(total)}, {len(manifest['files'])} files) in {time.perf_counter() - start:.1f} s"
     )
     if tune:
-        from qcompile.tune import tune_artifact
+        from qcompile.tune.artifact import tune_artifact
 
         click.echo(f"tuned kernels: {tune_artifact(output)}")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from qcompile.evaluate import DEFAULT_WINDOW, EvalResult
+from qcompile.evaluate.accuracy import DEFAULT_WINDOW, EvalResult
 
 
 def eval_options(function):
@@ -69,7 +69,7 @@ def command(artifact, reference, data, window, max_tokens, device, dtype, as_jso
 
         qcompile eval ./qwen3-8b-fp8 --reference ./Qwen3-8B --data heldout.txt
     """
-    from qcompile.evaluate import evaluate
+    from qcompile.evaluate.accuracy import evaluate
 
     result = evaluate(
         artifact,

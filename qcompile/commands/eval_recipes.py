@@ -56,9 +56,9 @@ def command(
         qcompile eval-recipes ./Qwen3-8B --data heldout.txt -r bf16 -r ptpc-fp8 -r ptpc-fp8-lmhead -r block-fp8 \
             -r ptpc-fp8-kv8 --calib calib.txt
     """
-    from qcompile.evaluate import evaluate, open_reference, read_text, resolve_device, resolve_dtype
-    from qcompile.pipeline import compile_checkpoint, prepare
-    from qcompile.recipe import load_recipe
+    from qcompile.compile.pipeline import compile_checkpoint, prepare
+    from qcompile.evaluate.accuracy import evaluate, open_reference, read_text, resolve_device, resolve_dtype
+    from qcompile.recipe.schema import load_recipe
 
     if len(set(recipes)) != len(recipes):
         raise RecipeError(f"a recipe is listed twice: {', '.join(recipes)}")

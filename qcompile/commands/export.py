@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from qcompile.export import EXPORTERS
+from qcompile.publish.export import EXPORTERS
 from qcompile.units import human_bytes, parse_bytes
 
 

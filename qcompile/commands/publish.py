@@ -56,7 +56,7 @@ def command(artifact, target, evals, benches, base_model, dry_run, force, no_pro
 
         qcompile publish ./qwen3-8b-fp8 --to ./qwen3-8b-fp8-pub --eval eval.json --bench bench.json
     """
-    from qcompile.publish import publish
+    from qcompile.publish.publication import publish
 
     result = publish(
         artifact,

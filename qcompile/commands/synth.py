@@ -8,7 +8,7 @@ import click
 from tqdm import tqdm
 
 from qcompile.errors import QCompileError
-from qcompile.recipe import DEFAULT_RECIPE, load_recipe
+from qcompile.recipe.schema import DEFAULT_RECIPE, load_recipe
 from qcompile.synth.checkpoint import DEFAULT_MAX_SHARD_BYTES, plan_checkpoint, preflight, write_checkpoint
 from qcompile.synth.presets import UnknownPresetError, get_preset, preset_names
 from qcompile.units import human_bytes, human_count

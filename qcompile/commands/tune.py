@@ -22,7 +22,7 @@ def command(artifact: Path, buckets: str | None) -> None:
     kernels/<GPU model>.json into the artifact (its manifest entry updated). The runtime loads that
     file on a GPU of the same model and never autotunes at load.
     """
-    from qcompile.tune import TOKEN_BUCKETS, tune_artifact
+    from qcompile.tune.artifact import TOKEN_BUCKETS, tune_artifact
 
     chosen = TOKEN_BUCKETS if buckets is None else tuple(int(b) for b in buckets.split(","))
     path = tune_artifact(artifact, chosen, progress=lambda key: click.echo(f"tuned {key}", err=True))

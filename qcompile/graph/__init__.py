@@ -12,8 +12,8 @@ from qcompile.graph.build import build_graph, check_plan
 from qcompile.graph.ir import Graph, Node, TensorType, check_graph
 from qcompile.graph.onnx_export import TensorLocation, to_onnx, write_onnx
 from qcompile.graph.passes import PASSES, apply_passes
-from qcompile.recipe import Recipe
-from qcompile.spec import ModelSpec
+from qcompile.recipe.schema import Recipe
+from qcompile.source.spec import ModelSpec
 
 
 def compile_graph(spec: ModelSpec, recipe: Recipe) -> Graph:

@@ -5,15 +5,15 @@ from __future__ import annotations
 import torch
 from qruntime.kv_layout import KV_LAYOUTS
 
-from qcompile import model as hf
+from qcompile.compile.kvcache import KVScales
+from qcompile.compile.sharding import check_tp
 from qcompile.errors import PlanError
 from qcompile.graph.builder import GraphBuilder
 from qcompile.graph.ir import Graph
 from qcompile.graph.layers import attention, dense_mlp, sparse_moe
-from qcompile.kvcache import KVScales
-from qcompile.recipe import Recipe
-from qcompile.sharding import check_tp
-from qcompile.spec import ModelSpec
+from qcompile.recipe.schema import Recipe
+from qcompile.source import model as hf
+from qcompile.source.spec import ModelSpec
 
 # name, dtype, shape of the graph inputs, in the order of docs/OPS.md
 GRAPH_INPUTS = (
@@ -34,7 +34,7 @@ def build_graph(spec: ModelSpec, recipe: Recipe, kv_scales: KVScales | None = No
     Raises PlanError when the recipe cannot be applied to this model (KV layout constraints, an unknown
     scheme, a tensor-parallel degree the model does not divide by). At tp > 1 it is the graph of every
     rank: each rank's share of the heads and intermediate dims, an AllReduce after each row-parallel
-    output (qcompile.sharding).
+    output (qcompile.compile.sharding).
     """
     check_plan(spec, recipe)
     b = GraphBuilder(spec, recipe, kv_scales)
@@ -90,7 +90,7 @@ def check_plan(spec: ModelSpec, recipe: Recipe) -> None:
     """Raise PlanError when `recipe` cannot be applied to `spec`, naming the recipe key to change.
 
     Only what depends on the model is checked here; the recipe's own values (known scheme, KV
-    dtype and layout names) were validated when it was loaded (qcompile.recipe).
+    dtype and layout names) were validated when it was loaded (qcompile.recipe.schema).
     """
     kv = recipe.kv_cache
     try:

@@ -7,14 +7,14 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from qcompile.compile.jobs import WeightJob
+from qcompile.compile.kvcache import KVScales
 from qcompile.graph.ir import AttrValue, Dim, Graph, Node, TensorType, check_graph, constant_name
 from qcompile.graph.ops import OP_DOMAINS
-from qcompile.jobs import WeightJob
-from qcompile.kvcache import KVScales
 from qcompile.quant import QuantScheme, get_scheme
 from qcompile.quant.fp8 import FP8_DTYPE
-from qcompile.recipe import Recipe
-from qcompile.spec import ModelSpec
+from qcompile.recipe.schema import Recipe
+from qcompile.source.spec import ModelSpec
 
 Output = tuple[str, TensorType]
 

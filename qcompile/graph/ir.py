@@ -17,11 +17,11 @@ from types import MappingProxyType
 import numpy as np
 import torch
 
+from qcompile.compile.jobs import WeightJob
+from qcompile.compile.sharding import Sharding
 from qcompile.graph.ops import OP_DOMAINS, SIGNATURES, check_signature
-from qcompile.jobs import WeightJob
-from qcompile.model import expected_tensors
-from qcompile.sharding import Sharding
-from qcompile.spec import ModelSpec
+from qcompile.source.model import expected_tensors
+from qcompile.source.spec import ModelSpec
 
 AttrValue = int | float | str | tuple[int, ...]
 Dim = int | str  # a concrete size or a symbolic one ("T", "B", ...)

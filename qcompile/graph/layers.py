@@ -1,6 +1,6 @@
 """The unfused blocks of one decoder layer (docs/OPS.md): attention, dense MLP, sparse MoE MLP.
 
-At tp > 1 each block is one rank's share (qcompile.sharding): its query / KV heads and its slice of
+At tp > 1 each block is one rank's share (qcompile.compile.sharding): its query / KV heads and its slice of
 the intermediate dim, and the row-parallel output (o_proj, down_proj, the MoE sum) is a partial sum
 all-reduced over the ranks.
 """
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from qcompile import model as hf
+from qcompile.compile.sharding import local_heads
 from qcompile.graph.builder import GraphBuilder
-from qcompile.sharding import local_heads
+from qcompile.source import model as hf
 
 KV_READY = torch.uint8
 

@@ -6,8 +6,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from qcompile.compile.jobs import WeightJob
 from qcompile.graph.ir import Graph, Node, TensorType, constant_name
-from qcompile.jobs import WeightJob
 
 
 class Rewrite:

@@ -13,8 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from qcompile.pipeline import compile_checkpoint, prepare
-from qcompile.recipe import Recipe, RecipeError
+from qcompile.compile.pipeline import compile_checkpoint, prepare
+from qcompile.recipe.schema import Recipe, RecipeError
 from qcompile.synth.sparse import write_sparse_checkpoint
 
 

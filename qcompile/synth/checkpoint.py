@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 
-from qcompile.checkpoint import INDEX_FILE, SINGLE_FILE
+from qcompile.compile.plan import Shard
 from qcompile.errors import ArtifactError
 from qcompile.io.atomic import atomic_output_dir, check_target
 from qcompile.io.safetensors_stream import OutputTensor
-from qcompile.model import expected_tensors
-from qcompile.plan import Shard
-from qcompile.spec import ModelSpec
+from qcompile.source.checkpoint import INDEX_FILE, SINGLE_FILE
+from qcompile.source.model import expected_tensors
+from qcompile.source.spec import ModelSpec
 from qcompile.synth.presets import Preset, get_preset
 from qcompile.synth.tokenizer import write_tokenizer_files
 from qcompile.synth.weights import Progress, write_shard

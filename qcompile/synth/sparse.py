@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from qcompile.checkpoint import INDEX_FILE
 from qcompile.io.safetensors_stream import StreamingWriter
+from qcompile.source.checkpoint import INDEX_FILE
 from qcompile.synth.checkpoint import plan_checkpoint
 from qcompile.synth.presets import get_preset
 from qcompile.synth.tokenizer import write_tokenizer_files

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from onnx import numpy_helper
 from safetensors.torch import load_file, save_file
 
-from qcompile import writer
 from qcompile.cli import main
+from qcompile.compile import writer
 
 
 def run(*args):
@@ -251,7 +251,7 @@ def test_nonfinite_weight_refused_by_the_per_tensor_prepass(value, ckpt, tmp_pat
 def test_compile_tensor_fp8_recipe_by_path(tiny_moe_ckpt, tmp_path):
     """`-r recipes/tensor-fp8.yaml`: per-tensor weight scales stored [out, 1] (q, k and v rows each
     holding their own value) and a compressed-tensors config saying so."""
-    from qcompile.recipe import recipe_dir
+    from qcompile.recipe.schema import recipe_dir
 
     out = tmp_path / "art"
     result = run("compile", tiny_moe_ckpt, "-o", out, "-q", "-r", recipe_dir() / "tensor-fp8.yaml")

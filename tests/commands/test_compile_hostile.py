@@ -528,7 +528,7 @@ def test_nested_quantifier_ignore_pattern_is_bounded(draw, rng, tiny_ckpt, tmp_p
     else:
         recipe = json.loads((out / "manifest.json").read_text())["recipe"]
         assert recipe["quantization"]["ignore"] == ["lm_head", f"re:{pattern}"]
-        from qcompile.recipe import recipe_from_dict
+        from qcompile.recipe.schema import recipe_from_dict
 
         names = _linear_names(tiny_ckpt)
         assert [n for n in names if recipe_from_dict(recipe).ignores(n)] == ["lm_head"]

@@ -23,16 +23,16 @@ from qruntime.plan import Plan
 from qruntime.weights import load_initializers
 from safetensors.torch import load_file
 
-from qcompile import writer
 from qcompile.cli import main
+from qcompile.compile import writer
+from qcompile.compile.pipeline import compile_checkpoint, prepare
 from qcompile.errors import ArtifactError
 from qcompile.graph.ops import COLLECTIVE_OPS
 from qcompile.graph.schemas import deregister_op_schemas, register_op_schemas
 from qcompile.io.safetensors_stream import TensorEntry
-from qcompile.pipeline import compile_checkpoint, prepare
-from qcompile.recipe import load_recipe
-from qcompile.tune import gemm_shapes
-from qcompile.unfuse import split_to_sources
+from qcompile.publish.unfuse import split_to_sources
+from qcompile.recipe.schema import load_recipe
+from qcompile.tune.gemm import gemm_shapes
 
 BLOCK = 16
 CPU = torch.device("cpu")

@@ -70,13 +70,13 @@ from test_llmcompressor_parity import (
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
-import qcompile.export
-import qcompile.pipeline
-from qcompile.calibrate import calibration_ids
-from qcompile.checkpoint import Checkpoint
+import qcompile.compile.pipeline
+import qcompile.publish.export
 from qcompile.cli import main
-from qcompile.pipeline import compile_checkpoint, prepare
-from qcompile.recipe import load_recipe
+from qcompile.compile.calibrate import calibration_ids
+from qcompile.compile.pipeline import compile_checkpoint, prepare
+from qcompile.recipe.schema import load_recipe
+from qcompile.source.checkpoint import Checkpoint
 
 BF16, FP8, F32 = torch.bfloat16, torch.float8_e4m3fn, torch.float32
 EXACT_DB = 100.0
@@ -157,7 +157,9 @@ def artifact(ckpt, calib: Path, work: Path) -> Callable[..., Path]:
             out = work / f"art-{len(built)}-{kind}-{recipe}"
             with pytest.MonkeyPatch.context() as patch:
                 if bf16_kv:
-                    patch.setattr(qcompile.pipeline, "kv_scales", _bf16_scales(qcompile.pipeline.kv_scales))
+                    patch.setattr(
+                        qcompile.compile.pipeline, "kv_scales", _bf16_scales(qcompile.compile.pipeline.kv_scales)
+                    )
                 data = calib if recipe.endswith("kv8") else None
                 compile_checkpoint(prepare(ckpt(kind), load_recipe(recipe), data), out, workers=2, progress=False)
             built[key] = out
@@ -540,7 +542,7 @@ def test_bad_arguments_are_refused(art_copy, tmp_path):
 
 def test_interrupt_leaves_nothing(art_copy, tmp_path, monkeypatch):
     calls = []
-    write = qcompile.export.StreamingWriter.write
+    write = qcompile.publish.export.StreamingWriter.write
 
     def interrupted(self, *args):
         calls.append(1)
@@ -548,7 +550,7 @@ def test_interrupt_leaves_nothing(art_copy, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         write(self, *args)
 
-    monkeypatch.setattr(qcompile.export.StreamingWriter, "write", interrupted)
+    monkeypatch.setattr(qcompile.publish.export.StreamingWriter, "write", interrupted)
     result = run("export", art_copy, "-o", tmp_path / "ct", "--no-progress")
     assert result.exit_code == 130 and "interrupted" in result.output
     assert beside(tmp_path, "ct") == []

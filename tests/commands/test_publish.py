@@ -22,9 +22,9 @@ import yaml
 from click.testing import CliRunner
 from qruntime.artifact import sha256_file
 
-from qcompile import runtime_wheel
 from qcompile.cli import main
-from qcompile.recipe import load_recipe
+from qcompile.publish import runtime_wheel
+from qcompile.recipe.schema import load_recipe
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "qwen3-stdlib"  # a small trained Qwen3
 WHEEL = "runtime/qcompile_runtime-*-py3-none-any.whl"

@@ -13,9 +13,9 @@ import yaml
 from safetensors.torch import save_file
 
 from qcompile.graph import PASSES, Graph, TensorLocation
-from qcompile.model import expected_tensors
-from qcompile.recipe import KVCacheRecipe, Recipe, recipe_dir, recipe_from_dict
-from qcompile.spec import ModelSpec, MoESpec
+from qcompile.recipe.schema import KVCacheRecipe, Recipe, recipe_dir, recipe_from_dict
+from qcompile.source.model import expected_tensors
+from qcompile.source.spec import ModelSpec, MoESpec
 
 PASS_NAMES = tuple(PASSES)  # every registered pass, in registry order (the recipes' order)
 # every pass, in an order other than the recipes' (norms first), requirements still met

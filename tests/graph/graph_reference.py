@@ -14,8 +14,8 @@ from qruntime.kv_layout import KV_LAYOUTS
 from qruntime.ops.base import AttentionMetadata, OpEnv, StepContext
 from qruntime.ops.registry import reference_ops
 
+from qcompile.compile.jobs import WeightJob
 from qcompile.graph.ir import Graph
-from qcompile.jobs import WeightJob
 
 
 def materialize(job: WeightJob, sources: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -11,9 +11,9 @@ from graph_helpers import dense_spec, moe_spec, recipe, source_counts
 from qcompile.errors import PlanError, RecipeError
 from qcompile.graph import build_graph
 from qcompile.graph.ops import FUSED_OPS, LINEAR_OPS, SIMPLE_OPS, STANDARD_OPS
-from qcompile.model import expected_tensors
 from qcompile.quant import get_scheme
-from qcompile.recipe import recipe_from_dict
+from qcompile.recipe.schema import recipe_from_dict
+from qcompile.source.model import expected_tensors
 
 SPECS = {
     "dense": dense_spec(),

@@ -17,9 +17,9 @@ from graph_helpers import (
 from qcompile.errors import PlanError
 from qcompile.graph import PASSES, Graph, apply_passes, build_graph, compile_graph
 from qcompile.graph.ops import FUSED_OPS, OP_DOMAINS
-from qcompile.model import expected_tensors
-from qcompile.recipe import DEFAULT_PASSES
-from qcompile.spec import ModelSpec
+from qcompile.recipe.schema import DEFAULT_PASSES
+from qcompile.source.model import expected_tensors
+from qcompile.source.spec import ModelSpec
 
 PASS_SETS = {
     "all": PASS_NAMES,

@@ -21,8 +21,8 @@ from graph_helpers import (
 from graph_reference import Reference, make_step
 
 from qcompile.graph import compile_graph
-from qcompile.recipe import Recipe
-from qcompile.spec import ModelSpec
+from qcompile.recipe.schema import Recipe
+from qcompile.source.spec import ModelSpec
 
 BLOCK, MAX_BLOCKS = 4, 4
 PROMPTS_LEN = (6, 3, 1)

@@ -18,12 +18,12 @@ from qruntime.ops.base import OpEnv
 from qruntime.ops.registry import reference_ops, triton_ops
 from qruntime.plan import Plan, PlanError
 
+from qcompile.compile.sharding import Sharding
 from qcompile.errors import PlanError as CompilePlanError
 from qcompile.graph import apply_passes, build_graph, compile_graph, to_onnx
 from qcompile.graph.ops import COLLECTIVE_OPS
-from qcompile.model import expected_tensors
-from qcompile.sharding import Sharding
-from qcompile.spec import ModelSpec
+from qcompile.source.model import expected_tensors
+from qcompile.source.spec import ModelSpec
 
 # 4 query / 2 KV heads: tp=2 splits the KV heads, tp=4 replicates them
 SPECS = {

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from qcompile.unfuse import split_to_sources
+from qcompile.publish.unfuse import split_to_sources
 
 
 def hf_model(ckpt: Path, dtype: torch.dtype) -> torch.nn.Module:

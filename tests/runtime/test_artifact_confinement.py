@@ -21,8 +21,8 @@ from qruntime.artifact import (
 from qruntime.kernel_configs import POW2_KEYS, STAGE_KEYS, STAGES, KernelTable, device_file, load_kernel_table
 from qruntime.manifest_schema import DTYPE_SIZES, ROLES, SCHEMES
 
+from qcompile.compile.jobs import ROLES as COMPILER_ROLES
 from qcompile.io.safetensors_stream import DTYPES
-from qcompile.jobs import ROLES as COMPILER_ROLES
 from qcompile.quant.schemes import SCHEMES as COMPILER_SCHEMES
 
 

@@ -45,8 +45,8 @@ from qruntime.manifest_schema import Tuple as TupleNode
 # tests/runtime is on sys.path (rootdir conftest): the load tests' manifest helpers
 from test_qruntime_load import SMALL_CACHE, edit_manifest, refresh_entry
 
-from qcompile import runtime_wheel
 from qcompile.cli import main
+from qcompile.publish import runtime_wheel
 
 VERBS = ("verify", "inspect", "load", "run", "export", "publish")
 # what each verb reads: a case breaking only what a verb does not read may leave that verb working

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from qcompile.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint
 from qcompile.errors import ArtifactError
 from qcompile.io.safetensors_stream import OutputTensor
-from qcompile.model import expected_tensors
+from qcompile.source.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint
+from qcompile.source.model import expected_tensors
 from qcompile.synth import checkpoint as synth_checkpoint
 from qcompile.synth import plan_checkpoint, write_checkpoint
 from qcompile.synth.weights import CHUNK_ELEMENTS, chunks_of, random_chunk

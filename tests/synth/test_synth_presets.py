@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from qcompile.errors import QCompileError
-from qcompile.spec import ModelSpec
+from qcompile.source.spec import ModelSpec
 from qcompile.synth import UnknownPresetError, get_preset, plan_checkpoint, preset_names
 from qcompile.synth.tokenizer import TokenizerLayout
 

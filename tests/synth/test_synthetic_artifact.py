@@ -13,9 +13,9 @@ from click.testing import CliRunner
 from qruntime.synthetic import FP8_SPREAD, WEIGHT_STD, random_tensor
 
 from qcompile.cli import main
+from qcompile.compile.pipeline import compile_checkpoint, prepare
 from qcompile.io.safetensors_stream import read_header
-from qcompile.pipeline import compile_checkpoint, prepare
-from qcompile.recipe import load_recipe
+from qcompile.recipe.schema import load_recipe
 
 
 def _synthetic(tmp_path, *args: str):

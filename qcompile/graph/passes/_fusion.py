@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from qcompile.compile.jobs import WeightJob
 from qcompile.errors import PlanError
 from qcompile.graph.ir import Node, TensorType
 from qcompile.graph.ops import LINEAR_OPS
 from qcompile.graph.rewrite import Rewrite
-from qcompile.jobs import WeightJob
-from qcompile.model import expected_tensors
 from qcompile.quant import QuantScheme, get_scheme
+from qcompile.source.model import expected_tensors
 
 
 def linear_weight(node: Node) -> str | None:

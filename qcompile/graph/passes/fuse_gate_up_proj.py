@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from qcompile import model as hf
 from qcompile.graph.ir import Graph
 from qcompile.graph.passes._fusion import fuse_linears
 from qcompile.graph.passes.base import GraphPass
 from qcompile.graph.rewrite import Rewrite
+from qcompile.source import model as hf
 
 NAME = "fuse_gate_up_proj"
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import heapq
 
-from qcompile import model as hf
+from qcompile.compile.jobs import WeightJob
 from qcompile.errors import PlanError
 from qcompile.graph.ir import AttrValue, Graph, Node
 from qcompile.graph.ops import COLLECTIVE_OPS, DOMAIN
 from qcompile.graph.passes._fusion import check_fusable, linear_reading, linear_weight
 from qcompile.graph.passes.base import GraphPass
 from qcompile.graph.rewrite import Rewrite
-from qcompile.jobs import WeightJob
+from qcompile.source import model as hf
 
 NAME = "fuse_moe_experts"
 

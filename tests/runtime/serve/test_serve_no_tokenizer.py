@@ -16,8 +16,8 @@ from qruntime.serve.app import build_app
 from qruntime.tokenizer import TokenIdsOnly
 from serve_harness import ThreadedServer
 
-from qcompile.pipeline import compile_checkpoint, prepare
-from qcompile.recipe import load_recipe
+from qcompile.compile.pipeline import compile_checkpoint, prepare
+from qcompile.recipe.schema import load_recipe
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
 

@@ -1,0 +1,213 @@
+"""The compiler, stage by stage (ARCHITECTURE.md's table):
+
+    load      checkpoint dir -> ModelSpec + lazy tensors, every shard header checked, config.json's
+              sizes held to the tensors (sizes.py), a tokenizer present (or --no-tokenizer)
+    plan      spec + recipe  -> graph (built unfused, then the recipe's passes) + tensor plan
+    kv layout recipe         -> the KV-cache contract
+    quantize / fuse / permute / shard (streamed, row chunk by row chunk)  -> weights/*.safetensors
+    graph     graph + where each weight landed -> graph.onnx (weights as external data)
+    write     config.json, tokenizer files, manifest.json with every hash; renamed into place
+
+At tp > 1 (recipe `tp`, `compile --tp N`) the graph is every rank's, the weights each rank's slices
+in weights/rank{r}/, and each rank gets its own graph.rank{r}.onnx pointing into its files.
+
+Stages talk through plain data. Nothing appears at the output path until every stage is done.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qcompile.compile.calibrate import CalibrationError, kv_scales
+from qcompile.compile.kvcache import kv_cache_spec
+from qcompile.compile.manifest import file_table, tensor_table, toolchain, write_manifest
+from qcompile.compile.plan import TensorPlan, make_plan
+from qcompile.compile.writer import SPARSE_DIGEST, write_sparse_weights, write_weights
+from qcompile.errors import ArtifactError
+from qcompile.graph.build import build_graph
+from qcompile.graph.ir import Graph
+from qcompile.graph.onnx_export import TensorLocation, write_onnx
+from qcompile.graph.passes import apply_passes
+from qcompile.io.atomic import atomic_output_dir, check_free_space
+from qcompile.io.safetensors_stream import read_header
+from qcompile.progress import progress_bar
+from qcompile.quant import get_scheme
+from qcompile.recipe.quant_config import quantization_config
+from qcompile.recipe.schema import Recipe, RecipeError
+from qcompile.source.checkpoint import Checkpoint, fingerprint
+
+GRAPH_FILE = "graph.onnx"
+
+
+def graph_files(tp: int) -> list[str]:
+    """The graph file of each rank: graph.onnx at tp=1, graph.rank{r}.onnx at tp > 1."""
+    return [GRAPH_FILE] if tp == 1 else [f"graph.rank{rank}.onnx" for rank in range(tp)]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Everything decided before the first byte is written."""
+
+    checkpoint: Checkpoint
+    recipe: Recipe
+    graph: Graph
+    plan: TensorPlan
+    kv_cache: dict[str, Any]
+    tokenizer: bool = True  # false: compiled with --no-tokenizer, no tokenizer files in the artifact
+
+
+def prepare(
+    checkpoint_path: str | Path,
+    recipe: Recipe,
+    calib: str | Path | None = None,
+    *,
+    calibrate: bool = True,
+    progress: bool = False,
+    tokenizer: bool = True,
+) -> Prepared:
+    """load + plan + kv layout: validates everything, reads only headers.
+
+    The checkpoint must hold a tokenizer qruntime can load (tokenizer.json), unless `tokenizer` is
+    false (`compile --no-tokenizer`): then none is copied and the manifest says `"tokenizer": false`.
+
+    A recipe with kv_cache.calibrate needs `calib` (a text file): its fp8 KV scales are calibrated
+    on it here, layer by layer through the source model (calibrate=False: only check the file is
+    there, for a dry run; the plan does not depend on the scales' values)."""
+    checkpoint = Checkpoint.open(checkpoint_path)
+    if tokenizer:
+        checkpoint.require_tokenizer()
+    scales = None
+    if recipe.kv_cache.calibrate:
+        if calib is None:
+            raise RecipeError(
+                f"recipe {recipe.name!r} calibrates its fp8 KV cache: give the calibration text (--calib FILE)"
+            )
+        if not Path(calib).is_file():
+            raise CalibrationError(f"{calib}: calibration text not found")
+        if calibrate:
+            with progress_bar(checkpoint.spec.num_hidden_layers, "calibrate kv", progress, unit="layer") as bar:
+                scales = kv_scales(checkpoint, Path(calib), progress=lambda _: bar.update(1))
+    elif calib is not None:
+        raise RecipeError(f"--calib {calib}: recipe {recipe.name!r} has no calibrated KV cache (kv_cache.calibrate)")
+    graph = apply_passes(build_graph(checkpoint.spec, recipe, scales), recipe.passes)
+    plan = make_plan(checkpoint, graph.weights, recipe.max_shard_mb << 20, recipe.tp)
+    return Prepared(checkpoint, recipe, graph, plan, kv_cache_spec(checkpoint.spec, recipe, scales), tokenizer)
+
+
+def compile_checkpoint(
+    prepared: Prepared,
+    output: str | Path,
+    force: bool = False,
+    workers: int = 2,
+    progress: bool = True,
+    source_label: str | None = None,
+    synthetic: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write the artifact for `prepared` at `output`; returns its manifest.
+
+    `synthetic` (qcompile.synth.artifact): write every weight file sparse (its header, then a hole)
+    instead of quantizing the source, and record the dict as the manifest's `synthetic` entry; the
+    runtime then makes random weights on the device at load."""
+    checkpoint, plan = prepared.checkpoint, prepared.plan
+    if synthetic is None:
+        check_free_space(Path(output).absolute().parent, plan.output_bytes, "the artifact")
+    with atomic_output_dir(output, force) as tmp:
+        if synthetic is not None:
+            source_hash, shard_digests = None, write_sparse_weights(tmp, plan)
+        else:
+            source_hash = _BackgroundHash(checkpoint, progress)
+            with progress_bar(plan.source_bytes, "quantize+write", progress) as bar:
+                try:
+                    shard_digests = write_weights(tmp, checkpoint, plan, workers=workers, progress=bar.update)
+                except OSError as exc:
+                    if exc.errno == errno.ENOSPC:
+                        raise ArtifactError(f"{output}: the disk filled up while writing weights ({exc})") from exc
+                    raise
+        graphs = graph_files(plan.tp)
+        for rank, file in enumerate(graphs):
+            ranked = {} if plan.tp == 1 else {"rank": str(rank)}
+            write_onnx(prepared.graph, _locations(tmp, plan, rank), tmp / file, metadata=ranked)
+        _write_config(tmp, prepared)
+        for path in checkpoint.side_files(tokenizer=prepared.tokenizer):
+            shutil.copyfile(path, tmp / path.name)
+        manifest = {
+            "toolchain": toolchain(),
+            "source": {
+                "path": source_label if source_label is not None else str(checkpoint.path),
+                "fingerprint": source_hash.result() if source_hash is not None else SPARSE_DIGEST,
+                "architecture": checkpoint.spec.architecture,
+                **checkpoint.license(),  # from the source's README.md front matter, when it names one
+            },
+            "spec": checkpoint.spec.to_dict(),
+            "recipe": prepared.recipe.to_dict(),
+            "passes": list(prepared.graph.applied_passes),
+            "kv_cache": prepared.kv_cache,
+            "graph": {
+                **({"file": GRAPH_FILE} if plan.tp == 1 else {"files": graphs}),
+                "opset": 23,
+                "domains": {"qcompile": 1},
+            },
+            "tp": prepared.recipe.tp,
+            "tokenizer": prepared.tokenizer,  # false: no tokenizer files; prompts must be token ids
+            "tensors": tensor_table(plan),
+            "files": file_table(tmp, shard_digests, workers),
+        }
+        if synthetic is not None:
+            manifest["synthetic"] = synthetic
+        write_manifest(tmp, manifest)
+    return manifest
+
+
+def _locations(root: Path, plan: TensorPlan, rank: int = 0) -> dict[str, TensorLocation]:
+    """Where each tensor's bytes (rank `rank`'s) are, read back from the headers actually written."""
+    locations: dict[str, TensorLocation] = {}
+    for shard in plan.shards:
+        if shard.rank != rank:
+            continue
+        entries, _ = read_header(root / shard.file)
+        for name, entry in entries.items():
+            locations[name] = TensorLocation(shard.file, entry.begin, entry.nbytes, entry.torch_dtype, entry.shape)
+    return locations
+
+
+def _write_config(root: Path, prepared: Prepared) -> None:
+    config = dict(prepared.checkpoint.config)
+    qconfig = quantization_config(get_scheme(prepared.recipe.quantization.scheme), prepared.recipe)
+    config.pop("quantization_config", None)
+    lm_head = prepared.graph.weights.get("lm_head")
+    if lm_head is not None and lm_head.role == "lm_head" and config.get("tie_word_embeddings"):
+        # an FP8 lm_head made from the tied embedding is its own tensor now; loaders that honour
+        # the flag (vLLM skips lm_head.* when tied) would otherwise drop it, as llm-compressor also unties
+        config["tie_word_embeddings"] = False
+    if qconfig is not None:
+        config["quantization_config"] = qconfig
+    (root / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+class _BackgroundHash:
+    """The source fingerprint, hashed on a thread while the weights are written."""
+
+    def __init__(self, checkpoint: Checkpoint, progress: bool) -> None:
+        self._result: str | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(checkpoint,), daemon=True, name="qcompile-fingerprint")
+        self._thread.start()
+
+    def _run(self, checkpoint: Checkpoint) -> None:
+        try:
+            self._result = fingerprint(checkpoint)
+        except BaseException as exc:  # reported to the caller by result()
+            self._error = exc
+
+    def result(self) -> str:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result

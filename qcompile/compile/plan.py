@@ -1,0 +1,122 @@
+"""Plan: which artifact tensors each WeightJob writes, into which shard file, and proof of coverage.
+
+The plan is a strict bijection check in the style of mlc-llm's converter: every tensor of the
+checkpoint is consumed by some job (or explicitly unused, like a tied lm_head), no job reads a
+tensor the checkpoint lacks, and no artifact tensor is written twice.
+
+At tp > 1 every rank gets its own files, `weights/rank{r}/model-…`, laid out alike: the same tensor
+names, each rank's slice of every tensor (qcompile.compile.sharding), the same grouping into files.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from qcompile.compile.jobs import WeightJob
+from qcompile.compile.sharding import Sharding, Split
+from qcompile.errors import PlanError
+from qcompile.io.safetensors_stream import OutputTensor
+from qcompile.source.checkpoint import Checkpoint
+
+WEIGHTS_DIR = "weights"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One output safetensors file (path relative to the artifact), the tensors it holds, and the
+    tensor-parallel rank it belongs to (0 at tp=1)."""
+
+    file: str
+    tensors: tuple[OutputTensor, ...]
+    rank: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    jobs: tuple[WeightJob, ...]
+    shards: tuple[Shard, ...]
+    source_shapes: Mapping[str, tuple[int, ...]]
+    model_dtype: torch.dtype
+    tp: int = 1
+    splits: Mapping[str, Split] = field(default_factory=dict)  # tensor -> how the ranks slice it (tp > 1)
+
+    def file_of(self, rank: int = 0) -> dict[str, str]:
+        """Artifact tensor name -> relative file (of rank `rank`'s copy)."""
+        return {t.name: shard.file for shard in self.shards if shard.rank == rank for t in shard.tensors}
+
+    @property
+    def source_bytes(self) -> int:
+        """Bytes read from the checkpoint (a source used by two jobs counts twice)."""
+        itemsize = self.model_dtype.itemsize
+        return sum(math.prod(self.source_shapes[n]) * itemsize for job in self.jobs for n in job.source_names())
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(s.nbytes for s in self.shards)
+
+
+def make_plan(
+    checkpoint: Checkpoint, weights: Mapping[str, WeightJob], max_shard_bytes: int, tp: int = 1
+) -> TensorPlan:
+    """Check coverage and lay the jobs' outputs out over shard files of at most `max_shard_bytes`
+    (a job's weight and scale always share a file; a single larger job gets a file of its own);
+    at tp > 1, each rank's slices over files of its own."""
+    shapes = {name: entry.shape for name, entry in checkpoint.tensors.items()}
+    model_dtype = getattr(torch, checkpoint.spec.dtype)
+    jobs = tuple(weights.values())
+    used: set[str] = set()
+    for job in jobs:
+        for name in job.source_names():
+            if name not in shapes:
+                raise PlanError(f"weight {job.weight_name!r} needs source tensor {name!r}, which the checkpoint lacks")
+            used.add(name)
+    leftover = sorted(set(shapes) - used - set(checkpoint.unused))
+    if leftover:
+        raise PlanError(
+            f"source tensor {leftover[0]!r} is not used by the compiled graph "
+            f"({len(leftover)} unused in all); the graph builder must cover every tensor"
+        )
+
+    sharding = Sharding(checkpoint.spec, tp)
+    splits: dict[str, Split] = {}
+    groups: list[list[OutputTensor]] = [[]]
+    sizes = [0]
+    seen: set[str] = set()
+    for job in jobs:
+        try:
+            outputs = job.outputs(shapes, model_dtype)
+        except ValueError as exc:
+            raise PlanError(str(exc)) from exc
+        if tp > 1:
+            splits.update(sharding.splits(job, shapes))
+            outputs = [OutputTensor(o.name, o.dtype, splits[o.name].shape(o.shape)) for o in outputs]
+        for out in outputs:
+            if out.name in seen:
+                raise PlanError(f"artifact tensor {out.name!r} would be written twice")
+            seen.add(out.name)
+        size = sum(o.nbytes for o in outputs)
+        if groups[-1] and sizes[-1] + size > max_shard_bytes:
+            groups.append([])
+            sizes.append(0)
+        groups[-1].extend(outputs)
+        sizes[-1] += size
+    count = len(groups)
+    shards = tuple(
+        Shard(f"{rank_dir(rank, tp)}/model-{i + 1:05d}-of-{count:05d}.safetensors", tuple(group), rank)
+        for rank in range(tp)
+        for i, group in enumerate(groups)
+    )
+    return TensorPlan(jobs, shards, shapes, model_dtype, tp, splits)
+
+
+def rank_dir(rank: int, tp: int) -> str:
+    """The folder of rank `rank`'s weight files: `weights` at tp=1, `weights/rank{r}` at tp > 1."""
+    return WEIGHTS_DIR if tp == 1 else f"{WEIGHTS_DIR}/rank{rank}"

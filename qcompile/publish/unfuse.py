@@ -1,0 +1,81 @@
+"""Split an artifact's fused tensors back into the source checkpoint's names, losslessly.
+
+Fused and stacked weights record their parts in the manifest; splitting only slices rows, so each
+source tensor comes back with exactly the bytes (and scale) it was quantized to. This is what
+`qcompile export` builds on, and how tests compare us with llm-compressor byte for byte. Scales come
+back as compressed-tensors stores them: per-tensor scales, which the artifact repeats on each row
+of their source's part, as the one value of shape [1].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from qruntime.artifact import ArtifactFormatError, artifact_path, read_manifest
+from safetensors import SafetensorError, safe_open
+
+from qcompile.compile.jobs import split_rows
+from qcompile.errors import ArtifactError
+from qcompile.quant import get_scheme
+
+
+def split_to_sources(root: str | Path) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
+    """Yield (source tensor name, weight, scale or None) for every weight of the artifact.
+
+    An FP8 lm_head made from tied embeddings is reported as `lm_head.weight`, beside the
+    embedding table itself.
+    """
+    root = Path(root)
+    manifest = read_manifest(root)
+    if manifest.get("tp", 1) != 1:
+        raise ArtifactError(
+            f"{root}: sharded for tp={manifest['tp']}; only a tp=1 artifact splits back into the source's tensors"
+        )
+    tensors = manifest["tensors"]
+    handles: dict[str, Any] = {}
+
+    def load(name: str) -> Any:
+        """A lazy slice: indexing it reads only those rows (one source part, or one expert's
+        slice of a stacked tensor), so memory holds one part at a time, not a fused tensor."""
+        file = tensors[name]["file"]
+        if file not in handles:
+            try:
+                path = artifact_path(root, file, listed=manifest["files"])
+            except ArtifactFormatError as exc:
+                raise ArtifactError(str(exc)) from exc
+            try:
+                handles[file] = safe_open(str(path), framework="pt")
+            except (SafetensorError, OSError) as exc:
+                raise ArtifactError(f"{path}: not a readable safetensors file ({exc})") from exc
+        try:
+            return handles[file].get_slice(name)
+        except SafetensorError as exc:
+            raise ArtifactError(
+                f"{root / file}: has no tensor {name[:200]!r} that manifest.json places there ({exc})"
+            ) from exc
+
+    for name, info in tensors.items():
+        if info["role"] == "scale":
+            continue
+        scale_name = name + "_scale"
+        scale = load(scale_name) if scale_name in tensors else None
+        layout = [[tuple(part) for part in group] for group in info["parts"]]
+        scheme = get_scheme(info["scheme"])
+        for source, (weight, srows) in split_rows(layout, info["stacked"], scheme.row_align, load(name), scale).items():
+            if scheme.per_tensor and srows is not None:
+                srows = _one_value(srows, scale_name, source)
+            yield ("lm_head.weight" if info["role"] == "lm_head" else source), weight, srows
+
+
+def _one_value(rows: torch.Tensor, scale_name: str, source: str) -> torch.Tensor:
+    """The [1] per-tensor scale of `source` from its rows of `scale_name`, which must all hold it."""
+    value = rows.reshape(-1)[:1]
+    if not bool((rows == value).all()):
+        raise ArtifactError(
+            f"{scale_name}: the rows of per-tensor scale part {source!r} hold different values; the artifact "
+            "is damaged (run `qcompile verify`)"
+        )
+    return value.clone()

@@ -1,0 +1,72 @@
+"""`tune_artifact`: tune every GEMM and fused-MoE shape of an artifact on this GPU and record the winners.
+
+For every PTPC-FP8 weight shape the FP8 GEMM (gemm.py), for every stacked-expert shape the fused MoE
+kernel (moe.py), each at every token-count bucket. Writes kernels/<device>.json (docs/ARTIFACT.md)
+and updates the manifest's file table in the same step, so `qcompile verify` still covers every
+file. Needs a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from qruntime.artifact import read_manifest, sha256_file
+from qruntime.kernel_configs import KERNELS_DIR, device_file
+
+from qcompile.compile.manifest import write_manifest
+from qcompile.errors import QCompileError
+from qcompile.tune.gemm import ROTATE_BYTES, TOKEN_BUCKETS, gemm_shapes, time_us, tune_gemm
+from qcompile.tune.moe import moe_shapes, tune_moe
+
+
+def tune_artifact(
+    root: str | Path, buckets: Iterable[int] = TOKEN_BUCKETS, progress: Callable[[str], None] | None = None
+) -> Path:
+    """Tune every GEMM and fused-MoE shape of the artifact on the current GPU; returns the
+    kernels/<device>.json written."""
+    if not torch.cuda.is_available():
+        raise QCompileError("tuning needs a CUDA GPU (it times the runtime's kernels on it)")
+    import triton
+
+    root = Path(root)
+    manifest = read_manifest(root)
+    device = torch.device("cuda")
+    name = torch.cuda.get_device_name(device)
+    entries = {}
+    for n, k in gemm_shapes(manifest):
+        entries[f"PTPCLinear:{n}x{k}"] = tune_gemm(n, k, list(buckets), device)
+        if progress is not None:
+            progress(f"PTPCLinear:{n}x{k}")
+    for shape in moe_shapes(manifest):
+        entries[shape.key] = tune_moe(shape, list(buckets), device, time_us, ROTATE_BYTES)
+        if progress is not None:
+            progress(shape.key)
+    table = {
+        "device": name,
+        "capability": list(torch.cuda.get_device_capability(device)),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "entries": entries,
+    }
+    rel = f"{KERNELS_DIR}/{device_file(name)}"
+    path = root / rel
+    if path.parent.is_symlink() or path.is_symlink():
+        raise QCompileError(f"{path}: a symbolic link in the artifact; tune writes only the artifact's own files")
+    path.parent.mkdir(exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    manifest["files"][rel] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    manifest.pop("format_version", None)
+    staging = root / ".manifest.tmp"
+    staging.mkdir(exist_ok=True)
+    write_manifest(staging, manifest)
+    os.replace(staging / "manifest.json", root / "manifest.json")
+    staging.rmdir()
+    return path
