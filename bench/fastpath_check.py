@@ -24,15 +24,15 @@ import torch
 from compile_bench import report_header
 from qruntime import SamplingParams
 from qruntime.benchmark import sqnr_db
-from qruntime.engine.model_runner import StepChunk
+from qruntime.engine.step_chunk import StepChunk
 from qruntime.kernel_configs import load_kernel_table
 from qruntime.kv_cache import KVCache
 from qruntime.ops.base import OpEnv, StepContext
 from qruntime.ops.registry import triton_ops
 from qruntime.plan import Plan
 
-from qcompile.pipeline import compile_checkpoint, prepare
-from qcompile.recipe import load_recipe
+from qcompile.compile.pipeline import compile_checkpoint, prepare
+from qcompile.recipe.schema import load_recipe
 from qcompile.synth import get_preset, write_checkpoint
 
 HERE = Path(__file__).resolve().parent

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-from qruntime.cli import PULL_OUTPUT_HELP, PULL_REVISION_HELP, RunError
-from qruntime.cli import pull as pull_artifact
+from qruntime.commands.common import RunError
+from qruntime.commands.pull import PULL_OUTPUT_HELP, PULL_REVISION_HELP
+from qruntime.commands.pull import pull as pull_artifact
 
 from qcompile.errors import HubError
 

@@ -1,6 +1,6 @@
 """`qcompile run ART PROMPT`: generate text from an artifact with the runtime (prints timings).
 
-The options and the work are qruntime.cli's (the same as `python -m qruntime run`); this verb only
+The options and the work are qruntime.commands.run's (the same as `python -m qruntime run`); this verb only
 declares them to click and reports the runtime's user errors as the other verbs do.
 """
 
@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 import click
-from qruntime.cli import OPTIONS, RunError, options_from, run
+from qruntime.commands.common import RunError
+from qruntime.commands.run import OPTIONS, options_from, run
 
 from qcompile.errors import QCompileError
 

@@ -14,7 +14,8 @@ import sys
 import pytest
 import qruntime
 from click.testing import CliRunner
-from qruntime.cli import RunOptions, main, run
+from qruntime.cli import main
+from qruntime.commands.run import RunOptions, run
 
 from qcompile.cli import main as qcompile_main
 

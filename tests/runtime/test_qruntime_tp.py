@@ -30,9 +30,9 @@ import torch.distributed as dist
 from hf_reference import sqnr_db
 from qruntime import SamplingParams, WorkerError
 from qruntime.artifact import sha256_file
-from qruntime.engine.model_runner import StepChunk
 from qruntime.engine.request import Request
 from qruntime.engine.scheduler import ScheduledChunk
+from qruntime.engine.step_chunk import StepChunk
 
 CACHE = {"num_kv_blocks": 48, "max_model_len": 256}
 FP32 = {"device": "cpu", "dtype": torch.float32, **CACHE}

@@ -21,7 +21,7 @@ from qruntime.ops.base import AttentionMetadata, StepContext
 from qruntime.plan import Plan
 
 if TYPE_CHECKING:
-    from qruntime.engine.model_runner import StepChunk
+    from qruntime.engine.step_chunk import StepChunk
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 

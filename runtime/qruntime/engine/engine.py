@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from qruntime.engine.block_manager import NoFreeBlocks
-from qruntime.engine.model_runner import ModelRunner, StepChunk
+from qruntime.engine.model_runner import ModelRunner
 from qruntime.engine.outputs import InvalidRequest, RequestOutput, StreamDelta, Timings
 from qruntime.engine.request import Request
 from qruntime.engine.sampler import sample
 from qruntime.engine.sampling_params import SamplingParams, as_list
 from qruntime.engine.scheduler import Scheduler
+from qruntime.engine.step_chunk import StepChunk
 from qruntime.tokenizer import IncrementalDetokenizer, TokenIdsOnly, Tokenizer, TokenizerError
 
 if TYPE_CHECKING:

@@ -1,47 +1,20 @@
 """One engine step on the model: the step's chunks become the graph's inputs and attention metadata
 (built once per step, shared by every layer), the plan runs, logits come back.
 
-A step is plain data (StepChunk: token ids, start position, block table), so rank 0 of a
+A step is plain data (step_chunk.StepChunk: token ids, start position, block table), so rank 0 of a
 tensor-parallel engine can send it to the other ranks, which run this same code on their shard."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from qruntime.engine.cuda_graphs import DecodeGraphs
-from qruntime.engine.scheduler import ScheduledChunk
+from qruntime.engine.step_chunk import StepChunk
 from qruntime.kv_cache import KVCache
 from qruntime.ops.base import AttentionMetadata, StepContext
 from qruntime.plan import Plan
-
-
-@dataclass(frozen=True, slots=True)
-class StepChunk:
-    """The tokens one sequence computes in one step: positions start .. start + len(token_ids) - 1,
-    whose KV goes to the blocks of block_table (which covers every position up to the last)."""
-
-    token_ids: tuple[int, ...]
-    start: int
-    block_table: tuple[int, ...]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    def __reduce__(self) -> tuple:
-        return StepChunk, (self.token_ids, self.start, self.block_table)  # 2x faster than the dataclass default
-
-    @classmethod
-    def of(cls, chunk: ScheduledChunk) -> StepChunk:
-        """The step data of a scheduled chunk: its request's token ids of this step (sliced from the
-        prompt and the outputs, not from their concatenation: a decode step costs O(1), not O(context))."""
-        request, start, end = chunk.request, chunk.start, chunk.start + chunk.num_tokens
-        n = len(request.prompt_token_ids)
-        ids = request.prompt_token_ids[start:end] + request.output_token_ids[max(start - n, 0) : max(end - n, 0)]
-        return cls(tuple(ids), start, chunk.block_table)
 
 
 class ModelRunner:

@@ -43,7 +43,8 @@ from qruntime.engine.worker_process import Report, worker_main
 from qruntime.rank import RankConfig
 
 if TYPE_CHECKING:
-    from qruntime.engine.model_runner import ModelRunner, StepChunk
+    from qruntime.engine.model_runner import ModelRunner
+    from qruntime.engine.step_chunk import StepChunk
 
 LOAD_TIMEOUT_S = 3600.0  # longest wait for the workers at one build checkpoint (weights of a large model)
 CLOSE_TIMEOUT_S = 30.0  # a closing worker gets this long to leave before it is terminated

@@ -22,7 +22,7 @@ EXTRA_MODULES = ("starlette", "uvicorn", "prometheus_client")
 
 def main(options: ServeOptions) -> None:
     """Check the `serve` extra is installed (a RunError naming the install command if not), then serve."""
-    from qruntime.cli import RunError
+    from qruntime.commands.common import RunError
 
     for name in EXTRA_MODULES:
         try:

@@ -7,8 +7,9 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from qruntime.commands.common import ARTIFACT_HELP
+
 API_KEY_ENV = "QRUNTIME_API_KEY"  # --api-key's default, so the key need not show in the process list
-ARTIFACT_HELP = "Artifact directory written by `qcompile compile`, or hf://org/name[@revision] on the Hugging Face Hub."
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from uvicorn.config import LOG_LEVELS
 
 import qruntime
 from qruntime.artifact import ArtifactFormatError
-from qruntime.cli import RunError, load_line
+from qruntime.commands.common import RunError, load_line
 from qruntime.serve.app import build_app
 from qruntime.serve.connections import HeaderTimeoutProtocol
 from qruntime.serve.limits import RequestLimits

@@ -1,0 +1,184 @@
+"""`qruntime run ART PROMPT`: generate text from an artifact, streamed, then its timings.
+
+The options are one table (OPTIONS) and the work one function (`run`), shared by the argparse CLI
+(qruntime.cli) and the compiler's `qcompile run` (qcompile imports this module; the runtime never
+imports qcompile). Importing this module is cheap: torch and the engine load only when a run starts.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, fields
+from typing import Any, TextIO
+
+from qruntime.commands.common import RunError, load_line
+
+PROMPT_HELP = "Prompt text (with --chat: the user's message)."
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """One `run`: what to load, how to sample, how to print."""
+
+    artifact: str
+    prompt: str
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    chat: bool = False
+    device: str | None = None
+    dtype: str | None = None
+    verify: bool = False
+    max_model_len: int | None = None
+    no_stream: bool = False
+    as_json: bool = False
+
+
+@dataclass(frozen=True)
+class Option:
+    """A command-line option of `run`; `dest` is its RunOptions field. type None = an on/off flag."""
+
+    flag: str
+    dest: str
+    type: type | None
+    help: str
+    metavar: str | None = None
+    repeat: bool = False
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("--max-tokens", "max_tokens", int, "Generate at most N new tokens (default 64).", "N"),
+    Option("--temperature", "temperature", float, "Sampling temperature; 0 (default) is greedy.", "T"),
+    Option("--top-p", "top_p", float, "Nucleus sampling: keep the smallest set of tokens of mass P (default 1.0, off).", "P"),
+    Option("--top-k", "top_k", int, "Sample among the K most likely tokens (default 0, off).", "K"),
+    Option("--seed", "seed", int, "Seed of the sampler, for a reproducible sampled generation.", "SEED"),
+    Option("--stop", "stop", str, "Stop when this text is generated (not printed); repeat for several.", "TEXT", True),
+    Option("--ignore-eos", "ignore_eos", None, "Keep generating past the model's end-of-sequence tokens."),
+    Option("--chat", "chat", None, "Send PROMPT as a user message through the artifact's chat template."),
+    Option("--device", "device", str, "Torch device: cpu, cuda, cuda:1 ... (default cuda when available, else cpu).", "DEVICE"),
+    Option("--dtype", "dtype", str, "Compute dtype: bfloat16, float16 or float32 (default the model's).", "DTYPE"),
+    Option("--verify", "verify", None, "Check every file's sha256 against the manifest before loading (slower)."),
+    Option("--max-model-len", "max_model_len", int, "Context length in tokens, prompt + output (default the model's, capped by the KV cache).", "LEN"),
+    Option("--no-stream", "no_stream", None, "Print the text when generation ends instead of token by token."),
+    Option(
+        "--json", "as_json", None,
+        "Print one JSON object instead of text: text, token_ids, finish_reason, stop_reason, error, ttft_s, tpot_s, "
+        "tokens_per_s, prompt_tokens, output_tokens, device, dtype.",
+    ),
+)  # fmt: skip
+
+
+def options_from(values: dict[str, Any]) -> RunOptions:
+    """RunOptions from parsed values keyed by field name (None = not given: the default)."""
+    names = {f.name for f in fields(RunOptions)}
+    given = {k: v for k, v in values.items() if k in names and v is not None}
+    if "stop" in given:
+        given["stop"] = tuple(given["stop"])
+    return RunOptions(**given)
+
+
+# --- the work -------------------------------------------------------------------------------------
+def run(options: RunOptions, out: TextIO | None = None, err: TextIO | None = None) -> dict[str, Any]:
+    """Load the artifact, generate for the prompt and print (text streamed to `out`, the load and
+    summary lines to `err`; with as_json one JSON object to `out` and nothing to `err`).
+
+    Returns the result record (the JSON fields). Raises RunError for anything the user can fix."""
+    out = out if out is not None else sys.stdout
+    err = err if err is not None else sys.stderr
+    import qruntime  # here, not at import: `--help` stays fast (no torch)
+    from qruntime.artifact import ArtifactFormatError
+
+    try:
+        params = qruntime.SamplingParams(
+            max_tokens=options.max_tokens,
+            temperature=options.temperature,
+            top_k=options.top_k,
+            top_p=options.top_p,
+            seed=options.seed,
+            stop=options.stop,
+            ignore_eos=options.ignore_eos,
+        )
+    except ValueError as exc:
+        raise RunError.of(exc) from None
+    started = time.perf_counter()
+    try:
+        engine = qruntime.load(
+            options.artifact,
+            options.device,
+            options.dtype,
+            verify=options.verify,
+            max_model_len=options.max_model_len,
+            max_num_seqs=1,  # one request: size a CPU cache for one sequence, not a server's batch
+        )
+    except (ArtifactFormatError, ValueError) as exc:
+        raise RunError.of(exc) from None
+    if not options.as_json:
+        print(load_line(engine.description, time.perf_counter() - started), file=err, flush=True)
+
+    prompt: str | list[int] = options.prompt
+    if options.chat:
+        try:
+            prompt = engine.tokenizer.encode_chat([{"role": "user", "content": options.prompt}])
+        except ValueError as exc:
+            raise RunError.of(exc, "--chat: ") from None
+    printing = not (options.as_json or options.no_stream)
+    output = None
+    try:
+        for delta in engine.stream(prompt, params):
+            if printing and delta.text:
+                out.write(delta.text)
+                out.flush()
+            output = delta.output
+    except qruntime.InvalidRequest as exc:
+        raise RunError.of(exc) from None
+    record = result_record(output, engine.description)
+    if options.as_json:
+        print(json.dumps(record), file=out, flush=True)  # ASCII-only: safe whatever the terminal's encoding
+    else:
+        print("" if printing else output.text, file=out, flush=True)  # end the text's line
+        print(summary_line(record), file=err, flush=True)
+    if output.finish_reason == "error":  # the engine's log line above has the cause
+        raise RunError(f"generation failed after {len(output.token_ids)} tokens: {output.error}")
+    return record
+
+
+# --- what is printed ------------------------------------------------------------------------------
+def result_record(output: Any, description: dict[str, Any]) -> dict[str, Any]:
+    """The JSON fields of a finished request. tokens_per_s: output tokens over the whole request
+    (prefill included); tpot_s is None with fewer than two output tokens."""
+    t = output.timings
+    e2e = t.e2e
+    return {
+        "text": output.text,
+        "token_ids": list(output.token_ids),
+        "finish_reason": output.finish_reason,
+        "stop_reason": output.stop_reason,
+        "error": output.error,
+        "ttft_s": t.ttft,
+        "tpot_s": t.tpot,
+        "tokens_per_s": len(output.token_ids) / e2e if e2e else None,
+        "prompt_tokens": len(output.prompt_token_ids),
+        "output_tokens": len(output.token_ids),
+        "device": description["device"],
+        "dtype": description["dtype"],
+    }
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def summary_line(record: dict[str, Any]) -> str:
+    r = record
+    rate = "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.1f}"
+    finish = r["finish_reason"] + (f" ({r['stop_reason']!r})" if r["stop_reason"] is not None else "")
+    return (
+        f"prompt {r['prompt_tokens']} tokens, output {r['output_tokens']} tokens | "
+        f"TTFT {_ms(r['ttft_s'])}, TPOT {_ms(r['tpot_s'])}, {rate} tokens/s | finish: {finish}"
+    )
