@@ -9,6 +9,7 @@ import threading
 from types import MappingProxyType
 
 import click
+import qruntime  # cheap: the package's names load lazily
 
 from qcompile.errors import QCompileError
 
@@ -19,6 +20,7 @@ _VERBS = MappingProxyType(
         "inspect": "Summarise an artifact: model, scheme, sizes, passes, KV layout, tuned devices.",
         "verify": "Check every file of an artifact against the sha256 in its manifest.",
         "run": "Generate text from an artifact with the runtime (prints timings).",
+        "serve": "Serve an artifact over an OpenAI-compatible HTTP API (as `qruntime serve`).",
         "tune": "Time the GPU kernels for an artifact on this GPU; store the winners in it.",
         "bench": "Measure TTFT, TPOT and tokens/s of an artifact on this machine.",
         "eval": "Perplexity, KL and top-1 agreement of an artifact against its source checkpoint.",
@@ -87,7 +89,7 @@ class _LazyGroup(click.Group):
 
 
 @click.group(cls=_LazyGroup)
-@click.version_option(package_name="qcompile")
+@click.version_option(package_name="qcompile", message=f"qcompile %(version)s (qruntime {qruntime.__version__})")
 @click.option("-v", "--verbose", is_flag=True, help="Log debug details.")
 def main(verbose: bool) -> None:
     """qcompile: compile Qwen3 checkpoints into PTPC-FP8 artifacts for the qruntime engine."""

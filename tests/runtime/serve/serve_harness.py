@@ -35,14 +35,14 @@ def load_loadgen() -> ModuleType:
 
 
 class ServerProcess:
-    """`python -m qruntime serve ART --port 0 ...`; `url` once it listens. Use as a context manager:
+    """`python -m qruntime serve ART --port 0 ...` (or `-m qcompile serve`); `url` once it listens. Use as a context manager:
     leaving it stops the server (SIGTERM), killing it only if it does not exit in time."""
 
-    def __init__(self, artifact: Path, *args: str) -> None:
+    def __init__(self, artifact: Path, *args: str, cli: str = "qruntime") -> None:
         self.command = [
             sys.executable,
             "-m",
-            "qruntime",
+            cli,  # qruntime, or qcompile (whose `serve` is the same server)
             "serve",
             str(artifact),
             "--port",

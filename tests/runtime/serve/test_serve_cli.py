@@ -93,3 +93,47 @@ def test_the_api_key_comes_from_the_flag_or_the_environment(art, monkeypatch):
         assert (status(server), status(server, env_key)) == (401, 200)
     with ServerProcess(art, "--threads", "1", "--api-key", flag_key) as server:
         assert (status(server, env_key), status(server, flag_key)) == (401, 200)
+
+
+def test_qcompile_serve_is_the_same_server(art):
+    """`qcompile serve` hands its arguments to the runtime's parser: the same help, the same user
+    errors, and a server that answers and stops gracefully on SIGTERM (exit 0)."""
+    import httpx
+    from serve_harness import ServerProcess
+
+    def cli(*args):
+        command = [sys.executable, "-m", "qcompile", "serve", *map(str, args)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+    help_text = cli("--help")
+    assert help_text.returncode == 0 and help_text.stdout.startswith("usage: qcompile serve")
+    assert all(flag in help_text.stdout for flag in ("--max-num-seqs", "--api-key", "--limit-concurrency"))
+    result = cli(art, "--max-waiting", 0)
+    assert result.returncode == 1 and result.stderr.startswith("error: --max-waiting must be >= 1")
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert cli().returncode == 2  # ART missing: a usage error, as argparse reports it
+    with ServerProcess(art, "--threads", "1", "--served-model-name", "tiny", cli="qcompile") as server:
+        models = httpx.get(f"{server.url}/v1/models", timeout=30).json()
+        reply = httpx.post(
+            f"{server.url}/v1/completions",
+            json={"model": "tiny", "prompt": "Hello", "max_tokens": 3, "ignore_eos": True},
+            timeout=60,
+        ).json()
+        assert [m["id"] for m in models["data"]] == ["tiny"]
+        assert reply["usage"]["completion_tokens"] == 3 and reply["choices"][0]["finish_reason"] == "length"
+        assert server.stop() == 0
+
+
+def test_both_commands_print_their_version():
+    import qruntime
+
+    for cli, expected in (("qruntime", f"qruntime {qruntime.__version__}"), ("qcompile", "qcompile ")):
+        result = subprocess.run([sys.executable, "-m", cli, "--version"], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0 and result.stdout.startswith(expected), (cli, result.stdout, result.stderr)
+    from importlib.metadata import version
+
+    qcompile_line = subprocess.run(
+        [sys.executable, "-m", "qcompile", "--version"], capture_output=True, text=True, timeout=60
+    ).stdout.strip()
+    assert qcompile_line == f"qcompile {version('qcompile')} (qruntime {qruntime.__version__})"
+    assert qruntime.__version__ == version("qcompile-runtime")
