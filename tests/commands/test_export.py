@@ -44,29 +44,28 @@ import qruntime
 import torch
 from click.testing import CliRunner
 from compressed_tensors.quantization import QuantizationArgs
-from llmcompressor import oneshot
-from llmcompressor.modifiers.quantization import QuantizationModifier
-from safetensors import safe_open
-
-# the llm-compressor runs and comparisons of the parity tests (tests/ is on sys.path: the rootdir conftest's)
-from test_kv_calibration_llmc import ATTN_ULPS, _bf16_ulps
-from test_llmcompressor_parity import (
+from llmc_reference import (
+    ATTN_ULPS,
     IGNORE,
     LMHEAD_IGNORE,
     MODEL_FREE_IGNORE,
     OBSERVER,
     SIZE128,
     TENSOR_FP8,
-    _cached,
-    _groups,
-    _ignored,
-    _qconfig,
-    _run_model_free,
-    _run_oneshot,
     assert_identical,
+    bf16_ulps,
+    cached_runs,
+    group_dicts,
+    ignored_modules,
     linear_modules,
+    quantization_config,
     read_tensors,
+    run_model_free,
+    run_oneshot,
 )
+from llmcompressor import oneshot
+from llmcompressor.modifiers.quantization import QuantizationModifier
+from safetensors import safe_open
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
@@ -187,28 +186,28 @@ def exported(artifact, work: Path) -> Callable[..., Path]:
 
 @pytest.fixture(scope="module")
 def model_free(work: Path) -> Callable[..., Path]:
-    return _cached(work, "model-free", _run_model_free)
+    return cached_runs(work, "model-free", run_model_free)
 
 
 @pytest.fixture(scope="module")
 def one_shot(work: Path) -> Callable[..., Path]:
-    return _cached(work, "oneshot", _run_oneshot)
+    return cached_runs(work, "oneshot", run_oneshot)
 
 
 def assert_same_quantization(ours_dir: Path, ref_dir: Path, ckpt: Path, drop: tuple[str, ...] = ()) -> dict:
     """Both quantization_configs parse with compressed-tensors and say the same; returns the rest of
     our config.json."""
-    ours, rest = _qconfig(ours_dir)
-    theirs, _ = _qconfig(ref_dir)
+    ours, rest = quantization_config(ours_dir)
+    theirs, _ = quantization_config(ref_dir)
     assert (ours.format, ours.quant_method, ours.quantization_status) == (
         theirs.format,
         theirs.quant_method,
         theirs.quantization_status,
     )
     assert ours.kv_cache_scheme == theirs.kv_cache_scheme
-    assert _groups(ours, drop) == _groups(theirs, drop)
+    assert group_dicts(ours, drop) == group_dicts(theirs, drop)
     modules = linear_modules(ckpt)
-    assert _ignored(ours, modules) == _ignored(theirs, modules)
+    assert ignored_modules(ours, modules) == ignored_modules(theirs, modules)
     return rest
 
 
@@ -234,7 +233,7 @@ def test_export_equals_model_free_ptq(kind, recipe, scheme, ignore, ckpt, export
     ours = read_tensors(out)
     assert_identical(ours, read_tensors(ref))
     assert any(t.dtype == FP8 for t in ours.values())
-    assert assert_same_quantization(out, ref, ckpt(kind)) == _qconfig(ref)[1]
+    assert assert_same_quantization(out, ref, ckpt(kind)) == quantization_config(ref)[1]
     assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
     assert not (out / "model.safetensors.index.json").exists()
 
@@ -249,7 +248,7 @@ def test_tied_fp8_lm_head_equals_oneshot(ckpt, exported, one_shot):
     assert_identical(ours, read_tensors(ref))
     rest = assert_same_quantization(out, ref, ckpt("tied"), drop=OBSERVER)
     source = json.loads((ckpt("tied") / "config.json").read_text())
-    assert source["tie_word_embeddings"] is True and _qconfig(ref)[1]["tie_word_embeddings"] is False
+    assert source["tie_word_embeddings"] is True and quantization_config(ref)[1]["tie_word_embeddings"] is False
     assert rest == {**source, "tie_word_embeddings": False}
 
 
@@ -283,9 +282,9 @@ def test_kv8_equals_oneshot_with_kv_cache_scheme(ckpt, artifact, exported, calib
         assert ours[name].dtype == theirs[name].dtype == BF16 and ours[name].shape == theirs[name].shape == (1,)
         assert torch.equal(ours[name], torch.tensor([scales[kind][layer]]).to(BF16))
         limit = 0 if layer == 0 else ATTN_ULPS
-        assert _bf16_ulps(float(ours[name]), float(theirs[name])) <= limit, name
+        assert bf16_ulps(float(ours[name]), float(theirs[name])) <= limit, name
     assert_same_quantization(out, ref, source, drop=OBSERVER)
-    assert _qconfig(out)[0].kv_cache_scheme.strategy == "tensor"
+    assert quantization_config(out)[0].kv_cache_scheme.strategy == "tensor"
 
 
 def test_kv8_moe_weights_equal_model_free_ptq(ckpt, exported, model_free):
@@ -325,7 +324,7 @@ def test_bf16_weights_with_fp8_kv_equal_oneshot_kv_only(ckpt, calib, work, tmp_p
     assert_identical({n: t for n, t in ours.items() if n not in names}, read_tensors(source))
     assert all(ours[n].dtype == theirs[n].dtype == BF16 and ours[n].shape == theirs[n].shape == (1,) for n in names)
     rest = assert_same_quantization(out, ref, source)
-    assert _qconfig(out)[0].config_groups == {} and rest == json.loads((source / "config.json").read_text())
+    assert quantization_config(out)[0].config_groups == {} and rest == json.loads((source / "config.json").read_text())
 
 
 # ---------------------------------------------------------------------- transformers loads and runs it

@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 from compressed_tensors.quantization import QuantizationArgs
+from llmc_reference import ATTN_ULPS, bf16_ulps
 from llmcompressor import oneshot
 from llmcompressor.modifiers.quantization import QuantizationModifier
 from torch.utils.data import DataLoader
@@ -45,16 +46,9 @@ from qcompile.source.checkpoint import Checkpoint
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "qwen3-stdlib"
 DATA = FIXTURE / "heldout.txt"
 SEQ_LEN = 128
-ATTN_ULPS = 3  # eager (llm-compressor) vs sdpa (ours) attention, from layer 1 on
 AVERAGING_CONSTANT = 0.01  # llm-compressor's "minmax" observer default
 
 Scales = dict[str, list[float]]  # "k" / "v" -> per layer
-
-
-def _bf16_ulps(a: float, b: float) -> int:
-    """How many bf16 steps apart two positive numbers are once rounded to bf16."""
-    bits = torch.tensor([a, b], dtype=torch.bfloat16).view(torch.int16).int()
-    return abs(int(bits[0] - bits[1]))
 
 
 def _ours(windows: int, batch: int) -> tuple[torch.Tensor, KVScales]:
@@ -86,7 +80,7 @@ def _assert_close(theirs: Scales, ours: KVScales) -> None:
         assert len(theirs[kind]) == len(mine[kind])
         for layer, (a, b) in enumerate(zip(theirs[kind], mine[kind], strict=True)):
             limit = 0 if layer == 0 else ATTN_ULPS
-            assert _bf16_ulps(a, b) <= limit, f"{kind}_scale layer {layer}: llm-compressor {a}, ours {b}"
+            assert bf16_ulps(a, b) <= limit, f"{kind}_scale layer {layer}: llm-compressor {a}, ours {b}"
 
 
 def test_one_batch_matches_to_the_bf16_rounding_of_the_scale():
@@ -139,8 +133,8 @@ def test_default_minmax_is_a_moving_average_at_most_our_global_amax(four_batches
     for kind in ("k", "v"):
         for layer, (a, b, r) in enumerate(zip(theirs[kind], mine[kind], replayed[kind], strict=True)):
             where = f"{kind}_scale layer {layer}: llm-compressor {a}, ours {b}, replayed {r}"
-            assert _bf16_ulps(a, r) <= (0 if layer == 0 else ATTN_ULPS), where
-            assert a <= b or _bf16_ulps(a, b) <= ATTN_ULPS, where
-            if _bf16_ulps(a, b) > ATTN_ULPS:
+            assert bf16_ulps(a, r) <= (0 if layer == 0 else ATTN_ULPS), where
+            assert a <= b or bf16_ulps(a, b) <= ATTN_ULPS, where
+            if bf16_ulps(a, b) > ATTN_ULPS:
                 below.append(where)
     assert below  # on these batches the moving average really differs from a global amax

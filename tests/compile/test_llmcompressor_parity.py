@@ -19,19 +19,33 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
-from compressed_tensors.utils.match import match_name
-from llmcompressor import model_free_ptq, oneshot
-from llmcompressor.modifiers.quantization import QuantizationModifier
-from safetensors import safe_open
+from llmc_reference import (
+    BF16,
+    EMBED,
+    FP8,
+    IGNORE,
+    LMHEAD_IGNORE,
+    MODEL_FREE_IGNORE,
+    OBSERVER,
+    SIZE128,
+    TENSOR_FP8,
+    Tensors,
+    assert_identical,
+    cached_runs,
+    group_dicts,
+    ignored_modules,
+    linear_modules,
+    quantization_config,
+    read_tensors,
+    run_model_free,
+    run_oneshot,
+)
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 
 import qcompile.compile.pipeline
 from qcompile.compile.pipeline import compile_checkpoint, prepare
@@ -39,46 +53,10 @@ from qcompile.compile.writer import iter_tasks, write_weights
 from qcompile.publish.unfuse import split_to_sources
 from qcompile.recipe.schema import load_recipe
 
-BF16 = torch.bfloat16
-FP8 = torch.float8_e4m3fn
-IGNORE = ["lm_head", "re:.*mlp.gate$"]  # what our ptpc-fp8 / block-fp8 recipes ignore
-EMBED = "model.embed_tokens"  # model_free_ptq has no module types to go by: it must be told
-MODEL_FREE_IGNORE = [*IGNORE, EMBED]
-LMHEAD_IGNORE = ["re:.*mlp.gate$", EMBED]  # ptpc-fp8-lmhead: lm_head quantized too
-OBSERVER = ("observer", "observer_kwargs")  # calibration-time only: oneshot records "memoryless_minmax"
 SMALL_CHUNK = 1000  # bytes: 7 rows of 64 bf16 columns, 15 of 32
-SIZE128 = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128}
-TENSOR_FP8 = "TENSOR_FP8"  # not a preset: the custom scheme of `llmc_scheme`, named for the run caches
-
-
-def llmc_scheme(name: str) -> str | QuantizationScheme:
-    """A preset name as it is, or TENSOR_FP8 as the scheme it stands for: FP8 weights with one static
-    scale per tensor and activations with one dynamic scale per tensor (vLLM's load-time fp8)."""
-    if name != TENSOR_FP8:
-        return name
-    args = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True}
-    return QuantizationScheme(
-        targets=["Linear"],
-        weights=QuantizationArgs(**args, dynamic=False),
-        input_activations=QuantizationArgs(**args, dynamic=True),
-    )
-
-
-Tensors = dict[str, torch.Tensor]
 
 
 # ----------------------------------------------------------------------------------- helpers
-
-
-def read_tensors(directory: Path) -> Tensors:
-    """Every tensor of every safetensors file directly in `directory`."""
-    tensors: Tensors = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        for name, tensor in load_file(file).items():
-            assert name not in tensors, f"{name} appears in two files of {directory}"
-            tensors[name] = tensor
-    assert tensors, f"no tensors under {directory}"
-    return tensors
 
 
 def split(artifact: Path) -> Tensors:
@@ -92,43 +70,11 @@ def split(artifact: Path) -> Tensors:
     return out
 
 
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.dtype == b.dtype
-        and a.shape == b.shape
-        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-    )
-
-
-def assert_identical(ours: Tensors, reference: Tensors) -> None:
-    """Same names, and every tensor with the same dtype, shape and bytes."""
-    missing, extra = sorted(reference.keys() - ours.keys()), sorted(ours.keys() - reference.keys())
-    assert not missing and not extra, f"names differ: missing from ours {missing}, only in ours {extra}"
-    bad = [
-        f"{k}: ours {ours[k].dtype} {tuple(ours[k].shape)} vs {reference[k].dtype} {tuple(reference[k].shape)}"
-        for k in sorted(reference)
-        if not same_bytes(ours[k], reference[k])
-    ]
-    assert not bad, f"{len(bad)} of {len(reference)} tensors differ:\n" + "\n".join(bad[:20])
-
-
 def quantized_names(tensors: Tensors) -> set[str]:
     """Modules whose weight is FP8 — each must come with a scale."""
     names = {k.removesuffix(".weight") for k, t in tensors.items() if k.endswith(".weight") and t.dtype == FP8}
     assert all(f"{n}.weight_scale" in tensors for n in names)
     return names
-
-
-def linear_modules(ckpt: Path) -> set[str]:
-    """The checkpoint's linear layers (2-D weights but the embedding), plus lm_head (a Linear even when tied)."""
-    modules = {"lm_head"}
-    for file in ckpt.glob("*.safetensors"):
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                if key.endswith(".weight") and len(handle.get_slice(key).get_shape()) == 2:
-                    modules.add(key.removesuffix(".weight"))
-    modules.discard(EMBED)
-    return modules
 
 
 def copy_checkpoint(src: Path, dst: Path) -> Path:
@@ -152,35 +98,6 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("parity")
 
 
-def _cached(workdir: Path, prefix: str, run: Callable[..., None]) -> Callable[..., Path]:
-    """`get(ckpt, *args) -> output dir`, running `run(ckpt, out, *args)` once per argument tuple."""
-    outputs: dict[tuple, Path] = {}
-
-    def get(ckpt: Path, *args: Any) -> Path:
-        key = (str(ckpt), *(tuple(a) if isinstance(a, list) else a for a in args))
-        if key not in outputs:
-            out = workdir / f"{prefix}-{len(outputs)}-{ckpt.name}"
-            run(ckpt, out, *args)
-            outputs[key] = out
-        return outputs[key]
-
-    return get
-
-
-def _run_model_free(ckpt: Path, out: Path, scheme: str, ignore: Iterable[str]) -> None:
-    model_free_ptq(str(ckpt), str(out), scheme=llmc_scheme(scheme), ignore=list(ignore), device="cpu")
-
-
-def _run_oneshot(ckpt: Path, out: Path, scheme: str, ignore: Iterable[str]) -> None:
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=BF16)
-    if scheme == TENSOR_FP8:
-        modifier = QuantizationModifier(config_groups={"group_0": llmc_scheme(scheme)}, ignore=list(ignore))
-    else:
-        modifier = QuantizationModifier(targets="Linear", scheme=scheme, ignore=list(ignore))
-    oneshot(model=model, recipe=modifier)
-    model.save_pretrained(out, save_compressed=True)
-
-
 def _run_compile(ckpt: Path, out: Path, recipe: str, overrides: tuple[str, ...] = ()) -> None:
     compile_checkpoint(prepare(ckpt, load_recipe(recipe, list(overrides))), out, workers=2, progress=False)
 
@@ -188,21 +105,21 @@ def _run_compile(ckpt: Path, out: Path, recipe: str, overrides: tuple[str, ...] 
 @pytest.fixture(scope="module")
 def model_free(workdir: Path) -> Callable[..., Path]:
     """`model_free(ckpt, scheme="FP8_DYNAMIC", ignore=MODEL_FREE_IGNORE) -> output dir`."""
-    get = _cached(workdir, "model-free", _run_model_free)
+    get = cached_runs(workdir, "model-free", run_model_free)
     return lambda ckpt, scheme="FP8_DYNAMIC", ignore=tuple(MODEL_FREE_IGNORE): get(ckpt, scheme, tuple(ignore))
 
 
 @pytest.fixture(scope="module")
 def one_shot(workdir: Path) -> Callable[..., Path]:
     """`one_shot(ckpt, scheme="FP8_DYNAMIC", ignore=IGNORE) -> output dir` of oneshot + save_pretrained(save_compressed)."""
-    get = _cached(workdir, "oneshot", _run_oneshot)
+    get = cached_runs(workdir, "oneshot", run_oneshot)
     return lambda ckpt, scheme="FP8_DYNAMIC", ignore=tuple(IGNORE): get(ckpt, scheme, tuple(ignore))
 
 
 @pytest.fixture(scope="module")
 def compiled(workdir: Path) -> Callable[..., Path]:
     """`compiled(ckpt, recipe, overrides=()) -> artifact dir`."""
-    get = _cached(workdir, "qcompile", _run_compile)
+    get = cached_runs(workdir, "qcompile", _run_compile)
     return lambda ckpt, recipe, overrides=(): get(ckpt, recipe, tuple(overrides))
 
 
@@ -570,52 +487,22 @@ def test_small_row_chunks_equal_model_free_ptq(request, fixture, recipe, scheme,
 # ------------------------------------------------------------------------ quantization_config
 
 
-def _qconfig(directory: Path) -> tuple[QuantizationConfig, dict[str, Any]]:
-    config = json.loads((directory / "config.json").read_text())
-    return QuantizationConfig.model_validate(config.pop("quantization_config")), config
-
-
-def _args(args: QuantizationArgs | None, drop: tuple[str, ...]) -> dict[str, Any] | None:
-    return None if args is None else args.model_dump(exclude=set(drop))
-
-
-def _groups(config: QuantizationConfig, drop: tuple[str, ...]) -> list[dict[str, Any]]:
-    """The config groups without their names (ours: group_0; model_free: the preset's name)."""
-    groups = [
-        {
-            "targets": sorted(s.targets),
-            "format": s.format,
-            "weights": _args(s.weights, drop),
-            "input_activations": _args(s.input_activations, drop),
-            "output_activations": _args(s.output_activations, drop),
-        }
-        for s in config.config_groups.values()
-    ]
-    return sorted(groups, key=repr)
-
-
-def _ignored(config: QuantizationConfig, modules: set[str]) -> set[str]:
-    """The ignore list resolved against the model's linear layers: oneshot lists module names,
-    model_free and we list patterns, and model_free's list also names the embedding (no Linear)."""
-    return {m for m in modules if any(match_name(m, pattern) for pattern in config.ignore or [])}
-
-
 def assert_equivalent(
     ours_dir: Path, ref_dir: Path, ckpt: Path, drop: tuple[str, ...] = (), same_config: bool = True
 ) -> None:
-    ours, ours_rest = _qconfig(ours_dir)
-    ref, ref_rest = _qconfig(ref_dir)
+    ours, ours_rest = quantization_config(ours_dir)
+    ref, ref_rest = quantization_config(ref_dir)
     assert ours.format == ref.format
     assert ours.quant_method == ref.quant_method == "compressed-tensors"
     assert ours.quantization_status == ref.quantization_status
     assert ours.kv_cache_scheme == ref.kv_cache_scheme
-    assert _groups(ours, drop) == _groups(ref, drop)
+    assert group_dicts(ours, drop) == group_dicts(ref, drop)
     modules = linear_modules(ckpt)
-    assert _ignored(ours, modules) == _ignored(ref, modules)
+    assert ignored_modules(ours, modules) == ignored_modules(ref, modules)
     # and what the config says is what the weights are: quantized exactly where not ignored
     tensors = split(ours_dir)
     present = modules & {k.removesuffix(".weight") for k in tensors if k.endswith(".weight")}
-    assert quantized_names(tensors) == present - _ignored(ours, modules)
+    assert quantized_names(tensors) == present - ignored_modules(ours, modules)
     if same_config:  # the rest of config.json: the source's, untouched, on both sides
         assert ours_rest == ref_rest
 
@@ -634,7 +521,7 @@ def test_quantization_config_lmhead_equals_model_free_ptq(tiny_ckpt, compiled, m
 def test_quantization_config_block_equals_model_free_ptq(ckpt128, compiled, model_free):
     ours, ref = compiled(ckpt128, "block-fp8"), model_free(ckpt128, "FP8_BLOCK")
     assert_equivalent(ours, ref, ckpt128)
-    (group,) = _qconfig(ours)[0].config_groups.values()
+    (group,) = quantization_config(ours)[0].config_groups.values()
     assert group.weights.block_structure == [128, 128] and group.input_activations.group_size == 128
 
 
@@ -653,6 +540,6 @@ def test_quantization_config_tensor_fp8_equals_llmcompressor(request, fixture, c
     ours = compiled(ckpt, "tensor-fp8")
     assert_equivalent(ours, one_shot(ckpt, TENSOR_FP8), ckpt, drop=OBSERVER, same_config=False)
     assert_equivalent(ours, model_free(ckpt, TENSOR_FP8), ckpt)
-    (group,) = _qconfig(ours)[0].config_groups.values()
+    (group,) = quantization_config(ours)[0].config_groups.values()
     assert group.weights.strategy == group.input_activations.strategy == "tensor"
     assert group.input_activations.dynamic is True and group.weights.dynamic is False
