@@ -30,10 +30,14 @@ from decode_bench import build_artifact
 from loadgen import random_token_specs, run_load, summarize
 
 
-def start_server(art: Path, max_num_seqs: int, timeout: float = 300) -> tuple[subprocess.Popen, str]:
-    """`qruntime serve` on a free port; returns (process, url) once /health answers."""
+def start_server(
+    art: Path, max_num_seqs: int, timeout: float = 300, launcher: list[str] | None = None
+) -> tuple[subprocess.Popen, str]:
+    """`qruntime serve` on a free port (started by `launcher`, default `python -m qruntime`; the
+    profile uses its own); returns (process, url) once /health answers."""
+    launcher = launcher or [sys.executable, "-m", "qruntime"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "qruntime", "serve", str(art), "--port", "0", "--max-num-seqs", str(max_num_seqs)],
+        [*launcher, "serve", str(art), "--port", "0", "--max-num-seqs", str(max_num_seqs)],
         stderr=subprocess.PIPE,
         text=True,
     )

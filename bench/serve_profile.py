@@ -1,0 +1,185 @@
+"""Issue-16 profile on one GPU: where a serving step's time goes at each concurrency level.
+
+Builds the same tuned qwen3-8b-shaped artifact as serve_bench.py, measures the engine alone (one
+batch of C prompts decoded together, in its own process: the figure the server's TPOT is held to),
+then serves it under bench/step_profile.py's timers and loads it with streamed 128-token prompts
+that each generate 128 tokens (4 x C requests per level), as serve_bench.py does. Per level: the
+client-side figures (output tok/s, TTFT, TPOT) beside the server's step records: how many steps ran
+from a CUDA graph and how many eagerly (prefill chunks mixed in), each part's mean ms per step, the
+GPU span of the forward, and the CPU use of the engine thread and of the asyncio thread.
+
+    python bench/serve_profile.py --concurrency 64,128 --out bench/results/serve_profile_qwen3-8b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from compile_bench import report_header
+from decode_bench import build_artifact
+from loadgen import random_token_specs, run_load, summarize
+from serve_bench import start_server
+from step_profile import LOOP_KEYS, STEP_KEYS
+
+HERE = Path(__file__).resolve().parent
+
+ENGINE_ALONE = """
+import json, sys, qruntime
+from qruntime.benchmark import measure
+art, batches, n_in, n_out = sys.argv[1], [int(b) for b in sys.argv[2].split(",")], int(sys.argv[3]), int(sys.argv[4])
+engine = qruntime.load(art, max_num_seqs=max(batches))
+measure(engine, n_in, 8, max(batches), seed=1)  # warm-up: graphs captured, kernels loaded
+print(json.dumps({b: measure(engine, n_in, n_out, b, seed=0) for b in batches}))
+"""
+
+
+def engine_alone(art: Path, batches: list[int], input_len: int, output_len: int) -> dict[int, dict[str, Any]]:
+    """TTFT / TPOT of one batch of b equal-length prompts on the engine, no server, for each b."""
+    done = subprocess.run(
+        [sys.executable, "-c", ENGINE_ALONE, str(art), ",".join(map(str, batches)), str(input_len), str(output_len)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return {int(b): row for b, row in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+
+
+def _ms(values: list[float]) -> float | None:
+    return round(statistics.fmean(values) * 1e3, 3) if values else None
+
+
+def step_table(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean ms per step of every timed part, and the step mix, over `steps`."""
+    keys = ("wall", "between", *LOOP_KEYS, *STEP_KEYS, "gpu")
+    return {
+        "steps": len(steps),
+        "mean_tokens": round(statistics.fmean(s["tokens"] for s in steps), 1) if steps else None,
+        "mean_decodes": round(statistics.fmean(s["decodes"] for s in steps), 1) if steps else None,
+        "ms": {k: _ms([s.get(k, 0.0) for s in steps]) for k in keys},
+    }
+
+
+def cpu_use(threads: list[dict[str, Any]], t0: float, t1: float) -> dict[str, float]:
+    """Each thread's CPU seconds per wall second between the snapshots nearest t0 and t1."""
+    inside = [snap for snap in threads if t0 <= snap["t"] <= t1]
+    if len(inside) < 2:
+        return {}
+    first, last = inside[0], inside[-1]
+    span = last["t"] - first["t"]
+    return {
+        name: round((cpu - first["cpu_s"].get(name, 0.0)) / span, 3)
+        for name, cpu in last["cpu_s"].items()
+        if cpu - first["cpu_s"].get(name, 0.0) > 0.01 * span
+    }
+
+
+def level_profile(profile: dict[str, Any], t0: float, t1: float, concurrency: int) -> dict[str, Any]:
+    steps = [s for s in profile["steps"] if t0 <= s["t"] <= t1]
+    graph = [s for s in steps if s["graph"]]
+    eager = [s for s in steps if not s["graph"]]
+    full = [s for s in graph if s["decodes"] == concurrency]
+    wall = t1 - t0
+    return {
+        "wall_s": round(wall, 3),
+        "steps_per_s": round(len(steps) / wall, 1),
+        "engine_busy": round(sum(s["wall"] for s in steps) / wall, 3),  # fraction of wall inside Engine.step
+        "eager_step_share": round(len(eager) / len(steps), 3) if steps else None,
+        "eager_time_share": round(sum(s["wall"] for s in eager) / max(sum(s["wall"] for s in steps), 1e-9), 3),
+        "all": step_table(steps),
+        "graph": step_table(graph),
+        "eager": step_table(eager),
+        "graph_full_batch": step_table(full),
+        "thread_cpu_per_wall_s": cpu_use(profile["threads"], t0, t1),
+    }
+
+
+def print_level(c: int, summary: dict[str, Any], prof: dict[str, Any], alone: dict[str, Any]) -> None:
+    print(
+        f"\n== {c} clients: {summary['output_tokens_per_s']:.0f} tok/s, TPOT p50 {summary['tpot_ms']['p50']:.2f} ms "
+        f"(engine alone {alone['tpot_ms']:.2f} ms), TTFT p50/p99 {summary['ttft_ms']['p50']:.0f}/"
+        f"{summary['ttft_ms']['p99']:.0f} ms; {prof['steps_per_s']} steps/s, engine busy {prof['engine_busy']:.0%}, "
+        f"eager steps {prof['eager_step_share']:.0%} taking {prof['eager_time_share']:.0%} of step time",
+        flush=True,
+    )
+    print(f"{'ms per step':14}" + "".join(f"{k:>10}" for k in ("all", "graph", "eager", "full")))
+    for key in ("wall", "between", *LOOP_KEYS, *STEP_KEYS, "gpu"):
+        row = [prof[part]["ms"][key] for part in ("all", "graph", "eager", "graph_full_batch")]
+        print(f"{key:14}" + "".join(f"{'-' if v is None else f'{v:.3f}':>10}" for v in row))
+    print("steps", [prof[p]["steps"] for p in ("all", "graph", "eager", "graph_full_batch")])
+    print("thread CPU / wall", prof["thread_cpu_per_wall_s"], flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="qwen3-8b")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/q8b"))
+    parser.add_argument("--concurrency", default="64,128")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    import triton
+
+    report = report_header("serve_profile")
+    report["machine"]["gpu"] = torch.cuda.get_device_name()
+    report["versions"].update(torch=torch.__version__, triton=triton.__version__)
+    report["weights"] = "synthetic: random bf16 weights of the preset's exact shapes (qcompile synth)"
+    levels = [int(c) for c in args.concurrency.split(",")]
+    timings: dict = {}
+    art, _ = build_artifact(args.preset, args.workdir, timings)
+    print("built", timings, flush=True)
+    alone = engine_alone(art, levels, args.input_len, args.output_len)
+    print("engine alone", json.dumps(alone), flush=True)
+
+    profile_path = args.workdir / "step_profile.json"
+    profile_path.unlink(missing_ok=True)
+    launcher = [sys.executable, str(HERE / "step_profile.py"), str(profile_path)]
+    proc, url = start_server(art, max(levels), launcher=launcher)
+    windows = []
+    try:
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        rng = random.Random(0)
+        warm = random_token_specs(4, args.input_len, 8, 500, rng, model)
+        asyncio.run(run_load(url, warm, 4))
+        for c in levels:
+            specs = random_token_specs(4 * c, args.input_len, args.output_len, 500, rng, model)
+            t0 = time.time()
+            results, wall = asyncio.run(run_load(url, specs, c))
+            windows.append((c, t0, time.time(), summarize(results, wall, c)))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    profile = json.loads(profile_path.read_text())
+    runs = []
+    for c, t0, t1, summary in windows:
+        prof = level_profile(profile, t0, t1, c)
+        print_level(c, summary, prof, alone[c])
+        runs.append({"concurrency": c, "client": summary, "engine_alone": alone[c], "server_steps": prof})
+    report.update(
+        preset=args.preset,
+        recipe="ptpc-fp8 (tuned)",
+        input_len=args.input_len,
+        output_len=args.output_len,
+        timings=timings,
+        levels=runs,
+    )
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""Where a serving step's wall time goes, measured inside a running `qruntime serve` process.
+
+`python bench/step_profile.py OUT.json serve ART [serve options]` runs the server as `qruntime serve`
+would, with timers wrapped (at class level, in this process only) around the engine thread's work:
+
+    loop      EngineLoop._add (engine.add_request), _dispatch (deltas to the event loops), _publish
+    step      Engine.step, inside it: Scheduler.schedule, ModelRunner.execute (graph replay or eager
+              plan: ModelRunner.prepare + the op-by-op run), sample (which waits for the GPU: its two
+              host copies are the step's sync), Scheduler.update, detokenization, stop checks
+    gpu       CUDA events around ModelRunner.execute: the device span of the forward pass
+
+Nothing is synchronised that the server does not synchronise itself, so the timings are those of
+the real server plus the wrappers' own cost (~1 us per call). Each step is one record; a sampler
+thread adds each thread's CPU time (from /proc) every 0.5 s, to show how busy the asyncio thread
+that encodes the SSE streams is. The records are written to OUT.json when the server exits
+(SIGTERM). bench/serve_profile.py drives it and aggregates per concurrency level.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+STEP_KEYS = ("schedule", "execute", "prepare", "graph_host", "sample", "update", "detok", "stop")
+LOOP_KEYS = ("add", "dispatch", "publish")
+
+
+class StepProfiler:
+    """Per-step records of the engine thread's time, in seconds."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, Any]] = []
+        self.threads: list[dict[str, Any]] = []
+        self.current: dict[str, Any] | None = None
+        self.pending: dict[str, float] = dict.fromkeys(LOOP_KEYS, 0.0)  # loop work since the last step
+        self.last_step_end: float | None = None
+        self.events: list[tuple[Any, Any, dict[str, Any]]] = []  # CUDA events read after the step's sync
+
+    def timed(self, owner: Any, name: str, key: str, loop: bool = False) -> None:
+        """Wrap owner.name: its wall time adds to the current step's `key` (or the loop's)."""
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spent = time.perf_counter() - start
+                if loop:
+                    self.pending[key] += spent
+                elif self.current is not None:
+                    self.current[key] = self.current.get(key, 0.0) + spent
+
+        setattr(owner, name, wrapper)
+
+    def install(self) -> None:
+        import torch
+        from qruntime.engine import engine as engine_module
+        from qruntime.engine.cuda_graphs import DecodeGraphs
+        from qruntime.engine.engine import Engine
+        from qruntime.engine.model_runner import ModelRunner
+        from qruntime.engine.scheduler import Scheduler
+        from qruntime.serve.engine_loop import EngineLoop
+        from qruntime.tokenizer import IncrementalDetokenizer
+
+        for name, key in (("_add", "add"), ("_dispatch", "dispatch"), ("_publish", "publish")):
+            self.timed(EngineLoop, name, key, loop=True)
+        self.timed(Scheduler, "schedule", "schedule")
+        self.timed(Scheduler, "update", "update")
+        self.timed(ModelRunner, "prepare", "prepare")
+        self.timed(DecodeGraphs, "run", "graph_host")
+        self.timed(engine_module, "sample", "sample")
+        self.timed(IncrementalDetokenizer, "add", "detok")
+        self.timed(Engine, "_stop_reason", "stop")
+
+        execute = ModelRunner.execute
+        profiler = self
+
+        @functools.wraps(execute)
+        def timed_execute(runner: Any, chunks: Any, all_logits: bool = False) -> Any:
+            step = profiler.current
+            on_gpu = runner.device.type == "cuda"
+            if on_gpu:
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+            start = time.perf_counter()
+            graph = runner.decode_graphs is not None and not all_logits and runner.decode_graphs.fits(chunks)
+            out = execute(runner, chunks, all_logits)
+            if step is not None:
+                step["execute"] = step.get("execute", 0.0) + time.perf_counter() - start
+                step["graph"] = graph
+                step["chunks"] = len(chunks)
+                step["decodes"] = sum(1 for c in chunks if c.num_tokens == 1)
+                step["tokens"] = sum(c.num_tokens for c in chunks)
+                if on_gpu:
+                    end.record()
+                    profiler.events.append((begin, end, step))
+            return out
+
+        ModelRunner.execute = timed_execute
+
+        step_fn = Engine.step
+
+        @functools.wraps(step_fn)
+        def timed_step(engine: Any) -> Any:
+            start = time.perf_counter()
+            record: dict[str, Any] = {"t": time.time()}
+            if profiler.last_step_end is not None:
+                record["between"] = start - profiler.last_step_end  # loop work, waits and GIL since the last step
+            record.update(profiler.pending)
+            profiler.pending = dict.fromkeys(LOOP_KEYS, 0.0)
+            profiler.current = record
+            try:
+                return step_fn(engine)
+            finally:
+                profiler.current = None
+                end = time.perf_counter()
+                record["wall"] = end - start
+                profiler.last_step_end = end
+                for begin_event, end_event, step in profiler.events:  # complete: sample has synced
+                    step["gpu"] = begin_event.elapsed_time(end_event) / 1e3
+                profiler.events.clear()
+                if "chunks" in record:
+                    profiler.steps.append(record)
+
+        Engine.step = timed_step
+
+    def sample_threads(self, stop: threading.Event) -> None:
+        tick = os.sysconf("SC_CLK_TCK")
+        while not stop.wait(0.5):
+            snapshot: dict[str, float] = {}
+            names = {t.native_id: t.name for t in threading.enumerate()}  # e.g. qruntime-engine, MainThread
+            for task in Path("/proc/self/task").iterdir():
+                try:
+                    stat = (task / "stat").read_text()
+                except OSError:
+                    continue  # the thread ended
+                name = stat[stat.index("(") + 1 : stat.rindex(")")]
+                fields = stat[stat.rindex(")") + 2 :].split()
+                cpu = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+                snapshot[names.get(int(task.name), f"{name}:{task.name}")] = cpu
+            self.threads.append({"t": time.time(), "cpu_s": snapshot})
+
+    def dump(self, path: Path) -> None:
+        path.write_text(json.dumps({"steps": self.steps, "threads": self.threads}) + "\n")
+
+
+def main(argv: list[str]) -> int:
+    out, rest = Path(argv[0]), argv[1:]
+    profiler = StepProfiler()
+    profiler.install()
+    stop = threading.Event()
+    threading.Thread(target=profiler.sample_threads, args=(stop,), name="profile-sampler", daemon=True).start()
+
+    def finish() -> None:
+        stop.set()
+        profiler.dump(out)
+
+    atexit.register(finish)
+    from qruntime.cli import main as qruntime_main
+
+    return qruntime_main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

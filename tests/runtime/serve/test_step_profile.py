@@ -1,0 +1,63 @@
+"""bench/step_profile.py on CPU: a real `qruntime serve` process under the step timers records every
+engine step (the tokens of all steps add up to what the requests computed), and serve_profile's
+aggregation turns the records into the per-level table."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module")
+def art(tiny_ckpt, compiled):
+    return compiled(tiny_ckpt, "ptpc-fp8")
+
+
+def test_every_step_is_recorded_and_aggregated(tmp_path, art, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    from loadgen import random_token_specs, run_load, summarize
+    from serve_bench import start_server
+    from serve_profile import level_profile
+    from step_profile import STEP_KEYS
+
+    seed = random.randrange(1 << 30)
+    print("seed", seed)
+    rng = random.Random(seed)
+    prompt_len, output_len, requests = rng.randint(9, 40), rng.randint(3, 9), 6
+    out = tmp_path / "profile.json"
+    launcher = [sys.executable, str(ROOT / "bench" / "step_profile.py"), str(out)]
+    proc, url = start_server(art, 4, launcher=launcher)
+    try:
+        import httpx
+
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        specs = random_token_specs(requests, prompt_len, output_len, 500, rng, model)
+        t0 = time.time()
+        results, wall = asyncio.run(run_load(url, specs, 3))
+        t1 = time.time()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+    assert all(r.error is None and r.status == 200 for r in results)
+    profile = json.loads(out.read_text())
+    steps = profile["steps"]
+    # each request computes its prompt and then every output token but the last as an input
+    assert sum(s["tokens"] for s in steps) == requests * (prompt_len + output_len - 1)
+    assert all(s["graph"] is False and set(STEP_KEYS) - {"graph_host"} <= set(s) for s in steps)  # CPU: eager
+    assert all(0 < s["execute"] < s["wall"] and s["prepare"] < s["execute"] for s in steps)
+    assert "qruntime-engine" in profile["threads"][-1]["cpu_s"]
+
+    level = level_profile(profile, t0, t1, 3)
+    assert level["all"]["steps"] == len(steps) == level["eager"]["steps"] and level["graph"]["steps"] == 0
+    assert level["eager_step_share"] == 1.0 and 0 < level["engine_busy"] <= 1
+    assert level["all"]["ms"]["wall"] > level["all"]["ms"]["execute"] > 0
+    assert summarize(results, wall, 3)["completed"] == requests
