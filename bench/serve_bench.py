@@ -20,6 +20,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -55,7 +56,15 @@ def start_server(
             raise RuntimeError("qruntime serve was not ready in time")
     while httpx.get(f"{url}/health").status_code != 200:
         time.sleep(0.5)
+    # keep reading its log (access lines, warnings): a full pipe would stall the server mid-run
+    threading.Thread(target=_drain, args=(proc.stderr,), daemon=True).start()
     return proc, url
+
+
+def _drain(stream) -> None:
+    for line in stream:
+        if not line.startswith("INFO:"):
+            print("server:", line.rstrip(), flush=True)
 
 
 def main() -> None:
