@@ -18,10 +18,13 @@ from qruntime.artifact import (
     verify_files,
 )
 from qruntime.engine.engine import Engine
+from qruntime.engine.prefix_cache import kv_salt
 from qruntime.engine.scheduler import Scheduler, SchedulerConfig
 from qruntime.engine.workers import Workers
 from qruntime.hub import is_hub_url, pull
 from qruntime.kv_cache import KVCacheSpec
+from qruntime.ops.base import KVOp
+from qruntime.plan import Plan
 from qruntime.rank import Rank, RankConfig, build_rank
 from qruntime.synthetic import is_synthetic
 from qruntime.tokenizer import (
@@ -139,6 +142,15 @@ def _check_tp_device(device: torch.device, tp: int) -> None:
             raise ValueError(f"tp={tp} needs {tp} GPUs; this machine has {torch.cuda.device_count()}")
 
 
+def kv_identity(kv_cache: dict, dtype: torch.dtype, plan: Plan) -> dict:
+    """What decides the bytes a KV block holds for given tokens, the prefix cache's salt (kv_salt): the
+    manifest's kv_cache (dtype, layout, block size, head shape, per-layer scales), the compute dtype
+    (an unquantized cache stores it), and the layer, layout and k/v scales of every op of the graph
+    that writes or reads the cache (the scales the kernels are given)."""
+    kv_ops = [{k: node.op.a[k] for k in KVOp.attrs} for node in plan.nodes if isinstance(node.op, KVOp)]
+    return {"kv_cache": kv_cache, "dtype": str(dtype).removeprefix("torch."), "kv_ops": kv_ops}
+
+
 def _build(config: RankConfig) -> tuple[Rank, Workers | None]:
     """Rank 0's runner; at tp > 1 also the workers of the other ranks, built alongside it."""
     if config.tp == 1:
@@ -167,6 +179,7 @@ def load(
     kv_cache_memory: int | None = None,
     backend: str = "auto",
     cuda_graphs: bool | None = None,
+    prefix_cache: bool = True,
 ) -> Engine:
     """Load a qcompile artifact and return an Engine.
 
@@ -182,6 +195,10 @@ def load(
     "auto" (triton on CUDA in bf16/fp16, reference otherwise: fp32 is the reference path's).
     cuda_graphs: replay decode steps from captured graphs (default: on with the triton backend when
     every op of the graph can be captured).
+    prefix_cache: automatic prefix caching: full KV blocks are kept after their request ends, named by
+    a hash chain of their tokens (salted with the artifact's KV encoding), and a request whose prompt
+    starts with cached blocks reuses their KV instead of computing it (engine.prefix_cache_stats
+    counts the tokens looked up and found). Outputs are the same either way.
 
     tp: the tensor-parallel degree; default, and the only value accepted, the artifact's (`qcompile
     compile --tp N`). At tp=N > 1 this process is rank 0: it runs the scheduler, the sampler and the
@@ -250,6 +267,8 @@ def load(
                 max_model_len=built.max_model_len,
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
+                prefix_caching=prefix_cache,
+                kv_salt=kv_salt(kv_identity(manifest["kv_cache"], compute_dtype, built.runner.plan)),
             )
         )
     except BaseException:
@@ -260,7 +279,9 @@ def load(
         "artifact": str(path) if is_hub_url(path) else str(root),
         "device": str(device),
         "dtype": str(compute_dtype).removeprefix("torch."),
-        "kv_cache": f"{kv_spec.layout.name} {kv_spec.kv_dtype}, {built.num_blocks} blocks x {kv_spec.block_size}",
+        "kv_cache": f"{kv_spec.layout.name} {kv_spec.kv_dtype}, {built.num_blocks} blocks x {kv_spec.block_size}"
+        f", prefix cache {'on' if prefix_cache else 'off'}",
+        "prefix_cache": prefix_cache,
         "max_model_len": built.max_model_len,
     }
     if tp > 1:

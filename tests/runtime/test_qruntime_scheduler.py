@@ -1,5 +1,6 @@
 """qruntime.engine.scheduler: hand-traced steps, and random workloads run by a simulated engine whose
-KV cache is a pool of token ids written and read back through the block tables."""
+KV cache is a pool of token ids written and read back through the block tables (with prefix caching
+too: a block found in the cache must hold the tokens its request would have written)."""
 
 import os
 import random
@@ -9,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import pytest
+from qruntime.engine.prefix_cache import extend_chain
 from qruntime.engine.request import Request, RequestStatus
 from qruntime.engine.scheduler import Scheduler, SchedulerConfig
 
@@ -32,7 +34,18 @@ class Stats:
     mixed_steps: int = 0  # steps with a decode chunk and a prefill chunk
     max_running: int = 0
     admissions: list[str] = field(default_factory=list)  # first admissions, in order
+    hit_tokens: int = 0  # tokens admissions found in the prefix cache
     chunks: dict[str, list[tuple[int, int, bool]]] = field(default_factory=dict)  # id -> (start, n, samples)
+
+
+def cached_prefix(sched: Scheduler, request: Request) -> tuple[int, ...]:
+    """The blocks a prefix-caching scheduler should start the waiting request's table with (a model
+    of the lookup: the request's hash chain, less its last token, looked up in the block manager)."""
+    if not sched.config.prefix_caching:
+        return ()
+    bs = sched.config.block_size
+    chain = extend_chain([], sched.config.kv_salt, request.all_token_ids[: request.num_tokens - 1], bs)
+    return sched.block_manager.lookup(chain)
 
 
 def simulate(config: SchedulerConfig, requests: list[Request], msg: str = "") -> Stats:
@@ -72,6 +85,12 @@ def simulate(config: SchedulerConfig, requests: list[Request], msg: str = "") ->
         assert not (k and new), f"admitted in a step that preempted ({where})"
         budget = config.max_num_batched_tokens
         chunk_of = {c.request.request_id: c for c in out.chunks}
+        for rid in new:  # admitted at the end of the cached prefix found, a whole number of blocks short of the end
+            start = chunk_of[rid].start
+            assert start % bs == 0 and start < live[rid].num_tokens, where
+            assert config.prefix_caching or start == 0, where
+            next_start[rid] = start
+            stats.hit_tokens += start
         for rid in running + new:  # each gets all it still needs, up to the budget left
             req = live[rid]
             want = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -83,13 +102,16 @@ def simulate(config: SchedulerConfig, requests: list[Request], msg: str = "") ->
             stats.admissions += [] if rid in stats.chunks else [rid]
         if not k and waiting and budget > 0 and len(running) < config.max_num_seqs:
             head = live[waiting[0]]
-            assert not bm.can_grow(head.request_id, min(head.num_tokens, budget)), f"under-admitted ({where})"
+            cached = cached_prefix(sched, head)
+            start = len(cached) * bs
+            end = start + min(head.num_tokens - start, budget)
+            assert not bm.can_grow(head.request_id, end, cached), f"under-admitted ({where})"
         assert (sched.num_running, sched.num_waiting) == (len(running), len(waiting)), where
         stats.max_running = max(stats.max_running, len(running))
 
-        # no block in two tables; waiting requests hold none
+        # no block in two tables (but cached ones); waiting requests hold none
         held = [b for rid in live for b in bm.table(rid)]
-        assert len(held) == len(set(held)) == bm.num_used_blocks, where
+        assert len(set(held)) == bm.num_used_blocks and (config.prefix_caching or len(held) == len(set(held))), where
         assert all(bm.table(rid) == () for rid in waiting), where
 
         # the simulated forward: write every chunk's tokens, then read each context back
@@ -98,7 +120,9 @@ def simulate(config: SchedulerConfig, requests: list[Request], msg: str = "") ->
             assert c.start == next_start.get(rid, 0) == req.num_computed_tokens and c.num_tokens >= 1, where
             assert end <= config.max_model_len and c.samples == (end == req.num_tokens), where
             assert c.block_table == bm.table(rid) and len(c.block_table) == bm.blocks_for(end), where
+            others = {b for other in live if other != rid for b in bm.table(other)}
             for p in range(c.start, end):
+                assert c.block_table[p // bs] not in others, f"{rid} writes a block another request holds ({where})"
                 pool[c.block_table[p // bs]][p % bs] = req.all_token_ids[p]
             stats.chunks.setdefault(rid, []).append((c.start, c.num_tokens, c.samples))
         sampled = {}
@@ -125,28 +149,39 @@ def simulate(config: SchedulerConfig, requests: list[Request], msg: str = "") ->
     return stats
 
 
-def random_requests(rng: random.Random, n: int, max_model_len: int, leading: list[tuple[int, int]]) -> list[Request]:
-    """leading (prompt length, max_tokens) shapes, then random ones up to n requests."""
-    shapes = list(leading)
-    while len(shapes) < n:
+def random_requests(
+    rng: random.Random, n: int, max_model_len: int, leading: list[tuple[int, int]], shared: bool = False
+) -> list[Request]:
+    """leading (prompt length, max_tokens) shapes, then random ones up to n requests. shared: the
+    random ones start with one of three common prefixes (whole prompts repeat too), for cache hits."""
+    prefixes = [[rng.randrange(50_000) for _ in range(max_model_len)] for _ in range(3)]
+    requests = [Request(f"r{i}", [rng.randrange(50_000) for _ in range(p)], m) for i, (p, m) in enumerate(leading)]
+    while len(requests) < n:
         plen = rng.randint(1, max_model_len - 1)
-        shapes.append((plen, rng.randint(1, max_model_len - plen)))
-    return [Request(f"r{i}", [rng.randrange(50_000) for _ in range(p)], m) for i, (p, m) in enumerate(shapes)]
+        ids = [rng.randrange(50_000) for _ in range(plen)]
+        if shared:
+            common = rng.choice(prefixes)
+            ids = common[:plen] if rng.random() < 0.3 else common[: rng.randint(0, plen)] + ids
+            ids = ids[:plen]
+        requests.append(Request(f"r{len(requests)}", ids, rng.randint(1, max_model_len - plen)))
+    return requests
 
 
-def random_config(rng: random.Random, plentiful: bool) -> SchedulerConfig:
+def random_config(rng: random.Random, plentiful: bool, prefix_caching: bool = False) -> SchedulerConfig:
     block_size, max_model_len, max_num_seqs = rng.choice([1, 2, 4, 8]), rng.randint(16, 48), rng.randint(2, 12)
     per_request = -(-max_model_len // block_size)
     num_blocks = max_num_seqs * per_request if plentiful else per_request  # tight: the least allowed
     budget = rng.randint(4, max_model_len // 2)  # some prompts are longer: chunked prefill
-    return SchedulerConfig(num_blocks, block_size, max_model_len, max_num_seqs, budget)
+    salt = rng.randbytes(32)
+    return SchedulerConfig(num_blocks, block_size, max_model_len, max_num_seqs, budget, prefix_caching, salt)
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-cache", "prefix-cache"])
 @pytest.mark.parametrize("plentiful", [False, True])
-def test_random_workloads(plentiful):
+def test_random_workloads(plentiful, prefix_caching):
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
-    config = random_config(rng, plentiful)
+    config = random_config(rng, plentiful, prefix_caching)
     msg = f"seed={seed} {config}"
     budget, max_len = config.max_num_batched_tokens, config.max_model_len
     chunked = (budget + 1, rng.randint(2, max_len - budget - 1))  # a prompt over the budget
@@ -154,8 +189,9 @@ def test_random_workloads(plentiful):
     # tight: two requests decoding in lockstep to max_model_len cannot both fit in the blocks: a preemption.
     lockstep = (1, max_len - 1)
     leading = [chunked, (1, 1)] if plentiful else [lockstep, lockstep, chunked]
-    requests = random_requests(rng, 30, max_len, leading)
+    requests = random_requests(rng, 30, max_len, leading, shared=prefix_caching)
     stats = simulate(config, requests, msg)
+    assert (stats.hit_tokens > 0) == prefix_caching, msg
 
     assert stats.admissions == [r.request_id for r in requests], f"not FIFO ({msg})"
     assert stats.max_running <= config.max_num_seqs
@@ -171,7 +207,7 @@ def test_random_workloads(plentiful):
             if start + n >= len(r.prompt_token_ids):
                 break
         assert first_prefill[-1] and not any(first_prefill[:-1]), f"{r.request_id} ({msg})"
-        if len(r.prompt_token_ids) > budget:
+        if len(r.prompt_token_ids) - stats.chunks[r.request_id][0][0] > budget:  # less what the cache had
             assert len(first_prefill) >= 2, f"{r.request_id} ({msg})"
     # each request alone produces the same tokens (the reference check inside simulate covers the batch)
     for r in rng.sample(requests, 3):

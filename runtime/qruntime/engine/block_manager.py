@@ -1,8 +1,10 @@
-"""Paged KV-cache block allocation (plain Python: no torch)."""
+"""Paged KV-cache block allocation with reference counts and a prefix cache (plain Python: no torch)."""
 
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 
 
 class NoFreeBlocks(Exception):
@@ -10,10 +12,16 @@ class NoFreeBlocks(Exception):
 
 
 class BlockManager:
-    """Paged KV-cache block allocation for requests: a free list of block ids 0..num_blocks-1.
+    """Paged KV-cache block allocation for requests over block ids 0..num_blocks-1.
 
-    Each request owns a block table (block i holds its tokens [i*block_size, (i+1)*block_size)).
-    Tables only grow until the request's blocks are freed; a block is in at most one table.
+    Each request owns a block table (block i holds its tokens [i*block_size, (i+1)*block_size));
+    tables only grow until the request's blocks are freed. A block is held by every table it is in
+    (a reference count): a cached block (`cache`: full, named by its prefix_cache hash) may start the
+    tables of several requests (`grow(..., cached=lookup(hashes))`). When its last holder frees it, a
+    cached block keeps its KV and its name and becomes evictable: it counts as free, a later lookup
+    can revive it, and only when a fresh block is wanted and no uncached block is free does the
+    least recently freed one lose its name and get reused. Requests free their tables tail first,
+    so a chain's later blocks are evicted before its earlier ones (a lookup matches prefixes only).
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -21,18 +29,28 @@ class BlockManager:
             raise ValueError(f"num_blocks and block_size must be >= 1 (got {num_blocks}, {block_size})")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free = list(range(num_blocks))  # a min-heap: lowest free ids are handed out first
+        self._free = list(range(num_blocks))  # uncached blocks in no table, a min-heap: lowest ids first
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks in no table, oldest-freed first
+        self._refs = [0] * num_blocks  # tables each block is in
         self._tables: dict[str, list[int]] = {}
+        self._hash_of: dict[int, bytes] = {}  # cached block -> its hash
+        self._block_of: dict[bytes, int] = {}  # hash -> the one block cached under it
+        self._num_offered: dict[str, int] = {}  # leading blocks of a table cache() has considered
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks in no request's table."""
-        return len(self._free)
+        """Blocks in no request's table, evictable cached ones included."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
         """Blocks held by requests."""
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks with a name in the prefix cache, held or evictable."""
+        return len(self._block_of)
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold num_tokens tokens: ceil(num_tokens / block_size)."""
@@ -45,31 +63,96 @@ class BlockManager:
         have = len(self._tables.get(request_id, ()))
         return max(0, self.blocks_for(num_tokens) - have)
 
-    def can_grow(self, request_id: str, num_tokens: int) -> bool:
-        """Whether grow(request_id, num_tokens) would succeed now."""
-        return self.num_missing(request_id, num_tokens) <= len(self._free)
+    def lookup(self, hashes: Iterable[bytes]) -> tuple[int, ...]:
+        """The cached blocks of the longest prefix of `hashes` (a request's hash chain) found in the cache."""
+        found = []
+        for h in hashes:
+            block = self._block_of.get(h)
+            if block is None:
+                break
+            found.append(block)
+        return tuple(found)
 
-    def grow(self, request_id: str, num_tokens: int) -> tuple[int, ...]:
+    def can_grow(self, request_id: str, num_tokens: int, cached: Sequence[int] = ()) -> bool:
+        """Whether grow(request_id, num_tokens, cached) would succeed now."""
+        return self._cost(request_id, num_tokens, cached) <= self.num_free_blocks
+
+    def grow(self, request_id: str, num_tokens: int, cached: Sequence[int] = ()) -> tuple[int, ...]:
         """Ensure the request's table covers num_tokens tokens and return the whole table.
 
-        Raises NoFreeBlocks, allocating nothing, when too few blocks are free.
-        """
-        missing = self.num_missing(request_id, num_tokens)
-        if missing > len(self._free):
+        cached: blocks from lookup() to start a request's new table with (it must hold none yet);
+        their KV is reused, the rest of the table gets fresh blocks. Raises NoFreeBlocks, changing
+        nothing, when too few blocks are free (an evictable cached block taken counts as one)."""
+        cost = self._cost(request_id, num_tokens, cached)
+        if cost > self.num_free_blocks:
             raise NoFreeBlocks(
-                f"request {request_id!r} needs {missing} more blocks for {num_tokens} tokens; {len(self._free)} free"
+                f"request {request_id!r} needs {cost} more blocks for {num_tokens} tokens; {self.num_free_blocks} free"
             )
-        if missing == 0:
-            return self.table(request_id)
         table = self._tables.setdefault(request_id, [])
-        table.extend(heapq.heappop(self._free) for _ in range(missing))
+        for block in cached:
+            if self._refs[block] == 0:
+                del self._evictable[block]
+            self._refs[block] += 1
+            table.append(block)
+        for _ in range(self.blocks_for(num_tokens) - len(table)):
+            block = self._take()
+            self._refs[block] = 1
+            table.append(block)
         return tuple(table)
+
+    def cache(self, request_id: str, hashes: Sequence[bytes], num_blocks: int) -> None:
+        """Name the first num_blocks blocks of the request's table, now full of computed KV, by
+        hashes[:num_blocks] (its hash chain), so that later requests find them. A block whose hash
+        another block already has stays unnamed (no two blocks answer one name)."""
+        table = self._tables.get(request_id, [])
+        if num_blocks > min(len(table), len(hashes)):
+            raise ValueError(
+                f"request {request_id!r}: cannot cache {num_blocks} blocks with a table of {len(table)} "
+                f"and {len(hashes)} hashes"
+            )
+        for i in range(self._num_offered.get(request_id, 0), num_blocks):
+            block, h = table[i], hashes[i]
+            named = self._hash_of.get(block)
+            if named is not None:
+                if named != h:
+                    raise ValueError(f"request {request_id!r}: block {block} at {i} is cached under another hash")
+                continue  # a block the request found in the cache
+            if h not in self._block_of:
+                self._hash_of[block], self._block_of[h] = h, block
+        self._num_offered[request_id] = max(num_blocks, self._num_offered.get(request_id, 0))
 
     def table(self, request_id: str) -> tuple[int, ...]:
         """The request's block table; () when it holds none."""
         return tuple(self._tables.get(request_id, ()))
 
     def free(self, request_id: str) -> None:
-        """Return the request's blocks to the free list (no-op when it holds none)."""
-        for block in self._tables.pop(request_id, ()):
-            heapq.heappush(self._free, block)
+        """Drop the request's hold on its blocks (no-op when it holds none), last block first: those
+        no other table holds become free, cached ones evictable, most recently freed last."""
+        self._num_offered.pop(request_id, None)
+        for block in reversed(self._tables.pop(request_id, ())):
+            self._refs[block] -= 1
+            if self._refs[block] > 0:
+                continue
+            if block in self._hash_of:
+                self._evictable[block] = None
+            else:
+                heapq.heappush(self._free, block)
+
+    def _cost(self, request_id: str, num_tokens: int, cached: Sequence[int]) -> int:
+        """Free blocks grow() would take: fresh ones, plus the evictable ones among `cached`."""
+        if not cached:
+            return self.num_missing(request_id, num_tokens)
+        if self._tables.get(request_id):
+            raise ValueError(f"request {request_id!r} already holds blocks: cached blocks start a new table only")
+        if len(set(cached)) != len(cached) or any(b not in self._hash_of for b in cached):
+            raise ValueError(f"request {request_id!r}: {list(cached)} are not distinct cached blocks")
+        revived = sum(1 for b in cached if self._refs[b] == 0)
+        return max(0, self.blocks_for(num_tokens) - len(cached)) + revived
+
+    def _take(self) -> int:
+        """A fresh block: an uncached free one if any, else the least recently freed cached one, unnamed."""
+        if self._free:
+            return heapq.heappop(self._free)
+        block, _ = self._evictable.popitem(last=False)
+        del self._block_of[self._hash_of.pop(block)]
+        return block

@@ -24,6 +24,7 @@ import torch
 from qruntime.engine.block_manager import NoFreeBlocks
 from qruntime.engine.model_runner import ModelRunner
 from qruntime.engine.outputs import InvalidRequest, RequestOutput, StreamDelta, Timings
+from qruntime.engine.prefix_cache import PrefixCacheStats
 from qruntime.engine.request import Request
 from qruntime.engine.sampler import sample
 from qruntime.engine.sampling_params import SamplingParams, as_list
@@ -161,6 +162,12 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Tokens of admitted requests looked up in the prefix cache and found, since the engine started
+        (both 0 with the cache off). An immutable value: safe to read from another thread."""
+        return self.scheduler.prefix_cache_stats
 
     def close(self) -> None:
         """Release the engine: drop the decode graphs, and at tp > 1 stop the workers and destroy

@@ -5,15 +5,23 @@ token, an unfinished prefill continues in chunks), then waiting requests in FIFO
 running request cannot get the blocks it needs, the most recently admitted running request is
 preempted: its blocks are freed and it goes back to the front of the waiting queue, to recompute
 prompt + outputs as its prefill on readmission.
+
+With prefix caching on, a request admitted with nothing computed starts from the longest run of
+cached full blocks its tokens name (prefix_cache.py), less at least its last token (whose logits
+give the next one): its table starts with those blocks and its first chunk with the token after
+them. Blocks a step fills are named in the cache as they complete, so requests sharing a prefix
+(and a preempted request coming back) compute only what follows it.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from qruntime.engine.block_manager import BlockManager
+from qruntime.engine.prefix_cache import PrefixCacheStats, extend_chain
 from qruntime.engine.request import Request, RequestStatus
 
 
@@ -26,6 +34,8 @@ class SchedulerConfig:
     max_model_len: int
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # token budget of one step; longer prompts are prefilled in chunks
+    prefix_caching: bool = False  # reuse cached full KV blocks across requests (qruntime.load turns it on)
+    kv_salt: bytes = b""  # root of the block hash chains: prefix_cache.kv_salt of the artifact's KV encoding
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -73,6 +83,8 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # admission order: the last one is preempted first
+        self._hashes: dict[str, list[bytes]] = {}  # hash chains of unfinished requests' full blocks, so far
+        self.prefix_cache_stats = PrefixCacheStats()
 
     @property
     def num_waiting(self) -> int:
@@ -144,13 +156,18 @@ class Scheduler:
         # admitting while preempting would take blocks that running requests are about to need
         while not preempted and self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
             request = self._waiting[0]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.block_manager.can_grow(request.request_id, request.num_computed_tokens + n):
+            cached = self._cached_prefix(request)
+            start = len(cached) * self.config.block_size
+            n = min(request.num_tokens - start, budget)
+            if not self.block_manager.can_grow(request.request_id, start + n, cached):
                 break  # first come, first served: nothing behind it may skip ahead
             self._waiting.popleft()
             request.status = RequestStatus.RUNNING
             self._running.append(request)
-            chunks.append(self._chunk(request, n))
+            if self.config.prefix_caching:
+                self.prefix_cache_stats = self.prefix_cache_stats.add(request.num_tokens, start)
+            request.num_computed_tokens = start
+            chunks.append(self._chunk(request, n, cached))
             budget -= n
 
         return SchedulerOutput(chunks=tuple(chunks), preempted=tuple(preempted))
@@ -168,6 +185,9 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING or chunk.start != request.num_computed_tokens:
                 raise ValueError(f"stale chunk for request {request.request_id!r}: update() each output once, in order")
             request.num_computed_tokens += chunk.num_tokens
+            full = request.num_computed_tokens // self.config.block_size
+            if self.config.prefix_caching and full > chunk.start // self.config.block_size:  # a block filled up
+                self.block_manager.cache(request.request_id, self._chain(request, full), full)
             if request.request_id in sampled:
                 if not chunk.samples:
                     raise ValueError(f"request {request.request_id!r} was sampled mid-prefill (samples=False)")
@@ -181,19 +201,40 @@ class Scheduler:
         else:
             self._waiting.remove(request)
         self.block_manager.free(request_id)
+        self._hashes.pop(request_id, None)
         request.status = RequestStatus.FINISHED
 
     def abort(self, request_id: str) -> None:
         """Same as finish() for the scheduler; the engine records why."""
         self.finish(request_id)
 
-    def _chunk(self, request: Request, n: int) -> ScheduledChunk:
+    def _chunk(self, request: Request, n: int, cached: tuple[int, ...] = ()) -> ScheduledChunk:
         start = request.num_computed_tokens
-        table = self.block_manager.grow(request.request_id, start + n)
+        table = self.block_manager.grow(request.request_id, start + n, cached)
         return ScheduledChunk(request, start, n, table, samples=start + n == request.num_tokens)
 
+    def _cached_prefix(self, request: Request) -> tuple[int, ...]:
+        """Cached blocks holding the request's first tokens, leaving at least its last one to compute."""
+        if not self.config.prefix_caching or request.num_computed_tokens:
+            return ()
+        limit = (request.num_tokens - 1) // self.config.block_size
+        return self.block_manager.lookup(itertools.islice(self._chain(request, limit), limit))
+
+    def _chain(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The hash chain of the request's blocks, extended to at least num_blocks full blocks (tokens
+        never change, so it is kept until the request finishes: a preemption does not redo it)."""
+        chain = self._hashes.setdefault(request.request_id, [])
+        if len(chain) < num_blocks:
+            bs, n = self.config.block_size, len(request.prompt_token_ids)
+            start, end = len(chain) * bs, num_blocks * bs
+            # sliced from the prompt and the outputs, not their concatenation: O(new tokens)
+            ids = request.prompt_token_ids[start:end] + request.output_token_ids[max(start - n, 0) : max(end - n, 0)]
+            extend_chain(chain, self.config.kv_salt, ids, bs)
+        return chain
+
     def _preempt(self, request: Request) -> None:
-        # recompute, not swap: drop the KV and prefill prompt + outputs again when readmitted
+        # recompute, not swap: let go of the KV and prefill prompt + outputs again when readmitted (with
+        # prefix caching, from where its blocks still cached end)
         self._running.remove(request)
         self.block_manager.free(request.request_id)
         request.num_computed_tokens = 0
