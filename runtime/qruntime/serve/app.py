@@ -152,7 +152,7 @@ def build_app(
         raise ValueError("api_key is empty: give a key, or None for none")
     limits = limits if limits is not None else RequestLimits()
     loop = EngineLoop(engine, max_waiting=max_waiting)
-    metrics = Metrics(loop.stats)
+    metrics = Metrics(loop.stats, lambda: engine.prefix_cache_stats)
     loop.metrics = metrics
     model = ServedModel(
         model_name, engine.tokenizer, engine.vocab_size, engine.max_model_len, int(time.time()), max_waiting, limits

@@ -2,6 +2,8 @@
 
 Gauges are read from the engine loop's snapshot at scrape time; histograms and counters are fed by
 the engine thread as requests add, generate and finish (prometheus_client's metrics are thread-safe).
+The prefix cache's counters are the engine's own, read at scrape time (an immutable value the engine
+thread replaces, so the two always agree).
 """
 
 from __future__ import annotations
@@ -12,16 +14,39 @@ from collections import deque
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from qruntime.engine.outputs import RequestOutput
+from qruntime.engine.prefix_cache import PrefixCacheStats
 from qruntime.serve.engine_loop import LoopStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 RATE_WINDOW_S = 10.0  # generation_tokens_per_second averages over this many recent seconds
+
+
+class _PrefixCacheCollector(Collector):
+    def __init__(self, stats: Callable[[], PrefixCacheStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        yield CounterMetricFamily(
+            "qruntime_prefix_cache_queries",
+            "Tokens looked up in the prefix cache as sequences are admitted (prompts; prompt + output after a "
+            "preemption). Stays 0 with --no-prefix-cache.",
+            s.queries,
+        )
+        yield CounterMetricFamily(
+            "qruntime_prefix_cache_hits", "Of the tokens looked up, those whose KV came from the cache.", s.hits
+        )
+        yield GaugeMetricFamily(
+            "qruntime_prefix_cache_hit_rate",
+            "prefix_cache_hits / prefix_cache_queries since start (0 before any).",
+            s.hit_rate,
+        )
 
 
 class _LoopCollector(Collector):
@@ -53,7 +78,9 @@ class _LoopCollector(Collector):
 class Metrics:
     """The server's metrics; `render()` is the /metrics body."""
 
-    def __init__(self, stats: Callable[[], LoopStats]) -> None:
+    def __init__(
+        self, stats: Callable[[], LoopStats], prefix_cache: Callable[[], PrefixCacheStats] = PrefixCacheStats
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(
@@ -85,6 +112,7 @@ class Metrics:
         self._lock = threading.Lock()
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
         r.register(_LoopCollector(stats, self.tokens_per_second))
+        r.register(_PrefixCacheCollector(prefix_cache))
 
     # --- fed by the engine thread (serve.engine_loop.LoopMetrics) -------------------------------------
     def on_added(self, num_prompt_tokens: int) -> None:

@@ -28,6 +28,7 @@ class ServeOptions:
     device: str | None = None
     dtype: str | None = None
     backend: str = "auto"
+    prefix_cache: bool = True
     threads: int | None = None
     verify: bool = False
     shutdown_timeout: float = 30.0
@@ -97,6 +98,14 @@ def add_serve_parser(verbs: Any) -> None:
         default="auto",
         choices=("auto", "reference", "triton"),
         help="Op backend (default auto: triton on CUDA, reference elsewhere).",
+    )
+    add(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        default=None,
+        help="Turn automatic prefix caching off: by default the KV of full blocks is kept after a request ends "
+        "and reused by requests whose prompts start with the same tokens (/metrics reports the hit rate).",
     )
     add(
         "--threads",

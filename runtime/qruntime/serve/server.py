@@ -87,6 +87,7 @@ def serve(options: ServeOptions, err: TextIO | None = None) -> None:
             max_num_batched_tokens=options.max_num_batched_tokens,
             num_kv_blocks=options.num_kv_blocks,
             backend=options.backend,
+            prefix_cache=options.prefix_cache,
         )
     except (ArtifactFormatError, ValueError) as exc:
         raise RunError.of(exc) from None

@@ -34,6 +34,7 @@ def test_help_lists_the_options(capsys):
         "--header-timeout",
         "--body-timeout",
         "--limit-concurrency",
+        "--no-prefix-cache",
     ):
         assert flag in out, flag
     assert main(["--help"]) == 0 and "serve" in capsys.readouterr().out
