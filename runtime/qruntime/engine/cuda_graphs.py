@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from qruntime.engine.decode_inputs import DecodeInputs
 from qruntime.kv_cache import KVCache
 from qruntime.ops.base import AttentionMetadata, StepContext
 from qruntime.plan import Plan
@@ -48,6 +49,8 @@ class DecodeGraphs:
             "query_start_loc": torch.arange(size + 1, dtype=torch.int32, device=device),
             "logits_indices": torch.arange(size, dtype=torch.int64, device=device),
         }
+        self.inputs = DecodeInputs(size, self.max_blocks, self.block_size, scratch_block, pin=True)
+        self.copied = torch.cuda.Event()  # recorded after each step's copies out of self.inputs
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
         for batch in reversed(self.buckets):  # largest first: the smaller ones reuse its memory
@@ -80,26 +83,11 @@ class DecodeGraphs:
         """Logits [len(chunks), V] of a decode step."""
         batch = len(chunks)
         bucket = self.buckets[bisect_left(self.buckets, batch)]
-        bs, scratch = self.block_size, self.scratch_block
-        tables = torch.full((bucket, self.max_blocks), scratch, dtype=torch.int32)
-        ids, positions, slots, lens = [], [], [], []
-        for b, chunk in enumerate(chunks):
-            pos = chunk.start
-            ids.append(chunk.token_ids[0])
-            positions.append(pos)
-            slots.append(chunk.block_table[pos // bs] * bs + pos % bs)
-            lens.append(pos + 1)
-            tables[b, : len(chunk.block_table)] = torch.tensor(chunk.block_table, dtype=torch.int32)
-        pad = bucket - batch
-        host = {
-            "input_ids": torch.tensor(ids + [0] * pad, dtype=torch.int64),
-            "positions": torch.tensor(positions + [0] * pad, dtype=torch.int64),
-            "slot_mapping": torch.tensor(slots + [scratch * bs] * pad, dtype=torch.int64),
-            "block_tables": tables,
-            "context_lens": torch.tensor(lens + [1] * pad, dtype=torch.int32),
-        }
+        self.copied.synchronize()  # the last step's copies have read the host buffers (at once: it sampled)
+        host = self.inputs.fill(chunks, bucket)
         for name, values in host.items():
-            self.buffers[name][:bucket].copy_(values, non_blocking=True)
+            self.buffers[name][:bucket].copy_(values, non_blocking=True)  # pinned: asynchronous
+        self.copied.record()
         graph, logits = self.graphs[bucket]
         graph.replay()
         return logits[:batch]

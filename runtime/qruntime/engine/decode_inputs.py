@@ -1,0 +1,71 @@
+"""The host side of a graph-replayed decode step: its inputs written in place into fixed host buffers.
+
+The captured graphs read static device buffers; each step the host writes the batch's token ids,
+positions, KV slots, context lengths and block tables into host buffers of the same shapes (pinned
+on CUDA, so the copies are asynchronous) and copies them over. Writing goes through numpy views of
+those buffers, one row per sequence: a torch op per row costs ~10-20 us of dispatch, which at 128
+sequences was half of a served decode step. A row's block table is written only up to its length;
+the entries a longer table left behind in that row are reset to the scratch block, so every row
+reads exactly its own blocks and then scratch, as the padding rows do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from qruntime.engine.step_chunk import StepChunk
+
+NAMES = ("input_ids", "positions", "slot_mapping", "context_lens", "block_tables")
+
+
+class DecodeInputs:
+    """Host buffers for decode batches of up to `size` sequences of at most `max_blocks` KV blocks."""
+
+    def __init__(self, size: int, max_blocks: int, block_size: int, scratch_block: int, pin: bool) -> None:
+        self.size, self.max_blocks = size, max_blocks
+        self.block_size, self.scratch_block = block_size, scratch_block
+        self.tensors = {
+            "input_ids": torch.zeros(size, dtype=torch.int64, pin_memory=pin),
+            "positions": torch.zeros(size, dtype=torch.int64, pin_memory=pin),
+            "slot_mapping": torch.full((size,), scratch_block * block_size, dtype=torch.int64, pin_memory=pin),
+            "context_lens": torch.ones(size, dtype=torch.int32, pin_memory=pin),
+            "block_tables": torch.full((size, max_blocks), scratch_block, dtype=torch.int32, pin_memory=pin),
+        }
+        self._ids, self._positions, self._slots, self._lens, self._tables = (self.tensors[n].numpy() for n in NAMES)
+        self._row_len = [0] * size  # block-table entries written in each row (the rest is scratch)
+
+    def fill(self, chunks: Sequence[StepChunk], bucket: int) -> dict[str, torch.Tensor]:
+        """Write the decode batch `chunks` (one token each) padded to `bucket` rows; returns the host
+        views [:bucket] of every input. Padding rows write the scratch block and read only it."""
+        if not len(chunks) <= bucket <= self.size:
+            raise ValueError(f"a batch of {len(chunks)} sequences does not fit bucket {bucket} (at most {self.size})")
+        bs, scratch, row_len = self.block_size, self.scratch_block, self._row_len
+        ids, positions, slots, lens, tables = self._ids, self._positions, self._slots, self._lens, self._tables
+        for b, chunk in enumerate(chunks):
+            pos, table = chunk.start, chunk.block_table
+            n = len(table)
+            if chunk.num_tokens != 1 or not pos < n * bs <= self.max_blocks * bs:
+                raise ValueError(
+                    f"row {b}: a decode row computes one token inside its block table "
+                    f"(got {chunk.num_tokens} tokens at position {pos}, {n} blocks, at most {self.max_blocks})"
+                )
+            ids[b] = chunk.token_ids[0]
+            positions[b] = pos
+            slots[b] = table[pos // bs] * bs + pos % bs
+            lens[b] = pos + 1
+            tables[b, :n] = table
+            if row_len[b] > n:
+                tables[b, n : row_len[b]] = scratch
+            row_len[b] = n
+        for b in range(len(chunks), bucket):
+            ids[b] = positions[b] = 0
+            slots[b] = scratch * bs
+            lens[b] = 1
+            if row_len[b]:
+                tables[b, : row_len[b]] = scratch
+                row_len[b] = 0
+        return {name: tensor[:bucket] for name, tensor in self.tensors.items()}
