@@ -32,13 +32,17 @@ from loadgen import random_token_specs, run_load, summarize
 
 
 def start_server(
-    art: Path, max_num_seqs: int, timeout: float = 300, launcher: list[str] | None = None
+    art: Path,
+    max_num_seqs: int,
+    timeout: float = 300,
+    launcher: list[str] | None = None,
+    extra: list[str] | tuple[str, ...] = (),
 ) -> tuple[subprocess.Popen, str]:
     """`qruntime serve` on a free port (started by `launcher`, default `python -m qruntime`; the
     profile uses its own); returns (process, url) once /health answers."""
     launcher = launcher or [sys.executable, "-m", "qruntime"]
     proc = subprocess.Popen(
-        [*launcher, "serve", str(art), "--port", "0", "--max-num-seqs", str(max_num_seqs)],
+        [*launcher, "serve", str(art), "--port", "0", "--max-num-seqs", str(max_num_seqs), *extra],
         stderr=subprocess.PIPE,
         text=True,
     )

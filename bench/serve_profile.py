@@ -128,6 +128,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="64,128")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--serve-arg", action="append", default=[], help="An extra `qruntime serve` argument.")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -147,7 +148,7 @@ def main() -> None:
     profile_path = args.workdir / "step_profile.json"
     profile_path.unlink(missing_ok=True)
     launcher = [sys.executable, str(HERE / "step_profile.py"), str(profile_path)]
-    proc, url = start_server(art, max(levels), launcher=launcher)
+    proc, url = start_server(art, max(levels), launcher=launcher, extra=args.serve_arg)
     windows = []
     try:
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
@@ -173,6 +174,7 @@ def main() -> None:
         recipe="ptpc-fp8 (tuned)",
         input_len=args.input_len,
         output_len=args.output_len,
+        serve_args=args.serve_arg,
         timings=timings,
         levels=runs,
     )
