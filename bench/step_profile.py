@@ -28,8 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-STEP_KEYS = ("schedule", "execute", "prepare", "graph_host", "sample", "update", "detok", "stop")
+STEP_KEYS = ("schedule", "execute", "prepare", "graph_host", "fill", "replay", "sample", "update", "detok", "stop")
 LOOP_KEYS = ("add", "dispatch", "publish")
+SWITCH_INTERVAL_ENV = "STEP_PROFILE_SWITCH_INTERVAL"  # seconds, for sys.setswitchinterval (default 0.005)
 
 
 class StepProfiler:
@@ -65,6 +66,7 @@ class StepProfiler:
         import torch
         from qruntime.engine import engine as engine_module
         from qruntime.engine.cuda_graphs import DecodeGraphs
+        from qruntime.engine.decode_inputs import DecodeInputs
         from qruntime.engine.engine import Engine
         from qruntime.engine.model_runner import ModelRunner
         from qruntime.engine.scheduler import Scheduler
@@ -77,6 +79,8 @@ class StepProfiler:
         self.timed(Scheduler, "update", "update")
         self.timed(ModelRunner, "prepare", "prepare")
         self.timed(DecodeGraphs, "run", "graph_host")
+        self.timed(DecodeInputs, "fill", "fill")  # inside graph_host: the inputs written on the host
+        self.timed(torch.cuda.CUDAGraph, "replay", "replay")  # inside graph_host: the launch
         self.timed(engine_module, "sample", "sample")
         self.timed(IncrementalDetokenizer, "add", "detok")
         self.timed(Engine, "_stop_reason", "stop")
@@ -155,6 +159,8 @@ class StepProfiler:
 
 def main(argv: list[str]) -> int:
     out, rest = Path(argv[0]), argv[1:]
+    if SWITCH_INTERVAL_ENV in os.environ:  # an experiment: how much the GIL's hand-over costs the engine thread
+        sys.setswitchinterval(float(os.environ[SWITCH_INTERVAL_ENV]))
     profiler = StepProfiler()
     profiler.install()
     stop = threading.Event()
