@@ -224,13 +224,20 @@ def summarize(results: Sequence[Result], wall: float, concurrency: int) -> dict[
 
 
 def random_token_specs(
-    count: int, input_len: int, output_len: int, vocab_size: int, rng: random.Random, model: str | None = None
+    count: int,
+    input_len: int,
+    output_len: int,
+    vocab_size: int,
+    rng: random.Random,
+    model: str | None = None,
+    prefix: Sequence[int] = (),
 ) -> list[RequestSpec]:
-    """Streamed completions of random token-id prompts that generate exactly output_len tokens."""
+    """Streamed completions of random token-id prompts that generate exactly output_len tokens; each
+    prompt is `prefix` (shared by all: a system prompt) followed by input_len random tokens."""
     specs = []
     for _ in range(count):
         body: dict[str, Any] = {
-            "prompt": [rng.randrange(vocab_size) for _ in range(input_len)],
+            "prompt": [*prefix, *(rng.randrange(vocab_size) for _ in range(input_len))],
             "max_tokens": output_len,
             "temperature": 0,
             "ignore_eos": True,

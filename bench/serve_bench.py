@@ -71,26 +71,8 @@ def _drain(stream) -> None:
             print("server:", line.rstrip(), flush=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="qwen3-8b")
-    parser.add_argument("--workdir", type=Path, default=Path("/tmp/q8b"))
-    parser.add_argument("--concurrency", default="1,8,32,64,128")
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    import triton
-
-    report = report_header("serve_bench")
-    report["machine"]["gpu"] = torch.cuda.get_device_name()
-    report["versions"].update(torch=torch.__version__, triton=triton.__version__)
-    report["weights"] = "synthetic: random bf16 weights of the preset's exact shapes (qcompile synth)"
-    levels = [int(c) for c in args.concurrency.split(",")]
-    timings: dict = {}
-    art, _ = build_artifact(args.preset, args.workdir, timings)
-    print("built", timings, flush=True)
+def levels_run(art: Path, levels: list[int], args: argparse.Namespace) -> tuple[list[dict], str]:
+    """The random 128/128 load at each concurrency level, one server for all; its /metrics after."""
     proc, url = start_server(art, max(levels))
     try:
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
@@ -109,13 +91,90 @@ def main() -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
+    return runs, metrics
+
+
+def shared_prefix_runs(art: Path, args: argparse.Namespace) -> dict[str, dict]:
+    """The same shared-prefix requests (one common prefix, unique questions) against a fresh server
+    with the prefix cache on, then with it off; the cache's counters from /metrics."""
+    c = args.shared_concurrency
+    out = {}
+    for name, extra in (("cache_on", []), ("cache_off", ["--no-prefix-cache"])):
+        proc, url = start_server(art, c, extra=extra)
+        try:
+            model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+            rng = random.Random(1)  # the same prompts for both servers
+            prefix = [rng.randrange(500) for _ in range(args.shared_prefix)]
+            warm = random_token_specs(4, args.input_len, 8, 500, random.Random(2), model)  # no shared prefix
+            asyncio.run(run_load(url, warm, 4))
+            specs = random_token_specs(4 * c, args.question_len, args.shared_output_len, 500, rng, model, prefix)
+            results, wall = asyncio.run(run_load(url, specs, c))
+            summary = summarize(results, wall, c)
+            metrics = httpx.get(f"{url}/metrics").text
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+        summary["prefix_cache_metrics"] = [
+            ln for ln in metrics.splitlines() if "prefix_cache" in ln and not ln.startswith("#")
+        ]
+        print(name, json.dumps({k: summary[k] for k in ("output_tokens_per_s", "ttft_ms")}), flush=True)
+        out[name] = summary
+    out["ttft_p50_ratio"] = out["cache_on"]["ttft_ms"]["p50"] / out["cache_off"]["ttft_ms"]["p50"]
+    print("TTFT p50 with / without the prefix cache:", round(out["ttft_p50_ratio"], 3), flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="qwen3-8b")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/q8b"))
+    parser.add_argument("--concurrency", default="1,8,32,64,128")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        metavar="N",
+        help="Also run the shared-prefix workload: an N-token common prefix + --question-len unique tokens, "
+        "--shared-output-len generated, at --shared-concurrency clients, with the prefix cache on and off.",
+    )
+    parser.add_argument("--question-len", type=int, default=64)
+    parser.add_argument("--shared-output-len", type=int, default=64)
+    parser.add_argument("--shared-concurrency", type=int, default=32)
+    parser.add_argument("--skip-levels", action="store_true", help="Only the shared-prefix workload.")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    import triton
+
+    report = report_header("serve_bench")
+    report["machine"]["gpu"] = torch.cuda.get_device_name()
+    report["versions"].update(torch=torch.__version__, triton=triton.__version__)
+    report["weights"] = "synthetic: random bf16 weights of the preset's exact shapes (qcompile synth)"
+    levels = [int(c) for c in args.concurrency.split(",")]
+    timings: dict = {}
+    art, _ = build_artifact(args.preset, args.workdir, timings)
+    print("built", timings, flush=True)
+    runs, metrics = ([], "") if args.skip_levels else levels_run(art, levels, args)
+    shared = shared_prefix_runs(art, args) if args.shared_prefix else None
     report.update(
         preset=args.preset,
         recipe="ptpc-fp8 (tuned)",
+        shared_prefix_workload=None
+        if not args.shared_prefix
+        else {
+            "prefix_len": args.shared_prefix,
+            "question_len": args.question_len,
+            "output_len": args.shared_output_len,
+            "concurrency": args.shared_concurrency,
+            "requests": 4 * args.shared_concurrency,
+        },
         input_len=args.input_len,
         output_len=args.output_len,
         timings=timings,
         levels=runs,
+        shared_prefix=shared,
         server_metrics_after=[line for line in metrics.splitlines() if line and not line.startswith("#")][:40],
     )
     if args.out:
