@@ -128,6 +128,11 @@ def main() -> None:
     parser.add_argument("--concurrency", default="64,128")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        help="The profiled server's sys.setswitchinterval, in seconds (default Python's).",
+    )
     parser.add_argument("--serve-arg", action="append", default=[], help="An extra `qruntime serve` argument.")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -148,6 +153,8 @@ def main() -> None:
     profile_path = args.workdir / "step_profile.json"
     profile_path.unlink(missing_ok=True)
     launcher = [sys.executable, str(HERE / "step_profile.py"), str(profile_path)]
+    if args.switch_interval is not None:
+        launcher += ["--switch-interval", str(args.switch_interval)]
     proc, url = start_server(art, max(levels), launcher=launcher, extra=args.serve_arg)
     windows = []
     try:
@@ -175,6 +182,7 @@ def main() -> None:
         input_len=args.input_len,
         output_len=args.output_len,
         serve_args=args.serve_arg,
+        switch_interval=args.switch_interval,
         timings=timings,
         levels=runs,
     )

@@ -1,6 +1,6 @@
 """Where a serving step's wall time goes, measured inside a running `qruntime serve` process.
 
-`python bench/step_profile.py OUT.json serve ART [serve options]` runs the server as `qruntime serve`
+`python bench/step_profile.py OUT.json [--switch-interval S] serve ART [serve options]` runs the server as `qruntime serve`
 would, with timers wrapped (at class level, in this process only) around the engine thread's work:
 
     loop      EngineLoop._add (engine.add_request), _dispatch (deltas to the event loops), _publish
@@ -30,7 +30,6 @@ from typing import Any
 
 STEP_KEYS = ("schedule", "execute", "prepare", "graph_host", "fill", "replay", "sample", "update", "detok", "stop")
 LOOP_KEYS = ("add", "dispatch", "publish")
-SWITCH_INTERVAL_ENV = "STEP_PROFILE_SWITCH_INTERVAL"  # seconds, for sys.setswitchinterval (default 0.005)
 
 
 class StepProfiler:
@@ -159,8 +158,9 @@ class StepProfiler:
 
 def main(argv: list[str]) -> int:
     out, rest = Path(argv[0]), argv[1:]
-    if SWITCH_INTERVAL_ENV in os.environ:  # an experiment: how much the GIL's hand-over costs the engine thread
-        sys.setswitchinterval(float(os.environ[SWITCH_INTERVAL_ENV]))
+    if rest[:1] == ["--switch-interval"]:  # an experiment: what the GIL's hand-over costs the engine thread
+        sys.setswitchinterval(float(rest[1]))  # seconds (Python's default 0.005)
+        rest = rest[2:]
     profiler = StepProfiler()
     profiler.install()
     stop = threading.Event()

@@ -34,7 +34,7 @@ def test_every_step_is_recorded_and_aggregated(tmp_path, art, monkeypatch):
     rng = random.Random(seed)
     prompt_len, output_len, requests = rng.randint(9, 40), rng.randint(3, 9), 6
     out = tmp_path / "profile.json"
-    launcher = [sys.executable, str(ROOT / "bench" / "step_profile.py"), str(out)]
+    launcher = [sys.executable, str(ROOT / "bench" / "step_profile.py"), str(out), "--switch-interval", "0.002"]
     proc, url = start_server(art, 4, launcher=launcher)
     try:
         import httpx
