@@ -198,7 +198,8 @@ def load(
     prefix_cache: automatic prefix caching: full KV blocks are kept after their request ends, named by
     a hash chain of their tokens (salted with the artifact's KV encoding), and a request whose prompt
     starts with cached blocks reuses their KV instead of computing it (engine.prefix_cache_stats
-    counts the tokens looked up and found). Outputs are the same either way.
+    counts the tokens looked up and found). Greedy outputs are the same either way (in bf16, up to
+    near-ties that any change of chunking flips too).
 
     tp: the tensor-parallel degree; default, and the only value accepted, the artifact's (`qcompile
     compile --tp N`). At tp=N > 1 this process is rank 0: it runs the scheduler, the sampler and the
