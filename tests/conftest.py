@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,14 @@ MakeCkpt = Callable[..., Path]
 # Triton kernels run in its interpreter on machines without a GPU (CI); set before triton is imported.
 if not Path("/dev/nvidia0").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def rng() -> random.Random:
+    """A fresh random.Random per test, its seed printed (pytest shows it when the test fails)."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    return random.Random(seed)
 
 
 @pytest.fixture(scope="session")

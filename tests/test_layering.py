@@ -41,7 +41,9 @@ def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
                     package = package[: len(package) - node.level + 1]
                     base = ".".join([*package, base] if base else package)
                 # `from pkg import sub` imports the submodule; `from mod import name` the module
-                targets |= {known(f"{base}.{a.name}") if f"{base}.{a.name}" in mods else known(base) for a in node.names}
+                targets |= {
+                    known(f"{base}.{a.name}") if f"{base}.{a.name}" in mods else known(base) for a in node.names
+                }
         edges[name] = targets - {None, name}
     return edges
 
@@ -112,7 +114,9 @@ def test_relative_and_lazy_imports_are_seen(tmp_path):
 
 def test_the_runtime_never_imports_the_compiler():
     edges = import_graph(_modules())
-    wrong = {m: sorted(t for t in ts if t.startswith("qcompile")) for m, ts in edges.items() if m.startswith("qruntime")}
+    wrong = {
+        m: sorted(t for t in ts if t.startswith("qcompile")) for m, ts in edges.items() if m.startswith("qruntime")
+    }
     assert {m: ts for m, ts in wrong.items() if ts} == {}
 
 

@@ -19,13 +19,6 @@ from qruntime.artifact import sha256_file
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
 
 
-@pytest.fixture
-def rng() -> random.Random:
-    seed = random.randrange(1 << 30)
-    print(f"seed {seed}")
-    return random.Random(seed)
-
-
 def _prompts(rng: random.Random, count: int, vocab: int, longest: int = 70) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(rng.randrange(1, longest))] for _ in range(count)]
 

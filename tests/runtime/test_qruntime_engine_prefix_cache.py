@@ -21,13 +21,6 @@ GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 BLOCK = 16  # the tiny artifacts' KV block size (recipe default)
 
 
-@pytest.fixture
-def rng() -> random.Random:
-    seed = random.randrange(1 << 30)
-    print(f"seed {seed}")
-    return random.Random(seed)
-
-
 @pytest.fixture(scope="module")
 def art(tiny_ckpt, compiled):
     return compiled(tiny_ckpt, "ptpc-fp8")

@@ -5,8 +5,6 @@ with and without it are compared in test_qruntime_engine_prefix_cache.py."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from qruntime.engine.block_manager import BlockManager, NoFreeBlocks
 from qruntime.engine.prefix_cache import PrefixCacheStats, extend_chain, hash_block, kv_salt
@@ -14,13 +12,6 @@ from qruntime.engine.request import Request, RequestStatus
 from qruntime.engine.scheduler import Scheduler, SchedulerConfig
 
 SALT = kv_salt({"kv_cache": {"dtype": "bf16", "block_size": 4}})
-
-
-@pytest.fixture
-def rng() -> random.Random:
-    seed = random.randrange(1 << 30)
-    print(f"seed {seed}")
-    return random.Random(seed)
 
 
 def _chain(tokens: list[int], bs: int = 4, salt: bytes = SALT) -> list[bytes]:

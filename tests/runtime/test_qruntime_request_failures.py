@@ -22,13 +22,6 @@ def artifact(tiny_ckpt, compiled):
     return compiled(tiny_ckpt, "ptpc-fp8")
 
 
-@pytest.fixture
-def rng() -> random.Random:
-    seed = random.randrange(1 << 30)
-    print(f"seed {seed}")
-    return random.Random(seed)
-
-
 def _prompts(rng: random.Random, count: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(rng.randrange(2, 30))] for _ in range(count)]
 

@@ -41,13 +41,6 @@ PROMPT_LENGTHS = (5, 17, 40, 71)  # inside a block, past one, and longer than a 
 HANG = 30.0  # seconds: a failure reported later than this counts as a hang
 
 
-@pytest.fixture
-def rng() -> random.Random:
-    seed = random.randrange(1 << 30)
-    print(f"seed {seed}")
-    return random.Random(seed)
-
-
 def _prompts(rng: random.Random, vocab: int) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
 

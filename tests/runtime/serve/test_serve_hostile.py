@@ -39,13 +39,6 @@ TEMPLATE_WITH_TOOLS = (  # as Qwen3's: loops over `tools` when given
 )
 
 
-@pytest.fixture
-def rng() -> random.Random:
-    seed = random.randrange(1 << 30)
-    print(f"seed {seed}")
-    return random.Random(seed)
-
-
 @pytest.fixture(scope="module")
 def art(tiny_ckpt, compiled):
     return compiled(tiny_ckpt, "ptpc-fp8")

@@ -5,7 +5,6 @@ and over HTTP."""
 
 from __future__ import annotations
 
-import random
 import shutil
 
 import httpx
@@ -33,13 +32,6 @@ def artifacts(tiny_ckpt, compiled, tmp_path_factory):
     out = root / "art"
     compile_checkpoint(prepare(bare, load_recipe("ptpc-fp8"), tokenizer=False), out, workers=2, progress=False)
     return out, compiled(tiny_ckpt, "ptpc-fp8")
-
-
-@pytest.fixture
-def rng() -> random.Random:
-    seed = random.randrange(1 << 30)
-    print(f"seed {seed}")
-    return random.Random(seed)
 
 
 def test_token_id_prompts_run_as_with_a_tokenizer(artifacts, rng):

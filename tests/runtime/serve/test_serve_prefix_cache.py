@@ -4,8 +4,6 @@ reaches qruntime.load."""
 
 from __future__ import annotations
 
-import random
-
 import httpx
 import pytest
 import qruntime
@@ -20,13 +18,6 @@ BLOCK = 16  # the tiny artifact's KV block size
 @pytest.fixture(scope="module")
 def art(tiny_ckpt, compiled):
     return compiled(tiny_ckpt, "ptpc-fp8")
-
-
-@pytest.fixture
-def rng() -> random.Random:
-    seed = random.randrange(1 << 30)
-    print(f"seed {seed}")
-    return random.Random(seed)
 
 
 def _complete(client: httpx.Client, prompt: list[int]) -> dict:
