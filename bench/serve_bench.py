@@ -71,6 +71,17 @@ def _drain(stream) -> None:
             print("server:", line.rstrip(), flush=True)
 
 
+def gpu_report(benchmark: str) -> dict:
+    """report_header with this GPU, torch and triton, and what the weights are."""
+    import triton
+
+    report = report_header(benchmark)
+    report["machine"]["gpu"] = torch.cuda.get_device_name()
+    report["versions"].update(torch=torch.__version__, triton=triton.__version__)
+    report["weights"] = "synthetic: random bf16 weights of the preset's exact shapes (qcompile synth)"
+    return report
+
+
 def levels_run(art: Path, levels: list[int], args: argparse.Namespace) -> tuple[list[dict], str]:
     """The random 128/128 load at each concurrency level, one server for all; its /metrics after."""
     proc, url = start_server(art, max(levels))
@@ -149,12 +160,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    import triton
-
-    report = report_header("serve_bench")
-    report["machine"]["gpu"] = torch.cuda.get_device_name()
-    report["versions"].update(torch=torch.__version__, triton=triton.__version__)
-    report["weights"] = "synthetic: random bf16 weights of the preset's exact shapes (qcompile synth)"
+    report = gpu_report("serve_bench")
     levels = [int(c) for c in args.concurrency.split(",")]
     timings: dict = {}
     art, _ = build_artifact(args.preset, args.workdir, timings)

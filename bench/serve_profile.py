@@ -26,11 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import torch
-from compile_bench import report_header
 from decode_bench import build_artifact
 from loadgen import random_token_specs, run_load, summarize
-from serve_bench import start_server
+from serve_bench import gpu_report, start_server
 from step_profile import LOOP_KEYS, STEP_KEYS
 
 HERE = Path(__file__).resolve().parent
@@ -137,12 +135,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    import triton
-
-    report = report_header("serve_profile")
-    report["machine"]["gpu"] = torch.cuda.get_device_name()
-    report["versions"].update(torch=torch.__version__, triton=triton.__version__)
-    report["weights"] = "synthetic: random bf16 weights of the preset's exact shapes (qcompile synth)"
+    report = gpu_report("serve_profile")
     levels = [int(c) for c in args.concurrency.split(",")]
     timings: dict = {}
     art, _ = build_artifact(args.preset, args.workdir, timings)
