@@ -28,7 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-STEP_KEYS = ("schedule", "execute", "prepare", "graph_host", "fill", "replay", "sample", "update", "detok", "stop")
+STEP_KEYS = (
+    "schedule", "execute", "prepare", "graph_host", "fill", "event_wait", "replay", "sample", "update", "detok", "stop"
+)  # fmt: skip
 LOOP_KEYS = ("add", "dispatch", "publish")
 
 
@@ -80,6 +82,7 @@ class StepProfiler:
         self.timed(DecodeGraphs, "run", "graph_host")
         self.timed(DecodeInputs, "fill", "fill")  # inside graph_host: the inputs written on the host
         self.timed(torch.cuda.CUDAGraph, "replay", "replay")  # inside graph_host: the launch
+        self.timed(torch.cuda.Event, "synchronize", "event_wait")  # inside graph_host: the inputs' guard
         self.timed(engine_module, "sample", "sample")
         self.timed(IncrementalDetokenizer, "add", "detok")
         self.timed(Engine, "_stop_reason", "stop")
