@@ -72,3 +72,25 @@ def test_a_batch_larger_than_its_bucket_is_refused():
     chunks = [StepChunk((1,), 0, (0,))] * 3
     with pytest.raises(ValueError, match="bucket 2"):
         DecodeInputs(4, MAX_BLOCKS, BLOCK, SCRATCH, pin=False).fill(chunks, 2)
+
+
+def test_the_two_span_copies_carry_every_input_the_graphs_read():
+    """What DecodeGraphs does on the GPU, on CPU: after each fill, copy the two spans into the twin;
+    the twin's views of the first `bucket` rows then equal a batch built from scratch."""
+    seed = random.randrange(1 << 30)
+    print("seed", seed)
+    rng = random.Random(seed)
+    inputs = DecodeInputs(16, MAX_BLOCKS, BLOCK, SCRATCH, pin=False)
+    wide, narrow = inputs.twin(torch.device("cpu"))
+    twin = inputs.views(wide, narrow)
+    for _ in range(40):
+        batch = rng.randint(1, 16)
+        bucket = rng.choice([b for b in (1, 2, 4, 8, 16) if b >= batch])
+        chunks = [random_chunk(rng) for _ in range(batch)]
+        inputs.fill(chunks, bucket)
+        host_wide, host_narrow = inputs.spans(bucket)
+        assert host_narrow.numel() == 16 + bucket * MAX_BLOCKS  # every length, `bucket` tables: no more
+        wide.copy_(host_wide)
+        narrow[: host_narrow.numel()].copy_(host_narrow)
+        for name, want in reference(chunks, bucket).items():
+            assert torch.equal(twin[name][:bucket], want), name

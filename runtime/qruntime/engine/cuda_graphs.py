@@ -40,16 +40,13 @@ class DecodeGraphs:
         self.max_blocks = -(-max_context_len // self.block_size)
         self.meta = AttentionMetadata((), (), (), max_q_len=1, max_context_len=max_context_len)
         device, size = kv_cache.k[0].device, self.buckets[-1]
+        self.inputs = DecodeInputs(size, self.max_blocks, self.block_size, scratch_block, pin=True)
+        self.wide, self.narrow = self.inputs.twin(device)  # the buffers the graphs read, as views below
         self.buffers = {
-            "input_ids": torch.zeros(size, dtype=torch.int64, device=device),
-            "positions": torch.zeros(size, dtype=torch.int64, device=device),
-            "slot_mapping": torch.full((size,), scratch_block * self.block_size, dtype=torch.int64, device=device),
-            "block_tables": torch.full((size, self.max_blocks), scratch_block, dtype=torch.int32, device=device),
-            "context_lens": torch.ones(size, dtype=torch.int32, device=device),
+            **self.inputs.views(self.wide, self.narrow),
             "query_start_loc": torch.arange(size + 1, dtype=torch.int32, device=device),
             "logits_indices": torch.arange(size, dtype=torch.int64, device=device),
         }
-        self.inputs = DecodeInputs(size, self.max_blocks, self.block_size, scratch_block, pin=True)
         self.copied = torch.cuda.Event()  # recorded after each step's copies out of self.inputs
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
@@ -84,9 +81,10 @@ class DecodeGraphs:
         batch = len(chunks)
         bucket = self.buckets[bisect_left(self.buckets, batch)]
         self.copied.synchronize()  # the last step's copies have read the host buffers (at once: it sampled)
-        host = self.inputs.fill(chunks, bucket)
-        for name, values in host.items():
-            self.buffers[name][:bucket].copy_(values, non_blocking=True)  # pinned: asynchronous
+        self.inputs.fill(chunks, bucket)
+        wide, narrow = self.inputs.spans(bucket)
+        self.wide.copy_(wide, non_blocking=True)  # pinned: asynchronous
+        self.narrow[: narrow.numel()].copy_(narrow, non_blocking=True)
         self.copied.record()
         graph, logits = self.graphs[bucket]
         graph.replay()

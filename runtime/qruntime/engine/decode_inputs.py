@@ -1,8 +1,9 @@
 """The host side of a graph-replayed decode step: its inputs written in place into fixed host buffers.
 
 The captured graphs read static device buffers; each step the host writes the batch's token ids,
-positions, KV slots, context lengths and block tables into host buffers of the same shapes (pinned
-on CUDA, so the copies are asynchronous) and copies them over. Writing goes through numpy views of
+positions, KV slots, context lengths and block tables into host buffers of the same layout (pinned
+on CUDA, so the copies are asynchronous) and copies them over in two calls (each torch call gives
+up the GIL, and a served step's other thread may then hold it for milliseconds). Writing goes through numpy views of
 those buffers, one row per sequence: a torch op per row costs ~10-20 us of dispatch, which at 128
 sequences was half of a served decode step. A row's block table is written only up to its length;
 the entries a longer table left behind in that row are reset to the scratch block, so every row
@@ -28,15 +29,34 @@ class DecodeInputs:
     def __init__(self, size: int, max_blocks: int, block_size: int, scratch_block: int, pin: bool) -> None:
         self.size, self.max_blocks = size, max_blocks
         self.block_size, self.scratch_block = block_size, scratch_block
-        self.tensors = {
-            "input_ids": torch.zeros(size, dtype=torch.int64, pin_memory=pin),
-            "positions": torch.zeros(size, dtype=torch.int64, pin_memory=pin),
-            "slot_mapping": torch.full((size,), scratch_block * block_size, dtype=torch.int64, pin_memory=pin),
-            "context_lens": torch.ones(size, dtype=torch.int32, pin_memory=pin),
-            "block_tables": torch.full((size, max_blocks), scratch_block, dtype=torch.int32, pin_memory=pin),
-        }
+        # two spans, each copied in one call: the int64 rows, and the int32 lengths followed by the tables
+        self.wide = torch.zeros(3, size, dtype=torch.int64, pin_memory=pin)
+        self.narrow = torch.full((size * (1 + max_blocks),), scratch_block, dtype=torch.int32, pin_memory=pin)
+        self.tensors = self.views(self.wide, self.narrow)
+        self.tensors["slot_mapping"].fill_(scratch_block * block_size)
+        self.tensors["context_lens"].fill_(1)
         self._ids, self._positions, self._slots, self._lens, self._tables = (self.tensors[n].numpy() for n in NAMES)
         self._row_len = [0] * size  # block-table entries written in each row (the rest is scratch)
+
+    def views(self, wide: torch.Tensor, narrow: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The named inputs as views of a (wide, narrow) pair laid out as this one's (host or device)."""
+        size = self.size
+        return {
+            "input_ids": wide[0],
+            "positions": wide[1],
+            "slot_mapping": wide[2],
+            "context_lens": narrow[:size],
+            "block_tables": narrow[size:].view(size, self.max_blocks),
+        }
+
+    def twin(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """A (wide, narrow) pair on `device` holding this one's current values (the graphs' buffers)."""
+        return self.wide.to(device), self.narrow.to(device)
+
+    def spans(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a step of `bucket` rows must copy into the twin: all of `wide` (3 x size int64) and
+        the front of `narrow` (every length, the first `bucket` tables): two contiguous copies."""
+        return self.wide, self.narrow[: self.size + bucket * self.max_blocks]
 
     def fill(self, chunks: Sequence[StepChunk], bucket: int) -> dict[str, torch.Tensor]:
         """Write the decode batch `chunks` (one token each) padded to `bucket` rows; returns the host
