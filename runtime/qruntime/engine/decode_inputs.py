@@ -58,9 +58,9 @@ class DecodeInputs:
         the front of `narrow` (every length, the first `bucket` tables): two contiguous copies."""
         return self.wide, self.narrow[: self.size + bucket * self.max_blocks]
 
-    def fill(self, chunks: Sequence[StepChunk], bucket: int) -> dict[str, torch.Tensor]:
-        """Write the decode batch `chunks` (one token each) padded to `bucket` rows; returns the host
-        views [:bucket] of every input. Padding rows write the scratch block and read only it."""
+    def fill(self, chunks: Sequence[StepChunk], bucket: int) -> None:
+        """Write the decode batch `chunks` (one token each) padded to `bucket` rows into the host
+        buffers (`tensors`). Padding rows write the scratch block and read only it."""
         if not len(chunks) <= bucket <= self.size:
             raise ValueError(f"a batch of {len(chunks)} sequences does not fit bucket {bucket} (at most {self.size})")
         bs, scratch, row_len = self.block_size, self.scratch_block, self._row_len
@@ -88,4 +88,3 @@ class DecodeInputs:
             if row_len[b]:
                 tables[b, : row_len[b]] = scratch
                 row_len[b] = 0
-        return {name: tensor[:bucket] for name, tensor in self.tensors.items()}
