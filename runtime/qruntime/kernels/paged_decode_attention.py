@@ -12,6 +12,10 @@ partitions' length is computed on the device from each sequence's own context (a
 min_partition tokens), so a short context in a graph captured for the longest one still spreads
 over several programs instead of queueing its tiles in the first.
 
+Mixed steps (decodes beside prefill chunks): given the step's query_start_loc, the kernels run
+only for its sequences of q_len 1 (program i finds the i-th of them by a scan of query_start_loc,
+nth_sequence) and write their rows of the step's output; the prefill kernel does the others.
+
 Pools in any named layout (nhd, hnd, x-packed; model dtype or fp8) are addressed by the eight
 integers of qruntime.kernels.kv_addressing; fp8 values are multiplied by k_scale / v_scale.
 """
@@ -35,6 +39,7 @@ LOG2E = 1.4426950408889634
 # counts just past what is resident at once leave a second, mostly idle wave. 3 per SM avoids that.
 MIN_PARTITION = 64  # tokens
 TARGET_PROGRAMS_PER_SM = 3
+SCAN_BLOCK = 128  # sequences nth_sequence reads at a time
 
 
 @dataclass(frozen=True)
@@ -240,21 +245,43 @@ def attend_tile(
 
 
 @triton.jit
+def nth_sequence(query_start_ptr, num_seqs, n, DECODES: tl.constexpr, BLOCK: tl.constexpr):
+    """Index of the n-th (from 0) of the step's num_seqs sequences whose q_len is 1 (DECODES) or is
+    not 1: a scan of query_start_loc [num_seqs + 1], BLOCK sequences at a time, on the device (no
+    index tensor to build on the host for every step)."""
+    offs = tl.arange(0, BLOCK)
+    found = n * 0
+    seen = n * 0
+    for first in range(0, num_seqs, BLOCK):
+        b = first + offs
+        valid = b < num_seqs
+        start = tl.load(query_start_ptr + b, mask=valid, other=0)
+        q_len = tl.load(query_start_ptr + b + 1, mask=valid, other=0) - start
+        hit = valid & ((q_len == 1) if DECODES else (q_len != 1))
+        rank = seen + tl.cumsum(hit.to(tl.int32), 0) - 1  # [BLOCK] rank of each hit among its kind
+        found += tl.sum(tl.where(hit & (rank == n), b, 0), 0)
+        seen += tl.sum(hit.to(tl.int32), 0)
+    return found
+
+
+@triton.jit
 def partition_len(ctx, num_splits, min_partition, STEP: tl.constexpr):
     """Tokens per partition of a context of ctx tokens: num_splits partitions cover it."""
     part = tl.cdiv(tl.cdiv(ctx, num_splits), STEP) * STEP
     return tl.maximum(part, min_partition)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])  # no variants per step size
 def _decode_partition_kernel(
-    q_ptr,  # [B, nh, d]
+    q_ptr,  # [B, nh, d] (VARLEN: the step's [T, nh, d])
     k_ptr,
     v_ptr,
     block_tables_ptr,  # [B, max_blocks] int32
     context_lens_ptr,  # [B] int32
-    out_ptr,  # [B, nh * d] (DIRECT) or partial outputs [B, nh, S, d] fp32
-    lse_ptr,  # [B, nh, S] fp32, log2 domain
+    query_start_ptr,  # [B + 1] int32 (VARLEN only)
+    out_ptr,  # [B, nh * d] (VARLEN: [T, nh * d]) when DIRECT, else partial outputs [decodes, nh, S, d] fp32
+    lse_ptr,  # [decodes, nh, S] fp32, log2 domain
+    num_seqs,  # B (VARLEN only)
     q_stride_b,
     q_stride_h,
     bt_stride,
@@ -288,10 +315,18 @@ def _decode_partition_kernel(
     SPLIT_P: tl.constexpr,
     UPCAST: tl.constexpr,
     DIRECT: tl.constexpr,
+    VARLEN: tl.constexpr,
+    SCAN: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    idx = tl.program_id(0)  # the idx-th decode of the step
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if VARLEN:
+        seq = nth_sequence(query_start_ptr, num_seqs, idx, True, SCAN)
+        row = tl.load(query_start_ptr + seq).to(tl.int64)  # its query's row of q and out
+    else:
+        seq = idx
+        row = idx.to(tl.int64)
     ctx = tl.load(context_lens_ptr + seq)
     partition = partition_len(ctx, num_splits, min_partition, STEP)
     lo = split * partition
@@ -302,7 +337,7 @@ def _decode_partition_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + offs_g
     gd_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    q = tl.load(q_ptr + seq * q_stride_b + heads[:, None] * q_stride_h + offs_d[None, :], mask=gd_mask, other=0.0)
+    q = tl.load(q_ptr + row * q_stride_b + heads[:, None] * q_stride_h + offs_d[None, :], mask=gd_mask, other=0.0)
     d_mask = offs_d < HEAD_DIM
     table = block_tables_ptr + seq * bt_stride
 
@@ -323,22 +358,24 @@ def _decode_partition_kernel(
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # an empty context (padding row) gives 0
     if DIRECT:
         o = acc * (v_scale / l_safe)[:, None]
-        o_ptr = out_ptr + seq * (GROUP * tl.num_programs(1) * HEAD_DIM) + heads[:, None] * HEAD_DIM + offs_d[None, :]
+        o_ptr = out_ptr + row * (GROUP * tl.num_programs(1) * HEAD_DIM) + heads[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(o_ptr, o.to(out_ptr.dtype.element_ty), mask=gd_mask)
     else:
-        row = (seq * GROUP * tl.num_programs(1) + heads) * num_splits + split  # [G] in [B, nh, S]
+        part = (idx * GROUP * tl.num_programs(1) + heads) * num_splits + split  # [G] in [decodes, nh, S]
         g_written = offs_g < tl.where(lo < ctx, GROUP, 0)  # partitions past the context write nothing
-        tl.store(lse_ptr + row, m_i + tl.log2(l_safe), mask=g_written)
-        o_ptr = out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(lse_ptr + part, m_i + tl.log2(l_safe), mask=g_written)
+        o_ptr = out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(o_ptr, acc / l_safe[:, None], mask=g_written[:, None] & d_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])  # no variants per step size
 def _decode_reduce_kernel(
-    partial_ptr,  # [B, nh, S, d] fp32
-    lse_ptr,  # [B, nh, S] fp32
+    partial_ptr,  # [decodes, nh, S, d] fp32
+    lse_ptr,  # [decodes, nh, S] fp32
     context_lens_ptr,
-    out_ptr,  # [B, nh * d]
+    query_start_ptr,  # VARLEN only
+    out_ptr,  # [B, nh * d] (VARLEN: [T, nh * d])
+    num_seqs,  # VARLEN only
     min_partition,
     num_splits,
     v_scale,
@@ -346,12 +383,20 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    VARLEN: tl.constexpr,
+    SCAN: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    idx = tl.program_id(0)
     head = tl.program_id(1)
+    if VARLEN:
+        seq = nth_sequence(query_start_ptr, num_seqs, idx, True, SCAN)
+        row = tl.load(query_start_ptr + seq).to(tl.int64)
+    else:
+        seq = idx
+        row = idx.to(tl.int64)
     ctx = tl.load(context_lens_ptr + seq)
     used = tl.cdiv(ctx, partition_len(ctx, num_splits, min_partition, STEP))  # partitions stage 1 wrote
-    row0 = (seq * tl.num_programs(1) + head) * num_splits
+    row0 = (idx * tl.num_programs(1) + head) * num_splits
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
@@ -376,7 +421,9 @@ def _decode_reduce_kernel(
     total = tl.sum(l_run, 0)
     o = acc * (v_scale / tl.where(total > 0.0, total, 1.0))
     tl.store(
-        out_ptr + (seq * tl.num_programs(1) + head) * HEAD_DIM + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_mask
+        out_ptr + row * (tl.num_programs(1) * HEAD_DIM) + head * HEAD_DIM + offs_d,
+        o.to(out_ptr.dtype.element_ty),
+        mask=d_mask,
     )
 
 
@@ -412,6 +459,9 @@ def paged_decode_attention(
     max_context_len: int | None = None,
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
+    query_start_loc: torch.Tensor | None = None,
+    num_decodes: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode-step paged attention: o [B, nh*d] for q [B, nh, d], one query per sequence at position
     context_lens[b] - 1 (it sees the whole cached context).
@@ -423,18 +473,34 @@ def paged_decode_attention(
     capacity) and the GPU's size. Neither reads context_lens, so the call can be captured in a CUDA
     graph; a context longer than max_context_len is still computed right, only with less parallelism.
     config: tile size and launch parameters (DecodeConfig() when None).
+
+    The decode rows of a mixed step: given query_start_loc (int32 [B+1], the step's sequences laid
+    end to end in q [T, nh, d], as paged_prefill_attention takes them), only the step's sequences of
+    q_len 1 are computed, num_decodes of them (a host int: their count, which sizes the grid), each
+    into its query's row of o [T, nh*d]; the other rows are left as they are.
+    out: the output to write (o's shape, q's dtype); allocated when None.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, nh, d], got {tuple(q.shape)}")
-    batch, nh, d = q.shape
+    tokens, nh, d = q.shape
     kv = paged_kv(
         layout, q, k_pool, v_pool, block_tables,
         block_size=block_size, num_kv_heads=num_kv_heads, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
-    if block_tables.shape[0] != batch:
-        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {batch} sequences")
-    if context_lens.dtype != torch.int32 or tuple(context_lens.shape) != (batch,):
-        raise ValueError(f"context_lens must be int32 [{batch}]")
+    seqs = block_tables.shape[0]
+    varlen = query_start_loc is not None
+    if varlen:
+        if query_start_loc.dtype != torch.int32 or tuple(query_start_loc.shape) != (seqs + 1,):
+            raise ValueError(f"query_start_loc must be int32 [{seqs + 1}] (one per block_tables row, plus one)")
+        if num_decodes is None or not 0 <= num_decodes <= seqs:
+            raise ValueError(f"num_decodes must be the step's count of q_len 1 sequences, got {num_decodes}")
+        batch = num_decodes
+    elif seqs != tokens:
+        raise ValueError(f"block_tables has {seqs} rows for {tokens} sequences")
+    else:
+        batch = seqs
+    if context_lens.dtype != torch.int32 or tuple(context_lens.shape) != (seqs,):
+        raise ValueError(f"context_lens must be int32 [{seqs}]")
     if not max_context_len:  # None or 0 (unknown)
         max_context_len = block_tables.shape[1] * block_size
     if num_splits is None:
@@ -445,7 +511,10 @@ def paged_decode_attention(
     block_n = cfg.block_n
     min_partition = min(MIN_PARTITION, block_n)  # whole tiles
 
-    out = torch.empty(batch, nh * d, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(tokens, nh * d, dtype=q.dtype, device=q.device)
+    elif out.dtype != q.dtype or tuple(out.shape) != (tokens, nh * d) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {q.dtype} [{tokens}, {nh * d}], got {out.dtype} {tuple(out.shape)}")
     if batch == 0:
         return out
     group = nh // num_kv_heads
@@ -455,19 +524,21 @@ def paged_decode_attention(
     else:
         partial = torch.empty(batch, nh, num_splits, d, dtype=torch.float32, device=q.device)
         lse = torch.empty(batch, nh, num_splits, dtype=torch.float32, device=q.device)
+    qsl = query_start_loc if varlen else context_lens  # read only when VARLEN
     block_d = triton.next_power_of_2(d)
     _decode_partition_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_pool, v_pool, block_tables, context_lens, partial, lse,
+        q, k_pool, v_pool, block_tables, context_lens, qsl, partial, lse, seqs,
         q.stride(0), q.stride(1), block_tables.stride(0), min_partition, num_splits,
         scale * kv.k_scale * LOG2E, kv.v_scale, *kv.k_args(), *kv.v_args(),
         STEP=block_n, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_SIZE=block_size, **kv.splits(), SPLIT_P=q.dtype != torch.float32,
-        UPCAST=q.device.type != "cuda", DIRECT=direct,
+        UPCAST=q.device.type != "cuda", DIRECT=direct, VARLEN=varlen, SCAN=SCAN_BLOCK,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if not direct:
         _decode_reduce_kernel[(batch, nh)](
-            partial, lse, context_lens, out, min_partition, num_splits, kv.v_scale,
-            STEP=block_n, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=min(32, triton.next_power_of_2(num_splits)), num_warps=4,
+            partial, lse, context_lens, qsl, out, seqs, min_partition, num_splits, kv.v_scale,
+            STEP=block_n, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=min(32, triton.next_power_of_2(num_splits)),
+            VARLEN=varlen, SCAN=SCAN_BLOCK, num_warps=4,
         )  # fmt: skip
     return out

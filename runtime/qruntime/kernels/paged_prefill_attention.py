@@ -8,6 +8,12 @@ masks, the few on the diagonal with the causal mask. Online softmax in fp32 (log
 keeps ~16 bits of P (hi + lo halves) so results match the fp32 reference. Heavy (late) query tiles
 are launched first so the causal imbalance does not leave a tail.
 
+A mixed step's decode rows (q_len 1) are better served by the decode kernel, which packs a GQA
+group's query heads into one tile and splits long contexts: here a 1-row query tile would fill one
+of BLOCK_M rows and each q head would read its kv head's K/V again. Given num_prefills, the grid
+covers only the sequences whose q_len is not 1 (program i finds the i-th of them by a scan of
+query_start_loc on the device) and leaves the decode rows for paged_decode_attention.
+
 K/V addressing is shared with the decode kernel (kv_addressing's eight integers per pool).
 """
 
@@ -19,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qruntime.kernels.paged_decode_attention import LOG2E, attend_tile, paged_kv
+from qruntime.kernels.paged_decode_attention import LOG2E, SCAN_BLOCK, attend_tile, nth_sequence, paged_kv
 from qruntime.kv_layout import KVLayout
 
 
@@ -34,7 +40,7 @@ class PrefillConfig:
     num_stages: int = 3
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])  # no variants per step size
 def _prefill_kernel(
     q_ptr,  # [T, nh, d]
     k_ptr,
@@ -43,6 +49,7 @@ def _prefill_kernel(
     context_lens_ptr,  # [B] int32
     query_start_ptr,  # [B+1] int32
     out_ptr,  # [T, nh * d]
+    num_seqs,  # B (SKIP_DECODES only)
     q_stride_t,
     q_stride_h,
     bt_stride,
@@ -72,10 +79,13 @@ def _prefill_kernel(
     V_DIM_SPLIT: tl.constexpr,
     SPLIT_P: tl.constexpr,
     UPCAST: tl.constexpr,
+    SKIP_DECODES: tl.constexpr,
+    SCAN: tl.constexpr,
 ):
     head = tl.program_id(0)
     tile = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest tiles first
-    seq = tl.program_id(2)
+    n = tl.program_id(2)
+    seq = nth_sequence(query_start_ptr, num_seqs, n, False, SCAN) if SKIP_DECODES else n  # the n-th prompt
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
     if tile * BLOCK_M >= q_len:
@@ -140,6 +150,7 @@ def paged_prefill_attention(
     num_kv_heads: int,
     max_q_len: int,
     config: PrefillConfig | None = None,
+    num_prefills: int | None = None,
 ) -> torch.Tensor:
     """Varlen causal paged attention: o [T, nh*d] for q [T, nh, d] of B sequences laid end to end.
 
@@ -149,6 +160,9 @@ def paged_prefill_attention(
     `layout` (a name of KV_LAYOUTS or a KVLayout), model dtype or fp8 (stored as fp8(x / scale)).
     max_q_len is a host int >= every q_len (it sizes the grid; nothing reads the device tensors).
     config: tile sizes and launch parameters (PrefillConfig() when None).
+    num_prefills: None computes every sequence. A host int, the step's count of sequences whose
+    q_len is not 1: only those are computed and the rows of the q_len 1 sequences are left
+    unwritten, for paged_decode_attention(..., query_start_loc=...) to fill.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [T, nh, d], got {tuple(q.shape)}")
@@ -164,21 +178,25 @@ def paged_prefill_attention(
         raise ValueError(f"query_start_loc must be int32 [{batch + 1}]")
     if max_q_len < 0:
         raise ValueError(f"max_q_len must be >= 0, got {max_q_len}")
+    if num_prefills is not None and not 0 <= num_prefills <= batch:
+        raise ValueError(f"num_prefills must be in [0, {batch}], got {num_prefills}")
     out = torch.empty(tokens, nh * d, dtype=q.dtype, device=q.device)
-    if tokens == 0 or batch == 0 or max_q_len == 0:
+    seqs = batch if num_prefills is None else num_prefills  # the grid's sequences
+    if tokens == 0 or seqs == 0 or max_q_len == 0:
         return out
     block_d = triton.next_power_of_2(d)
     cfg = config or PrefillConfig()
     block_m = min(cfg.block_m, max(16, triton.next_power_of_2(max_q_len)))
     block_n = cfg.block_n
     num_warps = cfg.num_warps if block_m >= 64 else min(cfg.num_warps, 4)
-    grid = (nh, triton.cdiv(max_q_len, block_m), batch)
+    grid = (nh, triton.cdiv(max_q_len, block_m), seqs)
     _prefill_kernel[grid](
-        q, k_pool, v_pool, block_tables, context_lens, query_start_loc, out,
+        q, k_pool, v_pool, block_tables, context_lens, query_start_loc, out, batch,
         q.stride(0), q.stride(1), block_tables.stride(0), scale * kv.k_scale * LOG2E, kv.v_scale,
         *kv.k_args(), *kv.v_args(),
         GROUP=nh // num_kv_heads, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, **kv.splits(), SPLIT_P=q.dtype != torch.float32,
-        UPCAST=q.device.type != "cuda", num_warps=num_warps, num_stages=cfg.num_stages,
+        UPCAST=q.device.type != "cuda", SKIP_DECODES=num_prefills is not None, SCAN=SCAN_BLOCK,
+        num_warps=num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

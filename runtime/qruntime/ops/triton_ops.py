@@ -8,6 +8,8 @@ Kernels are imported when an op is bound, so the reference path never imports tr
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -182,12 +184,15 @@ class QKNormRoPEKVWrite(attention.QKNormRoPEKVWrite):
 
 
 class PagedAttention(attention.PagedAttention):
-    """Decode-only steps: the split-context decode kernel. A step of fresh prompts only (no cached
-    prefix), each at least SDPA_MIN_TOKENS long: torch's fused attention on each prompt's K/V read
-    back from the cache, cuDNN's kernel first (H100, 8000 tokens, 32/8 heads: cuDNN 872 µs,
-    FlashAttention-2 1646 µs, our prefill kernel ~1970 µs: bench/results/sdpa_backends.json and
-    fastpath_check.json). Any other step: the varlen prefill kernel, which reads cached prefixes
-    from the paged pools."""
+    """Decode-only steps: the split-context decode kernel. Other steps split by rows: the sequences of
+    q_len 1 (decodes beside prefill chunks) go to the decode kernel too, which writes their rows of
+    the step's output; the others, if each is a fresh prompt (no cached prefix) of at least
+    SDPA_MIN_TOKENS, to torch's fused attention on each prompt's K/V read back from the cache,
+    cuDNN's kernel first (H100, 8000 tokens, 32/8 heads: cuDNN 872 µs, FlashAttention-2 1646 µs, our
+    prefill kernel ~1970 µs: bench/results/sdpa_backends.json and fastpath_check.json), else to the
+    varlen prefill kernel, which reads cached prefixes from the paged pools. In the prefill kernel a
+    decode row costs a whole query tile per q head (H100, qwen3-8b, 64 decodes at context 192 beside
+    16 prompts of 128: ~4.4 ms a step over 36 layers, where the decode kernel takes ~0.9 ms)."""
 
     capturable = True
     SDPA_MIN_TOKENS = 512
@@ -212,18 +217,30 @@ class PagedAttention(attention.PagedAttention):
         pools = (cache.k[a["layer"]], cache.v[a["layer"]])
         if meta.decode_only:
             return self.decode(q, *pools, block_tables, context_lens, max_context_len=meta.max_context_len, **common)
-        if self._fresh_long_prompts(meta):
-            return self._sdpa_prefill(step, q)
-        return self.prefill(q, *pools, block_tables, context_lens, query_start_loc, max_q_len=meta.max_q_len, **common)
+        q_lens = list(map(operator.sub, meta.query_start[1:], meta.query_start[:-1]))
+        num_decodes = q_lens.count(1)  # host ints only: no sync, no index tensor (the kernels scan)
+        longest = max(q_lens, default=0)
+        if longest >= self.SDPA_MIN_TOKENS and self._fresh_long_prompts(meta, q_lens):
+            out = self._sdpa_prefill(step, q, q_lens)
+        else:
+            num_prefills = len(q_lens) - num_decodes if num_decodes else None  # None: no decode rows to skip
+            args = (q, *pools, block_tables, context_lens, query_start_loc)
+            out = self.prefill(*args, max_q_len=longest, num_prefills=num_prefills, **common)
+        if num_decodes:
+            args = (q, *pools, block_tables, context_lens)
+            kwargs = dict(query_start_loc=query_start_loc, num_decodes=num_decodes, out=out, **common)
+            self.decode(*args, max_context_len=meta.max_context_len, **kwargs)
+        return out
 
-    def _fresh_long_prompts(self, meta) -> bool:
-        starts = meta.query_start
-        return all(ctx == starts[b + 1] - starts[b] >= self.SDPA_MIN_TOKENS for b, ctx in enumerate(meta.context_lens))
+    def _fresh_long_prompts(self, meta, q_lens: list[int]) -> bool:
+        """Every sequence that is not a decode is a whole prompt (no cached prefix) of SDPA_MIN_TOKENS or more."""
+        return all(ctx == n >= self.SDPA_MIN_TOKENS for ctx, n in zip(meta.context_lens, q_lens, strict=True) if n != 1)
 
-    def _sdpa_prefill(self, step, q):
+    def _sdpa_prefill(self, step, q, q_lens: list[int]):
+        """The rows of the prompts (q_len != 1); decode rows are left for the decode kernel."""
         a, meta = self.a, step.attn
         out = torch.empty(q.shape[0], a["num_heads"] * a["head_dim"], dtype=q.dtype, device=q.device)
-        for b in range(len(meta.context_lens)):
+        for b in (b for b, n in enumerate(q_lens) if n != 1):
             start, end = meta.query_start[b], meta.query_start[b + 1]
             k, v = step.kv_cache.gather(a["layer"], meta.cache_slots[b], a["k_scale"], a["v_scale"], q.dtype)
             with sdpa_kernel(list(SDPA_BACKENDS), set_priority=True):

@@ -3,10 +3,13 @@ qruntime.ops.attention.PagedAttention, for every KV layout with model-dtype and 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
+from qruntime.kernels import paged_decode_attention as decode_kernel
+from qruntime.kernels import paged_prefill_attention as prefill_kernel
 from qruntime.kernels.paged_decode_attention import decode_num_splits, paged_decode_attention
 from qruntime.kernels.paged_prefill_attention import paged_prefill_attention
 from qruntime.kv_cache import KVCache, KVCacheSpec
@@ -32,12 +35,21 @@ class Step:
     """A cache filled with random K/V for sequences (context_len, q_len) through random non-contiguous
     block tables, the queries, and the reference op's output (as tests/runtime/test_qruntime_ops.py)."""
 
-    def __init__(self, layout: str, kv_dtype: str, dtype: torch.dtype, shape: tuple, seqs: list[tuple[int, int]]):
+    def __init__(
+        self,
+        layout: str,
+        kv_dtype: str,
+        dtype: torch.dtype,
+        shape: tuple,
+        seqs: list[tuple[int, int]],
+        rng: random.Random | None = None,
+    ):
+        rng = rng or random.Random(random.randrange(1 << 30))
         nh, kvh, d, block_size = shape
         if layout == "x-packed" and block_size % KV_LAYOUTS[layout].pack(kv_dtype):
             block_size = 16  # x-packed fp8 packs 16 tokens
         self.nh, self.kvh, self.d, self.block_size, self.layout = nh, kvh, d, block_size, layout
-        self.k_scale, self.v_scale = (random.uniform(0.02, 0.05), random.uniform(0.02, 0.05))
+        self.k_scale, self.v_scale = (rng.uniform(0.02, 0.05), rng.uniform(0.02, 0.05))
         spec = KVCacheSpec(KV_LAYOUTS[layout], kv_dtype, block_size, 1, kvh, d)
         per_seq = [-(-ctx // block_size) for ctx, _ in seqs]
         blocks = sum(per_seq) + 5
@@ -62,8 +74,8 @@ class Step:
         attrs = {"layer": 0, "layout": layout, "block_size": block_size, "kv_dtype": kv_dtype}
         attrs |= {"k_scale": self.k_scale, "v_scale": self.v_scale, "num_heads": nh, "num_kv_heads": kvh}
         attrs |= {"head_dim": d, "scale": d**-0.5}
-        op = PagedAttention(attrs, OpEnv(dtype, DEVICE, spec))
-        self.ref = op(StepContext(self.cache, self.meta), self.q, None, None, None, None)
+        self.attrs, self.env = attrs, OpEnv(dtype, DEVICE, spec)
+        self.ref = PagedAttention(attrs, self.env)(StepContext(self.cache, self.meta), self.q, None, None, None, None)
 
     def kwargs(self) -> dict:
         return {
@@ -79,9 +91,35 @@ class Step:
         args = (self.q, self.cache.k[0], self.cache.v[0], self.block_tables, self.context_lens)
         return paged_decode_attention(*args, **self.kwargs(), **extra)
 
-    def prefill(self) -> torch.Tensor:
+    def prefill(self, **extra) -> torch.Tensor:
         args = (self.q, self.cache.k[0], self.cache.v[0], self.block_tables, self.context_lens, self.query_start_loc)
-        return paged_prefill_attention(*args, **self.kwargs(), max_q_len=self.max_q_len)
+        return paged_prefill_attention(*args, **self.kwargs(), max_q_len=self.max_q_len, **extra)
+
+    def rows(self, decodes: bool) -> list[int]:
+        """The step's token rows of its decode sequences (q_len 1), or of the others."""
+        starts = self.meta.query_start
+        return [starts[b] for b in range(len(starts) - 1) if (starts[b + 1] - starts[b] == 1) == decodes]
+
+
+def mixed_step(
+    rng: random.Random,
+    prompt_len: tuple[int, int] = (2, 40),
+    prefixes: bool = True,
+    pools: tuple[str, ...] = tuple(POOLS),
+) -> Step:
+    """A mixed step drawn from rng, printed: a random layout, pool and shape; 1-5 decodes over contexts
+    of 1-90 beside 2-3 prompts of prompt_len tokens (with prefixes, the second after a cached prefix
+    and the third either), in random order. Small: the interpreter takes ~0.1 s a program."""
+    torch.manual_seed(rng.randrange(1 << 30))  # the cache's blocks and values, q
+    layout, pool, shape = rng.choice(list(KV_LAYOUTS)), rng.choice(pools), rng.choice(list(SHAPES))
+    seqs = [(rng.randint(1, 90), 1) for _ in range(rng.randint(1, 5))]
+    for i in range(rng.randint(2, 3)):
+        q_len = rng.randint(*prompt_len)
+        prefix = rng.randint(1, 50) if prefixes and (i == 1 or (i == 2 and rng.random() < 0.5)) else 0
+        seqs.append((prefix + q_len, q_len))
+    rng.shuffle(seqs)
+    print(f"{layout} {pool} {shape} (context, q_len): {seqs}")
+    return Step(layout, *POOLS[pool], SHAPES[shape], seqs, rng)
 
 
 BF16_ATOL = 4e-5
@@ -161,6 +199,70 @@ def test_prefill_equals_reference_for_a_mixed_batch(layout, pool, shape):
     assert_close(step.prefill(), step.ref)
 
 
+def test_mixed_step_rows_split_between_the_kernels(rng):
+    """A mixed step as the fast op runs it: the prefill kernel for the prompts only (num_prefills),
+    the decode kernel for the decode rows only (query_start_loc), into one output: the reference's on
+    every row. The decode kernel, in one partition or several, writes no other row."""
+    step = mixed_step(rng)
+    decode_rows, prompt_rows = step.rows(decodes=True), step.rows(decodes=False)
+    out = step.prefill(num_prefills=len(prompt_rows))
+    varlen = {"query_start_loc": step.query_start_loc, "num_decodes": len(decode_rows)}
+    out[decode_rows] = float("nan")
+    assert step.decode(**varlen, out=out, num_splits=1) is out
+    assert_close(out, step.ref)
+    alone = step.decode(**varlen, num_splits=2, out=torch.full_like(out, float("nan")))
+    assert alone[prompt_rows].isnan().all()
+    assert_close(alone[decode_rows], step.ref[decode_rows])
+
+
+class Spy:
+    """Records the keyword arguments of each call of a kernel wrapper, then calls it."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, []
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append(kwargs)
+        return self.fn(*args, **kwargs)
+
+
+def run_fast_op(step: Step) -> tuple[torch.Tensor, Spy, Spy]:
+    """The fast path's PagedAttention on the step (engine-like metadata), its kernel calls recorded."""
+    from qruntime.ops.triton_ops import PagedAttention as FastPagedAttention
+
+    op = FastPagedAttention(step.attrs, step.env)
+    op.decode, op.prefill = Spy(op.decode), Spy(op.prefill)
+    meta = dataclasses.replace(step.meta, max_q_len=step.max_q_len, max_context_len=256)
+    feeds = (step.block_tables, step.context_lens, step.query_start_loc)
+    return op(StepContext(step.cache, meta), step.q, None, *feeds), op.decode, op.prefill
+
+
+def test_fast_op_sends_the_decode_rows_of_a_mixed_step_to_the_decode_kernel(rng, monkeypatch):
+    """One prefill launch over the prompts, one decode launch over the decode rows, one output equal
+    to the reference's. A scan block of 4 makes the kernels find their sequences over several blocks."""
+    monkeypatch.setattr(decode_kernel, "SCAN_BLOCK", 4)
+    monkeypatch.setattr(prefill_kernel, "SCAN_BLOCK", 4)
+    step = mixed_step(rng)
+    out, decode, prefill = run_fast_op(step)
+    assert_close(out, step.ref)
+    decodes = len(step.rows(decodes=True))
+    assert [c["num_prefills"] for c in prefill.calls] == [len(step.meta.context_lens) - decodes]
+    assert [(c["num_decodes"], c["out"] is out) for c in decode.calls] == [(decodes, True)]
+
+
+def test_fast_op_runs_long_fresh_prompts_beside_decodes_with_sdpa(rng):
+    """Fresh prompts of SDPA_MIN_TOKENS or more beside decodes: torch's fused attention for the
+    prompts, the decode kernel for the decode rows, no prefill kernel. An fp32 model: torch's CPU
+    attention in bf16 is several bf16 ulps off (the kernels are not)."""
+    from qruntime.ops.triton_ops import PagedAttention as FastPagedAttention
+
+    n = FastPagedAttention.SDPA_MIN_TOKENS
+    step = mixed_step(rng, prompt_len=(n, n + 20), prefixes=False, pools=("fp32",))
+    out, decode, prefill = run_fast_op(step)
+    assert_close(out, step.ref)
+    assert not prefill.calls and len(decode.calls) == 1
+
+
 def test_prefill_rows_of_decode_steps_equal_the_decode_kernel():
     step = Step("nhd", "fp8_e4m3", torch.bfloat16, (6, 3, 64, 16), [(33, 1), (1, 1), (70, 1)])
     prefill = step.prefill()
@@ -182,3 +284,9 @@ def test_bad_inputs_are_refused():
             step.q.float(), step.cache.k[0], step.cache.v[0], step.block_tables, step.context_lens,
             step.query_start_loc, **step.kwargs(), max_q_len=1,
         )  # fmt: skip
+    with pytest.raises(ValueError, match="num_decodes"):
+        step.decode(query_start_loc=step.query_start_loc)
+    with pytest.raises(ValueError, match="out must be"):
+        step.decode(out=torch.empty(1, 4 * 32))
+    with pytest.raises(ValueError, match="num_prefills"):
+        step.prefill(num_prefills=2)
