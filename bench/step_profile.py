@@ -5,9 +5,12 @@ would, with timers wrapped (at class level, in this process only) around the eng
 
     loop      EngineLoop._add (engine.add_request), _dispatch (deltas to the event loops), _publish
     step      Engine.step, inside it: Scheduler.schedule, ModelRunner.execute (graph replay or eager
-              plan: ModelRunner.prepare + the op-by-op run), sample (which waits for the GPU: its two
-              host copies are the step's sync), Scheduler.update, detokenization, stop checks
-    gpu       CUDA events around ModelRunner.execute: the device span of the forward pass
+              plan: ModelRunner.prepare + the op-by-op run), sample (sampler.sample_on_device: queues
+              the greedy argmax; a batch with a sampled row waits for the GPU there), read
+              (SampledTokens.tolist: the wait for a step's tokens, the step launched by the call
+              before with async scheduling), Scheduler.update, detokenization, stop checks
+    gpu       CUDA events around ModelRunner.execute: the device span of the forward pass (with async
+              scheduling it starts at the launch, so it includes the time queued behind the step before)
 
 Nothing is synchronised that the server does not synchronise itself, so the timings are those of
 the real server plus the wrappers' own cost (~1 us per call). Each step is one record; a sampler
@@ -29,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 STEP_KEYS = (
-    "schedule", "execute", "prepare", "graph_host", "fill", "event_wait", "replay", "sample", "update", "detok", "stop"
+    "schedule", "execute", "prepare", "graph_host", "fill", "event_wait", "replay", "sample", "read", "update",
+    "detok", "stop",
 )  # fmt: skip
 LOOP_KEYS = ("add", "dispatch", "publish")
 
@@ -70,6 +74,7 @@ class StepProfiler:
         from qruntime.engine.decode_inputs import DecodeInputs
         from qruntime.engine.engine import Engine
         from qruntime.engine.model_runner import ModelRunner
+        from qruntime.engine.sampled_tokens import SampledTokens
         from qruntime.engine.scheduler import Scheduler
         from qruntime.serve.engine_loop import EngineLoop
         from qruntime.tokenizer import IncrementalDetokenizer
@@ -83,7 +88,8 @@ class StepProfiler:
         self.timed(DecodeInputs, "fill", "fill")  # inside graph_host: the inputs written on the host
         self.timed(torch.cuda.CUDAGraph, "replay", "replay")  # inside graph_host: the launch
         self.timed(torch.cuda.Event, "synchronize", "event_wait")  # inside graph_host: the inputs' guard
-        self.timed(engine_module, "sample", "sample")
+        self.timed(engine_module, "sample_on_device", "sample")
+        self.timed(SampledTokens, "tolist", "read")
         self.timed(IncrementalDetokenizer, "add", "detok")
         self.timed(Engine, "_stop_reason", "stop")
 
@@ -91,15 +97,15 @@ class StepProfiler:
         profiler = self
 
         @functools.wraps(execute)
-        def timed_execute(runner: Any, chunks: Any, all_logits: bool = False) -> Any:
+        def timed_execute(runner: Any, chunks: Any, all_logits: bool = False, sampled: Any = None) -> Any:
             step = profiler.current
             on_gpu = runner.device.type == "cuda"
             if on_gpu:
                 begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 begin.record()
             start = time.perf_counter()
-            graph = runner.decode_graphs is not None and not all_logits and runner.decode_graphs.fits(chunks)
-            out = execute(runner, chunks, all_logits)
+            graph = runner.decode_graphs is not None and not all_logits and runner.decode_graphs.fits(chunks, sampled)
+            out = execute(runner, chunks, all_logits, sampled=sampled)
             if step is not None:
                 step["execute"] = step.get("execute", 0.0) + time.perf_counter() - start
                 step["graph"] = graph
@@ -131,9 +137,13 @@ class StepProfiler:
                 end = time.perf_counter()
                 record["wall"] = end - start
                 profiler.last_step_end = end
-                for begin_event, end_event, step in profiler.events:  # complete: sample has synced
-                    step["gpu"] = begin_event.elapsed_time(end_event) / 1e3
-                profiler.events.clear()
+                waiting = []  # with async scheduling the step launched by this call is still running
+                for begin_event, end_event, step in profiler.events:
+                    if end_event.query():
+                        step["gpu"] = begin_event.elapsed_time(end_event) / 1e3
+                    else:
+                        waiting.append((begin_event, end_event, step))
+                profiler.events = waiting
                 if "chunks" in record:
                     profiler.steps.append(record)
 

@@ -234,11 +234,12 @@ def test_usage_errors_and_help(capsys):
 
 def test_a_request_the_engine_fails_is_a_one_line_error(art, capsys, monkeypatch):
     import qruntime.engine.engine as engine_module
+    from qruntime.engine.sampled_tokens import SampledTokens
 
     def nan_logits(logits, params, generators):
-        return [None] * len(params)  # what the sampler says of NaN logits
+        return SampledTokens.of([None] * len(params), logits.device)  # what the sampler says of NaN logits
 
-    monkeypatch.setattr(engine_module, "sample", nan_logits)
+    monkeypatch.setattr(engine_module, "sample_on_device", nan_logits)
     assert main(["run", str(art), random_prompt(), "--max-tokens", "4"]) == 1
     err = capsys.readouterr().err
     assert "finish: error" in err and "error: generation failed after 0 tokens: the model produced non-finite" in err

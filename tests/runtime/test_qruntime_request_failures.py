@@ -33,7 +33,7 @@ def _engine(artifact):
 def _poison(monkeypatch, victim: SamplingParams, value: float) -> None:
     """The logits the engine samples from hold `value` in the row of the request sampled with `victim`
     (that very object)."""
-    sample = qruntime.engine.engine.sample
+    sample = qruntime.engine.engine.sample_on_device
 
     def poisoned(logits, params, generators):
         logits = logits.clone()
@@ -42,7 +42,7 @@ def _poison(monkeypatch, victim: SamplingParams, value: float) -> None:
                 logits[row, row % logits.shape[1]] = value
         return sample(logits, params, generators)
 
-    monkeypatch.setattr(qruntime.engine.engine, "sample", poisoned)
+    monkeypatch.setattr(qruntime.engine.engine, "sample_on_device", poisoned)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
@@ -72,11 +72,11 @@ def test_a_failing_step_fails_its_batch_and_the_engine_serves_on(artifact, rng, 
     execute = engine.runner.execute
     calls = {"n": 0}
 
-    def fail_third_step(chunks, all_logits=False):
+    def fail_third_step(chunks, all_logits=False, **kw):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("a Triton kernel failed to compile for this shape")
-        return execute(chunks, all_logits)
+        return execute(chunks, all_logits, **kw)
 
     engine.runner.execute = fail_third_step
     prompts = _prompts(rng, 3, engine.vocab_size)
@@ -110,7 +110,7 @@ def test_a_detokenizer_error_fails_that_request_alone(artifact, rng):
 def test_a_device_error_is_raised(artifact, rng):
     engine = _engine(artifact)
 
-    def device_lost(chunks, all_logits=False):
+    def device_lost(chunks, all_logits=False, **kw):
         raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
 
     engine.runner.execute = device_lost

@@ -93,7 +93,7 @@ def simulate(config: SchedulerConfig, requests: list[Request], msg: str = "") ->
             stats.hit_tokens += start
         for rid in running + new:  # each gets all it still needs, up to the budget left
             req = live[rid]
-            want = min(req.num_tokens - req.num_computed_tokens, budget)
+            want = min(req.num_tokens - next_start.get(rid, 0), budget)
             assert (chunk_of[rid].num_tokens if rid in chunk_of else 0) == want, f"{rid} ({where})"
             budget -= want
         for rid in new:
@@ -117,7 +117,7 @@ def simulate(config: SchedulerConfig, requests: list[Request], msg: str = "") ->
         # the simulated forward: write every chunk's tokens, then read each context back
         for c in out.chunks:
             rid, req, end = c.request.request_id, c.request, c.start + c.num_tokens
-            assert c.start == next_start.get(rid, 0) == req.num_computed_tokens and c.num_tokens >= 1, where
+            assert c.start == next_start.get(rid, 0) and req.num_computed_tokens == end and c.num_tokens >= 1, where
             assert end <= config.max_model_len and c.samples == (end == req.num_tokens), where
             assert c.block_table == bm.table(rid) and len(c.block_table) == bm.blocks_for(end), where
             others = {b for other in live if other != rid for b in bm.table(other)}
@@ -146,6 +146,61 @@ def simulate(config: SchedulerConfig, requests: list[Request], msg: str = "") ->
     assert bm.num_used_blocks == 0 and not running and not waiting, msg
     for r in requests:
         assert r.output_token_ids == reference_output(r.prompt_token_ids, r.max_tokens), f"{r.request_id} ({msg})"
+    return stats
+
+
+def simulate_ahead(config: SchedulerConfig, requests: list[Request], msg: str = "") -> Stats:
+    """Run requests to completion as the async engine does: step N+1 is scheduled and run before
+    step N's sampled tokens reach the scheduler (update), its decodes reading the tokens N sampled
+    "on the device". The pool check proves every chunk read the KV of its true tokens."""
+    sched = Scheduler(config)
+    bm, bs = sched.block_manager, config.block_size
+    for r in requests:
+        sched.add(r)
+    live = {r.request_id: r for r in requests}
+    pool: list[list[int | None]] = [[None] * bs for _ in range(config.num_blocks)]
+    device = {r.request_id: list(r.prompt_token_ids) for r in requests}  # every token the device has made
+    stats, previous = Stats(), None
+    while sched.has_unfinished() or previous is not None:
+        stats.steps += 1
+        where = f"{msg} step={stats.steps}"
+        assert stats.steps < 100_000, f"no progress ({where})"
+        out = sched.schedule() if sched.has_unfinished() else None
+        stats.preemptions += len(out.preempted) if out else 0
+        for rid in out.preempted if out else ():
+            device[rid] = list(live[rid].all_token_ids) + device[rid][live[rid].num_tokens :]  # known + pending
+        held = [b for rid in live for b in bm.table(rid)]
+        assert len(set(held)) == bm.num_used_blocks and (config.prefix_caching or len(held) == len(set(held))), where
+        sampled = {}
+        for c in out.chunks if out else ():
+            rid, req, end = c.request.request_id, c.request, c.start + c.num_tokens
+            assert len(req.output_token_ids) < req.max_tokens, f"{rid} scheduled past its max_tokens ({where})"
+            assert end <= len(device[rid]) and c.samples == (end == len(device[rid])), where
+            assert c.block_table == bm.table(rid) and len(c.block_table) == bm.blocks_for(end), where
+            for p in range(c.start, end):
+                pool[c.block_table[p // bs]][p % bs] = device[rid][p]
+            stats.chunks.setdefault(rid, []).append((c.start, c.num_tokens, c.samples))
+        for c in out.chunks if out else ():
+            rid = c.request.request_id
+            context = [pool[c.block_table[p // bs]][p % bs] for p in range(c.start + c.num_tokens)]
+            assert context == device[rid][: len(context)], f"KV of {rid} lost ({where})"
+            if c.samples:
+                sampled[rid] = next_token(context)
+                device[rid].append(sampled[rid])
+        if previous is not None:  # the step before: its tokens reach the host now
+            prev_out, prev_sampled = previous
+            sched.update(prev_out, prev_sampled)
+            for rid in prev_sampled:
+                if rid in live and live[rid].status is not RequestStatus.FINISHED:
+                    if len(live[rid].output_token_ids) == live[rid].max_tokens:
+                        sched.finish(rid)
+        previous = (out, sampled) if out is not None and out.chunks else None
+        stats.max_running = max(stats.max_running, sched.num_running)
+    assert bm.num_used_blocks == 0, msg
+    for r in requests:
+        assert r.num_pending == 0 and r.output_token_ids == reference_output(r.prompt_token_ids, r.max_tokens), (
+            f"{r.request_id} ({msg})"
+        )
     return stats
 
 
@@ -214,6 +269,67 @@ def test_random_workloads(plentiful, prefix_caching):
         alone = Request(r.request_id, list(r.prompt_token_ids), r.max_tokens)
         simulate(config, [alone], msg)
         assert alone.output_token_ids == r.output_token_ids, msg
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-cache", "prefix-cache"])
+@pytest.mark.parametrize("plentiful", [False, True])
+def test_random_workloads_scheduled_ahead(plentiful, prefix_caching):
+    """Async scheduling: the same tokens as one request alone, every KV read right, no step past
+    max_tokens (no wasted token), and preemptions while a token is in flight."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = random.Random(seed)
+    config = random_config(rng, plentiful, prefix_caching)
+    msg = f"seed={seed} {config}"
+    max_len = config.max_model_len
+    leading = [(1, max_len - 1), (1, max_len - 1)]  # tight: two in lockstep to max_model_len, a preemption
+    requests = random_requests(rng, 30, max_len, leading, shared=prefix_caching)
+    stats = simulate_ahead(config, requests, msg)
+    if not plentiful:
+        assert stats.preemptions > 0, msg
+    for r in rng.sample(requests, 3):
+        alone = Request(r.request_id, list(r.prompt_token_ids), r.max_tokens)
+        simulate(config, [alone], msg)
+        assert alone.output_token_ids == r.output_token_ids, msg
+
+
+def test_a_pending_token_is_decoded_before_it_is_known():
+    sched = Scheduler(SchedulerConfig(num_blocks=8, block_size=4, max_model_len=16))
+    sched.add(Request("a", [1, 2, 3], max_tokens=3))
+    first = sched.schedule()
+    assert [(c.start, c.num_tokens, c.samples) for c in first.chunks] == [(0, 3, True)]
+    a = sched.get("a")
+    assert (a.num_computed_tokens, a.num_pending) == (3, 1)
+    second = sched.schedule()  # before update(first): decodes the pending token at position 3
+    assert [(c.start, c.num_tokens, c.samples) for c in second.chunks] == [(3, 1, True)] and a.num_pending == 2
+    sched.update(first, {"a": 10})
+    assert (a.output_token_ids, a.num_pending) == ([10], 1)
+    third = sched.schedule()
+    assert [(c.start, c.num_tokens, c.samples) for c in third.chunks] == [(4, 1, True)]
+    assert sched.schedule().chunks == ()  # one known and two pending tokens make max_tokens=3: nothing more
+    sched.update(second, {"a": 11})
+    with pytest.raises(ValueError, match="stale"):
+        sched.update(second, {"a": 11})
+    sched.update(third, {"a": 12})
+    assert (a.output_token_ids, a.num_pending, a.num_computed_tokens) == ([10, 11, 12], 0, 5)
+
+
+def test_a_request_preempted_with_a_pending_token_waits_for_it():
+    sched = Scheduler(SchedulerConfig(num_blocks=4, block_size=1, max_model_len=4, max_num_batched_tokens=4))
+    sched.add(Request("A", [1, 2], max_tokens=2))
+    sched.add(Request("B", [3], max_tokens=3))
+    first = sched.schedule()  # A's prompt and B's: 3 blocks, both pending a token
+    assert [c.request.request_id for c in first.chunks] == ["A", "B"]
+    second = sched.schedule()  # A decodes (4th block); B needs a 5th: B, the newest, is preempted
+    assert second.preempted == ("B",) and [c.request.request_id for c in second.chunks] == ["A"]
+    b = sched.get("B")
+    assert (b.status, b.num_pending) == (RequestStatus.WAITING, 1)
+    assert sched.schedule().chunks == ()  # A is at max_tokens; B may not come back before its token is known
+    sched.update(first, {"A": 7, "B": 8})
+    sched.update(second, {"A": 9})
+    sched.finish("A")
+    assert b.output_token_ids == [8] and b.num_pending == 0
+    third = sched.schedule()  # B recomputes prompt + its known output, and samples
+    assert [(c.request.request_id, c.start, c.num_tokens, c.samples) for c in third.chunks] == [("B", 0, 2, True)]
 
 
 def _steps(sched: Scheduler, sampled_token: int = 7):

@@ -54,8 +54,8 @@ def _generate_recording(engine, monkeypatch, prompts) -> tuple[list[tuple[int, .
     steps: list[torch.Tensor] = []
     execute = engine.runner.execute
 
-    def recording(chunks, all_logits=False):
-        logits = execute(chunks, all_logits)
+    def recording(chunks, all_logits=False, **kw):
+        logits = execute(chunks, all_logits, **kw)
         steps.append(logits.float().clone())
         return logits
 

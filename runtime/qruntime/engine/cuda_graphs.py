@@ -5,7 +5,9 @@ the whole plan is captured once per bucket and replayed: the host launches one g
 thousands of kernels. Batches are padded up to their bucket with rows that write a scratch KV block
 no sequence owns and read only that block. Captured graphs share one memory pool. At tp > 1 every
 rank captures the same buckets in the same order (the graphs hold the all-reduces, which must pair
-up across ranks) and replays the same bucket each step.
+up across ranks) and replays the same bucket each step. A row's token id may be pending (sampled by
+the step before, still on the device: async scheduling): the graphs read those from a buffer the
+previous step's sampled ids are copied into, inside the graph (sampled_tokens.resolve_pending).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from qruntime.engine.decode_inputs import DecodeInputs
+from qruntime.engine.sampled_tokens import resolve_pending
 from qruntime.kv_cache import KVCache
 from qruntime.ops.base import AttentionMetadata, StepContext
 from qruntime.plan import Plan
@@ -31,7 +34,13 @@ class DecodeGraphs:
     """Captured decode graphs for batch sizes `buckets`; `run(chunks)` pads, copies and replays."""
 
     def __init__(
-        self, plan: Plan, kv_cache: KVCache, scratch_block: int, max_context_len: int, buckets: Sequence[int]
+        self,
+        plan: Plan,
+        kv_cache: KVCache,
+        scratch_block: int,
+        max_context_len: int,
+        buckets: Sequence[int],
+        max_sampled: int = 0,
     ) -> None:
         self.plan, self.kv_cache = plan, kv_cache
         self.buckets = tuple(sorted(buckets))
@@ -47,6 +56,8 @@ class DecodeGraphs:
             "query_start_loc": torch.arange(size + 1, dtype=torch.int32, device=device),
             "logits_indices": torch.arange(size, dtype=torch.int64, device=device),
         }
+        # the previous step's sampled ids, for pending rows: as many as a step samples (max_sampled)
+        self.sampled = torch.zeros(max(size, max_sampled), dtype=torch.int64, device=device)
         self.copied = torch.cuda.Event()  # recorded after each step's copies out of self.inputs
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
@@ -65,19 +76,27 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: triton compiles and autotuned libraries pick outside the capture
             for _ in range(2):
-                self.plan.run(step, feeds)
+                self.plan.run(step, self._resolved(feeds))
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            logits = self.plan.run(step, feeds)
+            logits = self.plan.run(step, self._resolved(feeds))
         return graph, logits
 
-    def fits(self, chunks: Sequence[StepChunk]) -> bool:
-        return len(chunks) <= self.buckets[-1] and all(c.num_tokens == 1 for c in chunks)
+    def _resolved(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {**feeds, "input_ids": resolve_pending(feeds["input_ids"], self.sampled)}
+
+    def fits(self, chunks: Sequence[StepChunk], sampled: torch.Tensor | None = None) -> bool:
+        return (
+            len(chunks) <= self.buckets[-1]
+            and all(c.num_tokens == 1 for c in chunks)
+            and (sampled is None or sampled.numel() <= self.sampled.numel())
+        )
 
     @torch.inference_mode()
-    def run(self, chunks: Sequence[StepChunk]) -> torch.Tensor:
-        """Logits [len(chunks), V] of a decode step."""
+    def run(self, chunks: Sequence[StepChunk], sampled: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [len(chunks), V] of a decode step; `sampled`: the previous step's sampled ids, which
+        pending rows read."""
         batch = len(chunks)
         bucket = self.buckets[bisect_left(self.buckets, batch)]
         self.copied.synchronize()  # the last step's copies have read the host buffers (at once: it sampled)
@@ -86,6 +105,8 @@ class DecodeGraphs:
         self.wide.copy_(wide, non_blocking=True)  # pinned: asynchronous
         self.narrow[: narrow.numel()].copy_(narrow, non_blocking=True)
         self.copied.record()
+        if sampled is not None:
+            self.sampled[: sampled.numel()].copy_(sampled)
         graph, logits = self.graphs[bucket]
         graph.replay()
         return logits[:batch]

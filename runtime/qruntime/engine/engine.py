@@ -5,6 +5,15 @@
 (continuous batching, chunked prefill, preemption), runs the model once, samples, and applies the
 stop rules. At tp > 1 the engine lives on rank 0 and each step also goes to the workers of the
 other ranks (engine/workers.py); `close()` stops them.
+
+Async scheduling (on by default at tp = 1): `step()` first schedules and launches the next model
+step, then waits for the one launched before and turns its tokens into deltas, so the host's work
+on a step's results (detokenizing, stop checks, the server's dispatch) and on the next step's inputs
+runs while the device computes. The launched step's decodes read the tokens the step before sampled
+on the device (scheduler.py: pending tokens). A request that stops on a token its next step has
+already been launched for gets no more from that step (its one extra token is dropped); requests
+that end by max_tokens or the model length are not scheduled past it. A batch with a non-greedy row
+waits for its logits before sampling (the sampler's host-side checks), so only greedy steps overlap.
 """
 
 from __future__ import annotations
@@ -26,9 +35,10 @@ from qruntime.engine.model_runner import ModelRunner
 from qruntime.engine.outputs import InvalidRequest, RequestOutput, StreamDelta, Timings
 from qruntime.engine.prefix_cache import PrefixCacheStats
 from qruntime.engine.request import Request
-from qruntime.engine.sampler import sample
+from qruntime.engine.sampled_tokens import SampledTokens
+from qruntime.engine.sampler import sample_on_device
 from qruntime.engine.sampling_params import SamplingParams, as_list
-from qruntime.engine.scheduler import Scheduler
+from qruntime.engine.scheduler import Scheduler, SchedulerOutput
 from qruntime.engine.step_chunk import StepChunk
 from qruntime.tokenizer import IncrementalDetokenizer, TokenIdsOnly, Tokenizer, TokenizerError
 
@@ -57,6 +67,16 @@ class _Tracked:
     output: RequestOutput | None = None
 
 
+@dataclass(eq=False)
+class _Launched:
+    """A step queued on the device, its sampled tokens not yet read by the host."""
+
+    output: SchedulerOutput
+    tracked: list[_Tracked]  # the requests of its sampling rows, in row order
+    tokens: SampledTokens
+    rows: dict[str, int]  # request id -> its row of tokens (what the next step's pending ids name)
+
+
 class Engine:
     """A loaded artifact ready to generate. Build it with `qruntime.load(path)`; `close()` it (or use
     it as a context manager) to stop a tensor-parallel engine's workers."""
@@ -71,6 +91,7 @@ class Engine:
         max_model_len: int,
         description: Mapping[str, Any],
         workers: Workers | None = None,
+        async_scheduling: bool = True,
     ) -> None:
         self.runner = runner  # rank 0's at tp > 1
         self.workers = workers  # the other ranks' processes (tp > 1), which run every step with rank 0
@@ -79,7 +100,10 @@ class Engine:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.description = dict(description)  # what was loaded and how the engine is sized (for logs / CLI)
+        # launch a step before reading the last one's tokens (tp = 1 only: the workers take whole steps)
+        self.async_scheduling = async_scheduling and workers is None
         self._tracked: dict[str, _Tracked] = {}
+        self._in_flight: _Launched | None = None  # the step launched last, not read yet (async scheduling)
         self._ids = itertools.count()
         self._closed = False
 
@@ -113,29 +137,58 @@ class Engine:
     def step(self) -> list[StreamDelta]:
         """Run one scheduled batch; a delta for every request that got a token or finished.
 
+        With async scheduling the deltas are those of the step launched by the call before (this
+        call launches the next one first), so a call may return none while a step is in flight.
+
         A failure that belongs to requests fails those requests alone (finish_reason "error", the
         cause logged with their ids): non-finite logits or a detokenizer error fail one request, a
         model step that raises fails the requests of its batch. The engine runs on for the others;
         only a device error (the GPU is gone, every later step would fail too) is raised."""
+        previous, self._in_flight = self._in_flight, None
+        launched, deltas = self._launch(previous if self.async_scheduling else None)
+        if not self.async_scheduling:
+            return deltas + (self._complete(launched) if launched is not None else [])
+        self._in_flight = launched
+        return deltas + (self._complete(previous) if previous is not None else [])
+
+    def _launch(self, previous: _Launched | None) -> tuple[_Launched | None, list[StreamDelta]]:
+        """Schedule a step and queue it on the device, sampling included; `previous`: the step still
+        in flight, whose sampled tokens this one's pending ids name. Returns the step (None when
+        nothing was scheduled or it failed) and the deltas of requests it failed."""
         output = self.scheduler.schedule()
         if not output.chunks:
-            return []
+            return None, []
         rows = [i for i, chunk in enumerate(output.chunks) if chunk.samples]
         tracked = [self._tracked[output.chunks[i].request.request_id] for i in rows]
         try:
-            logits = self._execute([StepChunk.of(chunk) for chunk in output.chunks])
-            tokens = sample(logits[rows], [t.params for t in tracked], [t.generator for t in tracked])
+            pending_rows = previous.rows if previous is not None else {}
+            chunks = [StepChunk.of(c, pending_rows.get(c.request.request_id)) for c in output.chunks]
+            sampled = previous.tokens.ids if pending_rows and any(c.token_ids[-1] < 0 for c in chunks) else None
+            logits = self._execute(chunks, sampled=sampled)
+            logits = logits if len(rows) == len(chunks) else logits[rows]
+            tokens = sample_on_device(logits, [t.params for t in tracked], [t.generator for t in tracked])
         except Exception as exc:
             if self._is_fatal(exc):
                 raise
             batch = [self._tracked[c.request.request_id] for c in output.chunks]
-            return self._fail(batch, "the model step running this request failed", exc)
+            return None, self._fail(batch, "the model step running this request failed", exc)
+        ids = {t.request.request_id: row for row, t in enumerate(tracked)}
+        return _Launched(output, tracked, tokens, ids), []
+
+    def _complete(self, launched: _Launched) -> list[StreamDelta]:
+        """Read a launched step's tokens (waiting for them) and apply them: the scheduler's update,
+        detokenizing, the stop rules. Requests finished or aborted since it was launched are skipped."""
+        tokens = launched.tokens.tolist()
+        tracked = launched.tracked
         self.scheduler.update(
-            output, {t.request.request_id: tok for t, tok in zip(tracked, tokens, strict=True) if tok is not None}
+            launched.output,
+            {t.request.request_id: tok for t, tok in zip(tracked, tokens, strict=True) if tok is not None},
         )
         now = time.perf_counter()
         deltas = []
         for t, token in zip(tracked, tokens, strict=True):
+            if self._tracked.get(t.request.request_id) is not t:
+                continue  # finished (by the step before, or aborted) after this step was launched
             if token is None:
                 deltas += self._fail([t], "the model produced non-finite logits (NaN or inf) for this request")
                 continue
@@ -173,6 +226,7 @@ class Engine:
         """Release the engine: drop the decode graphs, and at tp > 1 stop the workers and destroy
         the process group. Idempotent; a closed engine runs no more steps."""
         self._closed = True
+        self._in_flight = None
         self.runner.drop_graphs()  # first: at tp > 1 they hold NCCL kernels of the group about to go
         if self.workers is not None:
             self.workers.close()
@@ -262,12 +316,14 @@ class Engine:
             manager.free(scratch.request_id)
 
     # --- internals ---------------------------------------------------------------------------------
-    def _execute(self, chunks: list[StepChunk], all_logits: bool = False) -> torch.Tensor:
+    def _execute(
+        self, chunks: list[StepChunk], all_logits: bool = False, sampled: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if self._closed:
             raise RuntimeError("the engine is closed")
         if self.workers is not None:
             return self.workers.step(self.runner, chunks, all_logits)
-        return self.runner.execute(chunks, all_logits)
+        return self.runner.execute(chunks, all_logits, sampled=sampled)
 
     def _is_fatal(self, exc: BaseException) -> bool:
         """Whether a failed step means no later step can run: a CUDA error (torch.AcceleratorError;

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from qruntime.engine.cuda_graphs import DecodeGraphs
+from qruntime.engine.sampled_tokens import resolve_pending
 from qruntime.engine.step_chunk import StepChunk
 from qruntime.kv_cache import KVCache
 from qruntime.ops.base import AttentionMetadata, StepContext
@@ -87,11 +88,16 @@ class ModelRunner:
         return feeds, meta
 
     @torch.inference_mode()
-    def execute(self, chunks: Sequence[StepChunk], all_logits: bool = False) -> torch.Tensor:
+    def execute(
+        self, chunks: Sequence[StepChunk], all_logits: bool = False, sampled: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Run the plan on the step's chunks; logits [len(chunks), V] of each chunk's last token
         (all_logits: [tokens, V], a row per token of the step). Decode steps replay a CUDA graph
-        when graphs were captured."""
-        if self.decode_graphs is not None and not all_logits and self.decode_graphs.fits(chunks):
-            return self.decode_graphs.run(chunks)
+        when graphs were captured. `sampled`: the previous step's sampled ids on the device, which
+        the chunks' pending ids (step_chunk.pending) name by row."""
+        if self.decode_graphs is not None and not all_logits and self.decode_graphs.fits(chunks, sampled):
+            return self.decode_graphs.run(chunks, sampled)
         feeds, meta = self.prepare(chunks, all_logits)
+        if sampled is not None:
+            feeds["input_ids"] = resolve_pending(feeds["input_ids"], sampled)
         return self.plan.run(StepContext(self.kv_cache, meta), feeds)

@@ -22,7 +22,8 @@ class Request:
     prompt_token_ids: list[int]
     max_tokens: int  # most new tokens to generate (> 0)
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens (prompt + output) whose KV is in the cache
+    num_computed_tokens: int = 0  # tokens (prompt + output) whose KV is in the cache, or is being computed
+    num_pending: int = 0  # tokens sampled on the device whose ids the host does not know yet (0 to 2)
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from qruntime.engine.sampled_tokens import SampledTokens
 from qruntime.engine.sampling_params import SamplingParams
 
 # larger temperatures act as this one: it already flattens any logit spread below 1e25 to uniform, and
@@ -66,3 +67,16 @@ def sample(
         else:
             tokens.append(int(torch.multinomial(_distribution(wide[i], peaks[i], p), 1, generator=gen)))
     return tokens
+
+
+def sample_on_device(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+) -> SampledTokens:
+    """`sample` without waiting for the device when every row is greedy: the argmax stays on the
+    device for the next step and the host reads it later (SampledTokens.tolist). A batch with a
+    sampled row goes through `sample` (its host-side checks need the logits' maxima first), then
+    its tokens go back to the device."""
+    if all(p.greedy for p in params):
+        best, index = logits.max(-1)
+        return SampledTokens(index, best)
+    return SampledTokens.of(sample(logits, params, generators), logits.device)

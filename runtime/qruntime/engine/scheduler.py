@@ -11,6 +11,14 @@ cached full blocks its tokens name (prefix_cache.py), less at least its last tok
 give the next one): its table starts with those blocks and its first chunk with the token after
 them. Blocks a step fills are named in the cache as they complete, so requests sharing a prefix
 (and a preempted request coming back) compute only what follows it.
+
+Steps may be scheduled ahead of their results (the engine's async scheduling): schedule() counts a
+chunk's tokens as computed at once, and a chunk that samples leaves its request one *pending* token,
+sampled on the device, whose id reaches the host with update(). The next step may already decode
+it (the model runner takes its id from the device), so a request's chunk can end on pending tokens.
+A request whose known and pending outputs reach its max_tokens or the model length is not scheduled
+again: the engine finishes it once the pending token is known. A preempted request is readmitted only
+once it has no pending token (its recompute needs every id).
 """
 
 from __future__ import annotations
@@ -50,15 +58,24 @@ class SchedulerConfig:
             )
 
 
+@dataclass(eq=False)
+class _Sampled:
+    """Whether update() has recorded a sampling chunk's token (a step's output is applied once)."""
+
+    done: bool = False
+
+
 @dataclass(frozen=True)
 class ScheduledChunk:
     """The tokens one request computes in one step."""
 
     request: Request
-    start: int  # position of the first token computed this step (== request.num_computed_tokens at schedule time)
-    num_tokens: int  # tokens computed this step: request.all_token_ids[start:start + num_tokens]
+    start: int  # position of the first token computed this step (request.num_computed_tokens before schedule())
+    num_tokens: int  # tokens computed this step: positions start .. start + num_tokens - 1 (the last may be pending)
     block_table: tuple[int, ...]
-    samples: bool  # start + num_tokens == request.num_tokens: the last token's logits give the next token
+    samples: bool  # the chunk ends on the request's last token: its logits give the next token
+    record: _Sampled | None = None  # of a sampling chunk: set once update() has its token
+    epoch: int = 0  # request.num_preemptions at schedule time: a chunk from before a preemption caches nothing
 
 
 @dataclass(frozen=True)
@@ -131,8 +148,8 @@ class Scheduler:
         i = 0
         while i < len(self._running) and budget > 0:
             request = self._running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if n == 0:
+            n = min(self._num_known_and_pending(request) - request.num_computed_tokens, budget)
+            if n == 0 or self._at_limit(request):
                 i += 1
                 continue
             end = request.num_computed_tokens + n
@@ -156,6 +173,8 @@ class Scheduler:
         # admitting while preempting would take blocks that running requests are about to need
         while not preempted and self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
             request = self._waiting[0]
+            if request.num_pending:
+                break  # preempted while its last token was in flight: readmitted once the id is known
             cached = self._cached_prefix(request)
             start = len(cached) * self.config.block_size
             n = min(request.num_tokens - start, budget)
@@ -173,25 +192,32 @@ class Scheduler:
         return SchedulerOutput(chunks=tuple(chunks), preempted=tuple(preempted))
 
     def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> None:
-        """Record a step's results: computed tokens advance, sampled tokens are appended.
+        """Record a step's results, in step order: the pending token of each chunk that sampled
+        becomes known, and the blocks the step filled are named in the prefix cache.
 
-        sampled maps request ids of chunks with samples=True to their new token; chunks of
-        requests finished or aborted since schedule() are ignored.
+        sampled maps request ids of chunks with samples=True to their new token (a chunk that
+        sampled but is missing got no token: the engine fails that request); chunks of requests
+        finished or aborted since schedule() are ignored.
         """
         for chunk in output.chunks:
             request = chunk.request
             if self._requests.get(request.request_id) is not request:
                 continue  # finished or aborted meanwhile
-            if request.status is not RequestStatus.RUNNING or chunk.start != request.num_computed_tokens:
+            if chunk.samples != (chunk.record is not None) or (chunk.record is not None and chunk.record.done):
                 raise ValueError(f"stale chunk for request {request.request_id!r}: update() each output once, in order")
-            request.num_computed_tokens += chunk.num_tokens
-            full = request.num_computed_tokens // self.config.block_size
+            end = chunk.start + chunk.num_tokens
+            if chunk.samples:
+                chunk.record.done = True
+                request.num_pending -= 1
+                if request.request_id in sampled:
+                    request.output_token_ids.append(sampled[request.request_id])
+            elif request.request_id in sampled:
+                raise ValueError(f"request {request.request_id!r} was sampled mid-prefill (samples=False)")
+            if request.status is not RequestStatus.RUNNING or request.num_preemptions != chunk.epoch:
+                continue  # preempted since: those blocks are gone, it computes them again on readmission
+            full = end // self.config.block_size
             if self.config.prefix_caching and full > chunk.start // self.config.block_size:  # a block filled up
                 self.block_manager.cache(request.request_id, self._chain(request, full), full)
-            if request.request_id in sampled:
-                if not chunk.samples:
-                    raise ValueError(f"request {request.request_id!r} was sampled mid-prefill (samples=False)")
-                request.output_token_ids.append(sampled[request.request_id])
 
     def finish(self, request_id: str) -> None:
         """Mark the request FINISHED, free its blocks, and forget it (KeyError for an unknown id)."""
@@ -211,7 +237,23 @@ class Scheduler:
     def _chunk(self, request: Request, n: int, cached: tuple[int, ...] = ()) -> ScheduledChunk:
         start = request.num_computed_tokens
         table = self.block_manager.grow(request.request_id, start + n, cached)
-        return ScheduledChunk(request, start, n, table, samples=start + n == request.num_tokens)
+        samples = start + n == self._num_known_and_pending(request)
+        request.num_computed_tokens = start + n  # in flight from now on: the next schedule() goes on from here
+        request.num_pending += samples
+        return ScheduledChunk(
+            request, start, n, table, samples, _Sampled() if samples else None, request.num_preemptions
+        )
+
+    @staticmethod
+    def _num_known_and_pending(request: Request) -> int:
+        return request.num_tokens + request.num_pending
+
+    def _at_limit(self, request: Request) -> bool:
+        """Whether the request's pending token already ends it (max_tokens or the model length)."""
+        outputs = len(request.output_token_ids) + request.num_pending
+        return bool(request.num_pending) and (
+            outputs >= request.max_tokens or self._num_known_and_pending(request) >= self.config.max_model_len
+        )
 
     def _cached_prefix(self, request: Request) -> tuple[int, ...]:
         """Cached blocks holding the request's first tokens, leaving at least its last one to compute."""

@@ -28,10 +28,27 @@ class StepChunk:
         return StepChunk, (self.token_ids, self.start, self.block_table)  # 2x faster than the dataclass default
 
     @classmethod
-    def of(cls, chunk: ScheduledChunk) -> StepChunk:
+    def of(cls, chunk: ScheduledChunk, pending_row: int | None = None) -> StepChunk:
         """The step data of a scheduled chunk: its request's token ids of this step (sliced from the
-        prompt and the outputs, not from their concatenation: a decode step costs O(1), not O(context))."""
+        prompt and the outputs, not from their concatenation: a decode step costs O(1), not O(context)).
+
+        A chunk that ends on its request's pending token (sampled by the step before, still on the
+        device) gets `pending(pending_row)` in its place: that step's sampled row `pending_row`."""
         request, start, end = chunk.request, chunk.start, chunk.start + chunk.num_tokens
         n = len(request.prompt_token_ids)
         ids = request.prompt_token_ids[start:end] + request.output_token_ids[max(start - n, 0) : max(end - n, 0)]
+        missing = chunk.num_tokens - len(ids)
+        if missing:
+            if missing != 1 or pending_row is None:
+                raise ValueError(
+                    f"request {request.request_id!r}: {missing} token(s) of its chunk are pending, "
+                    f"{'with no sampled row to read' if pending_row is None else 'only its last one may be'}"
+                )
+            ids.append(pending(pending_row))
         return cls(tuple(ids), start, chunk.block_table)
+
+
+def pending(row: int) -> int:
+    """The token id standing for row `row` of the previous step's sampled tokens (negative: no real
+    id is); the model runner reads it on the device (resolve_pending)."""
+    return -1 - row

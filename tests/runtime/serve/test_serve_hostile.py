@@ -54,7 +54,7 @@ def served(art):
     """The app with an API key, small limits and the CLI's uvicorn settings; the engine's sampler
     gets NaN logits for requests seeded POISON_SEED (a model fault traced to one request)."""
     engine = qruntime.load(art, "cpu", max_model_len=256, num_kv_blocks=64)
-    sample = qruntime.engine.engine.sample
+    sample = qruntime.engine.engine.sample_on_device
 
     def sample_poisoning(logits, params, generators):
         logits = logits.clone()
@@ -64,7 +64,7 @@ def served(art):
         return sample(logits, params, generators)
 
     engine_module = qruntime.engine.engine
-    engine_module.sample = sample_poisoning
+    engine_module.sample_on_device = sample_poisoning
     engine.tokenizer = dataclasses.replace(
         engine.tokenizer, chat_template=_compile_template(TEMPLATE_WITH_TOOLS, "test template")
     )
@@ -74,7 +74,7 @@ def served(art):
         with ThreadedServer(app, uvicorn_config(app, options)) as server:
             yield server, app
     finally:
-        engine_module.sample = sample
+        engine_module.sample_on_device = sample
 
 
 @pytest.fixture
