@@ -1,0 +1,173 @@
+"""Where one engine step's GPU time goes, by kernel, for the step shapes a loaded server runs:
+decode batches (graph replay, and eager so each launch shows) and mixed steps (decodes beside
+prefill chunks, eager today). qwen3-8b ptpc-fp8 on random weights, built as decode_bench builds it.
+
+    python bench/step_kernels.py --workdir /tmp/q8b --out bench/results/step_kernels_qwen3-8b.json
+
+Each shape reports: the step's wall time measured over `--repeats` steps (host + GPU, synchronised),
+the GPU busy time (sum of kernel times), the number of kernel launches, and the top kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import qruntime
+import torch
+from compile_bench import report_header
+from decode_bench import build_artifact
+
+
+def _kernels(prof, steps: int, top: int) -> dict:
+    rows = [
+        {"kernel": e.key[:90], "us_per_step": round(e.device_time_total / steps, 1), "calls_per_step": e.count / steps}
+        for e in prof.key_averages()
+        if e.device_time_total > 0
+    ]
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return {
+        "gpu_us_per_step": round(sum(r["us_per_step"] for r in rows), 1),
+        "launches_per_step": sum(r["calls_per_step"] for r in rows),
+        "top": rows[:top],
+    }
+
+
+def _fill(engine, batch: int, context: int, max_tokens: int) -> list[str]:
+    """`batch` requests of `context` random prompt tokens, prefilled, each now decoding."""
+    g = torch.Generator().manual_seed(batch * 7919 + context)
+    ids = []
+    for _ in range(batch):
+        prompt = torch.randint(10, 100_000, (context,), generator=g).tolist()
+        ids.append(engine.add_request(prompt, qruntime.SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+    sched = engine.scheduler
+    while sched.num_waiting or any(sched.get(i).num_computed_tokens < sched.get(i).num_tokens - 1 for i in ids):
+        engine.step()
+    return ids
+
+
+def _measure(engine, steps: int, top: int, profile: bool = True) -> dict:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    row = {"wall_ms_per_step": round((time.perf_counter() - start) / steps * 1e3, 3)}
+    if profile:
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+        row.update(_kernels(prof, steps, top))
+    return row
+
+
+def decode_rows(engine, batch: int, context: int, steps: int, top: int) -> dict:
+    ids = _fill(engine, batch, context, max_tokens=8 * steps + 16)
+    graphs = engine.runner.decode_graphs
+    out = {"batch": batch, "context": context, "graph": _measure(engine, steps, top)}
+    engine.runner.decode_graphs = None
+    try:
+        out["eager"] = _measure(engine, steps, top)
+    finally:
+        engine.runner.decode_graphs = graphs
+    for i in ids:
+        engine.abort(i)
+    return out
+
+
+def mixed_rows(engine, decodes: int, prompts: int, prompt_len: int, context: int, top: int) -> dict:
+    """One step of `decodes` decoding sequences beside `prompts` fresh prompts of `prompt_len` tokens,
+    repeated: each measured step admits a new set of prompts (all prefilled in that one step)."""
+    ids = _fill(engine, decodes, context, max_tokens=400)
+    g = torch.Generator().manual_seed(prompts * 31 + prompt_len)
+
+    def admit() -> list[str]:
+        return [
+            engine.add_request(
+                torch.randint(10, 100_000, (prompt_len,), generator=g).tolist(),
+                qruntime.SamplingParams(max_tokens=1, ignore_eos=True),
+            )
+            for _ in range(prompts)
+        ]
+
+    def one_step(profiled: bool) -> tuple[float, object]:
+        admit()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        prof = None
+        if profiled:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                engine.step()
+                torch.cuda.synchronize()
+        else:
+            engine.step()
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3, prof
+
+    for _ in range(3):
+        one_step(False)  # warm-up: this shape's kernels compile
+    walls = [one_step(False)[0] for _ in range(5)]
+    _, prof = one_step(True)
+    for i in ids:
+        engine.abort(i)
+    return {
+        "decodes": decodes,
+        "prompts": prompts,
+        "prompt_len": prompt_len,
+        "tokens": decodes + prompts * prompt_len,
+        "wall_ms": sorted(walls)[len(walls) // 2],
+        **_kernels(prof, 1, top),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="qwen3-8b")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/q8b"))
+    parser.add_argument("--batches", default="64,128")
+    parser.add_argument("--context", type=int, default=192)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--top", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    report = report_header("step_kernels")
+    import triton
+
+    report["machine"]["gpu"] = torch.cuda.get_device_name()
+    report["versions"].update(torch=torch.__version__, triton=triton.__version__)
+    report["weights"] = "synthetic: random bf16 weights of the preset's exact shapes (qcompile synth)"
+    timings: dict[str, float] = {}
+    art, _ = build_artifact(args.preset, args.workdir, timings)
+    batches = [int(b) for b in args.batches.split(",")]
+    engine = qruntime.load(
+        art, device="cuda", max_model_len=2048, max_num_seqs=max(batches) + 32, max_num_batched_tokens=4096,
+        kv_cache_memory=16 << 30,
+    )
+    report["engine"] = engine.description
+    report["timings"] = timings
+    report["decode"] = []
+    for batch in batches:
+        row = decode_rows(engine, batch, args.context, args.steps, args.top)
+        print(json.dumps({k: v for k, v in row.items()}, indent=None)[:3000], flush=True)
+        report["decode"].append(row)
+    report["mixed"] = []
+    for decodes, prompts in ((64, 16), (112, 16), (0, 16), (64, 4)):
+        row = mixed_rows(engine, decodes, prompts, 128, args.context, args.top)
+        print(json.dumps(row)[:3000], flush=True)
+        report["mixed"].append(row)
+    engine.close()
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
