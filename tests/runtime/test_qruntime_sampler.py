@@ -145,3 +145,60 @@ def test_a_non_finite_row_is_none_and_the_others_are_sampled(device):
     assert tokens[1] is None and tokens[3] is None and tokens[5] is None
     assert tokens[0] == int(logits[0].argmax()) and tokens[2] == int(logits[2].argmax())
     assert tokens[4] is not None and tokens[4] != 0
+
+
+def test_a_mixed_batch_samples_each_row_from_its_own_distribution(rng):
+    """Greedy rows and rows of different temperature / top_k / top_p in one batch (the sampler's
+    batched path): each row's frequencies follow its own params."""
+    vocab, draws = 12, 3000
+    logits = torch.tensor([rng.gauss(0, 2) for _ in range(vocab)])
+    kinds = [
+        (SamplingParams(), None),
+        (SamplingParams(temperature=0.7), torch.ones(vocab)),
+        (SamplingParams(temperature=1.0, top_k=3), None),
+        (SamplingParams(temperature=1.0, top_p=0.5), None),
+        (SamplingParams(temperature=2.0), torch.ones(vocab)),
+        (SamplingParams(temperature=1.0, top_k=6), None),
+    ]
+    order = [i for i in range(len(kinds)) for _ in range(draws)]
+    rng.shuffle(order)  # the rows of each kind spread over the batch
+    gens = [torch.Generator().manual_seed(rng.randrange(1 << 30)) for _ in kinds]
+    params = [kinds[i][0] for i in order]
+    tokens = torch.tensor(sample(logits.expand(len(order), -1), params, [gens[i] for i in order]))
+    kind_of = torch.tensor(order)
+    probs = logits.softmax(-1)
+    ranked = probs.argsort(descending=True)
+    top3 = torch.zeros(vocab)
+    top3[ranked[:3]] = 1
+    top6 = torch.zeros(vocab)
+    top6[ranked[:6]] = 1
+    nucleus = torch.zeros(vocab)
+    nucleus[ranked[(probs[ranked].cumsum(0) - probs[ranked]) < 0.5]] = 1
+    for i, (p, _) in enumerate(kinds):
+        got = torch.bincount(tokens[kind_of == i], minlength=vocab).float() / draws
+        if p.greedy:
+            assert got[int(logits.argmax())] == 1.0
+            continue
+        keep = {2: top3, 3: nucleus, 5: top6}.get(i, torch.ones(vocab))
+        assert torch.all(got[keep == 0] == 0), i
+        assert torch.allclose(got, _expected(logits, p.temperature, keep), atol=0.04), i
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_seeded_row_draws_the_same_token_alone_and_in_any_batch(device, rng):
+    vocab = rng.randrange(20, 400)
+    for _ in range(30):
+        n = rng.randrange(2, 9)
+        logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(rng.randrange(1 << 30))).to(device)
+        params = [
+            SamplingParams(
+                temperature=rng.choice([0.0, 0.5, 1.0, 1.5]), top_k=rng.choice([0, 5]), top_p=rng.choice([1.0, 0.8])
+            )
+            for _ in range(n)
+        ]
+        seeds = [rng.randrange(1 << 30) for _ in range(n)]
+        batch = sample(logits, params, [torch.Generator(device).manual_seed(s) for s in seeds])
+        alone = [
+            sample(logits[i : i + 1], [params[i]], [torch.Generator(device).manual_seed(seeds[i])])[0] for i in range(n)
+        ]
+        assert batch == alone

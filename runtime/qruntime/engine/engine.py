@@ -12,8 +12,8 @@ on a step's results (detokenizing, stop checks, the server's dispatch) and on th
 runs while the device computes. The launched step's decodes read the tokens the step before sampled
 on the device (scheduler.py: pending tokens). A request that stops on a token its next step has
 already been launched for gets no more from that step (its one extra token is dropped); requests
-that end by max_tokens or the model length are not scheduled past it. A batch with a non-greedy row
-waits for its logits before sampling (the sampler's host-side checks), so only greedy steps overlap.
+that end by max_tokens or the model length are not scheduled past it. Sampling, greedy or not, is
+queued on the device with the step (engine/sampler.py).
 """
 
 from __future__ import annotations
@@ -104,6 +104,8 @@ class Engine:
         self.async_scheduling = async_scheduling and workers is None
         self._tracked: dict[str, _Tracked] = {}
         self._in_flight: _Launched | None = None  # the step launched last, not read yet (async scheduling)
+        # the random stream of sampled requests without a seed (each seeded one has its own)
+        self._generator = torch.Generator(device=runner.device).manual_seed(int.from_bytes(os.urandom(8)) >> 1)
         self._ids = itertools.count()
         self._closed = False
 
@@ -123,9 +125,10 @@ class Engine:
         if request_id in self._tracked:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         generator = None
-        if not params.greedy:
-            generator = torch.Generator(device=self.runner.device)
-            generator.manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(8)) >> 1)
+        if not params.greedy and params.seed is None:
+            generator = self._generator  # shared: the sampler draws for all such rows in one op
+        elif not params.greedy:
+            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         request = Request(request_id, token_ids, params.max_tokens)
         detok = IncrementalDetokenizer(
             self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop

@@ -1,21 +1,22 @@
-"""Next-token choice from logits: greedy, or temperature / top-k / top-p sampling with per-request RNGs.
+"""Next-token choice from logits: greedy, or temperature / top-k / top-p sampling with per-request RNGs,
+for a whole batch at once on the device (a handful of batched ops, whatever the batch size; one random
+draw per distinct generator), with no host sync: the tokens stay on the device for the next step and
+the host reads them later (SampledTokens).
 
 Numerically safe for every SamplingParams that validates: a temperature below SAMPLING_EPS is greedy,
-one above MAX_TEMPERATURE counts as it, logits whose maximum would overflow fp32 once divided by the
-temperature are shifted to a maximum of 0 first (a host-side test, so sane logits pay no extra op),
-and top_p is at least MIN_TOP_P, so the top-ranked token always survives the cuts and the
-distribution is never empty or NaN. A row whose logits hold a NaN or +inf,
-or are all -inf (a model fault), gets None: the engine fails that request alone. A -inf beside finite
-logits is a masked token, as usual.
+one above MAX_TEMPERATURE counts as it, logits are shifted so that each row's maximum is 0 before the
+division by the temperature (so nothing overflows, whatever the spread and the temperature), and
+top_p is at least MIN_TOP_P, so the top-ranked token always survives the cuts and the distribution is
+never empty or NaN. A row whose logits hold a NaN or +inf, or are all -inf (a model fault), gets
+None: the engine fails that request alone (its device token is the argmax, a valid id, so the step
+launched after it runs). A -inf beside finite logits is a masked token, as usual.
 
-The check costs the hot path little: one max over the vocabulary gives the greedy token and, through
-NaN propagation, whether the row is finite; both lists are read by the host (two small copies cost
-less than any device op to combine them: on an H100 host each torch op is ~20 us of dispatch).
+The draw is the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with probability
+p_i (the Gumbel-max trick), so sampled rows need no multinomial per row.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -23,60 +24,74 @@ import torch
 from qruntime.engine.sampled_tokens import SampledTokens
 from qruntime.engine.sampling_params import SamplingParams
 
-# larger temperatures act as this one: it already flattens any logit spread below 1e25 to uniform, and
-# stays inside fp32, where a temperature of inf would turn a masked token's -inf / inf into NaN
+# larger temperatures act as this one: it already flattens any logit spread below 1e25 to uniform
 MAX_TEMPERATURE = 1e30
 # smaller top_p act as this one (it keeps only the best token, as any top_p below it does): a top_p
 # that rounds to 0 in fp32 would make `mass before >= top_p` true for the best token too and drop it
 MIN_TOP_P = 1e-30
-FP32_SAFE = 1e37  # below fp32's largest value (3.4e38) with room for softmax's sums
 
 
-def _distribution(logits: torch.Tensor, peak: float, params: SamplingParams) -> torch.Tensor:
-    """Probabilities [V] fp32 from logits [V] fp32 whose maximum `peak` is finite: temperature, then the cuts."""
-    temperature = min(params.temperature, MAX_TEMPERATURE)
-    # softmax shifts by the maximum itself; logits that would overflow once divided are shifted to <= 0 first
-    scaled = logits / temperature if abs(peak) / temperature < FP32_SAFE else (logits - peak).div_(temperature)
-    if 0 < params.top_k < scaled.numel():
-        kth = torch.topk(scaled, params.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if params.top_p < 1.0:
-        ordered, order = torch.sort(scaled, descending=True)
+def _distributions(logits: torch.Tensor, best: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Probabilities [n, V] fp32 of the rows' tempered, cut distributions; `best` [n]: each row's maximum."""
+    device, vocab = logits.device, logits.shape[1]
+    temperature = torch.tensor([min(p.temperature, MAX_TEMPERATURE) for p in params], device=device)
+    finite = torch.isfinite(best)
+    shift = torch.where(finite, best.float(), torch.zeros_like(best, dtype=torch.float32))
+    scaled = (logits.float() - shift[:, None]).div_(temperature[:, None])  # each row's maximum is 0
+    scaled = torch.where(finite[:, None], scaled, torch.zeros_like(scaled))  # a faulty row: uniform, not NaN
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(top_k):
+        k = torch.tensor(top_k, device=device)
+        values = torch.topk(scaled, max(top_k), dim=-1).values
+        kth = values.gather(1, (k - 1).clamp_(min=0)[:, None])
+        scaled = torch.where((k[:, None] > 0) & (scaled < kth), float("-inf"), scaled)
+    top_p = [max(p.top_p, MIN_TOP_P) for p in params]
+    if any(p < 1.0 for p in top_p):
+        ordered, order = torch.sort(scaled, dim=-1, descending=True)
         probs = ordered.softmax(-1)
-        # drop a token when the tokens ranked above it already hold top_p of the mass (never the first: 0 < top_p)
-        drop = (probs.cumsum(-1) - probs) >= max(params.top_p, MIN_TOP_P)
-        scaled = scaled.scatter(0, order, ordered.masked_fill(drop, float("-inf")))
+        # drop a token when the tokens ranked above it already hold top_p of the mass (never the first)
+        cut = torch.tensor(top_p, device=device)[:, None]
+        drop = ((probs.cumsum(-1) - probs) >= cut) & (cut < 1.0)
+        scaled = scaled.scatter(1, order, ordered.masked_fill(drop, float("-inf")))
     return scaled.softmax(-1)
 
 
-def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
-) -> list[int | None]:
-    """One token per row of logits [n, V]; row i uses params[i] and generators[i] (None for greedy).
-
-    None for a row whose logits hold a NaN or +inf, or are all -inf."""
-    best, index = logits.max(-1)  # NaN propagates into best: one reduction finds NaN, +inf and all -inf rows
-    peaks, chosen = best.tolist(), index.tolist()
-    wide = logits.float() if not all(p.greedy for p in params) else None  # one cast for every sampled row
-    tokens: list[int | None] = []
-    for i, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        if not math.isfinite(peaks[i]):
-            tokens.append(None)
-        elif p.greedy:
-            tokens.append(chosen[i])
+def _exponentials(shape: tuple[int, int], generators: Sequence[torch.Generator], device: torch.device) -> torch.Tensor:
+    """Exp(1) draws [n, V]: rows that share a generator draw together, in row order (one op each)."""
+    draws = torch.empty(shape, device=device)
+    rows: dict[int, list[int]] = {}
+    for row, generator in enumerate(generators):
+        rows.setdefault(id(generator), []).append(row)
+    for members in rows.values():
+        generator = generators[members[0]]
+        block = torch.empty(len(members), shape[1], device=device).exponential_(generator=generator)
+        if len(members) == shape[0]:
+            draws = block
         else:
-            tokens.append(int(torch.multinomial(_distribution(wide[i], peaks[i], p), 1, generator=gen)))
-    return tokens
+            draws[torch.tensor(members, device=device)] = block
+    return draws.clamp_(min=torch.finfo(torch.float32).tiny)  # an exact 0 would make 0 / 0 = NaN
 
 
 def sample_on_device(
     logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
 ) -> SampledTokens:
-    """`sample` without waiting for the device when every row is greedy: the argmax stays on the
-    device for the next step and the host reads it later (SampledTokens.tolist). A batch with a
-    sampled row goes through `sample` (its host-side checks need the logits' maxima first), then
-    its tokens go back to the device."""
-    if all(p.greedy for p in params):
-        best, index = logits.max(-1)
-        return SampledTokens(index, best)
-    return SampledTokens.of(sample(logits, params, generators), logits.device)
+    """One token per row of logits [n, V]; row i uses params[i] and generators[i] (None for greedy),
+    on the device, without waiting for it."""
+    best, index = logits.max(-1)  # NaN propagates into best: one reduction finds NaN, +inf and all -inf rows
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled:
+        rows = torch.tensor(sampled, device=logits.device) if len(sampled) < len(params) else None
+        picked = logits if rows is None else logits[rows]
+        probs = _distributions(picked, best if rows is None else best[rows], [params[i] for i in sampled])
+        race = probs.div_(_exponentials(tuple(probs.shape), [generators[i] for i in sampled], logits.device))
+        drawn = race.argmax(-1)
+        index = drawn if rows is None else index.index_copy(0, rows, drawn)
+    return SampledTokens(index, best)
+
+
+def sample(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+) -> list[int | None]:
+    """`sample_on_device`, read on the host: one token per row, None for a row whose logits hold a
+    NaN or +inf, or are all -inf."""
+    return sample_on_device(logits, params, generators).tolist()
