@@ -86,14 +86,14 @@ def paged_kv(
     q: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
-    block_tables: torch.Tensor,
     *,
     block_size: int,
     num_kv_heads: int,
     k_scale: float,
     v_scale: float,
 ) -> PagedKV:
-    """Check q [.., nh, d], the pools and the block tables against each other; the pools' addressing."""
+    """Check q [.., nh, d] and the pools against each other; the pools' addressing. The same for every
+    step of a layer: an op may keep it (its checks cost more host time than the rest of a kernel call)."""
     kv_layout = KV_LAYOUTS[layout] if isinstance(layout, str) else layout
     nh, d = q.shape[-2], q.shape[-1]
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -113,14 +113,17 @@ def paged_kv(
     for name, pool, shape in (("k_pool", k_pool, expected[0]), ("v_pool", v_pool, expected[1])):
         if tuple(pool.shape) != shape:
             raise ValueError(f"{name} shape {tuple(pool.shape)} != {shape} for layout {kv_layout.name}")
-    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.device != q.device:
-        raise ValueError("block_tables must be int32 [B, max_blocks] on q's device")
     return PagedKV(
         pool_addressing(kv_layout.k_dims, tuple(k_pool.shape), k_pool.stride(), block_size, d),
         pool_addressing(kv_layout.v_dims, tuple(v_pool.shape), v_pool.stride(), block_size, d),
         k_scale if fp8 else 1.0,
         v_scale if fp8 else 1.0,
     )
+
+
+def check_block_tables(block_tables: torch.Tensor, q: torch.Tensor) -> None:
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.device != q.device:
+        raise ValueError("block_tables must be int32 [B, max_blocks] on q's device")
 
 
 @triton.jit
@@ -427,6 +430,16 @@ def _decode_reduce_kernel(
     )
 
 
+def cdiv(a: int, b: int) -> int:
+    """Host-side ceil(a / b). Plain ints: triton.cdiv / next_power_of_2 are constexpr functions whose
+    calls cost microseconds each, and the wrappers run once per layer per step."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -438,9 +451,9 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_s
     at least MIN_PARTITION tokens. The batch counts rounded up to a power of two, so a batch and the
     CUDA-graph bucket it is padded to (no bucket range straddles a power of two) get the same
     partitions: graph replay and eager steps sum in the same order and give the same tokens."""
-    batch = triton.next_power_of_2(max(batch, 1))
-    wanted = triton.cdiv(TARGET_PROGRAMS_PER_SM * num_sms, batch * num_kv_heads)
-    return max(1, min(wanted, triton.cdiv(max_context_len, MIN_PARTITION)))
+    batch = next_pow2(max(batch, 1))
+    wanted = cdiv(TARGET_PROGRAMS_PER_SM * num_sms, batch * num_kv_heads)
+    return max(1, min(wanted, cdiv(max_context_len, MIN_PARTITION)))
 
 
 def paged_decode_attention(
@@ -462,6 +475,7 @@ def paged_decode_attention(
     query_start_loc: torch.Tensor | None = None,
     num_decodes: int | None = None,
     out: torch.Tensor | None = None,
+    kv: PagedKV | None = None,
 ) -> torch.Tensor:
     """Decode-step paged attention: o [B, nh*d] for q [B, nh, d], one query per sequence at position
     context_lens[b] - 1 (it sees the whole cached context).
@@ -479,14 +493,18 @@ def paged_decode_attention(
     q_len 1 are computed, num_decodes of them (a host int: their count, which sizes the grid), each
     into its query's row of o [T, nh*d]; the other rows are left as they are.
     out: the output to write (o's shape, q's dtype); allocated when None.
+    kv: paged_kv(...) of these pools, q's dtype and heads and these scales, when the caller keeps it;
+    None computes it.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, nh, d], got {tuple(q.shape)}")
     tokens, nh, d = q.shape
-    kv = paged_kv(
-        layout, q, k_pool, v_pool, block_tables,
-        block_size=block_size, num_kv_heads=num_kv_heads, k_scale=k_scale, v_scale=v_scale,
-    )  # fmt: skip
+    if kv is None:
+        kv = paged_kv(
+            layout, q, k_pool, v_pool,
+            block_size=block_size, num_kv_heads=num_kv_heads, k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+    check_block_tables(block_tables, q)
     seqs = block_tables.shape[0]
     varlen = query_start_loc is not None
     if varlen:
@@ -525,12 +543,12 @@ def paged_decode_attention(
         partial = torch.empty(batch, nh, num_splits, d, dtype=torch.float32, device=q.device)
         lse = torch.empty(batch, nh, num_splits, dtype=torch.float32, device=q.device)
     qsl = query_start_loc if varlen else context_lens  # read only when VARLEN
-    block_d = triton.next_power_of_2(d)
+    block_d = next_pow2(d)
     _decode_partition_kernel[(batch, num_kv_heads, num_splits)](
         q, k_pool, v_pool, block_tables, context_lens, qsl, partial, lse, seqs,
         q.stride(0), q.stride(1), block_tables.stride(0), min_partition, num_splits,
         scale * kv.k_scale * LOG2E, kv.v_scale, *kv.k_args(), *kv.v_args(),
-        STEP=block_n, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, BLOCK_D=block_d,
+        STEP=block_n, GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_SIZE=block_size, **kv.splits(), SPLIT_P=q.dtype != torch.float32,
         UPCAST=q.device.type != "cuda", DIRECT=direct, VARLEN=varlen, SCAN=SCAN_BLOCK,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -538,7 +556,7 @@ def paged_decode_attention(
     if not direct:
         _decode_reduce_kernel[(batch, nh)](
             partial, lse, context_lens, qsl, out, seqs, min_partition, num_splits, kv.v_scale,
-            STEP=block_n, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=min(32, triton.next_power_of_2(num_splits)),
+            STEP=block_n, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=min(32, next_pow2(num_splits)),
             VARLEN=varlen, SCAN=SCAN_BLOCK, num_warps=4,
         )  # fmt: skip
     return out

@@ -25,7 +25,17 @@ import torch
 import triton
 import triton.language as tl
 
-from qruntime.kernels.paged_decode_attention import LOG2E, SCAN_BLOCK, attend_tile, nth_sequence, paged_kv
+from qruntime.kernels.paged_decode_attention import (
+    LOG2E,
+    SCAN_BLOCK,
+    PagedKV,
+    attend_tile,
+    cdiv,
+    check_block_tables,
+    next_pow2,
+    nth_sequence,
+    paged_kv,
+)
 from qruntime.kv_layout import KVLayout
 
 
@@ -151,6 +161,7 @@ def paged_prefill_attention(
     max_q_len: int,
     config: PrefillConfig | None = None,
     num_prefills: int | None = None,
+    kv: PagedKV | None = None,
 ) -> torch.Tensor:
     """Varlen causal paged attention: o [T, nh*d] for q [T, nh, d] of B sequences laid end to end.
 
@@ -163,14 +174,18 @@ def paged_prefill_attention(
     num_prefills: None computes every sequence. A host int, the step's count of sequences whose
     q_len is not 1: only those are computed and the rows of the q_len 1 sequences are left
     unwritten, for paged_decode_attention(..., query_start_loc=...) to fill.
+    kv: paged_kv(...) of these pools, q's dtype and heads and these scales, when the caller keeps it;
+    None computes it.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [T, nh, d], got {tuple(q.shape)}")
     tokens, nh, d = q.shape
-    kv = paged_kv(
-        layout, q, k_pool, v_pool, block_tables,
-        block_size=block_size, num_kv_heads=num_kv_heads, k_scale=k_scale, v_scale=v_scale,
-    )  # fmt: skip
+    if kv is None:
+        kv = paged_kv(
+            layout, q, k_pool, v_pool,
+            block_size=block_size, num_kv_heads=num_kv_heads, k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+    check_block_tables(block_tables, q)
     batch = block_tables.shape[0]
     if context_lens.dtype != torch.int32 or tuple(context_lens.shape) != (batch,):
         raise ValueError(f"context_lens must be int32 [{batch}] (one per block_tables row)")
@@ -184,12 +199,12 @@ def paged_prefill_attention(
     seqs = batch if num_prefills is None else num_prefills  # the grid's sequences
     if tokens == 0 or seqs == 0 or max_q_len == 0:
         return out
-    block_d = triton.next_power_of_2(d)
+    block_d = next_pow2(d)
     cfg = config or PrefillConfig()
-    block_m = min(cfg.block_m, max(16, triton.next_power_of_2(max_q_len)))
+    block_m = min(cfg.block_m, max(16, next_pow2(max_q_len)))
     block_n = cfg.block_n
     num_warps = cfg.num_warps if block_m >= 64 else min(cfg.num_warps, 4)
-    grid = (nh, triton.cdiv(max_q_len, block_m), seqs)
+    grid = (nh, cdiv(max_q_len, block_m), seqs)
     _prefill_kernel[grid](
         q, k_pool, v_pool, block_tables, context_lens, query_start_loc, out, batch,
         q.stride(0), q.stride(1), block_tables.stride(0), scale * kv.k_scale * LOG2E, kv.v_scale,

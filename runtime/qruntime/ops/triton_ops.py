@@ -190,19 +190,21 @@ class PagedAttention(attention.PagedAttention):
     SDPA_MIN_TOKENS, to torch's fused attention on each prompt's K/V read back from the cache,
     cuDNN's kernel first (H100, 8000 tokens, 32/8 heads: cuDNN 872 µs, FlashAttention-2 1646 µs, our
     prefill kernel ~1970 µs: bench/results/sdpa_backends.json and fastpath_check.json), else to the
-    varlen prefill kernel, which reads cached prefixes from the paged pools. In the prefill kernel a
-    decode row costs a whole query tile per q head (H100, qwen3-8b, 64 decodes at context 192 beside
-    16 prompts of 128: ~4.4 ms a step over 36 layers, where the decode kernel takes ~0.9 ms)."""
+    varlen prefill kernel, which reads cached prefixes from the paged pools. The prefill kernel would
+    spend a whole query tile per q head on a decode row: H100, qwen3-8b, 36 layers, 64 decodes at
+    context 192 beside 16 prompts of 128 took 4.29 ms of GPU time that way, 2.31 ms split, the parts
+    alone 0.81 + 1.34 ms (bench/results/mixed_attention_h100.json)."""
 
     capturable = True
     SDPA_MIN_TOKENS = 512
 
     def __init__(self, attrs, env, consts=()) -> None:
         super().__init__(attrs, env, consts)
-        from qruntime.kernels.paged_decode_attention import paged_decode_attention
+        from qruntime.kernels.paged_decode_attention import paged_decode_attention, paged_kv
         from qruntime.kernels.paged_prefill_attention import paged_prefill_attention
 
-        self.decode, self.prefill = paged_decode_attention, paged_prefill_attention
+        self.decode, self.prefill, self.paged_kv = paged_decode_attention, paged_prefill_attention, paged_kv
+        self._checked = None  # (k_pool, v_pool, q dtype, their PagedKV): the pools' checks, done once
 
     def __call__(self, step, q, ready, block_tables, context_lens, query_start_loc):
         a, cache, meta = self.a, step.kv_cache, step.attn
@@ -216,21 +218,38 @@ class PagedAttention(attention.PagedAttention):
         )
         pools = (cache.k[a["layer"]], cache.v[a["layer"]])
         if meta.decode_only:
-            return self.decode(q, *pools, block_tables, context_lens, max_context_len=meta.max_context_len, **common)
+            kv = self._pools_checked(q, pools, common)
+            return self.decode(
+                q, *pools, block_tables, context_lens, max_context_len=meta.max_context_len, kv=kv, **common
+            )
         q_lens = list(map(operator.sub, meta.query_start[1:], meta.query_start[:-1]))
         num_decodes = q_lens.count(1)  # host ints only: no sync, no index tensor (the kernels scan)
-        longest = max(q_lens, default=0)
+        longest = meta.max_q_len or max(q_lens, default=0)  # metadata built without max_q_len: 0
         if longest >= self.SDPA_MIN_TOKENS and self._fresh_long_prompts(meta, q_lens):
             out = self._sdpa_prefill(step, q, q_lens)
         else:
             num_prefills = len(q_lens) - num_decodes if num_decodes else None  # None: no decode rows to skip
             args = (q, *pools, block_tables, context_lens, query_start_loc)
-            out = self.prefill(*args, max_q_len=longest, num_prefills=num_prefills, **common)
+            kv = self._pools_checked(q, pools, common)
+            out = self.prefill(*args, max_q_len=longest, num_prefills=num_prefills, kv=kv, **common)
         if num_decodes:
             args = (q, *pools, block_tables, context_lens)
             kwargs = dict(query_start_loc=query_start_loc, num_decodes=num_decodes, out=out, **common)
-            self.decode(*args, max_context_len=meta.max_context_len, **kwargs)
+            kv = self._pools_checked(q, pools, common)
+            self.decode(*args, max_context_len=meta.max_context_len, kv=kv, **kwargs)
         return out
+
+    def _pools_checked(self, q, pools, common):
+        """paged_kv of this layer's pools, computed again only when they or q's dtype change (never, in
+        an engine): per call, those checks took more host time than the rest of a kernel call."""
+        checked = self._checked
+        if checked is None or checked[0] is not pools[0] or checked[1] is not pools[1] or checked[2] != q.dtype:
+            kv = self.paged_kv(
+                common["layout"], q, *pools, block_size=common["block_size"],
+                num_kv_heads=common["num_kv_heads"], k_scale=common["k_scale"], v_scale=common["v_scale"],
+            )  # fmt: skip
+            self._checked = checked = (*pools, q.dtype, kv)
+        return checked[3]
 
     def _fresh_long_prompts(self, meta, q_lens: list[int]) -> bool:
         """Every sequence that is not a decode is a whole prompt (no cached prefix) of SDPA_MIN_TOKENS or more."""
