@@ -98,11 +98,14 @@ class OpenAIRoutes:
                 yield sse_event(_dumps(chunk))
             completion_tokens = 0
             while not handle.done:
-                index, delta = await handle.get()
-                completion_tokens += len(delta.token_ids)
-                chunk = builder.chunk(index, delta)
-                if chunk is not None:
-                    yield sse_event(_dumps(chunk))
+                events = []
+                for index, delta in await handle.get_merged():  # all that is queued: one send
+                    completion_tokens += len(delta.token_ids)
+                    chunk = builder.chunk(index, delta)
+                    if chunk is not None:
+                        events.append(sse_event(_dumps(chunk)))
+                if events:
+                    yield "".join(events)
             if builder.request.include_usage:
                 yield sse_event(_dumps(builder.usage_chunk(completion_tokens)))
         except FailedRequest as exc:
@@ -116,9 +119,9 @@ class OpenAIRoutes:
         async def collect() -> dict[int, RequestOutput]:
             outputs = {}
             while not handle.done:
-                index, delta = await handle.get()
-                if delta.finished:
-                    outputs[index] = delta.output
+                for index, delta in await handle.get_merged():
+                    if delta.finished:
+                        outputs[index] = delta.output
             return outputs
 
         try:

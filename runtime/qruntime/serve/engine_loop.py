@@ -2,7 +2,9 @@
 
 HTTP handlers never touch the engine. They `submit` sequences (a command on a lock-guarded inbox)
 and read their StreamDeltas from a per-request asyncio queue that the engine thread fills through
-`loop.call_soon_threadsafe` (one wake-up per step and event loop). `Handle.close()` queues an
+`loop.call_soon_threadsafe` (one wake-up per step and event loop). A reader that falls behind takes
+everything queued at once, merged per choice (`Handle.get_merged`), so a busy event loop encodes
+and sends one chunk per choice per wake-up instead of one per token. `Handle.close()` queues an
 abort, which the thread applies before its next step, so a client that goes away frees its KV
 blocks within one step. Every client's sequences sit in the one scheduler, so they are batched
 together (continuous batching). Admission is bounded: more than `max_waiting` sequences accepted
@@ -81,16 +83,32 @@ class Handle:
         self._owner = owner
         self._remaining = len(sequences)
         self._closed = False
+        self._failure: Failure | None = None  # read by get_merged behind deltas; raised on its next call
 
-    async def get(self) -> tuple[int, StreamDelta]:
-        """The next (choice index, delta) of any of the request's sequences; raises FailedRequest."""
-        item = await self.queue.get()
-        if isinstance(item, Failure):
+    async def get_merged(self) -> list[tuple[int, StreamDelta]]:
+        """Every (choice index, delta) queued now, waiting for one if none is: a choice's consecutive
+        deltas merged into one (tokens and text joined, the last one's finished and output), in the
+        order the choices' first deltas came. Raises FailedRequest when a failure is queued, after
+        returning the deltas queued before it."""
+        if self._failure is not None:
             self._remaining = 0
-            raise FailedRequest(item)
-        if item[1].finished:
-            self._remaining -= 1
-        return item
+            raise FailedRequest(self._failure)
+        items = [await self.queue.get()]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        merged: dict[int, StreamDelta] = {}
+        for item in items:
+            if isinstance(item, Failure):
+                self._failure = item
+                break
+            index, delta = item
+            if delta.finished:
+                self._remaining -= 1
+            earlier = merged.get(index)
+            merged[index] = delta if earlier is None else _joined(earlier, delta)
+        if not merged and self._failure is not None:
+            return await self.get_merged()
+        return list(merged.items())
 
     @property
     def done(self) -> bool:
@@ -108,6 +126,12 @@ def _internal_failure(handle: Handle, what: str | None = None) -> Failure:
     """A 500 naming the request, whose cause is in the server log (never in the response)."""
     cause = f": {what}" if what else ""
     return Failure(500, f"request {handle.request_id} failed in the engine{cause}; the server log has the details")
+
+
+def _joined(first: StreamDelta, then: StreamDelta) -> StreamDelta:
+    return StreamDelta(
+        first.request_id, first.token_ids + then.token_ids, first.text + then.text, then.finished, then.output
+    )
 
 
 def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
