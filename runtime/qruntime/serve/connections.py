@@ -1,4 +1,4 @@
-"""Connections that cannot hold the server: uvicorn's h11 protocol with a header timeout.
+"""Connections that cannot hold the server: uvicorn's HTTP protocol with a header timeout.
 
 uvicorn closes an idle keep-alive connection after --timeout-keep-alive, but any byte received
 cancels that timer, and nothing limits the wait for a request's headers: a client that connects and
@@ -6,42 +6,34 @@ sends nothing, or one header byte every few seconds (slowloris), keeps its conne
 connection must deliver a request's complete headers within `header_timeout` seconds of connecting,
 and of the end of its previous response; otherwise it is closed. The body's own time limit is the
 app's (limits.read_json_body), and the number of connections is uvicorn's --limit-concurrency.
+
+The protocol is uvicorn's httptools one (a C parser: the HTTP side of a stream costs several times
+less than with h11, which at a hundred streamed clients is what the event loop spends its time on)
+when httptools is installed (the `serve` extra installs it), else its h11 one; `protocol_class`
+picks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
-class HeaderTimeoutProtocol(H11Protocol):
-    """H11Protocol that closes a connection whose request headers do not arrive in `header_timeout` s."""
+class _HeaderTimeout:
+    """The timer; a protocol class mixes it in and calls `_arm` / `_disarm` at the right events."""
 
-    def __init__(self, *args: Any, header_timeout: float, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    header_timeout: float
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    cycle: Any
+
+    def _init_timer(self, header_timeout: float) -> None:
         self.header_timeout = header_timeout
         self._header_timer: asyncio.TimerHandle | None = None
         self._waiting_after: object = None  # the cycle (request) before the headers being waited for
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._arm()
-
-    def handle_events(self) -> None:
-        super().handle_events()
-        if self._header_timer is not None and self.cycle is not self._waiting_after:
-            self._disarm()  # a new request's headers were parsed
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing() and self.cycle is not None and self.cycle.response_complete:
-            self._arm()  # keep-alive: the next request's headers are due in time too
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        super().connection_lost(exc)
 
     def _arm(self) -> None:
         self._disarm()
@@ -53,7 +45,80 @@ class HeaderTimeoutProtocol(H11Protocol):
             self._header_timer.cancel()
             self._header_timer = None
 
+    def _disarm_if_new_request(self) -> None:
+        if self._header_timer is not None and self.cycle is not self._waiting_after:
+            self._disarm()  # a new request's headers were parsed
+
+    def _rearm_after_response(self) -> None:
+        if not self.transport.is_closing() and self.cycle is not None and self.cycle.response_complete:
+            self._arm()  # keep-alive: the next request's headers are due in time too
+
     def _on_header_timeout(self) -> None:
         self._header_timer = None
         if self.cycle is self._waiting_after and not self.transport.is_closing():
             self.transport.close()
+
+
+class HeaderTimeoutProtocol(_HeaderTimeout, H11Protocol):
+    """H11Protocol that closes a connection whose request headers do not arrive in `header_timeout` s."""
+
+    def __init__(self, *args: Any, header_timeout: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_timer(header_timeout)
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        self._disarm_if_new_request()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._rearm_after_response()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+
+def _httptools_protocol() -> type | None:
+    if importlib.util.find_spec("httptools") is None:
+        return None
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class HttpToolsHeaderTimeoutProtocol(_HeaderTimeout, HttpToolsProtocol):
+        """HttpToolsProtocol that closes a connection whose request headers do not arrive in time."""
+
+        def __init__(self, *args: Any, header_timeout: float, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._init_timer(header_timeout)
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def on_headers_complete(self) -> None:
+            super().on_headers_complete()
+            self._disarm_if_new_request()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._rearm_after_response()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return HttpToolsHeaderTimeoutProtocol
+
+
+def protocol_class(prefer: str = "auto") -> type:
+    """The header-timeout protocol to serve with: "httptools" (when installed, for "auto") or "h11"."""
+    if prefer not in ("auto", "httptools", "h11"):
+        raise ValueError(f"unknown HTTP protocol {prefer!r}: auto, httptools or h11")
+    fast = _httptools_protocol() if prefer != "h11" else None
+    if prefer == "httptools" and fast is None:
+        raise ValueError("the httptools protocol needs the httptools package (pip install httptools)")
+    return fast or HeaderTimeoutProtocol

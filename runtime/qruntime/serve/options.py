@@ -38,6 +38,7 @@ class ServeOptions:
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     limit_concurrency: int = 1024
+    http: str = "auto"
 
     @property
     def model_name(self) -> str:
@@ -156,6 +157,13 @@ def add_serve_parser(verbs: Any) -> None:
         default=1024,
         metavar="N",
         help="Most open connections and requests at once; past it, new requests get 503 (default 1024).",
+    )
+    add(
+        "--http",
+        default="auto",
+        choices=("auto", "httptools", "h11"),
+        help="HTTP protocol implementation: httptools (C parser, the fast one) or h11 (pure Python); "
+        "default auto: httptools when installed.",
     )
     add(
         "--log-level",

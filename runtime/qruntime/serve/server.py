@@ -29,7 +29,7 @@ import qruntime
 from qruntime.artifact import ArtifactFormatError
 from qruntime.commands.common import RunError, load_line
 from qruntime.serve.app import build_app
-from qruntime.serve.connections import HeaderTimeoutProtocol
+from qruntime.serve.connections import protocol_class
 from qruntime.serve.limits import RequestLimits
 from qruntime.serve.options import ServeOptions
 
@@ -127,10 +127,11 @@ def serve(options: ServeOptions, err: TextIO | None = None) -> None:
 
 def uvicorn_config(app: Any, options: ServeOptions) -> uvicorn.Config:
     """uvicorn's settings for `app` under `options`: connections that must send their headers within
-    --header-timeout, at most --limit-concurrency of them, the graceful shutdown's grace."""
+    --header-timeout (over httptools when installed, else h11), at most --limit-concurrency of them,
+    the graceful shutdown's grace; uvloop's event loop when installed (uvicorn's "auto")."""
     return uvicorn.Config(
         app,
-        http=functools.partial(HeaderTimeoutProtocol, header_timeout=options.header_timeout),
+        http=functools.partial(protocol_class(options.http), header_timeout=options.header_timeout),
         limit_concurrency=options.limit_concurrency,
         log_level=options.log_level,
         timeout_graceful_shutdown=options.shutdown_timeout + SHUTDOWN_GRACE_S,
