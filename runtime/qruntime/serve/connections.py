@@ -23,17 +23,31 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
 class _HeaderTimeout:
-    """The timer; a protocol class mixes it in and calls `_arm` / `_disarm` at the right events."""
+    """The timer, mixed in before one of uvicorn's protocol classes (whose methods `super()` reaches);
+    the subclass calls `_disarm_if_new_request()` where its protocol has parsed a request's headers."""
 
-    header_timeout: float
     loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport
     cycle: Any
 
-    def _init_timer(self, header_timeout: float) -> None:
+    def __init__(self, *args: Any, header_timeout: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.header_timeout = header_timeout
         self._header_timer: asyncio.TimerHandle | None = None
         self._waiting_after: object = None  # the cycle (request) before the headers being waited for
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)  # type: ignore[misc]
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # type: ignore[misc]
+        if not self.transport.is_closing() and self.cycle is not None and self.cycle.response_complete:
+            self._arm()  # keep-alive: the next request's headers are due in time too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)  # type: ignore[misc]
 
     def _arm(self) -> None:
         self._disarm()
@@ -49,10 +63,6 @@ class _HeaderTimeout:
         if self._header_timer is not None and self.cycle is not self._waiting_after:
             self._disarm()  # a new request's headers were parsed
 
-    def _rearm_after_response(self) -> None:
-        if not self.transport.is_closing() and self.cycle is not None and self.cycle.response_complete:
-            self._arm()  # keep-alive: the next request's headers are due in time too
-
     def _on_header_timeout(self) -> None:
         self._header_timer = None
         if self.cycle is self._waiting_after and not self.transport.is_closing():
@@ -62,25 +72,9 @@ class _HeaderTimeout:
 class HeaderTimeoutProtocol(_HeaderTimeout, H11Protocol):
     """H11Protocol that closes a connection whose request headers do not arrive in `header_timeout` s."""
 
-    def __init__(self, *args: Any, header_timeout: float, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_timer(header_timeout)
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._arm()
-
     def handle_events(self) -> None:
         super().handle_events()
         self._disarm_if_new_request()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._rearm_after_response()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        super().connection_lost(exc)
 
 
 def _httptools_protocol() -> type | None:
@@ -91,25 +85,9 @@ def _httptools_protocol() -> type | None:
     class HttpToolsHeaderTimeoutProtocol(_HeaderTimeout, HttpToolsProtocol):
         """HttpToolsProtocol that closes a connection whose request headers do not arrive in time."""
 
-        def __init__(self, *args: Any, header_timeout: float, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self._init_timer(header_timeout)
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm()
-
         def on_headers_complete(self) -> None:
             super().on_headers_complete()
             self._disarm_if_new_request()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._rearm_after_response()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
 
     return HttpToolsHeaderTimeoutProtocol
 
