@@ -23,6 +23,8 @@ GRAPH_INPUTS = (
     "query_start_loc",
     "logits_indices",
 )
+# the inputs with a row per sequence of the step (the rest have a row per token)
+SEQUENCE_INPUTS = ("block_tables", "context_lens", "query_start_loc", "logits_indices")
 
 
 class PlanError(ValueError):
@@ -36,6 +38,20 @@ class BoundNode:
     inputs: tuple[str, ...]  # "" = optional input left out
     outputs: tuple[str, ...]
     release: tuple[str, ...]  # activations no later node reads: dropped after this node
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Nodes [start, stop) of a plan, for a piecewise CUDA graph (engine/piecewise_graphs.py): a
+    piece whose nodes depend on the step's token count alone is captured once per token bucket; an
+    eager one runs op by op at every step, on the step's sequences (a graph-splitting op such as
+    attention, or the nodes from the logits gather on, whose rows are sequences, not tokens)."""
+
+    start: int
+    stop: int
+    eager: bool
+    reads: tuple[str, ...]  # what its nodes read from outside it: weights, graph inputs, earlier outputs
+    writes: tuple[str, ...]  # what it makes that later nodes read (or the plan's output)
 
 
 def _attributes(node: onnx.NodeProto) -> dict:
@@ -100,9 +116,43 @@ class Plan:
     def run(self, step: StepContext, feeds: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """One forward step: feeds are the GRAPH_INPUTS tensors; returns logits [B, V]."""
         env: dict[str, torch.Tensor | None] = {**self.weights, **feeds, "": None}
-        for node in self.nodes:
+        self.run_nodes(step, env, 0, len(self.nodes))
+        return env[self.output]
+
+    def run_nodes(self, step: StepContext, env: dict[str, torch.Tensor | None], start: int, stop: int) -> None:
+        """Run nodes [start, stop) over `env` (name -> tensor, "" -> None) in place: each node's
+        outputs are added, and the activations no later node reads are dropped after their last reader."""
+        for node in self.nodes[start:stop]:
             result = node.op(step, *(env[name] for name in node.inputs))
             env.update(zip(node.outputs, result if isinstance(result, tuple) else (result,), strict=True))
             for name in node.release:
                 del env[name]
-        return env[self.output]
+
+    def pieces(self) -> tuple[Piece, ...]:
+        """The nodes in maximal runs of captured and of eager ones (see Piece). A node is eager when
+        its op splits the graph, or when it reads a per-sequence value: a SEQUENCE_INPUTS tensor, or
+        the output of another node that reads one and does not split the graph (the graph-splitting
+        ops map the sequences' metadata back to rows of tokens)."""
+        per_sequence = set(SEQUENCE_INPUTS)
+        eager = []
+        for node in self.nodes:
+            reads_sequences = any(name in per_sequence for name in node.inputs)
+            if reads_sequences and not node.op.splits_graph:
+                per_sequence.update(node.outputs)
+            eager.append(node.op.splits_graph or reads_sequences)
+        runs, start = [], 0
+        for index in range(1, len(self.nodes) + 1):
+            if index == len(self.nodes) or eager[index] != eager[start]:
+                runs.append((start, index, eager[start]))
+                start = index
+        return tuple(self._piece(start, stop, is_eager) for start, stop, is_eager in runs)
+
+    def _piece(self, start: int, stop: int, eager: bool) -> Piece:
+        made: set[str] = set()
+        reads: dict[str, None] = {}
+        for node in self.nodes[start:stop]:
+            reads.update((name, None) for name in node.inputs if name and name not in made)
+            made.update(node.outputs)
+        later = {name for node in self.nodes[stop:] for name in node.inputs} | {self.output}
+        writes = tuple(name for node in self.nodes[start:stop] for name in node.outputs if name in later)
+        return Piece(start, stop, eager, tuple(reads), writes)

@@ -32,6 +32,7 @@ class PagedAttention(KVOp):
 
     attrs = (*KVOp.attrs, "num_heads", "num_kv_heads", "head_dim", "scale")
     capturable = False  # loops over the step's sequences on the host
+    splits_graph = True  # per-sequence work: runs eagerly between the pieces of a piecewise CUDA graph
 
     def __init__(self, attrs, env, consts=()) -> None:
         super().__init__(attrs, env, consts)

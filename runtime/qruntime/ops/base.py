@@ -60,6 +60,9 @@ class Op:
 
     attrs: ClassVar[tuple[str, ...]] = ()
     capturable: ClassVar[bool] = True  # no host syncs, no data-dependent shapes: fine inside a CUDA graph
+    # its work depends on the step's sequences (query starts, context lengths, block tables), not on its
+    # token count alone: a piecewise CUDA graph runs it eagerly between the pieces (engine/piecewise_graphs.py)
+    splits_graph: ClassVar[bool] = False
 
     optional_attrs: ClassVar[Mapping[str, Any]] = {}  # name -> default
 
@@ -74,6 +77,13 @@ class Op:
 
     def __call__(self, step: StepContext, *inputs: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         raise NotImplementedError
+
+    @property
+    def row_wise(self) -> bool:
+        """Whether each output row depends on its own input row only, so rows padded onto a step
+        cannot change the real rows. Per-tensor activation quantization (group_size -1) is the
+        exception among the ops: its one scale is the amax over every row of the step."""
+        return self.a.get("group_size") != -1
 
 
 class KVOp(Op):
