@@ -193,8 +193,11 @@ def load(
     backend: "reference" (torch ops, any device), "triton" (the GPU fast path: Triton kernels with
     the artifact's tuned configs for this GPU, cuBLASLt where the tuner chose it; bf16 or fp16), or
     "auto" (triton on CUDA in bf16/fp16, reference otherwise: fp32 is the reference path's).
-    cuda_graphs: replay decode steps from captured graphs (default: on with the triton backend when
-    every op of the graph can be captured).
+    cuda_graphs: replay decode steps from captured graphs, one per batch size, and the other steps
+    (prefill, mixed) from piecewise graphs, one set per token count up to max_num_batched_tokens,
+    attention run eagerly between the pieces (engine/piecewise_graphs.py; not for a recipe with
+    per-tensor activation scales, whose steps with prefill then run eagerly). Default: on with the
+    triton backend when every op of the graph can be captured.
     prefix_cache: automatic prefix caching: full KV blocks are kept after their request ends, named by
     a hash chain of their tokens (salted with the artifact's KV encoding), and a request whose prompt
     starts with cached blocks reuses their KV instead of computing it (engine.prefix_cache_stats
@@ -254,6 +257,7 @@ def load(
         context=context,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
         num_kv_blocks=num_kv_blocks,
         kv_cache_memory=kv_cache_memory,
         cuda_graphs=cuda_graphs,
@@ -289,6 +293,8 @@ def load(
         description["tp"] = tp
     if built.graph_buckets is not None:
         description["cuda_graphs"] = list(built.graph_buckets)
+    if built.piecewise_buckets is not None:
+        description["piecewise_graphs"] = list(built.piecewise_buckets)
     description["backend"] = backend
     if config.synthetic:
         description["weights"] = "SYNTHETIC: random values made on the device (qcompile synth --artifact)"

@@ -1,5 +1,5 @@
 """One rank's model: its graph and weights loaded, its plan bound, its KV cache sized and allocated,
-its decode steps captured.
+its decode steps captured, and the other steps as piecewise graphs.
 
 tp=1 builds rank 0 alone. At tp=N every rank runs `build_rank` (rank 0 in the caller's process,
 ranks 1..N-1 in spawned workers, engine/workers.py) and they meet at checkpoints: "loaded" (graph
@@ -24,6 +24,7 @@ import torch.distributed as dist
 from qruntime.artifact import ArtifactFormatError, artifact_path
 from qruntime.engine.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
 from qruntime.engine.model_runner import ModelRunner
+from qruntime.engine.piecewise_graphs import PiecewiseGraphs, token_buckets, unfit_reason
 from qruntime.kernel_configs import KernelTable, load_kernel_table
 from qruntime.kv_cache import KVCache, KVCacheSpec
 from qruntime.ops.base import OpEnv
@@ -53,6 +54,7 @@ class RankConfig:
     context: int  # the model's max_position_embeddings
     max_model_len: int | None
     max_num_seqs: int
+    max_num_batched_tokens: int  # the most tokens a step holds: the largest piecewise-graph bucket
     num_kv_blocks: int | None
     kv_cache_memory: int | None
     cuda_graphs: bool | None
@@ -76,6 +78,7 @@ class Rank:
     num_blocks: int  # KV blocks the scheduler hands out (the cache holds one more with CUDA graphs)
     max_model_len: int
     graph_buckets: tuple[int, ...] | None  # batch sizes of the captured decode graphs
+    piecewise_buckets: tuple[int, ...] | None = None  # token counts of the piecewise graphs (other steps)
 
 
 def _no_checkpoint(tag: str) -> None:
@@ -183,10 +186,20 @@ def build_rank(
         raise ValueError("cuda_graphs=True but some ops of this graph cannot be captured (MoE, reference attention)")
     # one block more than the scheduler hands out: the scratch block padded graph rows write to
     kv_cache = KVCache(spec, blocks + int(cuda_graphs), config.dtype, device)
-    graphs = None
+    graphs = piecewise = None
     if cuda_graphs:  # every rank captures the same buckets in the same order: the graphs hold the all-reduces
         buckets = [b for b in DEFAULT_BUCKETS if b <= config.max_num_seqs] or [config.max_num_seqs]
         graphs = DecodeGraphs(plan, kv_cache, blocks, max_model_len, buckets)
+        # a plan that mixes rows (per-tensor activation scales) runs its other steps eagerly instead
+        if unfit_reason(plan) is None:
+            tokens = token_buckets(config.max_num_batched_tokens, graphs.buckets[-1])
+            piecewise = PiecewiseGraphs(plan, kv_cache, tokens, blocks, max_model_len)
     checkpoint("ready")
-    runner = ModelRunner(plan, kv_cache, device, max_model_len, graphs)
-    return Rank(runner, blocks, max_model_len, graphs.buckets if graphs is not None else None)
+    runner = ModelRunner(plan, kv_cache, device, max_model_len, graphs, piecewise)
+    return Rank(
+        runner,
+        blocks,
+        max_model_len,
+        graphs.buckets if graphs is not None else None,
+        piecewise.buckets if piecewise is not None else None,
+    )

@@ -1,6 +1,11 @@
 """One engine step on the model: the step's chunks become the graph's inputs and attention metadata
 (built once per step, shared by every layer), the plan runs, logits come back.
 
+Decode-only steps replay a captured graph per batch size (cuda_graphs.DecodeGraphs); other steps
+that fit a token bucket replay piecewise graphs, attention run eagerly between the pieces
+(piecewise_graphs.PiecewiseGraphs); the rest, and steps that want every token's logits, run the
+plan op by op.
+
 A step is plain data (step_chunk.StepChunk: token ids, start position, block table), so rank 0 of a
 tensor-parallel engine can send it to the other ranks, which run this same code on their shard."""
 
@@ -11,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from qruntime.engine.cuda_graphs import DecodeGraphs
+from qruntime.engine.piecewise_graphs import PiecewiseGraphs
 from qruntime.engine.sampled_tokens import resolve_pending
 from qruntime.engine.step_chunk import StepChunk
 from qruntime.kv_cache import KVCache
@@ -26,6 +32,7 @@ class ModelRunner:
         device: torch.device,
         max_context_len: int,
         decode_graphs: DecodeGraphs | None = None,
+        piecewise_graphs: PiecewiseGraphs | None = None,
     ) -> None:
         self.plan = plan
         self.kv_cache = kv_cache
@@ -33,13 +40,14 @@ class ModelRunner:
         self.block_size = kv_cache.spec.block_size
         self.max_context_len = max_context_len
         self.decode_graphs = decode_graphs
+        self.piecewise_graphs = piecewise_graphs
 
     def drop_graphs(self) -> None:
-        """Forget the captured decode graphs once the device has finished with them (their memory
-        pool goes back to the allocator); steps after this run eagerly."""
-        if self.decode_graphs is not None:
+        """Forget the captured graphs, decode and piecewise, once the device has finished with them
+        (their memory pools go back to the allocator); steps after this run eagerly."""
+        if self.decode_graphs is not None or self.piecewise_graphs is not None:
             torch.cuda.synchronize(self.device)
-            self.decode_graphs = None
+            self.decode_graphs = self.piecewise_graphs = None
 
     def prepare(
         self, chunks: Sequence[StepChunk], all_logits: bool = False
@@ -92,12 +100,16 @@ class ModelRunner:
         self, chunks: Sequence[StepChunk], all_logits: bool = False, sampled: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Run the plan on the step's chunks; logits [len(chunks), V] of each chunk's last token
-        (all_logits: [tokens, V], a row per token of the step). Decode steps replay a CUDA graph
-        when graphs were captured. `sampled`: the previous step's sampled ids on the device, which
-        the chunks' pending ids (step_chunk.pending) name by row."""
+        (all_logits: [tokens, V], a row per token of the step). With captured graphs, decode steps
+        replay a decode graph, and other steps that fit a token bucket the piecewise graphs.
+        `sampled`: the previous step's sampled ids on the device, which the chunks' pending ids
+        (step_chunk.pending) name by row."""
         if self.decode_graphs is not None and not all_logits and self.decode_graphs.fits(chunks, sampled):
             return self.decode_graphs.run(chunks, sampled)
         feeds, meta = self.prepare(chunks, all_logits)
         if sampled is not None:
             feeds["input_ids"] = resolve_pending(feeds["input_ids"], sampled)
+        piecewise = self.piecewise_graphs
+        if piecewise is not None and not all_logits and piecewise.fits(len(feeds["input_ids"])):
+            return piecewise.run(feeds, meta)
         return self.plan.run(StepContext(self.kv_cache, meta), feeds)

@@ -1,0 +1,273 @@
+"""Steps that are not pure decode, replayed from piecewise CUDA graphs: one set per token-count bucket.
+
+A step with prefill chunks cannot be captured whole: attention's work depends on each sequence's
+query start, context length and block table. Every other op depends on the step's token count
+alone, so the plan is cut at the graph-splitting ops (Op.splits_graph, plan.Piece): the pieces
+between them are captured once per bucket T, each as its own CUDA graph, and at every step the
+pieces replay while attention runs eagerly between them, on the step's real rows and metadata, its
+output copied into the static buffer the next piece reads (as vLLM's piecewise graphs do).
+
+The tail from the logits gather on runs eagerly too: its rows are the step's sequences, a number no
+bucket fixes. Capturing it would take a logits_indices buffer of fixed length and an lm_head GEMM
+over that many rows every step (qwen3-8b: 4096 x 151936 per row), for the three launches it saves.
+
+Padding: a step of n tokens runs the smallest bucket T >= n. Rows n..T-1 take token 0 at position 0
+and write their KV to the scratch block no sequence owns (the one DecodeGraphs' padding rows write);
+attention runs on the n real rows only, so nothing reads them. Every op of a piece must be row-wise
+(Op.row_wise; a per-tensor activation scale is not, and such a plan gets no piecewise graphs), so a
+padding row cannot change a real one; the MoE routes the padding rows too, which only adds work.
+
+Buckets (token_buckets): the tuner's token buckets (qcompile/tune/gemm.py TOKEN_BUCKETS, powers of
+two, so each bucket runs the GEMM configs tuned at its exact size), from the first above the
+largest decode bucket, and max_num_batched_tokens as the last, so every step the scheduler forms
+fits one. Smaller steps pad up to the first bucket, where the GEMMs still cost about what reading
+the weights costs (H100, qwen3-8b's 4096x4096 FP8 GEMM: 10.6 us at 1 token, 13.0 at 128, 14.4 at
+256). There are no sizes in between: each bucket keeps attention's input of every layer (below),
+so a bucket's memory grows with T (qwen3-8b: 36 layers x 8 KiB of q a token, 1.1 GiB for 128..2048).
+
+Memory: the graphs of every bucket share one pool, the largest bucket captured first. A piece's
+output that only later pieces read is let go once they are captured, so later captures reuse its
+memory (a bucket's pieces replay in the order they were captured, and buckets never interleave).
+What eager code touches at replay is held: attention's inputs (per bucket, in the pool) and the
+buffers its outputs are copied into (outside the pool, one per output shape among the outputs
+alive at once, shared by every bucket). At tp > 1 every rank captures the same buckets in the same
+order and replays the same bucket each step (the pieces hold the all-reduces, which must pair up).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from qruntime.kv_cache import KVCache
+from qruntime.ops.base import AttentionMetadata, StepContext
+from qruntime.plan import SEQUENCE_INPUTS, Piece, Plan
+
+TOKEN_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)  # qcompile/tune/gemm.py TOKEN_BUCKETS from 128
+
+Outputs = dict[str, torch.Tensor]
+# capture(run_piece) -> (outputs, replay): run_piece runs the piece on its static inputs and returns
+# its outputs; after replay() the returned outputs hold the piece's values for the inputs' contents.
+Capture = Callable[[Callable[[], Outputs]], tuple[Outputs, Callable[[], None]]]
+
+
+def cuda_capture(pool) -> Capture:
+    """Capture each piece as a CUDA graph in `pool`, after two warm-up runs on a side stream (triton
+    compiles, autotuned libraries pick), and replay it once so its outputs hold real values for the
+    eager op after it (a router fed garbage could route to experts that do not exist)."""
+
+    def capture(run_piece: Callable[[], Outputs]) -> tuple[Outputs, Callable[[], None]]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                run_piece()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = run_piece()
+        graph.replay()
+        return outputs, graph.replay
+
+    return capture
+
+
+def eager_capture(run_piece: Callable[[], Outputs]) -> tuple[Outputs, Callable[[], None]]:
+    """What a capture does, without CUDA (CPU, tests): 'replay' runs the piece again and copies its
+    outputs into the first run's tensors, which the next pieces read, as a graph's replay would."""
+    outputs = run_piece()
+
+    def replay() -> None:
+        for name, value in run_piece().items():
+            outputs[name].copy_(value)
+
+    return outputs, replay
+
+
+def token_buckets(max_num_batched_tokens: int, largest_decode_bucket: int) -> tuple[int, ...]:
+    """The default buckets (see the module docstring): TOKEN_BUCKETS above the largest decode
+    bucket and below max_num_batched_tokens, then max_num_batched_tokens."""
+    return (*(t for t in TOKEN_BUCKETS if largest_decode_bucket < t < max_num_batched_tokens), max_num_batched_tokens)
+
+
+def unfit_reason(plan: Plan) -> str | None:
+    """Why `plan` cannot run as piecewise graphs, or None when it can."""
+    pieces = plan.pieces()
+    for piece in (p for p in pieces if not p.eager):
+        for node in plan.nodes[piece.start : piece.stop]:
+            if not node.op.capturable:
+                return f"node {node.name!r} ({type(node.op).__name__}) cannot be captured in a CUDA graph"
+            if not node.op.row_wise:
+                return f"node {node.name!r} ({type(node.op).__name__}) mixes rows: padding rows would change real ones"
+    if not pieces or not pieces[-1].eager or plan.output not in pieces[-1].writes:
+        return "the plan's output does not come from an eager tail (the logits gather and what follows it)"
+    return None
+
+
+@dataclass(frozen=True)
+class EagerPiece:
+    """What an eager piece reads and writes at replay, in one bucket."""
+
+    piece: Piece
+    rows: Mapping[str, torch.Tensor]  # token-indexed tensors it reads, [bucket, ...]: sliced to the step's tokens
+    weights: Mapping[str, torch.Tensor]
+    sequences: tuple[str, ...]  # the SEQUENCE_INPUTS it reads: the step's own
+    into: Mapping[str, torch.Tensor]  # [bucket, ...] static buffer of each output a later piece reads
+
+
+class PiecewiseGraphs:
+    """Piecewise graphs of `plan` for token counts up to max(buckets); `run(feeds, meta)` pads the
+    step's token inputs into the static buffers and replays its bucket (see the module docstring).
+    `capture` defaults to CUDA graphs in one new pool (cuda_capture); eager_capture runs anywhere."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        kv_cache: KVCache,
+        buckets: Sequence[int],
+        scratch_block: int,
+        max_context_len: int,
+        capture: Capture | None = None,
+    ) -> None:
+        reason = unfit_reason(plan)
+        if reason is not None:
+            raise ValueError(f"this plan cannot run as piecewise CUDA graphs: {reason}")
+        if not buckets or min(buckets) < 1:
+            raise ValueError(f"token buckets must be positive counts, got {list(buckets)}")
+        self.plan, self.kv_cache, self.pieces = plan, kv_cache, plan.pieces()
+        self.buckets = tuple(sorted(set(buckets)))
+        self.scratch_block, self.max_context_len = scratch_block, max_context_len
+        self.device = kv_cache.k[0].device
+        # the token-indexed graph inputs (static buffers the step's rows are copied into) and what a padding row holds
+        self.padding = {"input_ids": 0, "positions": 0, "slot_mapping": scratch_block * kv_cache.spec.block_size}
+        size = self.buckets[-1]
+        self.inputs = {
+            name: torch.full((size,), pad, dtype=torch.int64, device=self.device) for name, pad in self.padding.items()
+        }
+        self._last_reader = {name: i for i, node in enumerate(plan.nodes) for name in node.inputs}
+        self._buffers: list[tuple[torch.Tensor, int]] = []  # (buffer, node index of its holder's last reader)
+        self._buffer_of: dict[str, torch.Tensor] = {}
+        if capture is None:
+            capture = cuda_capture(torch.cuda.graph_pool_handle())
+        self.stages: dict[int, tuple[Callable[[], None] | EagerPiece, ...]] = {}
+        with torch.inference_mode():
+            for bucket in reversed(self.buckets):  # largest first: the smaller ones reuse its memory
+                self.stages[bucket] = self._capture(bucket, capture)
+
+    def bucket_for(self, tokens: int) -> int | None:
+        """The smallest bucket of at least `tokens` tokens, None when none is that large."""
+        index = bisect_left(self.buckets, tokens)
+        return self.buckets[index] if index < len(self.buckets) else None
+
+    def fits(self, tokens: int) -> bool:
+        return 0 < tokens <= self.buckets[-1]
+
+    def _capture_step(self, bucket: int) -> tuple[StepContext, dict[str, torch.Tensor]]:
+        """A step of `bucket` one-token sequences at position 0 of the scratch block: what the eager
+        ops run on while the pieces are captured (the padded token inputs point there too)."""
+        device, scratch = self.device, self.scratch_block
+        slots = torch.tensor([self.padding["slot_mapping"]], dtype=torch.int64, device=device)
+        meta = AttentionMetadata(
+            tuple(range(bucket + 1)),
+            (1,) * bucket,
+            (slots,) * bucket,
+            max_q_len=1,
+            max_context_len=self.max_context_len,
+        )
+        feeds = {
+            "block_tables": torch.full((bucket, 1), scratch, dtype=torch.int32, device=device),
+            "context_lens": torch.ones(bucket, dtype=torch.int32, device=device),
+            "query_start_loc": torch.arange(bucket + 1, dtype=torch.int32, device=device),
+            "logits_indices": torch.arange(bucket, device=device),
+        }
+        return StepContext(self.kv_cache, meta), feeds
+
+    def _capture(self, bucket: int, capture: Capture) -> tuple[Callable[[], None] | EagerPiece, ...]:
+        plan, weights = self.plan, self.plan.weights
+        step, sequence_feeds = self._capture_step(bucket)
+        for name, pad in self.padding.items():
+            self.inputs[name].fill_(pad)
+        static = {**weights, **sequence_feeds, **{name: buf[:bucket] for name, buf in self.inputs.items()}}
+        last_piece = {name: i for i, piece in enumerate(self.pieces) for name in piece.reads}
+        stages: list[Callable[[], None] | EagerPiece] = []
+        for i, piece in enumerate(self.pieces):
+            inputs = {name: static[name] for name in piece.reads}
+            if piece.eager:
+                stages.append(self._eager(piece, inputs, step, bucket))
+                static.update(stages[-1].into)
+            else:
+
+                def run_piece(piece: Piece = piece, inputs: dict = inputs) -> Outputs:
+                    env = {**inputs, "": None}
+                    plan.run_nodes(step, env, piece.start, piece.stop)
+                    return {name: env[name] for name in piece.writes}
+
+                outputs, replay = capture(run_piece)
+                static.update(outputs)
+                stages.append(replay)
+            for name in [n for n, last in last_piece.items() if last == i and n in static and n not in weights]:
+                del static[name]  # no later piece reads it: a captured output's memory goes back to the pool
+        return tuple(stages)
+
+    def _eager(self, piece: Piece, inputs: dict, step: StepContext, bucket: int) -> EagerPiece:
+        """Run an eager piece on the capture step (its outputs feed the next captures) and record what
+        it reads and writes at replay. The tail, whose outputs no piece reads, is not run."""
+        weights = {name: t for name, t in inputs.items() if name in self.plan.weights}
+        sequences = tuple(name for name in inputs if name in SEQUENCE_INPUTS)
+        rows = {name: t for name, t in inputs.items() if name not in weights and name not in sequences}
+        into = {}
+        needed = [name for name in piece.writes if name != self.plan.output]
+        if needed:
+            env = {**inputs, "": None}
+            self.plan.run_nodes(step, env, piece.start, piece.stop)
+            into = {name: self._buffer(name, env[name], piece, bucket) for name in needed}
+        return EagerPiece(piece, rows, weights, sequences, into)
+
+    def _buffer(self, name: str, value: torch.Tensor, piece: Piece, bucket: int) -> torch.Tensor:
+        """The static buffer `name` is copied into, [bucket, ...], holding `value`. Its buffer is one of
+        max(buckets) rows, shared with every output of the same shape whose readers all come before
+        this piece (the assignment is made once, at the first bucket captured)."""
+        if value.dim() == 0 or value.shape[0] != bucket:
+            raise ValueError(f"{name!r}, an output of an eager op that captured nodes read, has no row per token")
+        if name not in self._buffer_of:
+            shape, dtype = value.shape[1:], value.dtype
+            free = [
+                i
+                for i, (b, until) in enumerate(self._buffers)
+                if (b.shape[1:], b.dtype) == (shape, dtype) and until < piece.start
+            ]
+            if free:
+                index, buf = free[0], self._buffers[free[0]][0]
+            else:
+                index, buf = len(self._buffers), torch.zeros(self.buckets[-1], *shape, dtype=dtype, device=value.device)
+                self._buffers.append((buf, -1))
+            self._buffers[index] = (buf, self._last_reader[name])
+            self._buffer_of[name] = buf
+        out = self._buffer_of[name][:bucket]
+        out.copy_(value)
+        return out
+
+    def run(self, feeds: Mapping[str, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """Logits of a step (ModelRunner.prepare's feeds and metadata) of at most max(buckets) tokens."""
+        tokens = int(feeds["input_ids"].shape[0])
+        bucket = self.bucket_for(tokens)
+        if bucket is None or tokens < 1:
+            raise ValueError(f"a step of {tokens} tokens fits no bucket of {list(self.buckets)}")
+        for name, pad in self.padding.items():
+            buf = self.inputs[name]
+            buf[:tokens].copy_(feeds[name])
+            buf[tokens:bucket].fill_(pad)
+        step, env = StepContext(self.kv_cache, meta), {}
+        for stage in self.stages[bucket]:
+            if not isinstance(stage, EagerPiece):
+                stage()
+                continue
+            env = {**stage.weights, **{name: feeds[name] for name in stage.sequences}, "": None}
+            env.update((name, t[:tokens]) for name, t in stage.rows.items())
+            self.plan.run_nodes(step, env, stage.piece.start, stage.piece.stop)
+            for name, buf in stage.into.items():
+                buf[:tokens].copy_(env[name])
+        return env[self.plan.output]
