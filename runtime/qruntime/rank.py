@@ -25,6 +25,7 @@ from qruntime.artifact import ArtifactFormatError, artifact_path
 from qruntime.engine.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
 from qruntime.engine.model_runner import ModelRunner
 from qruntime.engine.piecewise_graphs import PiecewiseGraphs, token_buckets, unfit_reason
+from qruntime.engine.warm_up import warm_up_steps
 from qruntime.kernel_configs import KernelTable, load_kernel_table
 from qruntime.kv_cache import KVCache, KVCacheSpec
 from qruntime.ops.base import OpEnv
@@ -194,8 +195,12 @@ def build_rank(
         if unfit_reason(plan) is None:
             tokens = token_buckets(config.max_num_batched_tokens, graphs.buckets[-1])
             piecewise = PiecewiseGraphs(plan, kv_cache, tokens, blocks, max_model_len)
-    checkpoint("ready")
     runner = ModelRunner(plan, kv_cache, device, max_model_len, graphs, piecewise)
+    if cuda_graphs:  # every rank runs them (their collectives pair up): the kernels of mixed steps build now
+        for chunks in warm_up_steps(spec.block_size, blocks, config.max_num_batched_tokens, max_model_len):
+            runner.execute(chunks)
+        torch.cuda.synchronize(device)
+    checkpoint("ready")
     return Rank(
         runner,
         blocks,

@@ -1,0 +1,47 @@
+"""The load-time warm-up steps: within the engine's limits, of every kind a served batch meets, and
+harmless: run through the model they write the scratch block alone."""
+
+from __future__ import annotations
+
+import pytest
+import qruntime
+import torch
+from qruntime.engine.warm_up import warm_up_steps
+
+
+@pytest.mark.parametrize("limits", [(2048, 4096), (512, 700), (64, 80), (16, 2048)])
+def test_the_steps_fit_the_limits_and_cover_the_kinds(limits, rng):
+    budget, max_model_len = limits
+    block_size, scratch = rng.choice([1, 8, 16, 32]), rng.randrange(1, 1000)
+    steps = warm_up_steps(block_size, scratch, budget, max_model_len)
+    assert steps
+    for step in steps:
+        assert sum(c.num_tokens for c in step) <= budget
+        for c in step:
+            assert c.start + c.num_tokens <= max_model_len
+            assert set(c.block_table) == {scratch} and len(c.block_table) * block_size >= c.start + c.num_tokens
+    kinds = {(any(c.num_tokens == 1 for c in s), any(c.num_tokens > 1 for c in s)) for s in steps}
+    assert (True, True) in kinds and (False, True) in kinds  # decodes beside prompts, and prompts alone
+    if budget >= 700 and max_model_len > 700:
+        assert any(c.num_tokens > 512 and c.start == 0 for s in steps for c in s)  # fused attention's kind
+
+
+def test_running_them_writes_the_scratch_block_alone(tiny_ckpt, compiled, rng):
+    engine = qruntime.load(compiled(tiny_ckpt, "ptpc-fp8"), device="cpu", num_kv_blocks=67, max_model_len=1024)
+    cache = engine.runner.kv_cache
+    for pool in (*cache.k, *cache.v):
+        pool.copy_(
+            torch.randn(pool.shape, generator=torch.Generator().manual_seed(rng.randrange(1 << 30))).to(pool.dtype)
+        )
+    before = [t.clone() for t in (*cache.k, *cache.v)]
+    scratch = rng.randrange(67)
+    steps = warm_up_steps(cache.spec.block_size, scratch, 1024, 1024)
+    for chunks in steps:
+        logits = engine.runner.execute(chunks)
+        assert logits.shape[0] == len(chunks) and torch.isfinite(logits.float()).all()
+    layout_block_dim = [d for d, n in enumerate(cache.k[0].shape) if n == 67][0]
+    changed = set()
+    for old, new in zip(before, (*cache.k, *cache.v), strict=True):
+        diff = (old != new).movedim(layout_block_dim, 0).reshape(67, -1).any(-1)
+        changed |= set(diff.nonzero().flatten().tolist())
+    assert changed == {scratch}
