@@ -73,11 +73,14 @@ def hf_tpot_ms(ckpt: Path, steps: int = 16) -> float:
 
 
 def decode_profile(engine, context: int = 160, steps: int = 4, top: int = 14) -> list[dict]:
-    """Where a batch-1 decode step's GPU time goes (eager, so each kernel is visible): µs per step by
-    kernel name, largest first."""
+    """Where a batch-1 decode step's GPU time goes (eager, so each kernel is visible: neither the
+    decode graphs nor the piecewise ones, which would pad the step to their smallest bucket): µs per
+    step by kernel name, largest first."""
     from torch.profiler import ProfilerActivity, profile
 
-    graphs, engine.runner.decode_graphs = engine.runner.decode_graphs, None
+    runner = engine.runner
+    graphs, runner.decode_graphs = runner.decode_graphs, None
+    piecewise, runner.piecewise_graphs = runner.piecewise_graphs, None
     try:
         request = engine.add_request(
             list(range(1, context + 1)), qruntime.SamplingParams(max_tokens=steps + 8, ignore_eos=True)
@@ -91,7 +94,7 @@ def decode_profile(engine, context: int = 160, steps: int = 4, top: int = 14) ->
             torch.cuda.synchronize()
         engine.abort(request)
     finally:
-        engine.runner.decode_graphs = graphs
+        runner.decode_graphs, runner.piecewise_graphs = graphs, piecewise
     rows = [
         {"kernel": e.key[:90], "us_per_step": round(e.device_time_total / steps, 1), "calls_per_step": e.count / steps}
         for e in prof.key_averages()
