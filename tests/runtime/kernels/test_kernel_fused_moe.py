@@ -337,9 +337,12 @@ def test_fast_op_is_in_the_triton_op_table():
     assert registry.reference_ops()[(registry.QCOMPILE_DOMAIN, "MoE")] is moe.MoE
 
 
-def test_a_moe_graph_plans_capturable_on_the_fast_path(tiny_moe_ckpt, compiled):
+def test_a_moe_graph_plans_capturable_on_the_fast_path(tiny_moe_ckpt, compiled, rng):
     """tiny-moe (ptpc-fp8) bound to the fast op table: its MoE nodes run the kernel, so nothing in
-    the plan keeps it out of CUDA graphs; a MoE node on the artifact's weights matches the reference."""
+    the plan keeps it out of CUDA graphs; a MoE node on the artifact's weights matches the reference
+    on every token whose experts are not a near-tie (the two paths round the router's scores
+    differently, so a token whose k-th and next expert score within rounding may pick either: about
+    one input in 60 had one, and the whole-output SQNR fell to 12-14 dB)."""
     artifact = compiled(tiny_moe_ckpt, "ptpc-fp8")
     graph = onnx.load(str(artifact / "graph.onnx"), load_external_data=False).graph
     spec = KVCacheSpec.from_manifest(read_manifest(artifact)["kv_cache"])
@@ -350,9 +353,16 @@ def test_a_moe_graph_plans_capturable_on_the_fast_path(tiny_moe_ckpt, compiled):
     moe_nodes = [(r, f) for r, f in zip(ref_plan.nodes, fast_plan.nodes, strict=True) if isinstance(r.op, moe.MoE)]
     assert len(moe_nodes) == 2 and all(type(f.op) is triton_ops.MoE for _, f in moe_nodes)
     ref_node, fast_node = moe_nodes[0]
-    x = torch.randn(13, 64, device=DEVICE).to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    x = torch.randn(48, 64, generator=generator).to(DEVICE, torch.bfloat16)
     args = [weights[name] for name in ref_node.inputs[1:]]
-    assert sqnr_db(ref_node.op(None, x, *args), fast_node.op(None, x, *args)) > 40
+    k = ref_node.op.a["top_k"]
+    logits = (x.float() @ args[0].float().T).topk(k + 1, -1).values
+    # the k-th expert's logit leads the next one's by more than bf16 rounding of the logits (2^-8 of them)
+    clear = (logits[:, k - 1] - logits[:, k]) > 2**-6 * logits.abs().amax(-1)
+    assert clear.sum() >= 24, "too few tokens with a clear expert choice: the check would test little"
+    ref, fast = ref_node.op(None, x, *args), fast_node.op(None, x, *args)
+    assert sqnr_db(ref[clear], fast[clear]) > 40
 
 
 def test_fused_moe_checks_its_inputs():
