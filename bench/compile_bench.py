@@ -141,6 +141,23 @@ def report_header(benchmark: str) -> dict[str, object]:
     }
 
 
+SYNTHETIC_WEIGHTS = "synthetic: random bf16 weights of the preset's exact shapes (qcompile synth)"
+
+
+def gpu_report_header(benchmark: str, synthetic: bool = False) -> dict[str, object]:
+    """report_header of a GPU run: the GPU, the torch and triton it ran with, and for `synthetic`
+    runs what the weights are."""
+    import torch
+    import triton
+
+    report = report_header(benchmark)
+    report["machine"]["gpu"] = torch.cuda.get_device_name()
+    report["versions"].update(torch=torch.__version__, triton=triton.__version__)
+    if synthetic:
+        report["weights"] = SYNTHETIC_WEIGHTS
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3-1.7b")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import qruntime
 import torch
-from compile_bench import report_header
+from compile_bench import gpu_report_header
 from qruntime.artifact import read_manifest
 from qruntime.benchmark import copy_bandwidth, decode_step_bytes, measure
 
@@ -132,12 +132,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    report = report_header("decode_bench")
-    import triton
-
-    report["machine"]["gpu"] = torch.cuda.get_device_name()
-    report["versions"].update(torch=torch.__version__, triton=triton.__version__)
-    report["weights"] = "synthetic: random bf16 weights of the preset's exact shapes (qcompile synth)"
+    report = gpu_report_header("decode_bench", synthetic=True)
     timings: dict[str, float] = {}
     art, tuned = build_artifact(args.preset, args.workdir, timings, tune=not args.no_tune)
     if tuned is not None:

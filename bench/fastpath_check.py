@@ -21,7 +21,7 @@ from pathlib import Path
 import onnx
 import qruntime
 import torch
-from compile_bench import report_header
+from compile_bench import gpu_report_header
 from qruntime import SamplingParams
 from qruntime.benchmark import sqnr_db
 from qruntime.engine.step_chunk import StepChunk
@@ -199,11 +199,7 @@ def main() -> None:
     parser.add_argument("--skip-kernels", action="store_true")
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    report = report_header("fastpath_check")
-    import triton
-
-    report["machine"]["gpu"] = torch.cuda.get_device_name()
-    report["versions"].update(torch=torch.__version__, triton=triton.__version__)
+    report = gpu_report_header("fastpath_check")
     if not args.skip_kernels:
         report["kernels"] = kernel_rows()
     try:

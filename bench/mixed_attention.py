@@ -22,7 +22,7 @@ import time
 import torch
 import triton
 import triton.testing
-from compile_bench import report_header
+from compile_bench import gpu_report_header
 from qruntime.kv_cache import KVCache, KVCacheSpec
 from qruntime.kv_layout import KV_LAYOUTS
 from qruntime.ops.attention import PagedAttention as ReferenceAttention
@@ -153,9 +153,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    report = report_header("mixed_attention")
-    report["machine"]["gpu"] = torch.cuda.get_device_name()
-    report["versions"].update(torch=torch.__version__, triton=triton.__version__)
+    report = gpu_report_header("mixed_attention")
     report["shapes"] = {"num_heads": NH, "num_kv_heads": KVH, "head_dim": D, "block_size": BLOCK, "layers": LAYERS}
     report["rows"] = run(SHAPES)
     if args.out:

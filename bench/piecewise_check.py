@@ -24,7 +24,7 @@ from pathlib import Path
 
 import qruntime
 import torch
-from compile_bench import report_header
+from compile_bench import gpu_report_header
 from decode_bench import build_artifact
 from qruntime.engine.piecewise_graphs import PiecewiseGraphs
 from qruntime.engine.step_chunk import StepChunk
@@ -200,11 +200,9 @@ def main() -> None:
     parser.add_argument("--code", default=None, help="what code ran, recorded as is (e.g. a commit and its changes)")
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    report = report_header("piecewise_check")
+    report = gpu_report_header("piecewise_check", synthetic=True)
     if args.code:
         report["code"] = args.code
-    report["machine"]["gpu"] = torch.cuda.get_device_name()
-    report["weights"] = "synthetic: random bf16 weights of the preset's exact shapes (qcompile synth)"
     timings: dict[str, float] = {}
     art, _ = build_artifact("qwen3-8b", args.workdir, timings)
     start = time.perf_counter()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import qruntime
 import torch
-from compile_bench import report_header
+from compile_bench import gpu_report_header
 from qruntime import SamplingParams
 from transformers import AutoModelForCausalLM
 
@@ -94,9 +94,7 @@ def main() -> None:
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     rng = random.Random()
-    report = report_header("runtime_reference_gpu")
-    report["machine"]["gpu"] = torch.cuda.get_device_name()
-    report["versions"]["torch"] = torch.__version__
+    report = gpu_report_header("runtime_reference_gpu")
     checks = {}
     for preset in ("tiny", "tiny-tied", "tiny-odd", "tiny-moe", "qwen3-0.6b"):
         ckpt, art = build(args.workdir, preset, "bf16")

@@ -12,7 +12,7 @@ import json
 
 import torch
 import triton.testing
-from compile_bench import report_header
+from compile_bench import gpu_report_header
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
@@ -53,9 +53,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    report = report_header("sdpa_backends")
-    report["machine"]["gpu"] = torch.cuda.get_device_name()
-    report["versions"].update(torch=torch.__version__, cudnn=torch.backends.cudnn.version())
+    report = gpu_report_header("sdpa_backends")
+    report["versions"]["cudnn"] = torch.backends.cudnn.version()
     report["rows"] = run()
     if args.out:
         with open(args.out, "w") as f:

@@ -25,8 +25,7 @@ import time
 from pathlib import Path
 
 import httpx
-import torch
-from compile_bench import report_header
+from compile_bench import gpu_report_header
 from decode_bench import build_artifact
 from loadgen import random_token_specs, run_load, summarize
 
@@ -69,17 +68,6 @@ def _drain(stream) -> None:
     for line in stream:
         if not line.startswith("INFO:"):
             print("server:", line.rstrip(), flush=True)
-
-
-def gpu_report(benchmark: str) -> dict:
-    """report_header with this GPU, torch and triton, and what the weights are."""
-    import triton
-
-    report = report_header(benchmark)
-    report["machine"]["gpu"] = torch.cuda.get_device_name()
-    report["versions"].update(torch=torch.__version__, triton=triton.__version__)
-    report["weights"] = "synthetic: random bf16 weights of the preset's exact shapes (qcompile synth)"
-    return report
 
 
 def levels_run(art: Path, levels: list[int], args: argparse.Namespace) -> tuple[list[dict], str]:
@@ -160,7 +148,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    report = gpu_report("serve_bench")
+    report = gpu_report_header("serve_bench", synthetic=True)
     levels = [int(c) for c in args.concurrency.split(",")]
     timings: dict = {}
     art, _ = build_artifact(args.preset, args.workdir, timings)

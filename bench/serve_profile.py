@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from compile_bench import gpu_report_header
 from decode_bench import build_artifact
 from loadgen import random_token_specs, run_load, summarize
-from serve_bench import gpu_report, start_server
+from serve_bench import start_server
 from step_profile import LOOP_KEYS, STEP_KEYS
 
 HERE = Path(__file__).resolve().parent
@@ -135,7 +136,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    report = gpu_report("serve_profile")
+    report = gpu_report_header("serve_profile", synthetic=True)
     levels = [int(c) for c in args.concurrency.split(",")]
     timings: dict = {}
     art, _ = build_artifact(args.preset, args.workdir, timings)

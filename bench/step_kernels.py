@@ -17,7 +17,7 @@ from pathlib import Path
 
 import qruntime
 import torch
-from compile_bench import report_header
+from compile_bench import gpu_report_header
 from decode_bench import build_artifact
 
 
@@ -139,17 +139,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    report = report_header("step_kernels")
-    import triton
-
-    report["machine"]["gpu"] = torch.cuda.get_device_name()
-    report["versions"].update(torch=torch.__version__, triton=triton.__version__)
-    report["weights"] = "synthetic: random bf16 weights of the preset's exact shapes (qcompile synth)"
+    report = gpu_report_header("step_kernels", synthetic=True)
     timings: dict[str, float] = {}
     art, _ = build_artifact(args.preset, args.workdir, timings)
     batches = [int(b) for b in args.batches.split(",")]
     engine = qruntime.load(
-        art, device="cuda", max_model_len=2048, max_num_seqs=max(batches) + 32, max_num_batched_tokens=4096,
+        art,
+        device="cuda",
+        max_model_len=2048,
+        max_num_seqs=max(batches) + 32,
+        max_num_batched_tokens=4096,
         kv_cache_memory=16 << 30,
     )
     report["engine"] = engine.description
