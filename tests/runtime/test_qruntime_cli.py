@@ -237,7 +237,8 @@ def test_a_request_the_engine_fails_is_a_one_line_error(art, capsys, monkeypatch
     from qruntime.engine.sampled_tokens import SampledTokens
 
     def nan_logits(logits, params, generators):
-        return SampledTokens.of([None] * len(params), logits.device)  # what the sampler says of NaN logits
+        # what the sampler says of NaN logits: the argmax, and a NaN maximum
+        return SampledTokens(logits.argmax(-1), logits.new_full((len(params),), float("nan")))
 
     monkeypatch.setattr(engine_module, "sample_on_device", nan_logits)
     assert main(["run", str(art), random_prompt(), "--max-tokens", "4"]) == 1

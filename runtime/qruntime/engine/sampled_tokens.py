@@ -14,28 +14,20 @@ import torch
 
 class SampledTokens:
     """Token ids [n] on the device now; `tolist()` gives them on the host (None for a row whose logits
-    were not finite), waiting for their copy alone, not for work queued after it."""
+    were not finite: its `peaks` entry, the row's maximum logit, is NaN or inf), waiting for their
+    copy alone, not for work queued after it."""
 
-    def __init__(self, ids: torch.Tensor, peaks: torch.Tensor | None = None, known: list[int | None] | None = None):
+    def __init__(self, ids: torch.Tensor, peaks: torch.Tensor) -> None:
         self.ids = ids  # int64 [n] on the device: what the next step reads
-        self._known = known
-        if known is not None:
-            return
         pin = ids.is_cuda
         self._ids_host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=pin)
         self._peaks_host = torch.empty(peaks.shape, dtype=peaks.dtype, pin_memory=pin)
         self._ids_host.copy_(ids, non_blocking=pin)
         self._peaks_host.copy_(peaks, non_blocking=pin)
-        self._copied = None
-        if pin:
-            self._copied = torch.cuda.Event()
+        self._copied = torch.cuda.Event() if pin else None
+        if self._copied is not None:
             self._copied.record()
-
-    @classmethod
-    def of(cls, tokens: list[int | None], device: torch.device) -> SampledTokens:
-        """Tokens the host already has (a failed row reads token 0 on the device: its request is failed)."""
-        ids = torch.tensor([0 if t is None else t for t in tokens], dtype=torch.int64, device=device)
-        return cls(ids, known=tokens)
+        self._known: list[int | None] | None = None
 
     def tolist(self) -> list[int | None]:
         if self._known is None:
