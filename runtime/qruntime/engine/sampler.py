@@ -58,16 +58,15 @@ def _distributions(logits: torch.Tensor, best: torch.Tensor, params: Sequence[Sa
 
 def _exponentials(shape: tuple[int, int], generators: Sequence[torch.Generator], device: torch.device) -> torch.Tensor:
     """Exp(1) draws [n, V]: rows that share a generator draw together, in row order (one op each)."""
-    draws = torch.empty(shape, device=device)
-    rows: dict[int, list[int]] = {}
+    groups: dict[int, list[int]] = {}
     for row, generator in enumerate(generators):
-        rows.setdefault(id(generator), []).append(row)
-    for members in rows.values():
-        generator = generators[members[0]]
-        block = torch.empty(len(members), shape[1], device=device).exponential_(generator=generator)
-        if len(members) == shape[0]:
-            draws = block
-        else:
+        groups.setdefault(id(generator), []).append(row)
+    if len(groups) == 1:  # the usual case (requests without a seed share the engine's generator)
+        draws = torch.empty(shape, device=device).exponential_(generator=generators[0])
+    else:
+        draws = torch.empty(shape, device=device)
+        for members in groups.values():
+            block = torch.empty(len(members), shape[1], device=device).exponential_(generator=generators[members[0]])
             draws[torch.tensor(members, device=device)] = block
     return draws.clamp_(min=torch.finfo(torch.float32).tiny)  # an exact 0 would make 0 / 0 = NaN
 
