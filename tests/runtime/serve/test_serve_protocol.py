@@ -79,7 +79,12 @@ def test_sampling_fields_reach_the_params(model):
 
 
 def test_chat_renders_the_template_and_fills_the_context_by_default(model):
-    messages = [{"role": "system", "content": _text()}, {"role": "user", "content": _text()}]
+    # random words, redrawn until the rendered chat fits the 64-token context with room to generate
+    # (two 5-word messages of the byte-level words can pass it: a fresh-clone CI run drew 67 tokens)
+    while True:
+        messages = [{"role": "system", "content": _text()}, {"role": "user", "content": _text()}]
+        if len(model.tokenizer.encode_chat(messages)) < MAX_MODEL_LEN - 1:
+            break
     request = parse_chat({"messages": messages, "temperature": 0}, model)
     (seq,) = request.sequences
     assert list(seq.prompt_ids) == model.tokenizer.encode_chat(messages)
