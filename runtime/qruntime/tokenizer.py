@@ -96,7 +96,15 @@ class Tokenizer:
     special_tokens: Mapping[str, str]  # bos_token, eos_token, ... as the chat template sees them
     chat_template: jinja2.Template | None = field(repr=False)
     template_source: str  # where the chat template came from, for error messages
+    chat_template_text: str | None = field(default=None, repr=False)  # its source, for pickling
     has_text: ClassVar[bool] = True  # TokenIdsOnly: False
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickled by its parts, the chat template by its source (a compiled Jinja template does not
+        pickle): the server's engine process hands its tokenizer to the HTTP process so."""
+        split = self.backend.encode_special_tokens  # a setting of ours, not of tokenizer.json: passed on by hand
+        parts = (self.backend, split, self.eos_token_ids, self.bos_token_id, dict(self.special_tokens))
+        return _rebuilt_tokenizer, (*parts, self.chat_template_text, self.template_source)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -144,7 +152,7 @@ class Tokenizer:
         if source is not None and not isinstance(source, str):
             raise TokenizerError(f"{where} must be a Jinja template string, got {type(source).__name__}")
         template = _compile_template(source, where) if source is not None else None
-        return cls(backend, frozenset(eos_ids), bos_id, special, template, where if template else str(root))
+        return cls(backend, frozenset(eos_ids), bos_id, special, template, where if template else str(root), source)
 
     @property
     def vocab_size(self) -> int:
@@ -215,6 +223,20 @@ def _model_configs(root: Path) -> list[tuple[dict[str, Any], Path]]:
 def _ids_in(configs: list[tuple[dict[str, Any], Path]], key: str) -> list[int]:
     """The ids `key` names in each config, in order."""
     return [i for config, path in configs for i in _token_ids(config, key, path)]
+
+
+def _rebuilt_tokenizer(
+    backend: BackendTokenizer,
+    split_special_tokens: bool,
+    eos_token_ids: frozenset[int],
+    bos_token_id: int | None,
+    special_tokens: dict[str, str],
+    template_text: str | None,
+    template_source: str,
+) -> Tokenizer:
+    backend.encode_special_tokens = split_special_tokens
+    template = _compile_template(template_text, template_source) if template_text is not None else None
+    return Tokenizer(backend, eos_token_ids, bos_token_id, special_tokens, template, template_source, template_text)
 
 
 @dataclass(frozen=True)

@@ -361,3 +361,29 @@ def test_detokenizer_misuse(tok):
     assert detok.flush() == "" and detok.text == ""
     with pytest.raises(RuntimeError, match="flush"):
         detok.add(1)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_pickled_tokenizer_is_the_same_tokenizer(tiny_ckpt, tmp_path, rng, split):
+    """The server's engine process sends its tokenizer to the HTTP process by pickle: the copy
+    encodes, decodes and renders chats as the original does, split_special_tokens included."""
+    import pickle
+
+    copy_tokenizer(tiny_ckpt, tmp_path, tokenizer_config={"split_special_tokens": split})
+    original = Tokenizer.from_dir(tmp_path)
+    copy = pickle.loads(pickle.dumps(original))
+    assert copy.backend.encode_special_tokens is split
+    assert (copy.eos_token_ids, copy.bos_token_id, dict(copy.special_tokens)) == (
+        original.eos_token_ids,
+        original.bos_token_id,
+        dict(original.special_tokens),
+    )
+    for _ in range(20):
+        text = random_text(rng) + rng.choice(["", "<|im_end|>", "<|endoftext|>"])
+        ids = original.encode(text)
+        assert copy.encode(text) == ids and copy.decode(ids) == original.decode(ids)
+    messages = [{"role": "user", "content": random_text(rng)}]
+    assert copy.apply_chat_template(messages, enable_thinking=False) == original.apply_chat_template(
+        messages, enable_thinking=False
+    )
+    assert copy.template_source == original.template_source and copy.chat_template_text
