@@ -72,7 +72,7 @@ def _drain(stream) -> None:
 
 def levels_run(art: Path, levels: list[int], args: argparse.Namespace) -> tuple[list[dict], str]:
     """The random 128/128 load at each concurrency level, one server for all; its /metrics after."""
-    proc, url = start_server(art, max(levels))
+    proc, url = start_server(art, max(levels), extra=args.serve_arg)
     try:
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         rng = random.Random(0)
@@ -99,7 +99,7 @@ def shared_prefix_runs(art: Path, args: argparse.Namespace) -> dict[str, dict]:
     c = args.shared_concurrency
     out = {}
     for name, extra in (("cache_on", []), ("cache_off", ["--no-prefix-cache"])):
-        proc, url = start_server(art, c, extra=extra)
+        proc, url = start_server(art, c, extra=[*args.serve_arg, *extra])
         try:
             model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
             # warm-up on another prefix: kernels meet long contexts and chunked prefill before the
@@ -145,6 +145,9 @@ def main() -> None:
     parser.add_argument("--shared-output-len", type=int, default=64)
     parser.add_argument("--shared-concurrency", type=int, default=32)
     parser.add_argument("--skip-levels", action="store_true", help="Only the shared-prefix workload.")
+    parser.add_argument(
+        "--serve-arg", action="append", default=[], help="An extra `qruntime serve` argument (repeat for more)."
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -158,6 +161,7 @@ def main() -> None:
     report.update(
         preset=args.preset,
         recipe="ptpc-fp8 (tuned)",
+        serve_args=args.serve_arg,
         shared_prefix_workload=None
         if not args.shared_prefix
         else {

@@ -101,6 +101,7 @@ def level_profile(profile: dict[str, Any], t0: float, t1: float, concurrency: in
         "eager": step_table(eager),
         "graph_full_batch": step_table(full),
         "thread_cpu_per_wall_s": cpu_use(profile["threads"], t0, t1),
+        "http_process_thread_cpu_per_wall_s": cpu_use(profile.get("http_threads", []), t0, t1),
     }
 
 

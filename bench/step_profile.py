@@ -48,6 +48,7 @@ class StepProfiler:
         self.pending: dict[str, float] = dict.fromkeys(LOOP_KEYS, 0.0)  # loop work since the last step
         self.last_step_end: float | None = None
         self.events: list[tuple[Any, Any, dict[str, Any]]] = []  # CUDA events read after the step's sync
+        self.http_threads: list[dict[str, Any]] = []
 
     def timed(self, owner: Any, name: str, key: str, loop: bool = False) -> None:
         """Wrap owner.name: its wall time adds to the current step's `key` (or the loop's)."""
@@ -81,6 +82,14 @@ class StepProfiler:
 
         for name, key in (("_add", "add"), ("_dispatch", "dispatch"), ("_publish", "publish")):
             self.timed(EngineLoop, name, key, loop=True)
+        stop_loop = EngineLoop.stop
+
+        @functools.wraps(stop_loop)
+        def snapshot_and_stop(loop: Any, *args: Any, **kwargs: Any) -> Any:
+            self.snapshot()  # the engine thread's CPU while it is still there to read
+            return stop_loop(loop, *args, **kwargs)
+
+        EngineLoop.stop = snapshot_and_stop
         self.timed(Scheduler, "schedule", "schedule")
         self.timed(Scheduler, "update", "update")
         self.timed(ModelRunner, "prepare", "prepare")
@@ -150,30 +159,35 @@ class StepProfiler:
         Engine.step = timed_step
 
     def sample_threads(self, stop: threading.Event) -> None:
-        tick = os.sysconf("SC_CLK_TCK")
+        """A snapshot now and every 0.5 s until `stop`."""
+        self.snapshot()
         while not stop.wait(0.5):
-            snapshot: dict[str, float] = {}
-            names = {t.native_id: t.name for t in threading.enumerate()}  # e.g. qruntime-engine, MainThread
-            for task in Path("/proc/self/task").iterdir():
-                try:
-                    stat = (task / "stat").read_text()
-                except OSError:
-                    continue  # the thread ended
-                name = stat[stat.index("(") + 1 : stat.rindex(")")]
-                fields = stat[stat.rindex(")") + 2 :].split()
-                cpu = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
-                snapshot[names.get(int(task.name), f"{name}:{task.name}")] = cpu
-            self.threads.append({"t": time.time(), "cpu_s": snapshot})
+            self.snapshot()
+
+    def snapshot(self) -> None:
+        """Each thread's CPU seconds so far (from /proc), by thread name."""
+        tick = os.sysconf("SC_CLK_TCK")
+        snapshot: dict[str, float] = {}
+        names = {t.native_id: t.name for t in threading.enumerate()}  # e.g. qruntime-engine, MainThread
+        for task in Path("/proc/self/task").iterdir():
+            try:
+                stat = (task / "stat").read_text()
+            except OSError:
+                continue  # the thread ended
+            name = stat[stat.index("(") + 1 : stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2 :].split()
+            cpu = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+            snapshot[names.get(int(task.name), f"{name}:{task.name}")] = cpu
+        self.threads.append({"t": time.time(), "cpu_s": snapshot})
 
     def dump(self, path: Path) -> None:
-        path.write_text(json.dumps({"steps": self.steps, "threads": self.threads}) + "\n")
+        """The records; with the engine in its own process, the HTTP process's threads apart (http_threads)."""
+        body = {"steps": self.steps, "threads": self.threads, "http_threads": self.http_threads}
+        path.write_text(json.dumps(body) + "\n")
 
 
-def main(argv: list[str]) -> int:
-    out, rest = Path(argv[0]), argv[1:]
-    if rest[:1] == ["--switch-interval"]:  # an experiment: what the GIL's hand-over costs the engine thread
-        sys.setswitchinterval(float(rest[1]))  # seconds (Python's default 0.005)
-        rest = rest[2:]
+def start_profiler(out: Path) -> StepProfiler:
+    """Timers on the engine's classes in this process, a thread sampler, and the dump at exit."""
     profiler = StepProfiler()
     profiler.install()
     stop = threading.Event()
@@ -181,9 +195,46 @@ def main(argv: list[str]) -> int:
 
     def finish() -> None:
         stop.set()
+        profiler.snapshot()  # the last: a short-lived process has one besides its first
         profiler.dump(out)
 
     atexit.register(finish)
+    return profiler
+
+
+def engine_setup(out: str) -> None:
+    """Run first in the server's engine process (spawned: this module is its __mp_main__)."""
+    start_profiler(Path(out))
+
+
+def main(argv: list[str]) -> int:
+    out, rest = Path(argv[0]), argv[1:]
+    if rest[:1] == ["--switch-interval"]:  # an experiment: what the GIL's hand-over costs the engine thread
+        sys.setswitchinterval(float(rest[1]))  # seconds (Python's default 0.005)
+        rest = rest[2:]
+    from qruntime.serve import server
+    from qruntime.serve.engine_process import EngineProcess
+
+    engine_out = out.with_suffix(".engine.json")
+    engine_out.unlink(missing_ok=True)
+    in_thread = "thread" in [b for a, b in zip(rest, rest[1:], strict=False) if a == "--engine"]
+    if not in_thread:  # the engine runs in a process of its own: the timers go there, this process samples its threads
+
+        class ProfiledEngineProcess(EngineProcess):
+            def __init__(self, load_kwargs: dict[str, Any], **kwargs: Any) -> None:
+                super().__init__(load_kwargs, setup=functools.partial(engine_setup, str(engine_out)), **kwargs)
+
+        server.EngineProcess = ProfiledEngineProcess
+    profiler = start_profiler(out)
+
+    def merge() -> None:  # registered after start_profiler's dump, so it runs before it (atexit is LIFO): dump last
+        if engine_out.is_file():
+            engine = json.loads(engine_out.read_text())
+            profiler.steps = engine["steps"]
+            profiler.http_threads = profiler.threads
+            profiler.threads = engine["threads"]
+
+    atexit.register(merge)
     from qruntime.cli import main as qruntime_main
 
     return qruntime_main(rest)

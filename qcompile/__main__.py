@@ -2,4 +2,5 @@
 
 from qcompile.cli import main
 
-main()
+if __name__ == "__main__":  # `qcompile serve`'s engine process, spawned, imports this module as __mp_main__
+    main()

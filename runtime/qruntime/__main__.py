@@ -4,4 +4,5 @@ import sys
 
 from qruntime.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # a spawned child (the server's engine process) imports this module as __mp_main__
+    sys.exit(main())

@@ -22,7 +22,9 @@ from starlette.routing import Route
 
 from qruntime.engine.engine import Engine
 from qruntime.engine.outputs import RequestOutput
-from qruntime.serve.engine_loop import EngineLoop, FailedRequest, Handle, QueueFull, ShuttingDown
+from qruntime.serve.engine_client import EngineClient, FailedRequest, Handle, InThreadEngine
+from qruntime.serve.engine_loop import QueueFull, ShuttingDown
+from qruntime.serve.engine_process import EngineProcess
 from qruntime.serve.errors import APIError, error_body
 from qruntime.serve.limits import RequestLimits, check_api_key, check_content_type, read_json_body
 from qruntime.serve.metrics import CONTENT_TYPE, Metrics
@@ -42,7 +44,7 @@ def _dumps(body: Any) -> str:
 class OpenAIRoutes:
     """The handlers of one served model."""
 
-    def __init__(self, model: ServedModel, loop: EngineLoop, metrics: Metrics, limits: RequestLimits) -> None:
+    def __init__(self, model: ServedModel, loop: EngineClient, metrics: Metrics, limits: RequestLimits) -> None:
         self.model, self.loop, self.metrics, self.limits = model, loop, metrics, limits
 
     async def completions(self, request: Request) -> Response:
@@ -140,7 +142,7 @@ class OpenAIRoutes:
 
 
 def build_app(
-    engine: Engine,
+    engine: Engine | EngineProcess,
     *,
     model_name: str,
     max_waiting: int = 256,
@@ -148,14 +150,20 @@ def build_app(
     limits: RequestLimits | None = None,
     api_key: str | None = None,
 ) -> Starlette:
-    """The server's ASGI app. Its lifespan starts the engine loop and stops it (aborting whatever is
-    still running) at shutdown; `app.state.engine_loop` / `app.state.metrics` are there for tests.
-    With `api_key`, every /v1/* route wants `Authorization: Bearer <api_key>` (401 otherwise)."""
+    """The server's ASGI app over `engine`: an Engine of this process (stepped on a thread of it) or
+    an EngineProcess (whose own max_waiting holds). Its lifespan starts the engine loop and stops it
+    (aborting whatever is still running) at shutdown; `app.state.engine_loop` / `app.state.metrics`
+    are there for tests. With `api_key`, every /v1/* route wants `Authorization: Bearer <api_key>`
+    (401 otherwise)."""
     if api_key is not None and not api_key:
         raise ValueError("api_key is empty: give a key, or None for none")
     limits = limits if limits is not None else RequestLimits()
-    loop = EngineLoop(engine, max_waiting=max_waiting)
-    metrics = Metrics(loop.stats, lambda: engine.prefix_cache_stats)
+    loop: EngineClient
+    if isinstance(engine, EngineProcess):
+        loop, max_waiting = engine, engine.max_waiting
+    else:
+        loop = InThreadEngine(engine, max_waiting=max_waiting)
+    metrics = Metrics(loop.stats, lambda: loop.prefix_cache_stats)
     loop.metrics = metrics
     model = ServedModel(
         model_name, engine.tokenizer, engine.vocab_size, engine.max_model_len, int(time.time()), max_waiting, limits

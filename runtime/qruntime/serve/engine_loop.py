@@ -1,26 +1,24 @@
 """The engine loop: one thread owns the Engine and steps it while there is work.
 
-HTTP handlers never touch the engine. They `submit` sequences (a command on a lock-guarded inbox)
-and read their StreamDeltas from a per-request asyncio queue that the engine thread fills through
-`loop.call_soon_threadsafe` (one wake-up per step and event loop). A reader that falls behind takes
-everything queued at once, merged per choice (`Handle.get_merged`), so a busy event loop encodes
-and sends one chunk per choice per wake-up instead of one per token. `Handle.close()` queues an
-abort, which the thread applies before its next step, so a client that goes away frees its KV
-blocks within one step. Every client's sequences sit in the one scheduler, so they are batched
-together (continuous batching). Admission is bounded: more than `max_waiting` sequences accepted
-but not yet running is QueueFull (HTTP 429).
+The loop knows requests by id. `submit` and `abort` are commands on a lock-guarded inbox, which the
+thread applies before its next step (so a client that goes away frees its KV blocks within one
+step). After each turn the thread hands its `sink` what the turn produced for each request, as
+(request id, item) pairs, item a (choice index, StreamDelta) or a Failure, and the ids of the
+requests that have nothing more to come. Every request's sequences sit in the one scheduler, so
+they are batched together (continuous batching).
+
+Where the sink leads is the server's choice (serve/engine_client.py): to the requests' asyncio
+queues in this process (`InThreadEngine`), or through a pipe to the HTTP process when the loop runs
+in an engine process of its own (serve/engine_process.py).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import threading
-import time
-from collections import defaultdict
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from qruntime.engine.engine import Engine
 from qruntime.engine.outputs import InvalidRequest, RequestOutput, StreamDelta
@@ -39,16 +37,27 @@ class ShuttingDown(Exception):
 
 @dataclass(frozen=True)
 class Failure:
-    """Put on a handle's queue instead of a delta when the engine cannot run the request."""
+    """Sent for a request instead of its deltas when the engine cannot run it."""
 
     status: int
     message: str
 
 
-class FailedRequest(Exception):
-    def __init__(self, failure: Failure) -> None:
-        super().__init__(failure.message)
-        self.failure = failure
+Item = tuple[int, StreamDelta] | Failure
+Sink = Callable[[list[tuple[str, Item]], list[str]], None]  # (request id, item) pairs, ids of requests done
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One HTTP request's sequences, as the loop takes them."""
+
+    request_id: str
+    sequences: tuple[SequenceSpec, ...]
+    submitted: float  # time.perf_counter() when the HTTP side took it (CLOCK_MONOTONIC: one clock per machine)
+
+    @property
+    def engine_ids(self) -> tuple[str, ...]:
+        return tuple(f"{self.request_id}-{s.index}" for s in self.sequences)
 
 
 @dataclass(frozen=True)
@@ -70,105 +79,65 @@ class LoopMetrics(Protocol):
     def on_finished(self, output: RequestOutput, submitted: float) -> None: ...
 
 
-class Handle:
-    """One HTTP request's sequences in flight; read with `await get()`, release with `close()`."""
-
-    def __init__(self, owner: EngineLoop, request_id: str, sequences: tuple[SequenceSpec, ...]) -> None:
-        self.request_id = request_id
-        self.sequences = sequences
-        self.engine_ids = tuple(f"{request_id}-{s.index}" for s in sequences)
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[tuple[int, StreamDelta] | Failure] = asyncio.Queue()
-        self.submitted = time.perf_counter()
-        self._owner = owner
-        self._remaining = len(sequences)
-        self._closed = False
-        self._failure: Failure | None = None  # read by get_merged behind deltas; raised on its next call
-
-    async def get_merged(self) -> list[tuple[int, StreamDelta]]:
-        """Every (choice index, delta) queued now, waiting for one if none is: a choice's consecutive
-        deltas merged into one (tokens and text joined, the last one's finished and output), in the
-        order the choices' first deltas came. Raises FailedRequest when a failure is queued, after
-        returning the deltas queued before it."""
-        if self._failure is not None:
-            self._remaining = 0
-            raise FailedRequest(self._failure)
-        items = [await self.queue.get()]
-        while not self.queue.empty():
-            items.append(self.queue.get_nowait())
-        merged: dict[int, StreamDelta] = {}
-        for item in items:
-            if isinstance(item, Failure):
-                self._failure = item
-                break
-            index, delta = item
-            if delta.finished:
-                self._remaining -= 1
-            earlier = merged.get(index)
-            merged[index] = delta if earlier is None else _joined(earlier, delta)
-        if not merged and self._failure is not None:
-            return await self.get_merged()
-        return list(merged.items())
-
-    @property
-    def done(self) -> bool:
-        return self._remaining == 0
-
-    def close(self) -> None:
-        """Abort whatever has not finished (idempotent; call when the response ends, however it ends)."""
-        if not self._closed:
-            self._closed = True
-            if self._remaining:
-                self._owner.abort(self)
+def check_admission(waiting: int, adding: int, max_waiting: int) -> None:
+    """QueueFull unless `adding` more sequences fit beside the `waiting` ones."""
+    if waiting + adding > max_waiting:
+        raise QueueFull(f"{waiting} sequences are waiting (the server accepts at most {max_waiting}); retry later")
 
 
-def _internal_failure(handle: Handle, what: str | None = None) -> Failure:
+def internal_failure(request_id: str, what: str | None = None) -> Failure:
     """A 500 naming the request, whose cause is in the server log (never in the response)."""
     cause = f": {what}" if what else ""
-    return Failure(500, f"request {handle.request_id} failed in the engine{cause}; the server log has the details")
+    return Failure(500, f"request {request_id} failed in the engine{cause}; the server log has the details")
 
 
-def _joined(first: StreamDelta, then: StreamDelta) -> StreamDelta:
-    return StreamDelta(
-        first.request_id, first.token_ids + then.token_ids, first.text + then.text, then.finished, then.output
-    )
+ENGINE_FAILED = Failure(500, "the engine failed while running this request (the server log has the cause)")
 
 
-def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
+@dataclass
+class _Live:
+    submission: Submission
+    remaining: int  # sequences not yet finished
+    engine_ids: tuple[str, ...] = field(default=())
 
 
 class EngineLoop:
-    """Owns `engine` on a thread of its own from start() to stop()."""
+    """Owns `engine` on a thread of its own from start() to stop(); what it produces goes to `sink`,
+    called on that thread once per turn. `max_waiting` bounds admission (None: the caller does)."""
 
-    def __init__(self, engine: Engine, *, max_waiting: int, metrics: LoopMetrics | None = None) -> None:
-        if max_waiting < 1:
+    def __init__(
+        self, engine: Engine, sink: Sink, *, max_waiting: int | None = None, metrics: LoopMetrics | None = None
+    ) -> None:
+        if max_waiting is not None and max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1 (got {max_waiting})")
         self.engine = engine
+        self.sink = sink
         self.max_waiting = max_waiting
         self.metrics = metrics
         self.kv_blocks_total = engine.scheduler.config.num_blocks
         self._cond = threading.Condition()
-        self._inbox: list[tuple[str, Handle | None]] = []  # ("add" | "abort", handle) | ("abort_all", None)
+        self._inbox: list[tuple[str, Submission | str | None]] = []  # ("add", s) | ("abort", id) | ("abort_all", None)
         self._inbox_seqs = 0  # sequences of "add" commands not yet applied
         self._engine_waiting = 0  # the scheduler's numbers, as the thread last published them
         self._engine_running = 0
         self._kv_blocks_used = 0
+        self._taken = 0  # sequences of "add" commands applied so far
         self._accepting = True
         self._stopping = False
         self._error: BaseException | None = None
-        # engine request id -> (handle, choice index); the engine thread's alone, like the engine
-        self._live: dict[str, tuple[Handle, int]] = {}
+        # the engine thread's alone, like the engine: request id -> its live sequences; engine id -> (request, choice)
+        self._requests: dict[str, _Live] = {}
+        self._live: dict[str, tuple[str, int]] = {}
+        self._out: list[tuple[str, Item]] = []
+        self._done: list[str] = []
         self._thread = threading.Thread(target=self._run, name="qruntime-engine", daemon=True)
 
     # --- any thread ---------------------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, request_id: str, sequences: tuple[SequenceSpec, ...]) -> Handle:
-        """Queue a request's sequences (from a coroutine: deltas go to its event loop)."""
-        handle = Handle(self, request_id, sequences)
+    def submit(self, submission: Submission) -> None:
+        """Queue a request's sequences; ShuttingDown once the loop refuses, QueueFull past max_waiting."""
         with self._cond:
             if not self._accepting or self._error is not None:
                 raise ShuttingDown(
@@ -176,19 +145,16 @@ class EngineLoop:
                     if self._error is None
                     else "the engine failed and this server must be restarted (its log has the cause)"
                 )
-            waiting = self._inbox_seqs + self._engine_waiting
-            if waiting + len(sequences) > self.max_waiting:
-                raise QueueFull(
-                    f"{waiting} sequences are waiting (the server accepts at most {self.max_waiting}); retry later"
-                )
-            self._inbox.append(("add", handle))
-            self._inbox_seqs += len(sequences)
+            if self.max_waiting is not None:
+                check_admission(self._inbox_seqs + self._engine_waiting, len(submission.sequences), self.max_waiting)
+            self._inbox.append(("add", submission))
+            self._inbox_seqs += len(submission.sequences)
             self._cond.notify()
-        return handle
 
-    def abort(self, handle: Handle) -> None:
+    def abort(self, request_id: str) -> None:
+        """Abort what is unfinished of the request (its deltas say finish_reason "abort"); a no-op once it is done."""
         with self._cond:
-            self._inbox.append(("abort", handle))
+            self._inbox.append(("abort", request_id))
             self._cond.notify()
 
     def stats(self) -> LoopStats:
@@ -201,6 +167,11 @@ class EngineLoop:
                 self.alive,
             )
 
+    def published(self) -> tuple[int, int, int, int, bool]:
+        """(sequences taken in, waiting in the engine, running, KV blocks used, alive), as last published."""
+        with self._cond:
+            return self._taken, self._engine_waiting, self._engine_running, self._kv_blocks_used, self.alive
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self._error is None
@@ -211,14 +182,14 @@ class EngineLoop:
             self._accepting = False
 
     def abort_all(self) -> None:
-        """Abort every unfinished sequence (their handles get finish_reason "abort"); the loop runs on."""
+        """Abort every unfinished sequence (finish_reason "abort"); the loop runs on."""
         with self._cond:
             self._inbox.append(("abort_all", None))
             self._cond.notify()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Refuse new requests, abort every unfinished one (their handles get finish_reason "abort"),
-        and end the thread (after the step it may be in). Idempotent."""
+        """Refuse new requests, abort every unfinished one (finish_reason "abort"), and end the thread
+        (after the step it may be in). Idempotent."""
         with self._cond:
             self._accepting = False
             self._stopping = True
@@ -235,15 +206,16 @@ class EngineLoop:
                     while not (self._inbox or self._stopping or engine.has_unfinished()):
                         self._cond.wait()
                     commands, self._inbox = self._inbox, []
-                    added = sum(len(h.sequences) for kind, h in commands if kind == "add")
+                    added = sum(len(s.sequences) for kind, s in commands if kind == "add")
                     self._inbox_seqs -= added
                     self._engine_waiting += added
+                    self._taken += added
                     stopping = self._stopping
-                for kind, handle in commands:
+                for kind, arg in commands:
                     if kind == "add":
-                        self._add(handle)
+                        self._add(arg)
                     elif kind == "abort":
-                        self._abort(handle)
+                        self._abort(arg)
                     else:
                         self._abort_all()
                 if stopping:
@@ -251,89 +223,101 @@ class EngineLoop:
                 if engine.has_unfinished():
                     self._dispatch(engine.step())
                 self._publish()
+                self._flush()
         except BaseException as exc:  # a bug or a device error: fail every request, refuse new ones
             with self._cond:
                 self._error = exc
                 self._accepting = False
                 pending, self._inbox = self._inbox, []
             logger.error("the engine failed; failing %d sequence(s) in flight", len(self._live), exc_info=exc)
-            failure = Failure(500, "the engine failed while running this request (the server log has the cause)")
-            self._fail_all(failure, [h for kind, h in pending if kind == "add"])
+            self._fail_all([s for kind, s in pending if kind == "add"])
+            self._flush()
         else:
             self._abort_all()
             self._publish()
+            self._flush()
 
-    def _add(self, handle: Handle) -> None:
+    def _add(self, submission: Submission) -> None:
+        live = _Live(submission, len(submission.sequences), submission.engine_ids)
+        self._requests[submission.request_id] = live
         try:
-            for engine_id, spec in zip(handle.engine_ids, handle.sequences, strict=True):
+            for engine_id, spec in zip(live.engine_ids, submission.sequences, strict=True):
                 self.engine.add_request(list(spec.prompt_ids), spec.params, request_id=engine_id)
-                self._live[engine_id] = (handle, spec.index)
+                self._live[engine_id] = (submission.request_id, spec.index)
                 if self.metrics is not None:
                     self.metrics.on_added(len(spec.prompt_ids))
         except InvalidRequest as exc:  # the HTTP side checks first; this is the engine's word on it
-            self._abort(handle, notify=False)
-            self._send({handle.loop: [(handle.queue, Failure(400, str(exc)))]})
+            self._fail(submission.request_id, Failure(400, str(exc)))
         except Exception as exc:  # a bug reached by this request alone: it fails, the engine serves on
-            logger.error("request %s could not be added to the engine", handle.request_id, exc_info=exc)
-            self._abort(handle, notify=False)
-            self._send({handle.loop: [(handle.queue, _internal_failure(handle))]})
+            logger.error("request %s could not be added to the engine", submission.request_id, exc_info=exc)
+            self._fail(submission.request_id, internal_failure(submission.request_id))
 
-    def _abort(self, handle: Handle, notify: bool = True) -> None:
-        items = []
-        for engine_id in handle.engine_ids:
+    def _abort(self, request_id: str, notify: bool = True) -> None:
+        live = self._requests.get(request_id)
+        if live is None:
+            return  # finished already (or never added)
+        for engine_id in live.engine_ids:
             entry = self._live.pop(engine_id, None)
             if entry is None:
-                continue  # finished already (or never added)
+                continue  # this choice finished already (or was never added)
             output = self.engine.abort(engine_id)  # frees its KV blocks now
+            live.remaining -= 1
             if self.metrics is not None:
-                self.metrics.on_finished(output, handle.submitted)
-            index = entry[1]
-            items.append((handle.queue, (index, StreamDelta(engine_id, (), "", True, output))))
-        if notify and items:
-            self._send({handle.loop: items})
+                self.metrics.on_finished(output, live.submission.submitted)
+            if notify:
+                self._out.append((request_id, (entry[1], StreamDelta(engine_id, (), "", True, output))))
+        if notify:
+            del self._requests[request_id]
+            self._done.append(request_id)
+
+    def _fail(self, request_id: str, failure: Failure) -> None:
+        """The request fails whole: its unfinished sequences are aborted and its reader gets `failure`."""
+        self._abort(request_id, notify=False)
+        self._requests.pop(request_id, None)
+        self._out.append((request_id, failure))
+        self._done.append(request_id)
 
     def _abort_all(self) -> None:
         if self._live:
             logger.warning("shutting down: aborting %d unfinished sequence(s)", len(self._live))
-        for handle in dict.fromkeys(handle for handle, _ in self._live.values()):
-            self._abort(handle)
+        for request_id in list(self._requests):
+            self._abort(request_id)
 
     def _dispatch(self, deltas: list[StreamDelta]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         tokens = 0
         for delta in deltas:
             tokens += len(delta.token_ids)
             entry = self._live.get(delta.request_id)
             if entry is None:
                 continue
-            handle, index = entry
+            request_id, index = entry
+            live = self._requests[request_id]
             if delta.finished:
                 del self._live[delta.request_id]
+                live.remaining -= 1
                 if self.metrics is not None:
-                    self.metrics.on_finished(delta.output, handle.submitted)
+                    self.metrics.on_finished(delta.output, live.submission.submitted)
                 if delta.output.finish_reason == "error":  # the engine failed this sequence alone
-                    self._abort(handle, notify=False)  # and so the request: its other choices go too
-                    by_loop[handle.loop].append((handle.queue, _internal_failure(handle, delta.output.error)))
+                    self._fail(request_id, internal_failure(request_id, delta.output.error))  # and so the request
                     continue
-            by_loop[handle.loop].append((handle.queue, (index, delta)))
+            self._out.append((request_id, (index, delta)))
+            if live.remaining == 0:
+                del self._requests[request_id]
+                self._done.append(request_id)
         if self.metrics is not None and deltas:
             self.metrics.on_step(len(deltas), tokens)
-        self._send(by_loop)
 
-    @staticmethod
-    def _send(by_loop: dict[asyncio.AbstractEventLoop, list]) -> None:
-        for loop, items in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # that event loop is closed: nobody reads these any more
-                loop.call_soon_threadsafe(_deliver, items)
-
-    def _fail_all(self, failure: Failure, pending: list[Handle]) -> None:
-        """Send `failure` to every handle in flight and to those still in the inbox."""
-        handles = dict.fromkeys([*(handle for handle, _ in self._live.values()), *pending])
-        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
-        for handle in handles:
-            by_loop[handle.loop].append((handle.queue, failure))
+    def _fail_all(self, pending: list[Submission]) -> None:
+        """ENGINE_FAILED to every request in flight and to those still in the inbox."""
+        for request_id in [*self._requests, *(s.request_id for s in pending)]:
+            self._out.append((request_id, ENGINE_FAILED))
+            self._done.append(request_id)
+        self._requests.clear()
         self._live.clear()
-        self._send(by_loop)
+
+    def _flush(self) -> None:
+        out, done, self._out, self._done = self._out, self._done, [], []
+        self.sink(out, done)
 
     def _publish(self) -> None:
         scheduler = self.engine.scheduler

@@ -30,6 +30,7 @@ class ServeOptions:
     backend: str = "auto"
     prefix_cache: bool = True
     threads: int | None = None
+    engine: str = "process"
     verify: bool = False
     shutdown_timeout: float = 30.0
     log_level: str = "info"
@@ -113,6 +114,13 @@ def add_serve_parser(verbs: Any) -> None:
         type=int,
         metavar="N",
         help="CPU threads of torch's ops (default torch's: one per core); on a shared CPU, fewer can be faster.",
+    )
+    add(
+        "--engine",
+        default="process",
+        choices=("process", "thread"),
+        help="Where the engine runs: in a process of its own (default), so that the HTTP side's Python work "
+        "never holds up a step's, or on a thread of the server process (one process; for debugging and profiling).",
     )
     add("--verify", action="store_true", help="Check every file's sha256 against the manifest before loading.")
     add(

@@ -29,7 +29,9 @@ import qruntime
 from qruntime.artifact import ArtifactFormatError
 from qruntime.commands.common import RunError, load_line
 from qruntime.serve.app import build_app
+from qruntime.engine.engine import Engine
 from qruntime.serve.connections import protocol_class
+from qruntime.serve.engine_process import EngineProcess, EngineProcessError
 from qruntime.serve.limits import RequestLimits
 from qruntime.serve.options import ServeOptions
 
@@ -74,31 +76,57 @@ def serve(options: ServeOptions, err: TextIO | None = None) -> None:
     if options.threads is not None:
         if options.threads < 1:
             raise RunError(f"--threads must be >= 1 (got {options.threads})")
-        torch.set_num_threads(options.threads)  # process-wide: the engine thread's ops use it too
+        torch.set_num_threads(options.threads)  # process-wide: the engine thread's ops use it too (and the engine
+        # process's, which sets it itself)
     started = time.perf_counter()
+    load_kwargs = {
+        "path": options.artifact,
+        "device": options.device,
+        "dtype": options.dtype,
+        "verify": options.verify,
+        "max_model_len": options.max_model_len,
+        "max_num_seqs": options.max_num_seqs,
+        "max_num_batched_tokens": options.max_num_batched_tokens,
+        "num_kv_blocks": options.num_kv_blocks,
+        "backend": options.backend,
+        "prefix_cache": options.prefix_cache,
+    }
+    # the port first: one in use is an error now, not after a model's minutes of loading
+    sock = listen(options.host, options.port)
     try:
-        engine = qruntime.load(
-            options.artifact,
-            options.device,
-            options.dtype,
-            verify=options.verify,
-            max_model_len=options.max_model_len,
-            max_num_seqs=options.max_num_seqs,
-            max_num_batched_tokens=options.max_num_batched_tokens,
-            num_kv_blocks=options.num_kv_blocks,
-            backend=options.backend,
-            prefix_cache=options.prefix_cache,
-        )
+        _serve_on(sock, options, load_kwargs, started, err)
+    finally:
+        sock.close()
+
+
+def _serve_on(
+    sock: socket.socket, options: ServeOptions, load_kwargs: dict[str, Any], started: float, err: TextIO
+) -> None:
+    engine: Engine | EngineProcess
+    try:
+        if options.engine == "process":
+            engine = EngineProcess(load_kwargs, max_waiting=options.max_waiting, threads=options.threads)
+        else:
+            engine = qruntime.load(**load_kwargs)
     except (ArtifactFormatError, ValueError) as exc:
         raise RunError.of(exc) from None
-    print(load_line(engine.description, time.perf_counter() - started), file=err, flush=True)
-
-    _log_like_uvicorn(options.log_level)
-    sock = listen(options.host, options.port)
-    limits = RequestLimits(max_body_bytes=options.max_body_bytes, body_timeout=options.body_timeout)
-    app = build_app(
-        engine, model_name=options.model_name, max_waiting=options.max_waiting, limits=limits, api_key=options.api_key
-    )
+    except EngineProcessError as exc:
+        raise RunError(str(exc)) from None
+    try:
+        print(load_line(engine.description, time.perf_counter() - started), file=err, flush=True)
+        _log_like_uvicorn(options.log_level)
+        limits = RequestLimits(max_body_bytes=options.max_body_bytes, body_timeout=options.body_timeout)
+        app = build_app(
+            engine,
+            model_name=options.model_name,
+            max_waiting=options.max_waiting,
+            limits=limits,
+            api_key=options.api_key,
+        )
+    except BaseException:
+        if isinstance(engine, EngineProcess):
+            engine.stop()
+        raise
     ready = (
         f"serving {options.model_name} on {url_of(sock)} (max_num_seqs {options.max_num_seqs}, "
         f"max_waiting {options.max_waiting}, max_model_len {engine.max_model_len}"
@@ -121,8 +149,7 @@ def serve(options: ServeOptions, err: TextIO | None = None) -> None:
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
-        loop.stop()  # a no-op after the lifespan's; covers a forced exit
-        sock.close()
+        loop.stop()  # a no-op after the lifespan's; covers a forced exit (and ends the engine process)
 
 
 def uvicorn_config(app: Any, options: ServeOptions) -> uvicorn.Config:

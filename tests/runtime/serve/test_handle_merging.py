@@ -10,7 +10,8 @@ import random
 import pytest
 from qruntime import SamplingParams
 from qruntime.engine.outputs import StreamDelta
-from qruntime.serve.engine_loop import FailedRequest, Failure, Handle
+from qruntime.serve.engine_client import FailedRequest, Handle
+from qruntime.serve.engine_loop import Failure
 from qruntime.serve.protocol import SequenceSpec
 
 

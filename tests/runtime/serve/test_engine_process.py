@@ -1,0 +1,163 @@
+"""The engine in a process of its own (qruntime serve's default): served outputs equal the engine's
+own, its metrics and stats reach the HTTP side, admission is bounded there, a load error is the
+engine's own exception, and a dead engine process fails the requests in flight and then /health,
+while stop() leaves no process behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import time
+
+import httpx
+import pytest
+import qruntime
+from qruntime import SamplingParams
+from qruntime.artifact import ArtifactFormatError
+from qruntime.serve.app import build_app
+from qruntime.serve.engine_loop import QueueFull
+from qruntime.serve.engine_process import EngineProcess
+from qruntime.serve.protocol import SequenceSpec
+from serve_harness import ThreadedServer, metrics, torch_threads
+
+WORDS = ("the", "model", "runs", "fast", "hello", "world", "cache", "tokens")
+LOAD = {"device": "cpu", "max_model_len": 256, "num_kv_blocks": 64}
+
+
+def _text(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randrange(2, 7)))
+
+
+@pytest.fixture(scope="module")
+def art(tiny_ckpt, compiled):
+    return compiled(tiny_ckpt, "ptpc-fp8")
+
+
+@pytest.fixture(scope="module")
+def reference(art):
+    return qruntime.load(art, **LOAD)
+
+
+@pytest.fixture(scope="module")
+def process(art):
+    engine = EngineProcess({"path": str(art), **LOAD}, max_waiting=8, threads=1)
+    yield engine
+    engine.stop(30)
+
+
+@pytest.fixture(scope="module")
+def client(process):
+    app = build_app(process, model_name="tiny")
+    with ThreadedServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
+
+
+def test_served_outputs_equal_the_engines_own(client, process, reference, rng):
+    prompts = [_text(rng) for _ in range(3)]
+    tokens = rng.randrange(3, 12)
+    body = {"prompt": prompts, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "model": "tiny"}
+    whole = client.post("/v1/completions", json=body)
+    assert whole.status_code == 200, whole.text
+    streamed = client.post("/v1/completions", json={**body, "stream": True, "return_token_ids": True})
+    with torch_threads(1):
+        expected = reference.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
+    assert [c["text"] for c in whole.json()["choices"]] == [o.text for o in expected]
+    events = [json.loads(e.removeprefix("data: ")) for e in streamed.text.strip().split("\n\n")[:-1]]
+    for index, out in enumerate(expected):
+        chunks = [e["choices"][0] for e in events if e["choices"][0]["index"] == index]
+        assert "".join(c["text"] for c in chunks) == out.text
+        assert sum((c["token_ids"] for c in chunks), []) == list(out.token_ids)
+        assert chunks[-1]["finish_reason"] == "length"
+    # what the engine process counted reached this side's metrics and stats
+    m = metrics(str(client.base_url).rstrip("/"))
+    assert m["qruntime_generation_tokens_total"] >= 2 * len(prompts) * tokens
+    assert m["qruntime_prefix_cache_queries_total"] > 0 and m["qruntime_engine_alive"] == 1
+    stats = process.stats()
+    assert (stats.num_waiting, stats.num_running, stats.kv_blocks_used) == (0, 0, 0) and stats.alive
+    assert stats.kv_blocks_total == 64 and process.description["device"] == "cpu"
+
+
+def test_the_tokenizer_crossed_over_whole(client, process, reference, rng):
+    """The HTTP side renders chats and counts prompt tokens with the tokenizer the engine process sent."""
+    messages = [{"role": "user", "content": _text(rng)}]
+    response = client.post(
+        "/v1/chat/completions", json={"messages": messages, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    ).json()
+    (expected,) = reference.chat(messages, SamplingParams(max_tokens=4))
+    assert response["choices"][0]["prompt_token_ids"] == list(expected.prompt_token_ids)
+    assert response["choices"][0]["token_ids"] == list(expected.token_ids)
+
+
+def test_admission_is_bounded_on_the_http_side(process, rng):
+    """max_waiting counts what was sent and not yet taken by the engine process, plus its waiting."""
+
+    async def main() -> None:
+        spec = lambda i: SequenceSpec(i, 0, (1, 2, 3), SamplingParams(max_tokens=64, ignore_eos=True))  # noqa: E731
+        burst = tuple(spec(i) for i in range(process.max_waiting))
+        first = process.submit("burst-a", burst)  # fits exactly, while the engine has not taken it yet
+        with pytest.raises(QueueFull):
+            process.submit("burst-b", (spec(0),))
+        first.close()
+        deadline = time.monotonic() + 30
+        while process.stats().num_running + process.stats().num_waiting and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert process.stats().kv_blocks_used == 0
+
+    asyncio.run(main())
+
+
+def test_a_load_error_is_the_engines_own_and_leaves_no_process(tmp_path):
+    (tmp_path / "manifest.json").write_text('{"format": "junk"')
+    children_before = _children()
+    with pytest.raises(ArtifactFormatError, match="manifest.json"):
+        EngineProcess({"path": str(tmp_path), **LOAD}, max_waiting=4)
+    assert _children() == children_before
+
+
+def test_a_dead_engine_process_fails_requests_in_flight_then_health(art, rng):
+    engine = EngineProcess({"path": str(art), **LOAD}, max_waiting=8, threads=1)
+    app = build_app(engine, model_name="tiny")
+    try:
+        with ThreadedServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+            assert client.get("/health").status_code == 200
+            body = {"prompt": _text(rng), "max_tokens": 200, "ignore_eos": True, "stream": True}
+            with client.stream("POST", "/v1/completions", json=body) as response:
+                lines = response.iter_lines()
+                assert next(line for line in lines if line.startswith("data: "))  # it is generating
+                os.kill(engine._process.pid, signal.SIGKILL)
+                rest = "\n".join(lines)
+            assert '"error"' in rest and "the engine failed" in rest and rest.strip().endswith("data: [DONE]")
+            assert client.get("/health").status_code == 503
+            refused = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2})
+            assert refused.status_code == 503 and "restarted" in refused.json()["error"]["message"]
+    finally:
+        engine.stop(10)
+    assert not engine._process.is_alive()
+
+
+def test_stop_ends_the_engine_process(art):
+    engine = EngineProcess({"path": str(art), **LOAD}, max_waiting=4, threads=1)
+    pid = engine._process.pid
+    assert pid in _children()
+    engine.stop(30)
+    assert engine._process.exitcode == 0 and pid not in _children() and not engine.alive
+    engine.stop(30)  # idempotent
+
+
+def _children() -> set[int]:
+    """This process's live children (from /proc)."""
+    me, found = os.getpid(), set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[1]) == me and fields[0] != "Z":
+                found.add(int(entry))
+    return found
