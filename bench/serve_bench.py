@@ -81,9 +81,13 @@ def levels_run(art: Path, levels: list[int], args: argparse.Namespace) -> tuple[
         runs = []
         for c in levels:
             specs = random_token_specs(max(8, 4 * c), args.input_len, args.output_len, 500, rng, model)
+            cpu = time.process_time()
             results, wall = asyncio.run(run_load(url, specs, c))
             summary = summarize(results, wall, c)
-            print(json.dumps({k: summary[k] for k in ("concurrency", "completed", "output_tokens_per_s")}), flush=True)
+            # the client is one Python process too: near 1.0, it and not the server sets the pace
+            summary["client_cpu_per_wall"] = round((time.process_time() - cpu) / wall, 3)
+            keys = ("concurrency", "completed", "output_tokens_per_s", "client_cpu_per_wall")
+            print(json.dumps({k: summary[k] for k in keys}), flush=True)
             print("  ttft", summary["ttft_ms"], "\n  tpot", summary["tpot_ms"], flush=True)
             runs.append(summary)
         metrics = httpx.get(f"{url}/metrics").text
