@@ -3,7 +3,9 @@
 Synthesizes a checkpoint of the preset's exact shapes (random weights: clearly synthetic), compiles
 it with ptpc-fp8, tunes the kernels on this GPU, starts `qruntime serve` on loopback, then sends
 streamed completions of random --input-len token prompts that each generate exactly --output-len
-tokens (ignore_eos) from C concurrent clients, for each C; 4 x C requests per level (at least 8).
+tokens (ignore_eos) from C concurrent clients, for each C; 4 x C requests per level (at least 8),
+sent from --client-processes processes, each recording its CPU use (a client that saturates its
+core measures itself, not the server), and the Triton kernels built while each level ran.
 The anchor is vLLM's 13,377 output tok/s at 128 concurrent, 128 in / 128 out, on one H100.
 
     python bench/serve_bench.py --out bench/results/serve_bench_qwen3-8b.json
@@ -27,7 +29,7 @@ from pathlib import Path
 import httpx
 from compile_bench import gpu_report_header
 from decode_bench import build_artifact
-from loadgen import random_token_specs, run_load, summarize
+from loadgen import random_token_specs, run_load, run_load_processes, summarize
 
 
 def start_server(
@@ -64,6 +66,12 @@ def start_server(
     return proc, url
 
 
+def triton_kernels() -> int:
+    """Kernels in Triton's cache on this machine (TRITON_CACHE_DIR, else ~/.triton/cache): one folder each."""
+    cache = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    return sum(1 for p in cache.iterdir() if p.is_dir()) if cache.is_dir() else 0
+
+
 def _drain(stream) -> None:
     for line in stream:
         if not line.startswith("INFO:"):
@@ -81,12 +89,16 @@ def levels_run(art: Path, levels: list[int], args: argparse.Namespace) -> tuple[
         runs = []
         for c in levels:
             specs = random_token_specs(max(8, 4 * c), args.input_len, args.output_len, 500, rng, model)
-            cpu = time.process_time()
-            results, wall = asyncio.run(run_load(url, specs, c))
+            kernels = triton_kernels()
+            processes = min(args.client_processes, c)
+            results, wall, client_cpu = run_load_processes(url, specs, c, processes)
             summary = summarize(results, wall, c)
-            # the client is one Python process too: near 1.0, it and not the server sets the pace
-            summary["client_cpu_per_wall"] = round((time.process_time() - cpu) / wall, 3)
-            keys = ("concurrency", "completed", "output_tokens_per_s", "client_cpu_per_wall")
+            # near 1.0 per process, the client and not the server sets the pace
+            summary["client_processes"] = processes
+            summary["client_cpu_per_wall"] = round(client_cpu, 3)
+            # kernels Triton built while the level ran: each a stall of the engine (issue 24)
+            summary["triton_kernels_built"] = triton_kernels() - kernels
+            keys = ("concurrency", "completed", "output_tokens_per_s", "client_cpu_per_wall", "triton_kernels_built")
             print(json.dumps({k: summary[k] for k in keys}), flush=True)
             print("  ttft", summary["ttft_ms"], "\n  tpot", summary["tpot_ms"], flush=True)
             runs.append(summary)
@@ -149,6 +161,14 @@ def main() -> None:
     parser.add_argument("--shared-output-len", type=int, default=64)
     parser.add_argument("--shared-concurrency", type=int, default=32)
     parser.add_argument("--skip-levels", action="store_true", help="Only the shared-prefix workload.")
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=4,
+        metavar="N",
+        help="Client processes the levels' load comes from (default 4; at most C): one Python process "
+        "reading 128 streams spends ~0.9 of a core and would set the pace itself.",
+    )
     parser.add_argument(
         "--serve-arg", action="append", default=[], help="An extra `qruntime serve` argument (repeat for more)."
     )

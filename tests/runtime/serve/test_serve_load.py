@@ -16,7 +16,7 @@ import httpx
 import pytest
 import qruntime
 from qruntime import SamplingParams
-from serve_harness import ServerProcess, load_loadgen, torch_threads, wait_idle
+from serve_harness import ROOT, ServerProcess, load_loadgen, torch_threads, wait_idle
 
 NUM_REQUESTS = 1000
 CONCURRENCY = 200
@@ -188,7 +188,10 @@ def _check_rejected(result, case: Case) -> None:
         assert error["param"] == param and param in error["message"], (where, error)
 
 
-def test_thousand_requests_from_two_hundred_clients(tiny_ckpt, compiled):
+def test_thousand_requests_from_two_hundred_clients(tiny_ckpt, compiled, monkeypatch):
+    """The clients in two processes (bench/loadgen.py's run_load_processes, as serve_bench uses it):
+    each result must still come back in its spec's place."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # the client processes import loadgen from there
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")
     rng = random.Random(seed)
@@ -216,7 +219,7 @@ def test_thousand_requests_from_two_hundred_clients(tiny_ckpt, compiled):
         print(f"reference: {len(wanted)} sequences in {time.perf_counter() - t0:.1f} s")
 
         started = time.perf_counter()
-        results, wall = asyncio.run(load_loadgen().run_load(server.url, specs, CONCURRENCY, timeout=300))
+        results, wall, _ = load_loadgen().run_load_processes(server.url, specs, CONCURRENCY, 2, timeout=300)
         after = wait_idle(server.url)
         print(f"{NUM_REQUESTS} requests in {wall:.1f} s ({time.perf_counter() - started:.1f} s with the idle wait)")
 
