@@ -66,10 +66,25 @@ def start_server(
     return proc, url
 
 
-def triton_kernels() -> int:
-    """Kernels in Triton's cache on this machine (TRITON_CACHE_DIR, else ~/.triton/cache): one folder each."""
-    cache = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
-    return sum(1 for p in cache.iterdir() if p.is_dir()) if cache.is_dir() else 0
+def triton_cache() -> Path:
+    return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+
+
+def triton_kernels() -> set[str]:
+    """The kernels in Triton's cache on this machine (TRITON_CACHE_DIR, else ~/.triton/cache): one folder each."""
+    cache = triton_cache()
+    return {p.name for p in cache.iterdir() if p.is_dir()} if cache.is_dir() else set()
+
+
+def kernels_built(before: set[str]) -> list[str]:
+    """What Triton built since `before`: each kernel's name and its signature as compiled (the
+    argument attributes show the specialization, e.g. an int divisible by 16)."""
+    built = []
+    for folder in sorted(triton_kernels() - before):
+        for ttir in (triton_cache() / folder).glob("*.ttir"):
+            head = next((line.strip() for line in ttir.read_text().splitlines() if "tt.func" in line), "")
+            built.append(f"{ttir.stem}: {head[:700]}")
+    return built
 
 
 def _drain(stream) -> None:
@@ -97,9 +112,11 @@ def levels_run(art: Path, levels: list[int], args: argparse.Namespace) -> tuple[
             summary["client_processes"] = processes
             summary["client_cpu_per_wall"] = round(client_cpu, 3)
             # kernels Triton built while the level ran: each a stall of the engine (issue 24)
-            summary["triton_kernels_built"] = triton_kernels() - kernels
-            keys = ("concurrency", "completed", "output_tokens_per_s", "client_cpu_per_wall", "triton_kernels_built")
+            summary["triton_kernels_built"] = kernels_built(kernels)
+            keys = ("concurrency", "completed", "output_tokens_per_s", "client_cpu_per_wall")
             print(json.dumps({k: summary[k] for k in keys}), flush=True)
+            for kernel in summary["triton_kernels_built"]:
+                print("  built during the level:", kernel, flush=True)
             print("  ttft", summary["ttft_ms"], "\n  tpot", summary["tpot_ms"], flush=True)
             runs.append(summary)
         metrics = httpx.get(f"{url}/metrics").text
