@@ -22,6 +22,15 @@ def test_the_steps_fit_the_limits_and_cover_the_kinds(limits, rng):
             assert set(c.block_table) == {scratch} and len(c.block_table) * block_size >= c.start + c.num_tokens
     kinds = {(any(c.num_tokens == 1 for c in s), any(c.num_tokens > 1 for c in s)) for s in steps}
     assert (True, True) in kinds and (False, True) in kinds  # decodes beside prompts, and prompts alone
+    # every prefill row tile (16, 32, 64, 128) with its longest chunk, alone and beside decodes
+    for tile in (16, 32, 64, 128):
+        if tile // 2 + 1 + 8 + 2 <= min(budget, max_model_len - 80):  # a probe of that tile fits the limits
+            for beside_decodes in (False, True):
+                assert any(
+                    any(c.num_tokens == 1 for c in s) == beside_decodes
+                    and tile // 2 < max(c.num_tokens for c in s) <= tile
+                    for s in steps
+                ), (tile, beside_decodes)
     if budget >= 700 and max_model_len > 700:
         assert any(c.num_tokens > 512 and c.start == 0 for s in steps for c in s)  # fused attention's kind
 

@@ -14,6 +14,9 @@ from __future__ import annotations
 from qruntime.engine.step_chunk import StepChunk
 
 
+PREFILL_TILE_PROBES = (9, 24, 48, 100)  # longest chunks of each prefill tile below 256 rows
+
+
 def warm_up_steps(
     block_size: int, scratch_block: int, max_num_batched_tokens: int, max_model_len: int
 ) -> list[list[StepChunk]]:
@@ -40,6 +43,11 @@ def warm_up_steps(
         [*decodes(2, 64), chunk(0, long_prompt)],  # a fresh long prompt: fused attention beside decodes
         [chunk(0, long_prompt)],
     ]
+    # the prefill kernel's row tile follows the step's longest chunk (16, 32, 64, 128 rows, then the
+    # config's): each tile alone and beside decodes (the 32-client level of serve_bench met the
+    # 64-row one first mid-serving, a Triton compile there)
+    for q_len in PREFILL_TILE_PROBES:
+        steps += [[chunk(0, q_len)], [*decodes(2, 80), chunk(8, q_len)]]
     out = []
     for step in steps:
         step = [c for c in step if c is not None]

@@ -40,6 +40,9 @@ LOG2E = 1.4426950408889634
 MIN_PARTITION = 64  # tokens
 TARGET_PROGRAMS_PER_SM = 3
 SCAN_BLOCK = 128  # sequences nth_sequence reads at a time
+# partitions the reduce reads at a time, whatever the split count: one compiled variant for every step
+# (sized to the count, it was a new Triton compile mid-serving for each power of two a mixed step met)
+REDUCE_BLOCK_S = 32
 
 
 @dataclass(frozen=True)
@@ -274,7 +277,9 @@ def partition_len(ctx, num_splits, min_partition, STEP: tl.constexpr):
     return tl.maximum(part, min_partition)
 
 
-@triton.jit(do_not_specialize=["num_seqs"])  # no variants per step size
+# no variants per step: Triton would compile one for each int argument equal to 1 or a multiple of
+# 16, and the step's size, its block tables' width and its split count are either from step to step
+@triton.jit(do_not_specialize=["num_seqs", "bt_stride", "num_splits"])
 def _decode_partition_kernel(
     q_ptr,  # [B, nh, d] (VARLEN: the step's [T, nh, d])
     k_ptr,
@@ -371,7 +376,7 @@ def _decode_partition_kernel(
         tl.store(o_ptr, acc / l_safe[:, None], mask=g_written[:, None] & d_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["num_seqs"])  # no variants per step size
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])  # no variants per step (above)
 def _decode_reduce_kernel(
     partial_ptr,  # [decodes, nh, S, d] fp32
     lse_ptr,  # [decodes, nh, S] fp32
@@ -556,7 +561,7 @@ def paged_decode_attention(
     if not direct:
         _decode_reduce_kernel[(batch, nh)](
             partial, lse, context_lens, qsl, out, seqs, min_partition, num_splits, kv.v_scale,
-            STEP=block_n, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=min(32, next_pow2(num_splits)),
+            STEP=block_n, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=REDUCE_BLOCK_S,
             VARLEN=varlen, SCAN=SCAN_BLOCK, num_warps=4,
         )  # fmt: skip
     return out

@@ -50,7 +50,9 @@ class PrefillConfig:
     num_stages: int = 3
 
 
-@triton.jit(do_not_specialize=["num_seqs"])  # no variants per step size
+# no variants per step: the step's size and its block tables' width are ints Triton would specialize
+# (equal to 1, or a multiple of 16), compiling mid-serving
+@triton.jit(do_not_specialize=["num_seqs", "bt_stride"])
 def _prefill_kernel(
     q_ptr,  # [T, nh, d]
     k_ptr,
