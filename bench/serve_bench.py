@@ -76,15 +76,26 @@ def triton_kernels() -> set[str]:
     return {p.name for p in cache.iterdir() if p.is_dir()} if cache.is_dir() else set()
 
 
-def kernels_built(before: set[str]) -> list[str]:
-    """What Triton built since `before`: each kernel's name and its signature as compiled (the
-    argument attributes show the specialization, e.g. an int divisible by 16)."""
-    built = []
-    for folder in sorted(triton_kernels() - before):
+def kernels_built(before: set[str]) -> list[dict]:
+    """What Triton built since `before`: each kernel's name, its signature as compiled (the argument
+    attributes show an int specialized as 1 or a multiple of 16) and its launch metadata, beside the
+    signatures and metadata of the same kernel's variants built before (what differs is what the
+    warm-up missed)."""
+
+    def described(folder: str) -> list[dict]:
+        out = []
         for ttir in (triton_cache() / folder).glob("*.ttir"):
             head = next((line.strip() for line in ttir.read_text().splitlines() if "tt.func" in line), "")
-            built.append(f"{ttir.stem}: {head[:700]}")
-    return built
+            meta_path = ttir.with_suffix(".json")
+            meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+            keep = ("num_warps", "num_stages", "shared")
+            out.append({"name": ttir.stem, "signature": head, **{k: meta.get(k) for k in keep}})
+        return out
+
+    new = [k for folder in sorted(triton_kernels() - before) for k in described(folder)]
+    names = {k["name"] for k in new}
+    earlier = [k for folder in sorted(before) for k in described(folder) if k["name"] in names]
+    return [{**k, "variants_before": [e for e in earlier if e["name"] == k["name"]]} for k in new]
 
 
 def _drain(stream) -> None:
@@ -116,7 +127,7 @@ def levels_run(art: Path, levels: list[int], args: argparse.Namespace) -> tuple[
             keys = ("concurrency", "completed", "output_tokens_per_s", "client_cpu_per_wall")
             print(json.dumps({k: summary[k] for k in keys}), flush=True)
             for kernel in summary["triton_kernels_built"]:
-                print("  built during the level:", kernel, flush=True)
+                print("  built during the level:", kernel["name"], kernel["signature"][:300], flush=True)
             print("  ttft", summary["ttft_ms"], "\n  tpot", summary["tpot_ms"], flush=True)
             runs.append(summary)
         metrics = httpx.get(f"{url}/metrics").text
