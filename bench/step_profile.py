@@ -1,7 +1,8 @@
 """Where a serving step's wall time goes, measured inside a running `qruntime serve` process.
 
 `python bench/step_profile.py OUT.json [--switch-interval S] serve ART [serve options]` runs the server as `qruntime serve`
-would, with timers wrapped (at class level, in this process only) around the engine thread's work:
+would, with timers wrapped (at class level) around the engine thread's work, in the engine process
+(spawned with `setup=engine_setup`; with `--engine thread`, in this one):
 
     loop      EngineLoop._add (engine.add_request), _dispatch (deltas to the event loops), _publish
     step      Engine.step, inside it: Scheduler.schedule, ModelRunner.execute (graph replay or eager
@@ -15,8 +16,8 @@ would, with timers wrapped (at class level, in this process only) around the eng
 Nothing is synchronised that the server does not synchronise itself, so the timings are those of
 the real server plus the wrappers' own cost (~1 us per call). Each step is one record; a sampler
 thread adds each thread's CPU time (from /proc) every 0.5 s, to show how busy the asyncio thread
-that encodes the SSE streams is. The records are written to OUT.json when the server exits
-(SIGTERM). bench/serve_profile.py drives it and aggregates per concurrency level.
+that encodes the SSE streams is (the HTTP process's threads under "http_threads" when the engine
+runs apart). The records are written to OUT.json when the server exits (SIGTERM). bench/serve_profile.py drives it and aggregates per concurrency level.
 """
 
 from __future__ import annotations

@@ -206,10 +206,9 @@ class EngineProcess:
         and end the engine process: asked to, then killed if it has not exited in time. Idempotent."""
         self.close()
         self._command(("stop",))
-        self._reader.join(timeout)
         self._process.join(STOP_GRACE_S if timeout is None else timeout)
         self._kill()
-        self._reader.join(STOP_GRACE_S)
+        self._reader.join(STOP_GRACE_S)  # it reads what the process sent before it ended, then end of file
         self._conn.close()
         atexit.unregister(self._kill)
 
@@ -224,7 +223,7 @@ class EngineProcess:
     def _read(self) -> None:
         try:
             while True:
-                kind, items, done, events, published, prefix_cache = self._conn.recv()
+                _, items, done, events, published, prefix_cache = self._conn.recv()  # ("out", ...)
                 if self.metrics is not None:
                     replay(events, self.metrics)
                 with self._state:
