@@ -2,8 +2,10 @@
 
 The layout is the request's path: `connections` (uvicorn's protocol with a header timeout) hands
 it to `app` (Starlette routes), which checks it against `limits` (API key, Content-Type, body size
-and time, bounded JSON) and parses the body with `protocol` into engine sequences, hands them to `engine_loop` (the one thread that owns the Engine and steps it,
-batching every client's sequences together), and answers with `responses` shapes, streamed through
+and time, bounded JSON) and parses the body with `protocol` into engine sequences, hands them to `engine_client` (a Handle
+per request, read from an asyncio queue) over `engine_process` (the engine loaded in a process of
+its own) or on a thread here, where `engine_loop` (the one thread that owns the Engine and steps
+it, batching every client's sequences together) runs; answers go out as `responses` shapes, through
 `sse`; `errors` is OpenAI's error JSON, `metrics` the Prometheus side, `server` runs uvicorn with
 the CLI's `options`. Importing this package or `options` is cheap: the framework (starlette,
 uvicorn, prometheus-client) and torch load when `main` starts a server.
