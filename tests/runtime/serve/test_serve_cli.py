@@ -70,6 +70,7 @@ def test_user_errors_are_one_line(tmp_path, art):
         port = busy.getsockname()[1]
         result = serve(art, "--port", port)
     assert result.returncode == 1 and f"error: cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "loaded" not in result.stderr  # the port is bound before the model loads, not after
     result = serve(art, "--max-waiting", 0)
     assert result.returncode == 1 and "error: --max-waiting must be >= 1" in result.stderr
     for flag in ("--max-body-bytes", "--header-timeout", "--body-timeout", "--limit-concurrency"):
