@@ -57,7 +57,9 @@ class UserError(click.ClickException):
 
 class _LazyGroup(click.Group):
     """Imports a verb's module only when that verb runs (or its --help is shown); turns user
-    errors into a clean message and exit code 1, and Ctrl-C into exit code 130."""
+    errors into a clean message and exit code 1, and Ctrl-C into exit code 130. SIGINT's handler is
+    Python's own, left as it is: a process started with SIGINT ignored (a shell script's `cmd &`)
+    keeps ignoring it, and SIGTERM is the way to stop it."""
 
     def invoke(self, ctx: click.Context):
         main_thread = threading.current_thread() is threading.main_thread()

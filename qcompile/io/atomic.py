@@ -47,6 +47,8 @@ def _signals_deferred() -> Iterator[None]:
     The Python-level handlers are swapped for one that only notes the signal: a signal mask would
     hold it for this thread only, and the kernel hands a process-directed signal to any thread that
     does not block it (torch's, a writer pool's), after which Python runs the handler here at once.
+    An ignored signal stays ignored: a process started with SIGINT ignored (a shell script's
+    `cmd &`) keeps ignoring it, so no SIGINT is noted here and raised again.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -54,7 +56,8 @@ def _signals_deferred() -> Iterator[None]:
     pending: list[int] = []
     previous = {}
     for signum in (signal.SIGINT, signal.SIGTERM):
-        if signal.getsignal(signum) is not None:  # None: a handler not set from Python, left alone
+        # None: a handler not set from Python, left alone; SIG_IGN: nothing to hold
+        if signal.getsignal(signum) not in (None, signal.SIG_IGN):
             previous[signum] = signal.signal(signum, lambda signum, frame: pending.append(signum))
     try:
         yield

@@ -5,12 +5,15 @@ import json
 import math
 import random
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import onnx
 import pytest
 import torch
+from child_signals import sigint_as
 from click.testing import CliRunner
 from onnx import numpy_helper
 from safetensors.torch import load_file, save_file
@@ -357,12 +360,10 @@ def test_dry_run_and_help(tiny_moe_ckpt, tmp_path):
         assert word in help_text
 
 
-@pytest.mark.parametrize("signame, code", [("SIGINT", 130), ("SIGTERM", 143)])
-def test_signal_mid_compile_leaves_nothing(make_ckpt, tmp_path, signame, code):
-    """A real Ctrl-C (SIGINT) or kill (SIGTERM) to a compiling process: no artifact, no temp dir."""
-    import signal
-    import time
-
+def _signal_mid_compile(make_ckpt, tmp_path, signum, sigint):
+    """`python -m qcompile compile` of a checkpoint big enough to take a while, started with SIGINT's
+    disposition `sigint` and sent `signum` once its temp dir appears; (process, stderr, whether the
+    temp dir was still there after the signal was sent, i.e. the compile was still writing)."""
     ckpt = make_ckpt(
         "tiny", hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
         num_attention_heads=8, num_key_value_heads=4, head_dim=128,
@@ -373,14 +374,37 @@ def test_signal_mid_compile_leaves_nothing(make_ckpt, tmp_path, signame, code):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=sigint_as(sigint),  # not whatever pytest's is (ignored when started by `cmd &`)
     )
     deadline = time.monotonic() + 60
     while not any(p.name.startswith(".art.") for p in tmp_path.iterdir()):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "the compile never started writing"
         time.sleep(0.005)
-    proc.send_signal(getattr(signal, signame))
-    _, stderr = proc.communicate(timeout=60)
+    proc.send_signal(signum)
+    mid_compile = any(p.name.startswith(".art.") for p in tmp_path.iterdir())
+    _, stderr = proc.communicate(timeout=120)
+    return proc, stderr, mid_compile
+
+
+@pytest.mark.parametrize("signame, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_signal_mid_compile_leaves_nothing(make_ckpt, tmp_path, signame, code):
+    """A real Ctrl-C (SIGINT) or kill (SIGTERM) to a compiling process: no artifact, no temp dir."""
+    proc, stderr, _ = _signal_mid_compile(make_ckpt, tmp_path, getattr(signal, signame), signal.SIG_DFL)
     assert proc.returncode == code, stderr
     assert "interrupted; no partial output was left behind" in stderr
     assert leftovers(tmp_path, "art") == []
+
+
+def test_sigint_ignored_at_start_stays_ignored_mid_compile(make_ckpt, tmp_path):
+    """Started with SIGINT ignored (as a shell script's `cmd &` is), the compile keeps ignoring it, as
+    Python itself does: a SIGINT mid-compile changes nothing, the artifact is complete."""
+    proc, stderr, mid_compile = _signal_mid_compile(make_ckpt, tmp_path, signal.SIGINT, signal.SIG_IGN)
+    assert mid_compile, "the compile ended before the signal: nothing was tested"
+    assert proc.returncode == 0, stderr
+    assert leftovers(tmp_path, "art") == ["art"]
+    out = tmp_path / "art"
+    result = run("verify", out)
+    assert result.exit_code == 0 and result.output.startswith("ok: "), result.output
+    tensors = json.loads((out / "manifest.json").read_text())["tensors"]
+    assert {n.split(".")[2] for n in tensors if n.startswith("model.layers.")} == {str(i) for i in range(8)}

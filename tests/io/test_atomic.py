@@ -121,3 +121,29 @@ def test_signal_held_while_the_temp_dir_is_made_is_raised_inside_the_guard(tmp_p
         stop.set()
     assert names(tmp_path) == []
     assert signal.getsignal(signal.SIGTERM) is previous
+
+
+def test_an_ignored_sigint_stays_ignored_while_the_temp_dir_is_made(tmp_path, monkeypatch):
+    """A process started with SIGINT ignored (as a shell script's `cmd &` is) keeps ignoring it: the
+    guard around mkdtemp swaps no recorder in for it (which would note a SIGINT and raise it again),
+    and one that arrives meanwhile is dropped; the directory is made and published as usual."""
+    from qcompile.io import atomic
+
+    seen = []
+    real_mkdtemp = atomic.tempfile.mkdtemp
+
+    def mkdtemp_during_sigint(**kwargs):
+        seen.append(signal.getsignal(signal.SIGINT))
+        signal.raise_signal(signal.SIGINT)
+        return real_mkdtemp(**kwargs)
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        monkeypatch.setattr(atomic.tempfile, "mkdtemp", mkdtemp_during_sigint)
+        with atomic_output_dir(tmp_path / "art") as tmp:
+            (tmp / "f").write_text("x")
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert seen == [signal.SIG_IGN]
+    assert names(tmp_path) == ["art"]

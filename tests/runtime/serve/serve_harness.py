@@ -18,10 +18,11 @@ from pathlib import Path
 from types import ModuleType
 
 import httpx
+from child_signals import sigint_as
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[3]
-READY = re.compile(r"^serving .+ on (http://\S+) ")
+READY = re.compile(r"^(?:INFO: +)?serving .+ on (http://\S+) ")
 
 
 def load_loadgen() -> ModuleType:
@@ -36,9 +37,12 @@ def load_loadgen() -> ModuleType:
 
 class ServerProcess:
     """`python -m qruntime serve ART --port 0 ...` (or `-m qcompile serve`); `url` once it listens. Use as a context manager:
-    leaving it stops the server (SIGTERM), killing it only if it does not exit in time."""
+    leaving it stops the server (SIGTERM), killing it only if it does not exit in time. It starts with
+    SIGINT's disposition `sigint`: SIG_DFL unless told, whatever pytest's own is (see child_signals)."""
 
-    def __init__(self, artifact: Path, *args: str, cli: str = "qruntime") -> None:
+    def __init__(
+        self, artifact: Path, *args: str, cli: str = "qruntime", sigint: signal.Handlers = signal.SIG_DFL
+    ) -> None:
         self.command = [
             sys.executable,
             "-m",
@@ -56,6 +60,7 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
         self._ready = threading.Event()
         self.signaled = False
+        self.sigint = sigint
 
     @property
     def stderr(self) -> str:
@@ -64,7 +69,12 @@ class ServerProcess:
     def start(self, timeout: float = 120.0) -> ServerProcess:
         env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
         self.proc = subprocess.Popen(
-            self.command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
+            self.command,
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            preexec_fn=sigint_as(self.sigint),
         )
         threading.Thread(target=self._drain, daemon=True).start()
         if not self._ready.wait(timeout) or self.url is None:

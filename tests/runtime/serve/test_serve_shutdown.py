@@ -1,14 +1,17 @@
 """Graceful shutdown: on SIGTERM the server stops accepting, lets in-flight requests finish, and
 exits 0; past --shutdown-timeout it aborts what still runs, in well-formed responses (a stream's
 last chunk says finish_reason "abort", a whole response is a 503), and exits 0 all the same.
-SIGINT exits 130, as `qruntime run` does."""
+SIGINT exits 130, as `qruntime run` does; a server started with SIGINT ignored (as a shell
+script's `cmd &` is) keeps ignoring it, as Python itself does, and stops on SIGTERM."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import re
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -125,3 +128,28 @@ def test_sigint_exits_130_after_shutting_down(art):
         server.kill()
     assert code == 130, server.stderr
     assert "interrupted" in server.stderr and "Traceback" not in server.stderr
+
+
+def _ignores_sigint(pid: int) -> bool:
+    """Whether process `pid` ignores SIGINT (the kernel drops it), from Linux's /proc/PID/status."""
+    ignored = re.search(r"^SigIgn:\s*([0-9a-f]+)$", Path(f"/proc/{pid}/status").read_text(), re.M)
+    return bool(int(ignored[1], 16) >> (signal.SIGINT - 1) & 1)
+
+
+def test_sigint_ignored_at_start_stays_ignored(art):
+    """Started with SIGINT ignored, the server installs no SIGINT handler (uvicorn's would stop it):
+    it answers after a SIGINT, and SIGTERM still shuts it down gracefully, exit 0."""
+    server = ServerProcess(art, sigint=signal.SIG_IGN).start()
+    try:
+        assert _ignores_sigint(server.proc.pid)  # while serving, i.e. with uvicorn's handlers in place
+        server.proc.send_signal(signal.SIGINT)  # not server.send, after which stop() sends no SIGTERM
+        deadline = time.monotonic() + 2  # uvicorn looks for a requested exit every 0.1 s
+        while time.monotonic() < deadline:
+            assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+            time.sleep(0.1)
+        assert server.proc.poll() is None, server.stderr
+        code = server.stop(signal.SIGTERM, timeout=60)
+    finally:
+        server.kill()
+    assert code == 0, server.stderr
+    assert "interrupted" not in server.stderr and "Traceback" not in server.stderr
