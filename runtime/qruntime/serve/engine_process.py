@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import logging.config
 import multiprocessing
 import os
 import pickle
@@ -103,9 +104,11 @@ class EngineProcess:
         max_waiting: int,
         threads: int | None = None,
         setup: Callable[[], None] | None = None,
+        log_config: dict[str, Any] | None = None,
     ) -> None:
         """Spawn the process and wait until it has loaded the engine (an artifact error raised there
-        is raised here). `setup`, a picklable callable, runs there first (bench/step_profile.py's timers)."""
+        is raised here). `setup`, a picklable callable, runs there first (bench/step_profile.py's timers);
+        `log_config` (logging.config.dictConfig's) is the engine process's log, the server's own."""
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1 (got {max_waiting})")
         self.max_waiting = max_waiting
@@ -114,7 +117,7 @@ class EngineProcess:
         self._conn, child = context.Pipe(duplex=True)
         # not a daemon: at tp > 1 the engine process spawns the other ranks itself
         self._process = context.Process(
-            target=engine_process_main, args=(child, load_kwargs, threads, setup), name="qruntime-engine"
+            target=engine_process_main, args=(child, load_kwargs, threads, setup, log_config), name="qruntime-engine"
         )
         self._process.start()
         child.close()
@@ -264,10 +267,16 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 def engine_process_main(
-    conn: Connection, load_kwargs: dict[str, Any], threads: int | None, setup: Callable[[], None] | None
+    conn: Connection,
+    load_kwargs: dict[str, Any],
+    threads: int | None,
+    setup: Callable[[], None] | None,
+    log_config: dict[str, Any] | None,
 ) -> None:
     """What the engine process runs: load, report, then run the engine loop on the commands that come."""
     os.setpgid(0, 0)
+    if log_config is not None:
+        logging.config.dictConfig(log_config)
     if setup is not None:
         setup()
     import torch

@@ -34,6 +34,7 @@ class ServeOptions:
     verify: bool = False
     shutdown_timeout: float = 30.0
     log_level: str = "info"
+    log_format: str = "text"
     api_key: str | None = field(default=None, repr=False)
     max_body_bytes: int = 4 << 20
     header_timeout: float = 10.0
@@ -172,6 +173,13 @@ def add_serve_parser(verbs: Any) -> None:
         choices=("auto", "httptools", "h11"),
         help="HTTP protocol implementation: httptools (C parser, the fast one) or h11 (pure Python); "
         "default auto: httptools when installed.",
+    )
+    add(
+        "--log-format",
+        default="text",
+        choices=("text", "json"),
+        help="Every log line (access lines, start-up and shutdown included) goes to stderr in this format: "
+        "text (default) or json, one object a line (time, level, logger, message, an access line's fields).",
     )
     add(
         "--log-level",

@@ -5,25 +5,28 @@ Shutdown (SIGINT / SIGTERM): uvicorn stops accepting connections and the engine 
 left, so those responses still end well-formed (a stream's last chunk says finish_reason "abort",
 a whole response is a 503). uvicorn waits for the connections to close (cancelling any handler
 still stuck SHUTDOWN_GRACE_S later, e.g. on a client that stopped reading), then the app's
-lifespan stops the engine loop and its thread ends.
+lifespan stops the engine loop and its thread ends. A server started with SIGINT ignored (a shell
+script's `cmd &`) keeps ignoring it; SIGTERM still stops it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
+import logging.config
 import signal
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 import torch
 import uvicorn
-from uvicorn.config import LOG_LEVELS
+from uvicorn.server import HANDLED_SIGNALS
 
 import qruntime
 from qruntime.artifact import ArtifactFormatError
@@ -33,6 +36,7 @@ from qruntime.engine.engine import Engine
 from qruntime.serve.connections import protocol_class
 from qruntime.serve.engine_process import EngineProcess, EngineProcessError
 from qruntime.serve.limits import RequestLimits
+from qruntime.serve.logs import announce, log_config
 from qruntime.serve.options import ServeOptions
 
 SHUTDOWN_GRACE_S = 5.0  # after the aborts, how long uvicorn waits for responses to finish sending
@@ -57,7 +61,8 @@ def url_of(sock: socket.socket) -> str:
 
 
 def serve(options: ServeOptions, err: TextIO | None = None) -> None:
-    """Run the server until it is stopped (returns after a SIGTERM; SIGINT ends in KeyboardInterrupt)."""
+    """Run the server until it is stopped (returns after a SIGTERM; SIGINT ends in KeyboardInterrupt,
+    unless the process started with SIGINT ignored: then SIGINT is ignored)."""
     err = err if err is not None else sys.stderr
     if options.max_waiting < 1:
         raise RunError(f"--max-waiting must be >= 1 (got {options.max_waiting})")
@@ -79,6 +84,7 @@ def serve(options: ServeOptions, err: TextIO | None = None) -> None:
         torch.set_num_threads(options.threads)  # process-wide: the engine thread's ops use it too (and the engine
         # process's, which sets it itself)
     started = time.perf_counter()
+    logging.config.dictConfig(log_config(options.log_format, options.log_level))  # the load's lines too
     load_kwargs = {
         "path": options.artifact,
         "device": options.device,
@@ -105,7 +111,12 @@ def _serve_on(
     engine: Engine | EngineProcess
     try:
         if options.engine == "process":
-            engine = EngineProcess(load_kwargs, max_waiting=options.max_waiting, threads=options.threads)
+            engine = EngineProcess(
+                load_kwargs,
+                max_waiting=options.max_waiting,
+                threads=options.threads,
+                log_config=log_config(options.log_format, options.log_level),
+            )
         else:
             engine = qruntime.load(**load_kwargs)
     except (ArtifactFormatError, ValueError) as exc:
@@ -113,8 +124,7 @@ def _serve_on(
     except EngineProcessError as exc:
         raise RunError(str(exc)) from None
     try:
-        print(load_line(engine.description, time.perf_counter() - started), file=err, flush=True)
-        _log_like_uvicorn(options.log_level)
+        announce(load_line(engine.description, time.perf_counter() - started), options.log_format, err)
         limits = RequestLimits(max_body_bytes=options.max_body_bytes, body_timeout=options.body_timeout)
         app = build_app(
             engine,
@@ -133,13 +143,14 @@ def _serve_on(
         f"{', API key required' if options.api_key else ''})"
     )
     loop = app.state.engine_loop
-    config = uvicorn_config(app, options)
+    config = uvicorn_config(app, options, configure_logging=True)
 
     def drain() -> None:
         loop.close()
         asyncio.get_running_loop().call_later(options.shutdown_timeout, loop.abort_all)
 
-    server = Server(config, on_ready=lambda: print(ready, file=err, flush=True), on_shutdown=drain)
+    url = url_of(sock)
+    server = Server(config, on_ready=lambda: announce(ready, options.log_format, err, url=url), on_shutdown=drain)
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
@@ -152,29 +163,21 @@ def _serve_on(
         loop.stop()  # a no-op after the lifespan's; covers a forced exit (and ends the engine process)
 
 
-def uvicorn_config(app: Any, options: ServeOptions) -> uvicorn.Config:
+def uvicorn_config(app: Any, options: ServeOptions, configure_logging: bool = False) -> uvicorn.Config:
     """uvicorn's settings for `app` under `options`: connections that must send their headers within
     --header-timeout (over httptools when installed, else h11), at most --limit-concurrency of them,
-    the graceful shutdown's grace; uvloop's event loop when installed (uvicorn's "auto")."""
+    the graceful shutdown's grace; uvloop's event loop when installed (uvicorn's "auto").
+    configure_logging: this process's log as serve.logs says, --log-format and --log-level (the
+    server's; tests embedding the app leave their process's logging alone)."""
     return uvicorn.Config(
         app,
         http=functools.partial(protocol_class(options.http), header_timeout=options.header_timeout),
         limit_concurrency=options.limit_concurrency,
         log_level=options.log_level,
+        **({"log_config": log_config(options.log_format, options.log_level)} if configure_logging else {}),
         timeout_graceful_shutdown=options.shutdown_timeout + SHUTDOWN_GRACE_S,
         lifespan="on",
     )
-
-
-def _log_like_uvicorn(level: str) -> None:
-    """The runtime's log lines (engine failures, aborts at shutdown) beside uvicorn's, at its level."""
-    logger = logging.getLogger("qruntime")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)-9s %(message)s"))
-        logger.addHandler(handler)
-        logger.propagate = False
-    logger.setLevel(LOG_LEVELS[level])
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
@@ -198,3 +201,25 @@ class Server(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self._on_shutdown()
         await super().shutdown(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's, except that a signal ignored when the server starts stays ignored. uvicorn
+        installs its handler for SIGINT regardless; but a process started with SIGINT ignored (a
+        shell script's `cmd &`) is meant to keep ignoring it, as Python itself does (it installs no
+        KeyboardInterrupt handler then). SIGTERM, which _serve_on handles before this runs, still
+        stops the server gracefully."""
+        if threading.current_thread() is not threading.main_thread():  # only the main thread can set handlers
+            yield
+            return
+        handled = [sig for sig in HANDLED_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN]
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        # as uvicorn does: the signal that stopped the server, raised again to the handler it found
+        # (SIGTERM lands in _on_sigterm; SIGINT is a KeyboardInterrupt)
+        for sig in reversed(self._captured_signals):
+            signal.raise_signal(sig)
