@@ -9,7 +9,9 @@ from pathlib import Path
 import click
 
 from qcompile.errors import QCompileError
+from qcompile.io.atomic import check_target
 from qcompile.recipe.schema import DEFAULT_RECIPE, load_recipe
+from qcompile.source.directory import check_checkpoint_dir
 from qcompile.units import human_bytes
 
 
@@ -116,13 +118,15 @@ def command(checkpoint, output, recipe, overrides, tp, force, workers, dry_run, 
     With --tp N the artifact is pre-sharded for N GPUs: each rank's slice of every weight in
     weights/rank{r}/ and its own graph, graph.rank{r}.onnx (docs/ARTIFACT.md).
     """
+    # the paths the user typed first: what follows imports torch, seconds before any error it could report
+    check_checkpoint_dir(checkpoint)
+    check_target(output.absolute(), force)
     if tune and not dry_run:
         import torch
 
         if not torch.cuda.is_available():
             raise QCompileError("--tune needs a CUDA GPU on this machine (run `qcompile tune ART` on one later)")
     from qcompile.compile.pipeline import compile_checkpoint, prepare
-    from qcompile.io.atomic import check_target
 
     workers = workers or max(1, len(os.sched_getaffinity(0)))
     if tp is not None:
@@ -131,7 +135,6 @@ def command(checkpoint, output, recipe, overrides, tp, force, workers, dry_run, 
     prepared = prepare(
         checkpoint, resolved, calib, calibrate=not dry_run, progress=not quiet, tokenizer=not no_tokenizer
     )
-    check_target(output.absolute(), force)
     if not quiet or dry_run:
         rows = _summary_rows(prepared, output, workers)
         width = max(len(k) for k, _ in rows)

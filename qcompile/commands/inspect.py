@@ -12,12 +12,13 @@ import click
 from qruntime.artifact import COMPILED_FIELDS, ArtifactFormatError, read_manifest, require
 
 from qcompile.errors import ArtifactError
-from qcompile.io.safetensors_stream import DTYPES
 from qcompile.units import human_bytes, human_count
 
 
 def summarize(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """The facts `inspect` shows, as plain data."""
+    from qcompile.io.safetensors_stream import DTYPES  # imports torch: only once the manifest has been read
+
     spec, recipe, kv = manifest["spec"], manifest["recipe"], manifest["kv_cache"]
     tensors, tp = manifest["tensors"], manifest.get("tp", 1)
     by_dtype: Counter[str] = Counter()

@@ -20,6 +20,7 @@ from qruntime.shown import shown
 from qcompile.errors import CheckpointError
 from qcompile.io import bounded_yaml
 from qcompile.io.safetensors_stream import DTYPE_NAMES, TensorEntry, read_header
+from qcompile.source.directory import check_checkpoint_dir
 from qcompile.source.model import LM_HEAD, count_expected, expected_tensors, iter_expected
 from qcompile.source.sizes import check_sizes
 from qcompile.source.spec import ModelSpec, load_config, read_json
@@ -60,9 +61,7 @@ class Checkpoint:
 
     @classmethod
     def open(cls, path: str | Path) -> Checkpoint:
-        root = Path(path)
-        if not root.is_dir():
-            raise CheckpointError(f"{root}: checkpoint directory not found")
+        root = check_checkpoint_dir(path)
         config = load_config(root / "config.json")
         spec = ModelSpec.from_config(config, source=str(root / "config.json"))
         shards, index = _shard_files(root)

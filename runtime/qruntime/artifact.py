@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import stat
 from collections.abc import Container, Mapping
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from qruntime.manifest_schema import SchemaError, check_manifest
 
 FORMAT_VERSION = "1.0"
 MANIFEST = "manifest.json"
+CHECKPOINT_INDEX = "model.safetensors.index.json"  # a sharded Hugging Face checkpoint's index of tensors
 MAX_MANIFEST_BYTES = 256 << 20  # a 235B-parameter MoE's manifest is a few MB
 # what a compiled artifact's manifest holds beyond REQUIRED, and what inspect, export and publish read
 COMPILED_FIELDS = (
@@ -74,9 +76,7 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
     """Read ART/manifest.json and check it against its schema (qruntime.manifest_schema): a junk
     manifest is an ArtifactFormatError naming the field; every path in `files` is a normalised
     relative path."""
-    path = Path(root) / MANIFEST
-    if not os.path.lexists(path):
-        raise ArtifactFormatError(f"{path}: not found; is {root} a qcompile artifact?")
+    check_artifact_dir(root)
     path = artifact_path(root, MANIFEST)
     if path.stat().st_size > MAX_MANIFEST_BYTES:
         raise ArtifactFormatError(
@@ -104,6 +104,34 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
     for rel in manifest["files"]:
         check_relative_path(rel)
     return manifest
+
+
+def check_artifact_dir(root: str | Path) -> None:
+    """What read_manifest checks first, cheaply (no file is read): `root` is a directory holding a
+    manifest.json. Raises ArtifactFormatError saying what `root` is instead: missing, not a
+    directory, or a Hugging Face checkpoint (which is compiled into an artifact, not run). The CLIs
+    call it before importing torch, so a mistyped path is reported at once."""
+    root = Path(root)
+    if not os.path.exists(root):  # os.path's checks answer False where pathlib's raise (EACCES on a parent)
+        raise ArtifactFormatError(f"{root}: artifact directory not found")
+    if not os.path.isdir(root):
+        raise ArtifactFormatError(f"{root}: not a directory; an artifact is the directory `qcompile compile` writes")
+    if os.path.lexists(root / MANIFEST):
+        return
+    if _is_hf_checkpoint(root):
+        raise ArtifactFormatError(
+            f"{root}: a Hugging Face checkpoint, not a compiled artifact (it has config.json and safetensors "
+            f"weights but no {MANIFEST}); compile it first: qcompile compile {shlex.quote(str(root))} -o ART"
+        )
+    raise ArtifactFormatError(f"{root / MANIFEST}: not found; is {root} a qcompile artifact?")
+
+
+def _is_hf_checkpoint(root: Path) -> bool:
+    """config.json beside safetensors weights (one file, shards, or their index): what `qcompile
+    compile` takes as input."""
+    if not os.path.isfile(root / "config.json"):
+        return False
+    return os.path.isfile(root / CHECKPOINT_INDEX) or any(os.path.isfile(p) for p in root.glob("*.safetensors"))
 
 
 def require(manifest: Mapping[str, Any], root: str | Path, *fields: str) -> None:

@@ -535,7 +535,7 @@ def test_bad_arguments_are_refused(art_copy, tmp_path):
         assert itself.exit_code == 1 and "would replace the artifact it reads" in itself.output
     assert tree(art_copy) == before
     missing = run("export", tmp_path / "nothing", "-o", tmp_path / "ct")
-    assert missing.exit_code == 1 and "manifest.json: not found" in missing.output
+    assert missing.exit_code == 1 and f"{tmp_path / 'nothing'}: artifact directory not found" in missing.output
     assert beside(tmp_path, "ct") == []
 
 

@@ -176,8 +176,8 @@ def test_stop_strings(art, engine, capsys):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--max-tokens", "0"], "invalid SamplingParams: max_tokens must be a positive integer (got 0)"),
-        (["--top-p", "1.5"], "invalid SamplingParams: top_p must be in (0, 1] (got 1.5)"),
+        (["--max-tokens", "0"], "--max-tokens must be ≥ 1 (got 0)"),
+        (["--top-p", "1.5"], "--top-p must be in (0, 1] (got 1.5)"),
         (["--dtype", "int8"], "dtype 'int8' is not one of ['bf16', 'bfloat16', 'float16', 'float32']"),
         (["--device", "gpu"], "device 'gpu' is not a torch device"),
         (["--max-model-len", "999999"], "max_model_len 999999 must be in 2..4096 (the model's context)"),
@@ -194,7 +194,7 @@ def test_bad_options_are_one_line_errors(art, capsys, args, message):
 def test_bad_artifacts_are_one_line_errors(art, tmp_path, capsys):
     assert main(["run", str(tmp_path / "nowhere"), "hi"]) == 1
     captured = capsys.readouterr()
-    assert captured.out == "" and captured.err == f"error: {tmp_path / 'nowhere' / 'manifest.json'}: not found; is {tmp_path / 'nowhere'} a qcompile artifact?\n"  # fmt: skip
+    assert captured.out == "" and captured.err == f"error: {tmp_path / 'nowhere'}: artifact directory not found\n"
 
     # load's multi-line "does not match its manifest" message comes out as one line
     broken = tmp_path / "broken"
@@ -274,4 +274,40 @@ def test_qcompile_run(art, engine):
 
     result = CliRunner().invoke(qcompile_main, ["run", str(art), prompt, "--max-tokens", "0"])
     assert result.exit_code == 1
-    assert result.stderr == "error: invalid SamplingParams: max_tokens must be a positive integer (got 0)\n"
+    assert result.stderr == "error: --max-tokens must be ≥ 1 (got 0)\n"
+
+
+@pytest.mark.parametrize("no_stream", [False, True])
+def test_text_on_a_terminal_is_shown_not_acted_on(art, monkeypatch, no_stream):
+    """Escape sequences and bidi overrides the model writes are escaped on a terminal, and written as
+    they are to a pipe (and in --json)."""
+    import dataclasses
+
+    from qruntime.engine.engine import Engine
+    from qruntime.terminal import for_terminal
+
+    hostile = random.choice(["\x1b[2J", "\x1b]0;title\x07", "\u202e", "\r\x08"])
+    stream = Engine.stream
+
+    def with_hostile_text(self, *args, **kwargs):  # as if the model had written it before each piece
+        text = ""
+        for delta in stream(self, *args, **kwargs):
+            text += hostile + delta.text
+            output = delta.output and dataclasses.replace(delta.output, text=text)
+            yield dataclasses.replace(delta, text=hostile + delta.text, output=output)
+
+    monkeypatch.setattr(Engine, "stream", with_hostile_text)
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    prompt = random_prompt()
+    options = RunOptions(str(art), prompt, max_tokens=4, ignore_eos=True, no_stream=no_stream)
+    terminal, pipe = Terminal(), io.StringIO()
+    record = run(options, terminal, io.StringIO())
+    run(options, pipe, io.StringIO())
+    assert hostile in record["text"] and hostile in pipe.getvalue()
+    shown = terminal.getvalue()
+    assert hostile not in shown and for_terminal(hostile) in shown and for_terminal(hostile) != hostile
+    assert not any(ch in shown for ch in "\x1b\x07\u202e\r\x08")

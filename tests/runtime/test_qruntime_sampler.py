@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 from qruntime.engine.sampler import sample
-from qruntime.engine.sampling_params import SAMPLING_EPS, SamplingParams
+from qruntime.engine.sampling_params import SAMPLING_EPS, InvalidSamplingParams, SamplingParams
 
 DRAWS = 6000
 
@@ -61,23 +61,44 @@ def test_greedy_is_argmax_and_ignores_generators():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"max_tokens": 0}, "max_tokens must be a positive integer"),
-        ({"max_tokens": -3}, "max_tokens must be a positive integer"),
-        ({"temperature": -0.1}, "temperature must be a finite number >= 0"),
-        ({"temperature": float("inf")}, "temperature must be a finite number >= 0"),
-        ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
-        ({"top_p": float("nan")}, r"top_p must be in \(0, 1\]"),
-        ({"top_k": -1}, "top_k must be an integer >= 0"),
-        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
-        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
-        ({"seed": -1}, "seed must be a non-negative integer"),
-        ({"stop": ("",)}, "stop strings must be non-empty strings"),
-        ({"stop_token_ids": (-2,)}, "stop_token_ids must be non-negative integers"),
+        ({"max_tokens": 0}, "max_tokens must be ≥ 1 (got 0)"),
+        ({"max_tokens": -3}, "max_tokens must be ≥ 1 (got -3)"),
+        ({"max_tokens": True}, "max_tokens must be an integer (got True)"),
+        ({"max_tokens": 2.5}, "max_tokens must be an integer (got 2.5)"),
+        ({"temperature": -0.1}, "temperature must be finite and ≥ 0 (got -0.1)"),
+        ({"temperature": float("inf")}, "temperature must be finite and ≥ 0 (got inf)"),
+        ({"temperature": float("nan")}, "temperature must be finite and ≥ 0 (got nan)"),
+        ({"temperature": "0.5"}, "temperature must be a number (got '0.5')"),
+        ({"top_p": float("nan")}, "top_p must be in (0, 1] (got nan)"),
+        ({"top_k": -1}, "top_k must be ≥ 0 (got -1)"),
+        ({"top_k": 1.0}, "top_k must be an integer (got 1.0)"),
+        ({"top_p": 0.0}, "top_p must be in (0, 1] (got 0.0)"),
+        ({"top_p": 1.5}, "top_p must be in (0, 1] (got 1.5)"),
+        ({"seed": -1}, "seed must be ≥ 0 and < 2**64 (got -1)"),
+        ({"seed": 1 << 64}, f"seed must be ≥ 0 and < 2**64 (got {1 << 64})"),  # torch.Generator's limit
+        ({"seed": "7"}, "seed must be an integer (got '7')"),
+        ({"stop": ("",)}, "stop[0] must be a non-empty string (got '')"),
+        ({"stop": ("ok", 3)}, "stop[1] must be a string (got 3)"),
+        ({"stop_token_ids": (-2,)}, "stop_token_ids[0] must be ≥ 0 (got -2)"),
     ],
 )
 def test_bad_sampling_params_are_named(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InvalidSamplingParams) as caught:  # a ValueError, as before
         SamplingParams(**kwargs)
+    assert isinstance(caught.value, ValueError) and str(caught.value) == f"invalid SamplingParams: {message}"
+    assert [p.field for p in caught.value.problems] == list(kwargs)
+
+
+def test_every_bad_field_is_named_at_once():
+    with pytest.raises(InvalidSamplingParams) as caught:
+        SamplingParams(max_tokens=0, top_p=2.0, seed=-1)
+    assert [p.field for p in caught.value.problems] == ["max_tokens", "top_p", "seed"]
+    assert str(caught.value).count(";") == 2
+
+
+def test_edges_of_the_ranges_are_accepted():
+    SamplingParams(max_tokens=1, temperature=0, top_k=0, top_p=1.0, seed=0)
+    SamplingParams(seed=(1 << 64) - 1, top_p=1e-9, temperature=1e9, stop=("x",), stop_token_ids=(0,))
 
 
 def test_a_single_stop_string_becomes_a_tuple():

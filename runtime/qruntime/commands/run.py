@@ -2,7 +2,8 @@
 
 The options are one table (OPTIONS) and the work one function (`run`), shared by the argparse CLI
 (qruntime.cli) and the compiler's `qcompile run` (qcompile imports this module; the runtime never
-imports qcompile). Importing this module is cheap: torch and the engine load only when a run starts.
+imports qcompile). Importing this module is cheap: torch and the model load only when a run starts, after
+the options and the artifact's path have been checked, so a user's mistake is reported at once.
 """
 
 from __future__ import annotations
@@ -13,7 +14,12 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any, TextIO
 
+from qruntime.artifact import ArtifactFormatError, check_artifact_dir
 from qruntime.commands.common import RunError, load_line
+from qruntime.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from qruntime.hub import is_hub_url
+from qruntime.shown import shown
+from qruntime.terminal import for_terminal
 
 PROMPT_HELP = "Prompt text (with --chat: the user's message)."
 
@@ -83,19 +89,12 @@ def options_from(values: dict[str, Any]) -> RunOptions:
     return RunOptions(**given)
 
 
-# --- the work -------------------------------------------------------------------------------------
-def run(options: RunOptions, out: TextIO | None = None, err: TextIO | None = None) -> dict[str, Any]:
-    """Load the artifact, generate for the prompt and print (text streamed to `out`, the load and
-    summary lines to `err`; with as_json one JSON object to `out` and nothing to `err`).
-
-    Returns the result record (the JSON fields). Raises RunError for anything the user can fix."""
-    out = out if out is not None else sys.stdout
-    err = err if err is not None else sys.stderr
-    import qruntime  # here, not at import: `--help` stays fast (no torch)
-    from qruntime.artifact import ArtifactFormatError
-
+# --- the checks made before the model loads ------------------------------------------------------
+def sampling_params(options: RunOptions) -> SamplingParams:
+    """The request's SamplingParams; a value it refuses is a RunError naming the flag as typed (the
+    ranges are SamplingParams' own: each field it names is the `dest` of the flag that set it)."""
     try:
-        params = qruntime.SamplingParams(
+        return SamplingParams(
             max_tokens=options.max_tokens,
             temperature=options.temperature,
             top_k=options.top_k,
@@ -104,8 +103,40 @@ def run(options: RunOptions, out: TextIO | None = None, err: TextIO | None = Non
             stop=options.stop,
             ignore_eos=options.ignore_eos,
         )
-    except ValueError as exc:
+    except InvalidSamplingParams as exc:
+        flags = {o.dest: o.flag for o in OPTIONS}
+        raise RunError(
+            "; ".join(
+                f"{flags[p.field]} {p.rule} (got {shown(p.value)})" if p.field in flags else str(p)
+                for p in exc.problems
+            )
+        ) from None
+
+
+def check_local_artifact(artifact: str) -> None:
+    """A local ART must be an artifact directory (qruntime.artifact.check_artifact_dir: not missing, not
+    a file, not a Hugging Face checkpoint); an hf:// name is checked when it is pulled."""
+    if is_hub_url(artifact):
+        return
+    try:
+        check_artifact_dir(artifact)
+    except ArtifactFormatError as exc:
         raise RunError.of(exc) from None
+
+
+# --- the work -------------------------------------------------------------------------------------
+def run(options: RunOptions, out: TextIO | None = None, err: TextIO | None = None) -> dict[str, Any]:
+    """Load the artifact, generate for the prompt and print (text streamed to `out`, the load and
+    summary lines to `err`; with as_json one JSON object to `out` and nothing to `err`).
+
+    Returns the result record (the JSON fields). Raises RunError for anything the user can fix."""
+    out = out if out is not None else sys.stdout
+    err = err if err is not None else sys.stderr
+    # the user's mistakes first, while nothing heavy is imported: qruntime.load imports torch (seconds)
+    params = sampling_params(options)
+    check_local_artifact(options.artifact)
+    import qruntime  # here, not at import: `--help` stays fast (no torch)
+
     started = time.perf_counter()
     try:
         engine = qruntime.load(
@@ -128,11 +159,13 @@ def run(options: RunOptions, out: TextIO | None = None, err: TextIO | None = Non
         except ValueError as exc:
             raise RunError.of(exc, "--chat: ") from None
     printing = not (options.as_json or options.no_stream)
+    # on a terminal, what the model wrote is shown, never acted on (escape sequences, bidi overrides)
+    visible = for_terminal if _is_terminal(out) else str
     output = None
     try:
         for delta in engine.stream(prompt, params):
             if printing and delta.text:
-                out.write(delta.text)
+                out.write(visible(delta.text))
                 out.flush()
             output = delta.output
     except qruntime.InvalidRequest as exc:
@@ -141,7 +174,7 @@ def run(options: RunOptions, out: TextIO | None = None, err: TextIO | None = Non
     if options.as_json:
         print(json.dumps(record), file=out, flush=True)  # ASCII-only: safe whatever the terminal's encoding
     else:
-        print("" if printing else output.text, file=out, flush=True)  # end the text's line
+        print("" if printing else visible(output.text), file=out, flush=True)  # end the text's line
         print(summary_line(record), file=err, flush=True)
     if output.finish_reason == "error":  # the engine's log line above has the cause
         raise RunError(f"generation failed after {len(output.token_ids)} tokens: {output.error}")
@@ -149,6 +182,11 @@ def run(options: RunOptions, out: TextIO | None = None, err: TextIO | None = Non
 
 
 # --- what is printed ------------------------------------------------------------------------------
+def _is_terminal(stream: TextIO) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
 def result_record(output: Any, description: dict[str, Any]) -> dict[str, Any]:
     """The JSON fields of a finished request. tokens_per_s: output tokens over the whole request
     (prefill included); tpot_s is None with fewer than two output tokens."""

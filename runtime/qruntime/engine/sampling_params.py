@@ -2,10 +2,38 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from qruntime.shown import shown
+
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (as vLLM): dividing by them only rounds to argmax
+SEED_LIMIT = 1 << 64  # torch.Generator.manual_seed takes seeds below this (a larger one fails mid-request)
+
+
+@dataclass(frozen=True)
+class FieldProblem:
+    """One invalid SamplingParams value: the field, the offending value (for a sequence field, its
+    bad item, at `index`) and the rule it breaks, phrased to follow the field's name ("must be ≥ 1").
+    The CLI puts its flag where the API puts the field, so both show the same rule."""
+
+    field: str
+    value: object
+    rule: str
+    index: int | None = None
+
+    def __str__(self) -> str:
+        where = self.field if self.index is None else f"{self.field}[{self.index}]"
+        return f"{where} {self.rule} (got {shown(self.value)})"
+
+
+class InvalidSamplingParams(ValueError):
+    """SamplingParams refused its values; `problems` names each field at fault."""
+
+    def __init__(self, problems: Sequence[FieldProblem]) -> None:
+        self.problems = tuple(problems)
+        super().__init__("invalid SamplingParams: " + "; ".join(map(str, self.problems)))
 
 
 @dataclass(frozen=True)
@@ -34,23 +62,9 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        problems = []
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
-            problems.append(f"max_tokens must be a positive integer (got {self.max_tokens!r})")
-        if not isinstance(self.temperature, int | float) or not 0 <= self.temperature < float("inf"):
-            problems.append(f"temperature must be a finite number >= 0 (got {self.temperature!r})")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            problems.append(f"top_k must be an integer >= 0, 0 = off (got {self.top_k!r})")
-        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
-            problems.append(f"top_p must be in (0, 1] (got {self.top_p!r})")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            problems.append(f"seed must be a non-negative integer (got {self.seed!r})")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            problems.append(f"stop strings must be non-empty strings (got {list(self.stop)!r})")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            problems.append(f"stop_token_ids must be non-negative integers (got {list(self.stop_token_ids)!r})")
+        problems = _problems(self)
         if problems:
-            raise ValueError("invalid SamplingParams: " + "; ".join(problems))
+            raise InvalidSamplingParams(problems)
 
     @property
     def greedy(self) -> bool:
@@ -67,3 +81,73 @@ def as_list(params: SamplingParams | Sequence[SamplingParams] | None, count: int
     if len(params) != count:
         raise ValueError(f"{len(params)} SamplingParams for {count} prompts")
     return params
+
+
+# --- the checks: the one place the valid ranges are written down (the CLIs map fields to flags) ---
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _problems(p: SamplingParams) -> list[FieldProblem]:
+    return [
+        *_max_tokens(p.max_tokens),
+        *_temperature(p.temperature),
+        *_top_k(p.top_k),
+        *_top_p(p.top_p),
+        *_seed(p.seed),
+        *_stop(p.stop),
+        *_stop_token_ids(p.stop_token_ids),
+    ]
+
+
+def _max_tokens(value: object) -> Iterator[FieldProblem]:
+    if not _is_int(value):
+        yield FieldProblem("max_tokens", value, "must be an integer")
+    elif value < 1:
+        yield FieldProblem("max_tokens", value, "must be ≥ 1")
+
+
+def _temperature(value: object) -> Iterator[FieldProblem]:
+    if not isinstance(value, int | float):
+        yield FieldProblem("temperature", value, "must be a number")
+    elif not 0 <= value < math.inf:  # NaN fails this too; a huge int is compared, not converted
+        yield FieldProblem("temperature", value, "must be finite and ≥ 0")
+
+
+def _top_k(value: object) -> Iterator[FieldProblem]:
+    if not isinstance(value, int):
+        yield FieldProblem("top_k", value, "must be an integer")
+    elif value < 0:
+        yield FieldProblem("top_k", value, "must be ≥ 0")
+
+
+def _top_p(value: object) -> Iterator[FieldProblem]:
+    if not isinstance(value, int | float):
+        yield FieldProblem("top_p", value, "must be a number")
+    elif not 0 < value <= 1:  # NaN fails this too
+        yield FieldProblem("top_p", value, "must be in (0, 1]")
+
+
+def _seed(value: object) -> Iterator[FieldProblem]:
+    if value is None:
+        return
+    if not isinstance(value, int):
+        yield FieldProblem("seed", value, "must be an integer")
+    elif not 0 <= value < SEED_LIMIT:
+        yield FieldProblem("seed", value, "must be ≥ 0 and < 2**64")
+
+
+def _stop(values: tuple[object, ...]) -> Iterator[FieldProblem]:
+    for i, value in enumerate(values):
+        if not isinstance(value, str):
+            yield FieldProblem("stop", value, "must be a string", i)
+        elif not value:
+            yield FieldProblem("stop", value, "must be a non-empty string", i)
+
+
+def _stop_token_ids(values: tuple[object, ...]) -> Iterator[FieldProblem]:
+    for i, value in enumerate(values):
+        if not isinstance(value, int):
+            yield FieldProblem("stop_token_ids", value, "must be an integer", i)
+        elif value < 0:
+            yield FieldProblem("stop_token_ids", value, "must be ≥ 0", i)
