@@ -17,6 +17,7 @@ from qruntime import InvalidRequest, SamplingParams
 from qruntime.artifact import sha256_file
 
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
+BF16_EPS = 2.0**-7  # bf16's relative spacing: 8 significant bits
 
 
 def _prompts(rng: random.Random, count: int, vocab: int, longest: int = 70) -> list[list[int]]:
@@ -41,6 +42,20 @@ def test_batch_equals_each_prompt_alone(fp8_artifact, rng):
     assert engine.scheduler.block_manager.num_used_blocks == 0
 
 
+def _same_but_at_a_tie(engine, prompt, got, expected) -> None:
+    """`got` equals `expected` (greedy tokens), or first differs where the two best logits of the
+    expected path are within bf16 rounding of each other: chunks and batches of other sizes round
+    the bf16 logits otherwise (seen: 0.4023 vs 0.3984, one bf16 step apart), and past that token
+    the two texts go their own ways. A real fault moves logits by far more."""
+    k = next((i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b), None)
+    if k is None:
+        return
+    logits = engine.score(list(prompt) + list(expected[:k]))[-1].float()
+    best = logits.max().item()
+    near = set((logits >= best - 3 * BF16_EPS * max(abs(best), 1e-3)).nonzero().flatten().tolist())
+    assert {got[k], expected[k]} <= near, (k, got[k], expected[k], logits.topk(3))
+
+
 def test_preemption_and_chunked_prefill_keep_the_tokens(fp8_artifact, rng):
     roomy = qruntime.load(fp8_artifact, device="cpu", num_kv_blocks=256)
     # fixed lengths (random tokens): with ignore_eos the schedule depends on lengths only, and this one
@@ -49,7 +64,8 @@ def test_preemption_and_chunked_prefill_keep_the_tokens(fp8_artifact, rng):
     expected = _alone(roomy, prompts)
     tight = qruntime.load(fp8_artifact, device="cpu", num_kv_blocks=12, max_model_len=96, max_num_batched_tokens=24)
     outputs = tight.generate(prompts, GREEDY)
-    assert [o.token_ids for o in outputs] == expected
+    for prompt, output, alone in zip(prompts, outputs, expected, strict=True):
+        _same_but_at_a_tie(roomy, prompt, output.token_ids, alone)
     assert sum(o.num_preemptions for o in outputs) > 0
     assert tight.scheduler.block_manager.num_used_blocks == 0
 
@@ -211,7 +227,7 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(fp8_artifact, rng
             )
     with pytest.raises(InvalidRequest, match="prompt 1: empty prompt"):
         engine.generate(["fine", ""], GREEDY)
-    with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
+    with pytest.raises(ValueError, match="max_tokens must be ≥ 1"):
         SamplingParams(max_tokens=0)
     with pytest.raises(InvalidRequest, match="must be a SamplingParams"):
         engine.add_request("hi", {"max_tokens": 3})
