@@ -28,7 +28,7 @@ from qruntime.serve.engine_process import EngineProcess
 from qruntime.serve.errors import APIError, error_body
 from qruntime.serve.limits import RequestLimits, check_api_key, check_content_type, read_json_body
 from qruntime.serve.metrics import CONTENT_TYPE, Metrics
-from qruntime.serve.protocol import GenerationRequest, ServedModel, parse_chat, parse_completion
+from qruntime.serve.protocol import REASONING_PARSERS, GenerationRequest, ServedModel, parse_chat, parse_completion
 from qruntime.serve.responses import ResponseBuilder
 from qruntime.serve.sse import SSEResponse, sse_event, until_disconnected
 
@@ -149,12 +149,14 @@ def build_app(
     stop_timeout: float = 60.0,
     limits: RequestLimits | None = None,
     api_key: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> Starlette:
     """The server's ASGI app over `engine`: an Engine of this process (stepped on a thread of it) or
     an EngineProcess (whose own max_waiting holds). Its lifespan starts the engine loop and stops it
     (aborting whatever is still running) at shutdown; `app.state.engine_loop` / `app.state.metrics`
     are there for tests. With `api_key`, every /v1/* route wants `Authorization: Bearer <api_key>`
-    (401 otherwise)."""
+    (401 otherwise). With `reasoning_parser` ("qwen3"), chat replies return their thinking apart,
+    as `reasoning_content` (qruntime.reasoning)."""
     if api_key is not None and not api_key:
         raise ValueError("api_key is empty: give a key, or None for none")
     limits = limits if limits is not None else RequestLimits()
@@ -165,8 +167,17 @@ def build_app(
         loop = InThreadEngine(engine, max_waiting=max_waiting)
     metrics = Metrics(loop.stats, lambda: loop.prefix_cache_stats)
     loop.metrics = metrics
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} (got {reasoning_parser!r})")
     model = ServedModel(
-        model_name, engine.tokenizer, engine.vocab_size, engine.max_model_len, int(time.time()), max_waiting, limits
+        model_name,
+        engine.tokenizer,
+        engine.vocab_size,
+        engine.max_model_len,
+        int(time.time()),
+        max_waiting,
+        limits,
+        reasoning_parser,
     )
     routes = OpenAIRoutes(model, loop, metrics, limits)
 

@@ -35,6 +35,7 @@ class ServeOptions:
     shutdown_timeout: float = 30.0
     log_level: str = "info"
     log_format: str = "text"
+    reasoning_parser: str | None = None
     api_key: str | None = field(default=None, repr=False)
     max_body_bytes: int = 4 << 20
     header_timeout: float = 10.0
@@ -122,6 +123,12 @@ def add_serve_parser(verbs: Any) -> None:
         choices=("process", "thread"),
         help="Where the engine runs: in a process of its own (default), so that the HTTP side's Python work "
         "never holds up a step's, or on a thread of the server process (one process; for debugging and profiling).",
+    )
+    add(
+        "--reasoning-parser",
+        choices=("qwen3",),
+        help="qwen3: chat replies return their <think>...</think> block apart from the answer, as "
+        "`reasoning_content` (streamed as deltas too), as vLLM's parser of that name (default: the reply whole).",
     )
     add("--verify", action="store_true", help="Check every file's sha256 against the manifest before loading.")
     add(

@@ -11,12 +11,14 @@ choice j samples with seed + j. Unknown fields are ignored; known ones the engin
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from qruntime.engine.sampling_params import SamplingParams
+from qruntime.reasoning import prompt_opens_thinking
 from qruntime.serve.errors import APIError, invalid
 from qruntime.serve.limits import RequestLimits
 from qruntime.shown import shown
@@ -49,6 +51,8 @@ UNSUPPORTED_CHAT = {
 }
 
 
+OPEN_TAIL_TOKENS = 8  # the prompt's last tokens, decoded to see whether its template opened a <think> block
+REASONING_PARSERS = ("qwen3",)
 # template variables the server sets itself; chat_template_kwargs may set any other
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt"})
 
@@ -64,6 +68,7 @@ class ServedModel:
     created: int  # unix time the server started, /v1/models's `created`
     max_sequences: int  # most sequences (prompts x n) one request may ask for: the server's --max-waiting
     limits: RequestLimits = RequestLimits()
+    reasoning_parser: str | None = None  # --reasoning-parser: "qwen3" splits chat replies' <think> blocks off
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,8 @@ class GenerationRequest:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with usage
     return_token_ids: bool
+    reasoning: bool = False  # chat replies' thinking returned apart, as reasoning_content (qruntime.reasoning)
+    thinking_opened: bool = False  # the rendered prompt ends in an open <think>: replies start in the block
 
 
 # --- fields ---------------------------------------------------------------------------------------
@@ -365,4 +372,8 @@ def parse_chat(body: Any, model: ServedModel) -> GenerationRequest:
     max_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     requested = _int(body, max_param, None, minimum=1)
     prompt = chat_prompt(body, model)
-    return _build(body, [prompt], max_param, requested, None, model, chat=True)
+    request = _build(body, [prompt], max_param, requested, None, model, chat=True)
+    if model.reasoning_parser is None:
+        return request
+    tail = model.tokenizer.decode(prompt[-OPEN_TAIL_TOKENS:], skip_special_tokens=False)
+    return dataclasses.replace(request, reasoning=True, thinking_opened=prompt_opens_thinking(tail))

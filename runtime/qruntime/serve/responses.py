@@ -3,7 +3,9 @@
 finish_reason is the engine's: "stop", "length", or "abort" (vLLM's word for a sequence the server
 stopped, e.g. at shutdown). With return_token_ids each choice (each chunk) carries `token_ids`, and
 a choice's last chunk / the whole choice carries `prompt_token_ids`; `stop_reason` (vLLM's) says
-which stop string or token ended a choice.
+which stop string or token ended a choice. With the server's --reasoning-parser, a chat reply's
+thinking comes apart from its answer (qruntime.reasoning): `reasoning_content` beside `content` in
+the message, and in stream deltas as it arrives.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from qruntime.engine.outputs import RequestOutput, StreamDelta
+from qruntime.reasoning import ReasoningSplitter, Split, split_reasoning
 from qruntime.serve.protocol import GenerationRequest
 
 
@@ -27,6 +30,7 @@ class ResponseBuilder:
             "model": model,
         }
         self._chunk_object = "chat.completion.chunk" if request.chat else "text_completion"
+        self._splitters: dict[int, ReasoningSplitter] = {}  # choice -> its stream's thinking parser
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
         prompt_tokens = sum(self.request.prompt_lens)
@@ -37,13 +41,30 @@ class ResponseBuilder:
         }
 
     def _choice(
-        self, index: int, text: str, output: RequestOutput | None, token_ids: tuple[int, ...], stream: bool
+        self,
+        index: int,
+        text: str | Split,
+        output: RequestOutput | None,
+        token_ids: tuple[int, ...],
+        stream: bool,
     ) -> dict[str, Any]:
+        """`text` is a Split (reasoning, answer) when the request returns the thinking apart."""
         choice: dict[str, Any] = {"index": index}
+        split = text if isinstance(text, Split) else None
         if self.request.chat and stream:
-            choice["delta"] = {"content": text} if text else {}
+            if split is None:
+                choice["delta"] = {"content": text} if text else {}
+            else:
+                delta = {"reasoning_content": split.reasoning, "content": split.content}
+                choice["delta"] = {k: v for k, v in delta.items() if v}
         elif self.request.chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if split is not None:  # vLLM's shape: null where there is none
+                choice["message"] = {
+                    "role": "assistant",
+                    "content": split.content or None,
+                    "reasoning_content": split.reasoning or None,
+                }
         else:
             choice["text"] = text
         choice["logprobs"] = None
@@ -55,9 +76,14 @@ class ResponseBuilder:
                 choice["prompt_token_ids"] = list(output.prompt_token_ids)
         return choice
 
+    def _text(self, output_text: str) -> str | Split:
+        if not self.request.reasoning:
+            return output_text
+        return split_reasoning(output_text, self.request.thinking_opened)
+
     def full(self, outputs: Mapping[int, RequestOutput]) -> dict[str, Any]:
         """The non-streaming body, from every choice's finished output."""
-        choices = [self._choice(i, o.text, o, o.token_ids, stream=False) for i, o in sorted(outputs.items())]
+        choices = [self._choice(i, self._text(o.text), o, o.token_ids, stream=False) for i, o in sorted(outputs.items())]
         completion_tokens = sum(len(o.token_ids) for o in outputs.values())
         return {**self.head, "choices": choices, "usage": self.usage(completion_tokens)}
 
@@ -84,9 +110,18 @@ class ResponseBuilder:
 
     def chunk(self, index: int, delta: StreamDelta) -> dict[str, Any] | None:
         """A stream chunk for one delta; None when it carries nothing a client would see."""
-        if not (delta.text or delta.finished or (self.request.return_token_ids and delta.token_ids)):
+        text: str | Split = delta.text
+        if self.request.reasoning:
+            splitter = self._splitters.setdefault(index, ReasoningSplitter(self.request.thinking_opened))
+            now = splitter.feed(delta.text)
+            if delta.finished:
+                last = splitter.flush()
+                now = Split(now.reasoning + last.reasoning, now.content + last.content)
+            text = now
+        visible = text.reasoning or text.content if isinstance(text, Split) else text
+        if not (visible or delta.finished or (self.request.return_token_ids and delta.token_ids)):
             return None
-        return self._stream_body([self._choice(index, delta.text, delta.output, delta.token_ids, stream=True)])
+        return self._stream_body([self._choice(index, text, delta.output, delta.token_ids, stream=True)])
 
     def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
         """The last chunk with stream_options.include_usage: no choices, the usage."""

@@ -132,6 +132,7 @@ def _serve_on(
             max_waiting=options.max_waiting,
             limits=limits,
             api_key=options.api_key,
+            reasoning_parser=options.reasoning_parser,
         )
     except BaseException:
         if isinstance(engine, EngineProcess):
