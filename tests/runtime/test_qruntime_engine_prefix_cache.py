@@ -80,6 +80,10 @@ def test_one_after_another_same_tokens_and_the_later_ones_hit(art, rng):
     again = on.generate([prompts[0]], GREEDY)[0]  # a whole prompt seen before: all but its last token's block
     assert again.token_ids == expected[0]
     assert _prefilled(chunks, again.request_id)[0] == (len(prompts[0]) - 1) // BLOCK * BLOCK
+    # each output says how many of its prompt tokens the cache held (usage's cached_tokens)
+    cached = [o.num_cached_tokens for o in (*outputs, again)]
+    assert cached == [0, *[2 * BLOCK] * (len(prompts) - 1), (len(prompts[0]) - 1) // BLOCK * BLOCK]
+    assert all(o.num_cached_tokens == 0 for o in off.generate(prompts, GREEDY))
 
 
 def test_at_once_with_chunked_prefill_same_tokens_and_hits(art, rng):

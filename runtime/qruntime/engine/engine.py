@@ -415,6 +415,7 @@ class Engine:
             timings,
             request.num_preemptions,
             error,
+            request.num_cached_prompt_tokens or 0,
         )
 
     def _fail(self, failed: list[_Tracked], what: str, exc: BaseException | None = None) -> list[StreamDelta]:

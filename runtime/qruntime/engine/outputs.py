@@ -52,6 +52,7 @@ class RequestOutput:
     timings: Timings
     num_preemptions: int
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache held when it was first admitted (usage's cached_tokens)
 
 
 @dataclass(frozen=True)

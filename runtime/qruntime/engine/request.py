@@ -26,6 +26,7 @@ class Request:
     num_pending: int = 0  # tokens sampled on the device whose ids the host does not know yet (0 to 2)
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    num_cached_prompt_tokens: int | None = None  # prompt tokens whose KV the prefix cache had at first admission
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -185,6 +185,8 @@ class Scheduler:
             self._running.append(request)
             if self.config.prefix_caching:
                 self.prefix_cache_stats = self.prefix_cache_stats.add(request.num_tokens, start)
+            if request.num_cached_prompt_tokens is None:  # its first admission (not a preempted one's return)
+                request.num_cached_prompt_tokens = min(start, len(request.prompt_token_ids))
             request.num_computed_tokens = start
             chunks.append(self._chunk(request, n, cached))
             budget -= n

@@ -3,7 +3,8 @@
 finish_reason is the engine's: "stop", "length", or "abort" (vLLM's word for a sequence the server
 stopped, e.g. at shutdown). With return_token_ids each choice (each chunk) carries `token_ids`, and
 a choice's last chunk / the whole choice carries `prompt_token_ids`; `stop_reason` (vLLM's) says
-which stop string or token ended a choice. With the server's --reasoning-parser, a chat reply's
+which stop string or token ended a choice; `usage.prompt_tokens_details.cached_tokens` how many
+prompt tokens the prefix cache held. With the server's --reasoning-parser, a chat reply's
 thinking comes apart from its answer (qruntime.reasoning): `reasoning_content` beside `content` in
 the message, and in stream deltas as it arrives.
 """
@@ -31,14 +32,24 @@ class ResponseBuilder:
         }
         self._chunk_object = "chat.completion.chunk" if request.chat else "text_completion"
         self._splitters: dict[int, ReasoningSplitter] = {}  # choice -> its stream's thinking parser
+        self._finished: dict[int, RequestOutput] = {}  # choice -> its output, as the stream ends it (for usage)
 
-    def usage(self, completion_tokens: int) -> dict[str, int]:
+    def usage(self, completion_tokens: int, outputs: Mapping[int, RequestOutput]) -> dict[str, Any]:
         prompt_tokens = sum(self.request.prompt_lens)
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self._cached_tokens(outputs)},
         }
+
+    def _cached_tokens(self, outputs: Mapping[int, RequestOutput]) -> int:
+        """Prompt tokens whose KV came from the prefix cache: per prompt, what its first choice found
+        (a prompt's tokens count once in prompt_tokens, however many choices it has)."""
+        first: dict[int, int] = {}
+        for sequence in self.request.sequences:
+            first.setdefault(sequence.prompt_index, sequence.index)
+        return sum(outputs[i].num_cached_tokens for i in first.values() if i in outputs)
 
     def _choice(
         self,
@@ -85,7 +96,7 @@ class ResponseBuilder:
         """The non-streaming body, from every choice's finished output."""
         choices = [self._choice(i, self._text(o.text), o, o.token_ids, stream=False) for i, o in sorted(outputs.items())]
         completion_tokens = sum(len(o.token_ids) for o in outputs.values())
-        return {**self.head, "choices": choices, "usage": self.usage(completion_tokens)}
+        return {**self.head, "choices": choices, "usage": self.usage(completion_tokens, outputs)}
 
     def _stream_body(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {**self.head, "object": self._chunk_object, "choices": choices}
@@ -111,6 +122,8 @@ class ResponseBuilder:
     def chunk(self, index: int, delta: StreamDelta) -> dict[str, Any] | None:
         """A stream chunk for one delta; None when it carries nothing a client would see."""
         text: str | Split = delta.text
+        if delta.output is not None:
+            self._finished[index] = delta.output
         if self.request.reasoning:
             splitter = self._splitters.setdefault(index, ReasoningSplitter(self.request.thinking_opened))
             now = splitter.feed(delta.text)
@@ -125,4 +138,4 @@ class ResponseBuilder:
 
     def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
         """The last chunk with stream_options.include_usage: no choices, the usage."""
-        return {**self._stream_body([]), "usage": self.usage(completion_tokens)}
+        return {**self._stream_body([]), "usage": self.usage(completion_tokens, self._finished)}

@@ -84,10 +84,13 @@ def test_completion_matches_the_engine(client, reference):
         assert choice["logprobs"] is None and "token_ids" not in choice
     completion_tokens = 2 * sum(len(o.token_ids) for o in expected)
     prompt_tokens = sum(len(o.prompt_token_ids) for o in expected)
+    cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]  # exact in test_serve_prefix_cache.py
+    assert isinstance(cached, int) and 0 <= cached <= prompt_tokens
     assert body["usage"] == {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 

@@ -1,8 +1,11 @@
 """The server's prefix cache: /metrics counts the prompt tokens looked up and found (counters) and the
-hit rate (a gauge) as requests sharing a prefix come in, all 0 with the cache off; `--no-prefix-cache`
+hit rate (a gauge) as requests sharing a prefix come in, each response's usage says how many of its
+prompt tokens were cached (prompt_tokens_details.cached_tokens), all 0 with the cache off; `--no-prefix-cache`
 reaches qruntime.load."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
@@ -27,6 +30,12 @@ def _complete(client: httpx.Client, prompt: list[int]) -> dict:
     return response.json()
 
 
+def _streamed_usage(client: httpx.Client, prompt: list[int]) -> dict:
+    body = {"model": "m", "prompt": prompt, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+    events = client.post("/v1/completions", json=body).text.strip().split("\n\n")
+    return json.loads(events[-2].removeprefix("data: "))["usage"]  # the chunk before [DONE]
+
+
 @pytest.mark.parametrize("prefix_cache", [True, False], ids=["on", "off"])
 def test_metrics_count_prefix_cache_queries_and_hits(art, rng, prefix_cache):
     engine = qruntime.load(art, "cpu", max_model_len=128, num_kv_blocks=32, prefix_cache=prefix_cache)
@@ -39,9 +48,14 @@ def test_metrics_count_prefix_cache_queries_and_hits(art, rng, prefix_cache):
         before = metrics(server.url)
         assert before["qruntime_prefix_cache_queries_total"] == before["qruntime_prefix_cache_hits_total"] == 0
         assert before["qruntime_prefix_cache_hit_rate"] == 0
-        for prompt in prompts:  # one after another: each later one finds the first's 2 prefix blocks
-            _complete(client, prompt)
+        cached = []
+        for i, prompt in enumerate(prompts):  # one after another: each later one finds the first's 2 prefix blocks
+            if i < 2:
+                cached.append(_complete(client, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"])
+            else:  # streamed: the usage chunk says it too
+                cached.append(_streamed_usage(client, prompt)["prompt_tokens_details"]["cached_tokens"])
         m = wait_idle(server.url)
+    assert cached == ([0, 2 * BLOCK, 2 * BLOCK] if prefix_cache else [0, 0, 0])
     queries, hits = m["qruntime_prefix_cache_queries_total"], m["qruntime_prefix_cache_hits_total"]
     if prefix_cache:
         assert queries == sum(map(len, prompts)) and hits == 2 * 2 * BLOCK
