@@ -68,14 +68,14 @@ class ResponseBuilder:
             else:
                 delta = {"reasoning_content": split.reasoning, "content": split.content}
                 choice["delta"] = {k: v for k, v in delta.items() if v}
-        elif self.request.chat:
+        elif self.request.chat and split is None:
             choice["message"] = {"role": "assistant", "content": text}
-            if split is not None:  # vLLM's shape: null where there is none
-                choice["message"] = {
-                    "role": "assistant",
-                    "content": split.content or None,
-                    "reasoning_content": split.reasoning or None,
-                }
+        elif self.request.chat:  # vLLM's shape: null where there is none
+            choice["message"] = {
+                "role": "assistant",
+                "content": split.content or None,
+                "reasoning_content": split.reasoning or None,
+            }
         else:
             choice["text"] = text
         choice["logprobs"] = None
