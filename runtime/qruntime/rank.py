@@ -197,7 +197,9 @@ def build_rank(
             piecewise = PiecewiseGraphs(plan, kv_cache, tokens, blocks, max_model_len)
     runner = ModelRunner(plan, kv_cache, device, max_model_len, graphs, piecewise)
     if cuda_graphs:  # every rank runs them (their collectives pair up): the kernels of mixed steps build now
-        for chunks in warm_up_steps(spec.block_size, blocks, config.max_num_batched_tokens, max_model_len):
+        for chunks in warm_up_steps(
+            spec.block_size, blocks, config.max_num_batched_tokens, max_model_len, config.max_num_seqs
+        ):
             runner.execute(chunks)
         torch.cuda.synchronize(device)
     checkpoint("ready")

@@ -9,14 +9,14 @@ import torch
 from qruntime.engine.warm_up import warm_up_steps
 
 
-@pytest.mark.parametrize("limits", [(2048, 4096), (512, 700), (64, 80), (16, 2048)])
+@pytest.mark.parametrize("limits", [(2048, 4096, 256), (512, 700, 64), (64, 80, 8), (16, 2048, 256), (2048, 4096, 3)])
 def test_the_steps_fit_the_limits_and_cover_the_kinds(limits, rng):
-    budget, max_model_len = limits
+    budget, max_model_len, max_num_seqs = limits
     block_size, scratch = rng.choice([1, 8, 16, 32]), rng.randrange(1, 1000)
-    steps = warm_up_steps(block_size, scratch, budget, max_model_len)
+    steps = warm_up_steps(block_size, scratch, budget, max_model_len, max_num_seqs)
     assert steps
     for step in steps:
-        assert sum(c.num_tokens for c in step) <= budget
+        assert sum(c.num_tokens for c in step) <= budget and len(step) <= max_num_seqs
         for c in step:
             assert c.start + c.num_tokens <= max_model_len
             assert set(c.block_table) == {scratch} and len(c.block_table) * block_size >= c.start + c.num_tokens
@@ -31,6 +31,10 @@ def test_the_steps_fit_the_limits_and_cover_the_kinds(limits, rng):
                     and tile // 2 < max(c.num_tokens for c in s) <= tile
                     for s in steps
                 ), (tile, beside_decodes)
+    # the most decodes a step can hold beside a prompt: the decode kernel's one-partition variant
+    if budget >= 18 and max_num_seqs >= 2:
+        most = min(max_num_seqs - 1, budget - 17)
+        assert any(sum(c.num_tokens == 1 for c in s) == most and any(c.num_tokens > 1 for c in s) for s in steps)
     if budget >= 700 and max_model_len > 700:
         assert any(c.num_tokens > 512 and c.start == 0 for s in steps for c in s)  # fused attention's kind
 
@@ -44,7 +48,7 @@ def test_running_them_writes_the_scratch_block_alone(tiny_ckpt, compiled, rng):
         )
     before = [t.clone() for t in (*cache.k, *cache.v)]
     scratch = rng.randrange(67)
-    steps = warm_up_steps(cache.spec.block_size, scratch, 1024, 1024)
+    steps = warm_up_steps(cache.spec.block_size, scratch, 1024, 1024, 64)
     for chunks in steps:
         logits = engine.runner.execute(chunks)
         assert logits.shape[0] == len(chunks) and torch.isfinite(logits.float()).all()

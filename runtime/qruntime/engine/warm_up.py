@@ -18,7 +18,7 @@ PREFILL_TILE_PROBES = (9, 24, 48, 100)  # longest chunks of each prefill tile be
 
 
 def warm_up_steps(
-    block_size: int, scratch_block: int, max_num_batched_tokens: int, max_model_len: int
+    block_size: int, scratch_block: int, max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int
 ) -> list[list[StepChunk]]:
     """Mixed and prefill steps of the kinds a served batch has, each within the engine's limits."""
 
@@ -48,9 +48,14 @@ def warm_up_steps(
     # 64-row one first mid-serving, a Triton compile there)
     for q_len in PREFILL_TILE_PROBES:
         steps += [[chunk(0, q_len)], [*decodes(2, 80), chunk(8, q_len)]]
+    # the decode kernel of a mixed step splits each context less as the decodes grow, down to one
+    # partition (another variant: it writes its rows directly) once they fill the GPU alone: the
+    # most decodes a step can hold beside a prompt meet it (the 64-client level of serve_bench
+    # built it mid-serving, with more than 32 decodes beside a prompt on an H100)
+    steps.append([*decodes(min(max_num_seqs - 1, budget - 17), 40), chunk(0, 17)])
     out = []
     for step in steps:
         step = [c for c in step if c is not None]
-        if step and sum(c.num_tokens for c in step) <= budget:
+        if step and sum(c.num_tokens for c in step) <= budget and len(step) <= max_num_seqs:
             out.append(step)
     return out
