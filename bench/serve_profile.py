@@ -9,6 +9,13 @@ from a CUDA graph and how many eagerly (prefill chunks mixed in), each part's me
 GPU span of the forward, and the CPU use of the engine thread and of the asyncio thread.
 
     python bench/serve_profile.py --concurrency 64,128 --out bench/results/serve_profile_qwen3-8b.json
+
+With --shared-prefix N it also runs serve_bench.py's shared-prefix workload (an N-token common
+prefix + --question-len unique tokens, from --shared-concurrency clients) after the levels, and
+keeps its step timeline (each step's time, tokens, decodes, requests added before it, wall and GPU
+ms): where a cached request's first token waits.
+
+    python bench/serve_profile.py --concurrency 64 --shared-prefix 2000 --out ...
 """
 
 from __future__ import annotations
@@ -105,6 +112,36 @@ def level_profile(profile: dict[str, Any], t0: float, t1: float, concurrency: in
     }
 
 
+def timeline(profile: dict[str, Any], t0: float, t1: float) -> list[dict[str, Any]]:
+    """Each step between t0 and t1: its start (ms after t0), size, requests added before it, wall and GPU ms."""
+    rows = []
+    for s in (s for s in profile["steps"] if t0 <= s["t"] <= t1):
+        rows.append(
+            {
+                "t_ms": round((s["t"] - t0) * 1e3, 2),
+                "tokens": s["tokens"],
+                "chunks": s["chunks"],
+                "decodes": s["decodes"],
+                "added": s.get("added", 0),
+                "graph": s["graph"],
+                "wall_ms": round(s["wall"] * 1e3, 3),
+                "gpu_ms": round(s["gpu"] * 1e3, 3) if "gpu" in s else None,
+                "between_ms": round(s.get("between", 0.0) * 1e3, 3),
+            }
+        )
+    return rows
+
+
+def print_timeline(rows: list[dict[str, Any]], limit: int = 80) -> None:
+    print(f"{'t ms':>9}{'tokens':>8}{'chunks':>8}{'decodes':>8}{'added':>7}{'graph':>7}{'wall':>9}{'gpu':>9}{'between':>9}")
+    for r in rows[:limit]:
+        gpu = "-" if r["gpu_ms"] is None else f"{r['gpu_ms']:.2f}"
+        print(
+            f"{r['t_ms']:9.1f}{r['tokens']:8}{r['chunks']:8}{r['decodes']:8}{r['added']:7}{str(r['graph']):>7}"
+            f"{r['wall_ms']:9.2f}{gpu:>9}{r['between_ms']:9.2f}"
+        )
+
+
 def print_level(c: int, summary: dict[str, Any], prof: dict[str, Any], alone: dict[str, Any]) -> None:
     print(
         f"\n== {c} clients: {summary['output_tokens_per_s']:.0f} tok/s, TPOT p50 {summary['tpot_ms']['p50']:.2f} ms "
@@ -134,15 +171,25 @@ def main() -> None:
         help="The profiled server's sys.setswitchinterval, in seconds (default Python's).",
     )
     parser.add_argument("--serve-arg", action="append", default=[], help="An extra `qruntime serve` argument.")
+    parser.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        metavar="N",
+        help="After the levels, the shared-prefix workload with an N-token common prefix, and its step timeline.",
+    )
+    parser.add_argument("--question-len", type=int, default=64)
+    parser.add_argument("--shared-output-len", type=int, default=64)
+    parser.add_argument("--shared-concurrency", type=int, default=32)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     report = gpu_report_header("serve_profile", synthetic=True)
-    levels = [int(c) for c in args.concurrency.split(",")]
+    levels = [int(c) for c in args.concurrency.split(",") if c]
     timings: dict = {}
     art, _ = build_artifact(args.preset, args.workdir, timings)
     print("built", timings, flush=True)
-    alone = engine_alone(art, levels, args.input_len, args.output_len)
+    alone = engine_alone(art, levels, args.input_len, args.output_len) if levels else {}
     print("engine alone", json.dumps(alone), flush=True)
 
     profile_path = args.workdir / "step_profile.json"
@@ -150,8 +197,10 @@ def main() -> None:
     launcher = [sys.executable, str(HERE / "step_profile.py"), str(profile_path)]
     if args.switch_interval is not None:
         launcher += ["--switch-interval", str(args.switch_interval)]
-    proc, url = start_server(art, max(levels), launcher=launcher, extra=args.serve_arg)
-    windows = []
+    proc, url = start_server(
+        art, max([*levels, args.shared_concurrency]), launcher=launcher, extra=args.serve_arg
+    )
+    windows, shared = [], None
     try:
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         rng = random.Random(0)
@@ -162,6 +211,17 @@ def main() -> None:
             t0 = time.time()
             results, wall = asyncio.run(run_load(url, specs, c))
             windows.append((c, t0, time.time(), summarize(results, wall, c)))
+        if args.shared_prefix:
+            c = args.shared_concurrency
+            warm_rng = random.Random(2)  # another prefix first, as serve_bench.py warms its servers
+            other = [warm_rng.randrange(500) for _ in range(args.shared_prefix)]
+            asyncio.run(run_load(url, random_token_specs(8, args.question_len, 8, 500, warm_rng, model, other), 8))
+            rng = random.Random(1)
+            prefix = [rng.randrange(500) for _ in range(args.shared_prefix)]
+            specs = random_token_specs(4 * c, args.question_len, args.shared_output_len, 500, rng, model, prefix)
+            t0 = time.time()
+            results, wall = asyncio.run(run_load(url, specs, c))
+            shared = (c, t0, time.time(), summarize(results, wall, c))
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
@@ -171,6 +231,23 @@ def main() -> None:
         prof = level_profile(profile, t0, t1, c)
         print_level(c, summary, prof, alone[c])
         runs.append({"concurrency": c, "client": summary, "engine_alone": alone[c], "server_steps": prof})
+    shared_run = None
+    if shared is not None:
+        c, t0, t1, summary = shared
+        prof = level_profile(profile, t0, t1, c)
+        print(f"\n== shared prefix of {args.shared_prefix} tokens, {c} clients", flush=True)
+        print_level(c, summary, prof, {"tpot_ms": float("nan")})
+        rows = timeline(profile, t0, t1)
+        print_timeline(rows)
+        shared_run = {
+            "prefix_len": args.shared_prefix,
+            "question_len": args.question_len,
+            "output_len": args.shared_output_len,
+            "concurrency": c,
+            "client": summary,
+            "server_steps": prof,
+            "timeline": rows,
+        }
     report.update(
         preset=args.preset,
         recipe="ptpc-fp8 (tuned)",
@@ -180,6 +257,7 @@ def main() -> None:
         switch_interval=args.switch_interval,
         timings=timings,
         levels=runs,
+        shared_prefix=shared_run,
     )
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -47,6 +47,7 @@ class StepProfiler:
         self.threads: list[dict[str, Any]] = []
         self.current: dict[str, Any] | None = None
         self.pending: dict[str, float] = dict.fromkeys(LOOP_KEYS, 0.0)  # loop work since the last step
+        self.calls: dict[str, int] = {}  # how many calls of each loop part since the last step
         self.last_step_end: float | None = None
         self.events: list[tuple[Any, Any, dict[str, Any]]] = []  # CUDA events read after the step's sync
         self.http_threads: list[dict[str, Any]] = []
@@ -64,6 +65,7 @@ class StepProfiler:
                 spent = time.perf_counter() - start
                 if loop:
                     self.pending[key] += spent
+                    self.calls[key] = self.calls.get(key, 0) + 1
                 elif self.current is not None:
                     self.current[key] = self.current.get(key, 0.0) + spent
 
@@ -138,7 +140,8 @@ class StepProfiler:
             if profiler.last_step_end is not None:
                 record["between"] = start - profiler.last_step_end  # loop work, waits and GIL since the last step
             record.update(profiler.pending)
-            profiler.pending = dict.fromkeys(LOOP_KEYS, 0.0)
+            record["added"] = profiler.calls.get("add", 0)  # requests handed to the engine since the last step
+            profiler.pending, profiler.calls = dict.fromkeys(LOOP_KEYS, 0.0), {}
             profiler.current = record
             try:
                 return step_fn(engine)

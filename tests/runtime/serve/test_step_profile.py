@@ -26,7 +26,7 @@ def test_every_step_is_recorded_and_aggregated(tmp_path, art, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     from loadgen import random_token_specs, run_load, summarize
     from serve_bench import start_server
-    from serve_profile import level_profile
+    from serve_profile import level_profile, timeline
     from step_profile import STEP_KEYS
 
     seed = random.randrange(1 << 30)
@@ -68,3 +68,8 @@ def test_every_step_is_recorded_and_aggregated(tmp_path, art, monkeypatch):
     assert level["eager_step_share"] == 1.0 and 0 < level["engine_busy"] <= 1
     assert level["all"]["ms"]["wall"] > level["all"]["ms"]["execute"] > 0
     assert summarize(results, wall, 3)["completed"] == requests
+    # the timeline: every step in order, each request handed to the engine before exactly one of them
+    rows = timeline(profile, t0, t1)
+    assert len(rows) == len(steps) and sum(r["added"] for r in rows) == requests
+    assert [r["t_ms"] for r in rows] == sorted(r["t_ms"] for r in rows) and rows[0]["t_ms"] >= 0
+    assert [r["tokens"] for r in rows] == [s["tokens"] for s in steps]
