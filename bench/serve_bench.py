@@ -6,6 +6,8 @@ streamed completions of random --input-len token prompts that each generate exac
 tokens (ignore_eos) from C concurrent clients, for each C; 4 x C requests per level (at least 8),
 sent from --client-processes processes, each recording its CPU use (a client that saturates its
 core measures itself, not the server), and the Triton kernels built while each level ran.
+--shared-prefix N adds the shared-prefix workload (an N-token common prefix + unique questions),
+against a server with the prefix cache and one without, from the same client processes.
 The anchor is vLLM's 13,377 output tok/s at 128 concurrent, 128 in / 128 out, on one H100.
 
     python bench/serve_bench.py --out bench/results/serve_bench_qwen3-8b.json
@@ -154,8 +156,11 @@ def shared_prefix_runs(art: Path, args: argparse.Namespace) -> dict[str, dict]:
             rng = random.Random(1)  # the same prompts for both servers
             prefix = [rng.randrange(500) for _ in range(args.shared_prefix)]
             specs = random_token_specs(4 * c, args.question_len, args.shared_output_len, 500, rng, model, prefix)
-            results, wall = asyncio.run(run_load(url, specs, c))
+            processes = min(args.client_processes, c)
+            results, wall, client_cpu = run_load_processes(url, specs, c, processes)
             summary = summarize(results, wall, c)
+            summary["client_processes"] = processes
+            summary["client_cpu_per_wall"] = round(client_cpu, 3)
             metrics = httpx.get(f"{url}/metrics").text
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -194,8 +199,8 @@ def main() -> None:
         type=int,
         default=4,
         metavar="N",
-        help="Client processes the levels' load comes from (default 4; at most C): one Python process "
-        "reading 128 streams spends ~0.9 of a core and would set the pace itself.",
+        help="Client processes the load comes from, the levels' and the shared-prefix workload's (default 4; "
+        "at most C): one Python process reading 128 streams spends ~0.9 of a core and would set the pace itself.",
     )
     parser.add_argument(
         "--serve-arg", action="append", default=[], help="An extra `qruntime serve` argument (repeat for more)."

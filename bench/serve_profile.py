@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 from compile_bench import gpu_report_header
 from decode_bench import build_artifact
-from loadgen import random_token_specs, run_load, summarize
+from loadgen import random_token_specs, run_load, run_load_processes, summarize
 from serve_bench import start_server
 from step_profile import LOOP_KEYS, STEP_KEYS
 
@@ -181,6 +181,12 @@ def main() -> None:
     parser.add_argument("--question-len", type=int, default=64)
     parser.add_argument("--shared-output-len", type=int, default=64)
     parser.add_argument("--shared-concurrency", type=int, default=32)
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=4,
+        help="Client processes of the shared-prefix load (the levels use one, as before, so they compare).",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -220,8 +226,11 @@ def main() -> None:
             prefix = [rng.randrange(500) for _ in range(args.shared_prefix)]
             specs = random_token_specs(4 * c, args.question_len, args.shared_output_len, 500, rng, model, prefix)
             t0 = time.time()
-            results, wall = asyncio.run(run_load(url, specs, c))
-            shared = (c, t0, time.time(), summarize(results, wall, c))
+            processes = min(args.client_processes, c)
+            results, wall, client_cpu = run_load_processes(url, specs, c, processes)
+            summary = summarize(results, wall, c)
+            summary.update(client_processes=processes, client_cpu_per_wall=round(client_cpu, 3))
+            shared = (c, t0, time.time(), summary)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
