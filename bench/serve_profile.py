@@ -142,6 +142,27 @@ def print_timeline(rows: list[dict[str, Any]], limit: int = 80) -> None:
         )
 
 
+def print_rounds(requests: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
+    """Per round of sends (a gap of 20+ ms between sends starts one): when its requests were sent,
+    reached the engine (the steps after which they were added) and got their first token."""
+    sends = sorted(requests, key=lambda r: r["sent_ms"])
+    rounds: list[list[dict[str, Any]]] = []
+    for r in sends:
+        if not rounds or r["sent_ms"] - rounds[-1][-1]["sent_ms"] > 20:
+            rounds.append([])
+        rounds[-1].append(r)
+    for k, group in enumerate(rounds):
+        first, last = group[0]["sent_ms"], group[-1]["sent_ms"]
+        horizon = max((r["first_ms"] or first) for r in group)
+        adds = [(row["t_ms"], row["added"]) for row in rows if first - 5 <= row["t_ms"] <= horizon and row["added"]]
+        firsts = sorted(r["first_ms"] - first for r in group if r["first_ms"] is not None)
+        print(
+            f"round {k}: {len(group)} sent over {last - first:.1f} ms from t={first:.1f}; added to the engine "
+            f"(ms after the first send, count): {[(round(t - first, 1), n) for t, n in adds][:12]}; "
+            f"first tokens at {[round(f, 1) for f in firsts[:: max(1, len(firsts) // 8)]]} ms"
+        )
+
+
 def print_level(c: int, summary: dict[str, Any], prof: dict[str, Any], alone: dict[str, Any]) -> None:
     print(
         f"\n== {c} clients: {summary['output_tokens_per_s']:.0f} tok/s, TPOT p50 {summary['tpot_ms']['p50']:.2f} ms "
@@ -226,10 +247,20 @@ def main() -> None:
             prefix = [rng.randrange(500) for _ in range(args.shared_prefix)]
             specs = random_token_specs(4 * c, args.question_len, args.shared_output_len, 500, rng, model, prefix)
             t0 = time.time()
+            clock = time.time() - time.perf_counter()  # the clients' perf_counter (CLOCK_MONOTONIC) to wall time
             processes = min(args.client_processes, c)
             results, wall, client_cpu = run_load_processes(url, specs, c, processes)
             summary = summarize(results, wall, c)
             summary.update(client_processes=processes, client_cpu_per_wall=round(client_cpu, 3))
+            # each request's send, first token and end on the steps' clock: what the engine saw of it
+            summary["requests"] = [
+                {
+                    "sent_ms": round((r.start + clock - t0) * 1e3, 2),
+                    "first_ms": round((r.chunk_times[0] + clock - t0) * 1e3, 2) if r.chunk_times else None,
+                    "end_ms": round((r.end + clock - t0) * 1e3, 2),
+                }
+                for r in results
+            ]
             shared = (c, t0, time.time(), summary)
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -248,6 +279,7 @@ def main() -> None:
         print_level(c, summary, prof, {"tpot_ms": float("nan")})
         rows = timeline(profile, t0, t1)
         print_timeline(rows)
+        print_rounds(summary["requests"], rows)
         shared_run = {
             "prefix_len": args.shared_prefix,
             "question_len": args.question_len,
