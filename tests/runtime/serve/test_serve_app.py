@@ -181,3 +181,39 @@ def test_an_engine_failure_fails_requests_and_health(art, caplog):
         assert "device lost" not in response.text
         assert "qruntime_engine_alive 0.0" in client.get("/metrics").text
     assert any("device lost" in str(r.exc_info[1]) for r in caplog.records if r.exc_info)
+
+
+def test_text_chars_counts_what_a_parse_would_tokenize():
+    from qruntime.serve.app import _text_chars
+
+    rng = random.Random()
+    ids = [rng.randrange(1000) for _ in range(rng.randrange(100, 3000))]
+    assert _text_chars({"prompt": ids, "max_tokens": 5, "temperature": 0.5}, 100) == len("prompt max_tokens temperature") - 2
+    words = _text()
+    body = {"messages": [{"role": "user", "content": words}], "stop": ["a", "bc"]}
+    assert _text_chars(body, 10_000) == len("messages" "role" "user" "content" "stop" "a" "bc") + len(words)
+    assert 100 < _text_chars({"prompt": ["x" * 60] * 1000}, 100) <= 160  # stops once past the limit
+
+
+def test_requests_with_little_text_are_parsed_in_place(client, reference, monkeypatch):
+    from qruntime.serve import app as app_module
+
+    handed_over = []
+    run_sync = app_module.anyio.to_thread.run_sync
+
+    async def counting(fn, *args, **kwargs):
+        handed_over.append(fn.__name__)
+        return await run_sync(fn, *args, **kwargs)
+
+    monkeypatch.setattr(app_module.anyio.to_thread, "run_sync", counting)
+    rng = random.Random()
+    ids = [rng.randrange(200) for _ in range(rng.randrange(100, 200))]
+    body = {"prompt": ids, "max_tokens": 3, "temperature": 0, "model": MODEL}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200 and handed_over == []
+    expected = reference.generate([ids], SamplingParams(max_tokens=3, temperature=0))[0]
+    assert response.json()["choices"][0]["text"] == expected.text
+    long_text = " ".join(rng.choice(WORDS) for _ in range(app_module.INLINE_PARSE_CHARS // 3))
+    response = client.post("/v1/completions", json={"prompt": long_text, "max_tokens": 1, "model": MODEL})
+    assert handed_over == ["parse_completion"]  # its tokenizing ran on a worker thread
+    assert response.status_code in (200, 400) and (response.status_code == 200 or "max_model_len" in response.text)
