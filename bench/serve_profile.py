@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 from compile_bench import gpu_report_header
 from decode_bench import build_artifact
-from loadgen import random_token_specs, run_load, run_load_processes, summarize
+from loadgen import percentiles, random_token_specs, run_load, run_load_processes, summarize
 from serve_bench import start_server
 from step_profile import LOOP_KEYS, STEP_KEYS
 
@@ -142,6 +142,54 @@ def print_timeline(rows: list[dict[str, Any]], limit: int = 80) -> None:
         )
 
 
+def client_requests(results: list[Any], clock: float, t0: float) -> list[dict[str, Any]]:
+    """Each request's id and its send, first token and end in ms after t0 (time.time()), from the
+    clients' perf_counter times (CLOCK_MONOTONIC, one clock for every process) shifted by `clock`."""
+
+    def ms(t: float) -> float:
+        return round((t + clock - t0) * 1e3, 2)
+
+    return [
+        {
+            "id": r.chunks[0].get("id") if r.chunks else None,
+            "sent_ms": ms(r.start),
+            "first_ms": ms(r.chunk_times[0]) if r.chunk_times else None,
+            "end_ms": ms(r.end),
+        }
+        for r in results
+    ]
+
+
+WAY_IN = (
+    ("to_submit", "sent_ms", "submit"),  # client send -> the HTTP process hands it to the engine process
+    ("pipe", "submit", "recv"),  # -> the engine process has it off the pipe
+    ("pickup", "recv", "add"),  # -> the engine thread adds it to the engine
+    ("to_first", "add", "first_ms"),  # -> the client has its first token (schedule, steps, the way back)
+)
+
+
+def way_in(requests: list[dict[str, Any]], profile: dict[str, Any], t0: float) -> dict[str, Any]:
+    """Percentiles (ms) of each stage of the requests' way to their first token, joined by id with
+    the server's stamps (step_profile.py)."""
+    stages: dict[str, list[float]] = {name: [] for name, _, _ in WAY_IN}
+    for r in requests:
+        stamps = profile.get("requests", {}).get(r["id"] or "")
+        if not stamps:
+            continue
+        at = {**{k: (v - t0) * 1e3 for k, v in stamps.items()}, "sent_ms": r["sent_ms"], "first_ms": r["first_ms"]}
+        for name, start, end in WAY_IN:
+            if at.get(start) is not None and at.get(end) is not None:
+                stages[name].append((at[end] - at[start]) / 1e3)  # percentiles() takes seconds
+    return {name: percentiles(values, (50, 90, 99)) if values else None for name, values in stages.items()}
+
+
+def print_way_in(stages: dict[str, Any]) -> None:
+    cells = [
+        f"{name} p50/p90/p99 {v['p50']:.1f}/{v['p90']:.1f}/{v['p99']:.1f}" for name, v in stages.items() if v is not None
+    ]
+    print("way in (ms):", "; ".join(cells), flush=True)
+
+
 def print_rounds(requests: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
     """Per round of sends (a gap of 20+ ms between sends starts one): when its requests were sent,
     reached the engine (the steps after which they were added) and got their first token."""
@@ -236,8 +284,11 @@ def main() -> None:
         for c in levels:
             specs = random_token_specs(4 * c, args.input_len, args.output_len, 500, rng, model)
             t0 = time.time()
+            clock = time.time() - time.perf_counter()
             results, wall = asyncio.run(run_load(url, specs, c))
-            windows.append((c, t0, time.time(), summarize(results, wall, c)))
+            summary = summarize(results, wall, c)
+            summary["requests"] = client_requests(results, clock, t0)
+            windows.append((c, t0, time.time(), summary))
         if args.shared_prefix:
             c = args.shared_concurrency
             warm_rng = random.Random(2)  # another prefix first, as serve_bench.py warms its servers
@@ -252,15 +303,7 @@ def main() -> None:
             results, wall, client_cpu = run_load_processes(url, specs, c, processes)
             summary = summarize(results, wall, c)
             summary.update(client_processes=processes, client_cpu_per_wall=round(client_cpu, 3))
-            # each request's send, first token and end on the steps' clock: what the engine saw of it
-            summary["requests"] = [
-                {
-                    "sent_ms": round((r.start + clock - t0) * 1e3, 2),
-                    "first_ms": round((r.chunk_times[0] + clock - t0) * 1e3, 2) if r.chunk_times else None,
-                    "end_ms": round((r.end + clock - t0) * 1e3, 2),
-                }
-                for r in results
-            ]
+            summary["requests"] = client_requests(results, clock, t0)
             shared = (c, t0, time.time(), summary)
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -270,6 +313,8 @@ def main() -> None:
     for c, t0, t1, summary in windows:
         prof = level_profile(profile, t0, t1, c)
         print_level(c, summary, prof, alone[c])
+        prof["way_in"] = way_in(summary["requests"], profile, t0)
+        print_way_in(prof["way_in"])
         runs.append({"concurrency": c, "client": summary, "engine_alone": alone[c], "server_steps": prof})
     shared_run = None
     if shared is not None:
@@ -280,6 +325,8 @@ def main() -> None:
         rows = timeline(profile, t0, t1)
         print_timeline(rows)
         print_rounds(summary["requests"], rows)
+        prof["way_in"] = way_in(summary["requests"], profile, t0)
+        print_way_in(prof["way_in"])
         shared_run = {
             "prefix_len": args.shared_prefix,
             "question_len": args.question_len,

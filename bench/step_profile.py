@@ -29,6 +29,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,18 @@ class StepProfiler:
         self.last_step_end: float | None = None
         self.events: list[tuple[Any, Any, dict[str, Any]]] = []  # CUDA events read after the step's sync
         self.http_threads: list[dict[str, Any]] = []
+        self.requests: dict[str, dict[str, float]] = {}  # request id -> when it reached each stage (time.time())
+
+    def stamped(self, owner: Any, name: str, stage: str, request_id: Callable[..., str]) -> None:
+        """Wrap owner.name: each call records when its request (request_id(*args)) reached `stage`."""
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            self.requests.setdefault(request_id(*args, **kwargs), {})[stage] = time.time()
+            return original(*args, **kwargs)
+
+        setattr(owner, name, wrapper)
 
     def timed(self, owner: Any, name: str, key: str, loop: bool = False) -> None:
         """Wrap owner.name: its wall time adds to the current step's `key` (or the loop's)."""
@@ -81,7 +94,14 @@ class StepProfiler:
         from qruntime.engine.sampled_tokens import SampledTokens
         from qruntime.engine.scheduler import Scheduler
         from qruntime.serve.engine_loop import EngineLoop
+        from qruntime.serve.engine_process import EngineProcess
         from qruntime.tokenizer import IncrementalDetokenizer
+
+        # a request's way in: the HTTP process hands it over, the engine process receives it, the
+        # engine thread adds it (serve_profile.py puts the client's send and first token beside these)
+        self.stamped(EngineProcess, "submit", "submit", lambda process, request_id, *_: request_id)
+        self.stamped(EngineLoop, "submit", "recv", lambda loop, submission: submission.request_id)
+        self.stamped(EngineLoop, "_add", "add", lambda loop, submission: submission.request_id)
 
         for name, key in (("_add", "add"), ("_dispatch", "dispatch"), ("_publish", "publish")):
             self.timed(EngineLoop, name, key, loop=True)
@@ -186,7 +206,12 @@ class StepProfiler:
 
     def dump(self, path: Path) -> None:
         """The records; with the engine in its own process, the HTTP process's threads apart (http_threads)."""
-        body = {"steps": self.steps, "threads": self.threads, "http_threads": self.http_threads}
+        body = {
+            "steps": self.steps,
+            "threads": self.threads,
+            "http_threads": self.http_threads,
+            "requests": self.requests,
+        }
         path.write_text(json.dumps(body) + "\n")
 
 
@@ -237,6 +262,8 @@ def main(argv: list[str]) -> int:
             profiler.steps = engine["steps"]
             profiler.http_threads = profiler.threads
             profiler.threads = engine["threads"]
+            for request_id, stages in engine["requests"].items():
+                profiler.requests.setdefault(request_id, {}).update(stages)
 
     atexit.register(merge)
     from qruntime.cli import main as qruntime_main

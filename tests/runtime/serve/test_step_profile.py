@@ -26,7 +26,7 @@ def test_every_step_is_recorded_and_aggregated(tmp_path, art, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     from loadgen import random_token_specs, run_load, summarize
     from serve_bench import start_server
-    from serve_profile import level_profile, timeline
+    from serve_profile import client_requests, level_profile, timeline, way_in
     from step_profile import STEP_KEYS
 
     seed = random.randrange(1 << 30)
@@ -42,6 +42,7 @@ def test_every_step_is_recorded_and_aggregated(tmp_path, art, monkeypatch):
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         specs = random_token_specs(requests, prompt_len, output_len, 500, rng, model)
         t0 = time.time()
+        clock = time.time() - time.perf_counter()
         results, wall = asyncio.run(run_load(url, specs, 3))
         t1 = time.time()
     finally:
@@ -73,3 +74,14 @@ def test_every_step_is_recorded_and_aggregated(tmp_path, art, monkeypatch):
     assert len(rows) == len(steps) and sum(r["added"] for r in rows) == requests
     assert [r["t_ms"] for r in rows] == sorted(r["t_ms"] for r in rows) and rows[0]["t_ms"] >= 0
     assert [r["tokens"] for r in rows] == [s["tokens"] for s in steps]
+
+    # each request's way in, joined by id: handed over, received, added, in that order, before its first token
+    joined = client_requests(results, clock, t0)
+    assert len({r["id"] for r in joined}) == requests and all(r["id"] in profile["requests"] for r in joined)
+    for r in joined:
+        stamps = profile["requests"][r["id"]]
+        assert stamps["submit"] <= stamps["recv"] <= stamps["add"]
+        assert r["sent_ms"] <= (stamps["submit"] - t0) * 1e3 and (stamps["add"] - t0) * 1e3 <= r["first_ms"] <= r["end_ms"]
+    stages = way_in(joined, profile, t0)
+    assert set(stages) == {"to_submit", "pipe", "pickup", "to_first"}
+    assert all(0 <= v["p50"] <= v["p99"] for v in stages.values()) and stages["to_first"]["p50"] > 0
