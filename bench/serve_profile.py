@@ -161,7 +161,8 @@ def client_requests(results: list[Any], clock: float, t0: float) -> list[dict[st
 
 
 WAY_IN = (
-    ("to_submit", "sent_ms", "submit"),  # client send -> the HTTP process hands it to the engine process
+    ("to_handler", "sent_ms", "arrive"),  # client send -> its handler starts in the HTTP process
+    ("to_submit", "arrive", "submit"),  # -> the HTTP process hands it to the engine process (body, parse)
     ("pipe", "submit", "recv"),  # -> the engine process has it off the pipe
     ("pickup", "recv", "add"),  # -> the engine thread adds it to the engine
     ("to_first", "add", "first_ms"),  # -> the client has its first token (schedule, steps, the way back)
@@ -254,7 +255,7 @@ def main() -> None:
         "--client-processes",
         type=int,
         default=4,
-        help="Client processes of the shared-prefix load (the levels use one, as before, so they compare).",
+        help="Client processes the load comes from (default 4, at most C), as in serve_bench.py.",
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -285,8 +286,10 @@ def main() -> None:
             specs = random_token_specs(4 * c, args.input_len, args.output_len, 500, rng, model)
             t0 = time.time()
             clock = time.time() - time.perf_counter()
-            results, wall = asyncio.run(run_load(url, specs, c))
+            processes = min(args.client_processes, c)
+            results, wall, client_cpu = run_load_processes(url, specs, c, processes)
             summary = summarize(results, wall, c)
+            summary.update(client_processes=processes, client_cpu_per_wall=round(client_cpu, 3))
             summary["requests"] = client_requests(results, clock, t0)
             windows.append((c, t0, time.time(), summary))
         if args.shared_prefix:

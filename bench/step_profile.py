@@ -23,6 +23,7 @@ runs apart). The records are written to OUT.json when the server exits (SIGTERM)
 from __future__ import annotations
 
 import atexit
+import contextvars
 import functools
 import json
 import os
@@ -100,6 +101,25 @@ class StepProfiler:
         # a request's way in: the HTTP process hands it over, the engine process receives it, the
         # engine thread adds it (serve_profile.py puts the client's send and first token beside these)
         self.stamped(EngineProcess, "submit", "submit", lambda process, request_id, *_: request_id)
+        # and before that, when its handler started (the request's line and headers read): kept in
+        # the handler's task, and stamped with the id once the engine process is handed the request
+        from qruntime.serve.app import OpenAIRoutes
+
+        arrived: contextvars.ContextVar[float] = contextvars.ContextVar("arrived")
+        generate, submit = OpenAIRoutes._generate, EngineProcess.submit
+
+        @functools.wraps(generate)
+        async def arriving(*args: Any, **kwargs: Any) -> Any:
+            arrived.set(time.time())
+            return await generate(*args, **kwargs)
+
+        @functools.wraps(submit)
+        def submitting(process: Any, request_id: str, *args: Any, **kwargs: Any) -> Any:
+            if (at := arrived.get(None)) is not None:
+                self.requests.setdefault(request_id, {})["arrive"] = at
+            return submit(process, request_id, *args, **kwargs)
+
+        OpenAIRoutes._generate, EngineProcess.submit = arriving, submitting
         self.stamped(EngineLoop, "submit", "recv", lambda loop, submission: submission.request_id)
         self.stamped(EngineLoop, "_add", "add", lambda loop, submission: submission.request_id)
 

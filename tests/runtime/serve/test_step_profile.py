@@ -80,8 +80,8 @@ def test_every_step_is_recorded_and_aggregated(tmp_path, art, monkeypatch):
     assert len({r["id"] for r in joined}) == requests and all(r["id"] in profile["requests"] for r in joined)
     for r in joined:
         stamps = profile["requests"][r["id"]]
-        assert stamps["submit"] <= stamps["recv"] <= stamps["add"]
+        assert stamps["arrive"] <= stamps["submit"] <= stamps["recv"] <= stamps["add"]
         assert r["sent_ms"] <= (stamps["submit"] - t0) * 1e3 and (stamps["add"] - t0) * 1e3 <= r["first_ms"] <= r["end_ms"]
     stages = way_in(joined, profile, t0)
-    assert set(stages) == {"to_submit", "pipe", "pickup", "to_first"}
+    assert set(stages) == {"to_handler", "to_submit", "pipe", "pickup", "to_first"}
     assert all(0 <= v["p50"] <= v["p99"] for v in stages.values()) and stages["to_first"]["p50"] > 0
