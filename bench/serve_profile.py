@@ -108,6 +108,10 @@ def level_profile(profile: dict[str, Any], t0: float, t1: float, concurrency: in
         "eager": step_table(eager),
         "graph_full_batch": step_table(full),
         "thread_cpu_per_wall_s": cpu_use(profile["threads"], t0, t1),
+        # the HTTP process turning the engine's ids into text (serve/engine_client.py's Handle), per wall second
+        "http_text_per_wall_s": round(
+            sum(v for k, v in profile.get("http_text", {}).items() if t0 - 1 <= int(k) <= t1) / wall, 4
+        ),
         "http_process_thread_cpu_per_wall_s": cpu_use(profile.get("http_threads", []), t0, t1),
     }
 

@@ -54,6 +54,7 @@ class StepProfiler:
         self.events: list[tuple[Any, Any, dict[str, Any]]] = []  # CUDA events read after the step's sync
         self.http_threads: list[dict[str, Any]] = []
         self.requests: dict[str, dict[str, float]] = {}  # request id -> when it reached each stage (time.time())
+        self.http_text: dict[str, float] = {}  # unix second -> seconds the HTTP side spent turning ids into text
 
     def stamped(self, owner: Any, name: str, stage: str, request_id: Callable[..., str]) -> None:
         """Wrap owner.name: each call records when its request (request_id(*args)) reached `stage`."""
@@ -142,7 +143,22 @@ class StepProfiler:
         self.timed(torch.cuda.Event, "synchronize", "event_wait")  # inside graph_host: the inputs' guard
         self.timed(engine_module, "sample_on_device", "sample")
         self.timed(SampledTokens, "tolist", "read")
-        self.timed(IncrementalDetokenizer, "add", "detok")
+        self.timed(IncrementalDetokenizer, "add", "detok")  # the engine's own text (qruntime run, not serve)
+        # serve turns ids into text in the HTTP process, as each request's reader takes its deltas
+        from qruntime.serve.engine_client import Handle
+
+        with_text = Handle._with_text
+
+        @functools.wraps(with_text)
+        def timed_with_text(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return with_text(*args, **kwargs)
+            finally:
+                second = str(int(time.time()))
+                self.http_text[second] = self.http_text.get(second, 0.0) + time.perf_counter() - start
+
+        Handle._with_text = timed_with_text
         self.timed(Engine, "_stop_reason", "stop")
 
         execute = ModelRunner.execute
@@ -231,6 +247,7 @@ class StepProfiler:
             "threads": self.threads,
             "http_threads": self.http_threads,
             "requests": self.requests,
+            "http_text": self.http_text,
         }
         path.write_text(json.dumps(body) + "\n")
 

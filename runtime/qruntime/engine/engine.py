@@ -58,7 +58,7 @@ class _Tracked:
 
     request: Request
     params: SamplingParams
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None  # None: the caller detokenizes (add_request(detokenize=False))
     generator: torch.Generator | None
     arrival: float
     first_token: float | None = None
@@ -110,8 +110,19 @@ class Engine:
         self._closed = False
 
     # --- the loop a server drives ------------------------------------------------------------------
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Queue one request; returns its id. Raises InvalidRequest (and queues nothing) for bad input."""
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        detokenize: bool = True,
+    ) -> str:
+        """Queue one request; returns its id. Raises InvalidRequest (and queues nothing) for bad input.
+
+        detokenize=False: the caller turns the ids into text and applies the stop strings (the server
+        does, away from the engine's thread): this request's deltas and output carry no text, and its
+        stop strings end nothing here (stop tokens, EOS, max_tokens and the context length still do)."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be a SamplingParams (got {type(params).__name__})")
@@ -130,9 +141,11 @@ class Engine:
         elif not params.greedy:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         request = Request(request_id, token_ids, params.max_tokens)
-        detok = IncrementalDetokenizer(
-            self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop
-        )
+        detok = None
+        if detokenize:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop
+            )
         self._tracked[request_id] = _Tracked(request, params, detok, generator, time.perf_counter())
         self.scheduler.add(request)
         return request_id
@@ -198,7 +211,8 @@ class Engine:
             try:
                 t.first_token = t.first_token if t.first_token is not None else now
                 t.new_ids.append(token)
-                t.new_text += t.detok.add(token)
+                if t.detok is not None:
+                    t.new_text += t.detok.add(token)
                 reason = self._stop_reason(t, token)
                 if reason is not None:
                     self._finish(t, *reason, now)
@@ -388,7 +402,7 @@ class Engine:
         p, request = t.params, t.request
         if (not p.ignore_eos and token in self.tokenizer.eos_token_ids) or token in p.stop_token_ids:
             return "stop", token
-        if t.detok.stop_matched is not None:
+        if t.detok is not None and t.detok.stop_matched is not None:
             return "stop", t.detok.stop_matched
         if len(request.output_token_ids) >= p.max_tokens or request.num_tokens >= self.max_model_len:
             return "length", None
@@ -401,7 +415,7 @@ class Engine:
         request = t.request
         self.scheduler.finish(request.request_id)
         del self._tracked[request.request_id]
-        if reason not in ("stop", "error") or not isinstance(stop_reason, str):
+        if t.detok is not None and (reason not in ("stop", "error") or not isinstance(stop_reason, str)):
             with contextlib.suppress(Exception):  # a request failing in its detokenizer keeps what it has
                 t.new_text += t.detok.flush()
         timings = Timings(t.arrival, t.first_token, now, len(request.output_token_ids))
@@ -409,7 +423,7 @@ class Engine:
             request.request_id,
             tuple(request.prompt_token_ids),
             tuple(request.output_token_ids),
-            t.detok.text,
+            t.detok.text if t.detok is not None else "",
             reason,
             stop_reason,
             timings,

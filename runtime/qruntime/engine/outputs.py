@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 class InvalidRequest(ValueError):
@@ -53,6 +53,19 @@ class RequestOutput:
     num_preemptions: int
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefix cache held when it was first admitted (usage's cached_tokens)
+
+    def stopped_at(self, num_tokens: int, stop: str, text: str = "") -> RequestOutput:
+        """This output as if it had ended at stop string `stop`, completed by its token num_tokens - 1:
+        the tokens after it dropped (sampled while the text was turned out elsewhere), finish_reason
+        "stop", `text` the text before the stop string."""
+        return replace(
+            self,
+            token_ids=self.token_ids[:num_tokens],
+            text=text,
+            finish_reason="stop",
+            stop_reason=stop,
+            timings=replace(self.timings, num_output_tokens=min(num_tokens, self.timings.num_output_tokens)),
+        )
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ thread applies before its next step (so a client that goes away frees its KV blo
 step). After each turn the thread hands its `sink` what the turn produced for each request, as
 (request id, item) pairs, item a (choice index, StreamDelta) or a Failure, and the ids of the
 requests that have nothing more to come. Every request's sequences sit in the one scheduler, so
-they are batched together (continuous batching).
+they are batched together (continuous batching). The engine adds them with detokenize=False: the
+deltas carry token ids, which the HTTP side turns into text (engine_client.py's Handle); when it
+finds a stop string there, `stop_sequence` ends that sequence here, reported as stopped.
 
 Where the sink leads is the server's choice (serve/engine_client.py): to the requests' asyncio
 queues in this process (`InThreadEngine`), or through a pipe to the HTTP process when the loop runs
@@ -18,7 +20,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from qruntime.engine.engine import Engine
 from qruntime.engine.outputs import InvalidRequest, RequestOutput, StreamDelta
@@ -116,7 +118,8 @@ class EngineLoop:
         self.metrics = metrics
         self.kv_blocks_total = engine.scheduler.config.num_blocks
         self._cond = threading.Condition()
-        self._inbox: list[tuple[str, Submission | str | None]] = []  # ("add", s) | ("abort", id) | ("abort_all", None)
+        # ("add", s) | ("abort", id) | ("stop_string", (id, index, num_tokens, stop)) | ("abort_all", None)
+        self._inbox: list[tuple[str, Any]] = []
         self._inbox_seqs = 0  # sequences of "add" commands not yet applied
         self._engine_waiting = 0  # the scheduler's numbers, as the thread last published them
         self._engine_running = 0
@@ -155,6 +158,14 @@ class EngineLoop:
         """Abort what is unfinished of the request (its deltas say finish_reason "abort"); a no-op once it is done."""
         with self._cond:
             self._inbox.append(("abort", request_id))
+            self._cond.notify()
+
+    def stop_sequence(self, request_id: str, index: int, num_tokens: int, stop: str) -> None:
+        """End choice `index` of the request at stop string `stop`, which its first num_tokens output
+        tokens complete (its reader turns the tokens into text and found it): the sequence is aborted
+        in the engine and reported finished with finish_reason "stop"; a no-op once it has ended."""
+        with self._cond:
+            self._inbox.append(("stop_string", (request_id, index, num_tokens, stop)))
             self._cond.notify()
 
     def stats(self) -> LoopStats:
@@ -216,6 +227,8 @@ class EngineLoop:
                         self._add(arg)
                     elif kind == "abort":
                         self._abort(arg)
+                    elif kind == "stop_string":
+                        self._stop_string(*arg)
                     else:
                         self._abort_all()
                 if stopping:
@@ -242,7 +255,8 @@ class EngineLoop:
         self._requests[submission.request_id] = live
         try:
             for engine_id, spec in zip(live.engine_ids, submission.sequences, strict=True):
-                self.engine.add_request(list(spec.prompt_ids), spec.params, request_id=engine_id)
+                # the ids become text on the HTTP side (serve/engine_client.py's Handle), off this thread
+                self.engine.add_request(list(spec.prompt_ids), spec.params, request_id=engine_id, detokenize=False)
                 self._live[engine_id] = (submission.request_id, spec.index)
                 if self.metrics is not None:
                     self.metrics.on_added(len(spec.prompt_ids))
@@ -267,6 +281,21 @@ class EngineLoop:
             if notify:
                 self._out.append((request_id, (entry[1], StreamDelta(engine_id, (), "", True, output))))
         if notify:
+            del self._requests[request_id]
+            self._done.append(request_id)
+
+    def _stop_string(self, request_id: str, index: int, num_tokens: int, stop: str) -> None:
+        live = self._requests.get(request_id)
+        engine_id = f"{request_id}-{index}"
+        entry = self._live.pop(engine_id, None) if live is not None else None
+        if entry is None:
+            return  # it ended meanwhile (its reader cuts that output at the stop string itself)
+        output = self.engine.abort(engine_id).stopped_at(num_tokens, stop)  # frees its KV blocks now
+        live.remaining -= 1
+        if self.metrics is not None:
+            self.metrics.on_finished(output, live.submission.submitted)
+        self._out.append((request_id, (index, StreamDelta(engine_id, (), "", True, output))))
+        if live.remaining == 0:
             del self._requests[request_id]
             self._done.append(request_id)
 

@@ -166,7 +166,7 @@ class EngineProcess:
         """Nothing to do: the engine loop runs from the moment the process is ready."""
 
     def submit(self, request_id: str, sequences: tuple[SequenceSpec, ...]) -> Handle:
-        handle = Handle(self, request_id, sequences)
+        handle = Handle(self, request_id, sequences, self.tokenizer)
         with self._state:
             if not self._accepting or not self.alive:
                 raise ShuttingDown(
@@ -183,6 +183,9 @@ class EngineProcess:
 
     def abort(self, handle: Handle) -> None:
         self._command(("abort", handle.request_id))
+
+    def stop_sequence(self, handle: Handle, index: int, num_tokens: int, stop: str) -> None:
+        self._command(("stop_string", handle.request_id, index, num_tokens, stop))
 
     def stats(self) -> LoopStats:
         with self._state:
@@ -327,6 +330,8 @@ def engine_process_main(
                     sink([(submission.request_id, ENGINE_FAILED)], [submission.request_id])
             elif kind == "abort":
                 loop.abort(message[1])
+            elif kind == "stop_string":
+                loop.stop_sequence(*message[1:])
             elif kind == "abort_all":
                 loop.abort_all()
             elif kind == "stop":

@@ -161,3 +161,58 @@ def _children() -> set[int]:
             if int(fields[1]) == me and fields[0] != "Z":
                 found.add(int(entry))
     return found
+
+
+def _stop_case(reference, rng):
+    """A prompt and a stop string that ends its greedy reply mid-way (found in the engine's own text)."""
+    for _ in range(20):
+        prompt = _text(rng)
+        with torch_threads(1):
+            (free,) = reference.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True))
+        text = free.text
+        if len(text) < 12:
+            continue
+        at = rng.randrange(4, len(text) - 6)
+        stop = text[at : at + rng.randrange(1, 4)]
+        params = SamplingParams(max_tokens=40, ignore_eos=True, stop=(stop,))
+        with torch_threads(1):
+            (expected,) = reference.generate([prompt], params)
+        if expected.finish_reason == "stop" and 0 < len(expected.token_ids) < 40:
+            return prompt, stop, expected
+    pytest.fail("no reply of the tiny model was long enough to cut with a stop string")
+
+
+def test_stop_strings_end_sequences_as_the_engine_does(client, process, reference, rng):
+    """The engine process sends ids; the HTTP side turns them into text and applies stop strings: the
+    text, the tokens (none after the one completing the stop string), finish and stop reasons equal
+    the engine's own, whole and streamed, for each of n choices; the sequences end in the engine too."""
+    prompt, stop, expected = _stop_case(reference, rng)
+    print("stop", repr(stop), "after", len(expected.token_ids), "tokens")
+    before = metrics(str(client.base_url).rstrip("/")).get('qruntime_request_success_total{finish_reason="stop"}', 0)
+    n = rng.randrange(1, 4)
+    body = {
+        "prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stop": [stop], "n": n,
+        "return_token_ids": True, "model": "tiny",
+    }  # fmt: skip
+    whole = client.post("/v1/completions", json=body)
+    assert whole.status_code == 200, whole.text
+    streamed = client.post("/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    events = [json.loads(e.removeprefix("data: ")) for e in streamed.text.strip().split("\n\n")[:-1]]
+    assert len(whole.json()["choices"]) == n
+    for choice in whole.json()["choices"]:
+        assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (expected.text, "stop", stop)
+        assert choice["token_ids"] == list(expected.token_ids)
+    assert whole.json()["usage"]["completion_tokens"] == n * len(expected.token_ids)
+    for index in range(n):
+        chunks = [c for e in events for c in e["choices"] if c["index"] == index]
+        assert "".join(c["text"] for c in chunks) == expected.text
+        assert sum((c.get("token_ids") or [] for c in chunks), []) == list(expected.token_ids)
+        assert (chunks[-1]["finish_reason"], chunks[-1]["stop_reason"]) == ("stop", stop)
+    assert events[-1]["usage"]["completion_tokens"] == n * len(expected.token_ids)
+    # ended in the engine as well, and counted there as stopped, not aborted
+    deadline = time.monotonic() + 30
+    while process.stats().num_running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process.stats().num_running == 0 and process.stats().kv_blocks_used == 0
+    after = metrics(str(client.base_url).rstrip("/"))
+    assert after['qruntime_request_success_total{finish_reason="stop"}'] - before == 2 * n

@@ -89,3 +89,90 @@ def test_a_failure_comes_after_the_deltas_before_it(rng):
             await other.get_merged()
 
     asyncio.run(main())
+
+
+class _RecordingOwner:
+    def __init__(self) -> None:
+        self.aborted, self.stopped = 0, []
+
+    def abort(self, handle: Handle) -> None:
+        self.aborted += 1
+
+    def stop_sequence(self, handle: Handle, index: int, num_tokens: int, stop: str) -> None:
+        self.stopped.append((index, num_tokens, stop))
+
+
+def _output(ids, reason="length"):
+    from qruntime.engine.outputs import RequestOutput, Timings
+
+    return RequestOutput("req-0", (1, 2), tuple(ids), "", reason, None, Timings(0.0, 0.1, 0.2, len(ids)), 0)
+
+
+def test_the_handle_turns_ids_into_text_and_ends_at_a_stop_string(tiny_ckpt, rng):
+    """Ids in, text out (as the engine's own detokenizer makes it); at a stop string the tokens after
+    it are dropped, the owner asked once to end that sequence, and its final output cut to match."""
+    from qruntime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_ckpt)
+    for _ in range(50):  # random ids whose text has a stop string to cut at, with tokens after it
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(12, 30))]
+        free = IncrementalDetokenizer(tok, [1, 2])
+        text = "".join(free.add(i) for i in ids) + free.flush()
+        if len(text) < 8:
+            continue
+        stop = text[len(text) // 2 : len(text) // 2 + 2]
+        reference = IncrementalDetokenizer(tok, [1, 2], stop=[stop])
+        cut = next((k + 1 for k, i in enumerate(ids) if (reference.add(i), reference.stop_matched)[1]), None)
+        if cut is not None and cut < len(ids) and "\ufffd" not in stop:
+            break
+    else:
+        pytest.fail("no random ids gave a text to cut")
+    print("stop", repr(stop), "cut", cut, "of", len(ids))
+
+    async def main() -> None:
+        owner = _RecordingOwner()
+        spec = SequenceSpec(0, 0, (1, 2), SamplingParams(max_tokens=64, stop=(stop,)))
+        handle = Handle(owner, "req", (spec,), tok)
+        got: list[StreamDelta] = []
+        position = 0
+        while position < len(ids):  # the engine sends 1-3 ids a turn, and a few more after the stop
+            step = rng.randrange(1, 4)
+            handle.queue.put_nowait((0, StreamDelta("req-0", tuple(ids[position : position + step]), "", False)))
+            position += step
+            got += [d for _, d in await handle.get_merged()]
+        assert owner.stopped == [(0, cut, stop)] and not handle.done
+        handle.queue.put_nowait((0, StreamDelta("req-0", (), "", True, _output(ids, "abort"))))
+        got += [d for _, d in await handle.get_merged()]
+        assert handle.done and owner.aborted == 0
+        assert [t for d in got for t in d.token_ids] == ids[:cut]
+        assert "".join(d.text for d in got) == reference.text == text[: text.index(stop)]
+        final = got[-1].output
+        assert (final.finish_reason, final.stop_reason, final.token_ids, final.text) == (
+            "stop", stop, tuple(ids[:cut]), reference.text
+        )  # fmt: skip
+        assert final.timings.num_output_tokens == cut
+
+    asyncio.run(main())
+
+
+def test_a_tokenizer_failure_fails_the_request_alone(tiny_ckpt, rng):
+    from qruntime.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_ckpt)
+
+    async def main() -> None:
+        owner = _RecordingOwner()
+        handle = Handle(owner, "req", (SequenceSpec(0, 0, (1, 2), SamplingParams()),), tok)
+        handle.queue.put_nowait((0, StreamDelta("req-0", (rng.randrange(300, 2000),), "", False)))
+        assert len(await handle.get_merged()) == 1
+
+        def broken(token: int) -> str:
+            raise RuntimeError("the tokenizer broke")
+
+        handle._texts[0].detok.add = broken
+        handle.queue.put_nowait((0, StreamDelta("req-0", (5,), "", False)))
+        with pytest.raises(FailedRequest, match="turning its tokens into text failed"):
+            await handle.get_merged()
+        assert owner.aborted == 1 and handle.done
+
+    asyncio.run(main())

@@ -53,7 +53,9 @@ def test_every_step_is_recorded_and_aggregated(tmp_path, art, monkeypatch):
     steps = profile["steps"]
     # each request computes its prompt and then every output token but the last as an input
     assert sum(s["tokens"] for s in steps) == requests * (prompt_len + output_len - 1)
-    launch, read = {"schedule", "execute", "prepare", "sample"}, {"read", "update", "detok", "stop"}
+    # the text is the HTTP side's (the engine sends ids): no step of the server's engine detokenizes
+    launch, read = {"schedule", "execute", "prepare", "sample"}, {"read", "update", "stop"}
+    assert not any("detok" in s for s in steps) and sum(profile["http_text"].values()) > 0
     assert launch | read <= set(STEP_KEYS)
     assert all(s["graph"] is False and launch <= set(s) for s in steps)  # CPU: eager
     # async scheduling: a call reads the step the call before launched; only a call that finds the
@@ -67,7 +69,7 @@ def test_every_step_is_recorded_and_aggregated(tmp_path, art, monkeypatch):
     level = level_profile(profile, t0, t1, 3)
     assert level["all"]["steps"] == len(steps) == level["eager"]["steps"] and level["graph"]["steps"] == 0
     assert level["eager_step_share"] == 1.0 and 0 < level["engine_busy"] <= 1
-    assert level["all"]["ms"]["wall"] > level["all"]["ms"]["execute"] > 0
+    assert level["all"]["ms"]["wall"] > level["all"]["ms"]["execute"] > 0 and level["http_text_per_wall_s"] > 0
     assert summarize(results, wall, 3)["completed"] == requests
     # the timeline: every step in order, each request handed to the engine before exactly one of them
     rows = timeline(profile, t0, t1)
