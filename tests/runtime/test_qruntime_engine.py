@@ -263,3 +263,41 @@ def test_close_drops_the_decode_graphs_after_a_sync_and_before_the_workers_stop(
     assert events[2:] == [("workers.close", None)]
     with pytest.raises(RuntimeError, match="the engine is closed"):
         engine.generate([[1, 2, 3]], GREEDY)
+
+
+def test_min_tokens_holds_back_stop_tokens_and_eos(fp8_artifact, rng, tmp_path):
+    """Before min_tokens outputs, a stop token id and an EOS id are not sampled (greedy takes the next
+    best), with async scheduling's pending tokens counted; from there they stop the generation again."""
+    engine = qruntime.load(fp8_artifact, device="cpu", num_kv_blocks=64)
+    prompt = [rng.randrange(500) for _ in range(rng.randrange(3, 20))]
+    first = engine.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))[0].token_ids[0]
+    stopped = engine.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=(first,)))[0]
+    assert stopped.token_ids == (first,) and stopped.finish_reason == "stop"
+    least = rng.randrange(2, 10)
+    params = SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=(first,), min_tokens=least)
+    out = engine.generate([prompt], params)[0]
+    assert len(out.token_ids) >= least and first not in out.token_ids[:least]
+    assert out.token_ids[0] != first and (out.finish_reason == "length" or out.token_ids[-1] == first)
+    # pushed up at every step, the stop token comes exactly once the ban lifts: as output `least`
+    pushed = SamplingParams(
+        max_tokens=24, ignore_eos=True, stop_token_ids=(first,), min_tokens=least, logit_bias={first: 100.0}
+    )
+    out = engine.generate([prompt], pushed)[0]
+    assert len(out.token_ids) == least + 1 and out.token_ids[-1] == first and first not in out.token_ids[:-1]
+    # the same with the token as an EOS id of the model (ignore_eos off)
+    eos_engine = qruntime.load(_with_eos(fp8_artifact, tmp_path / "eos", first), device="cpu", num_kv_blocks=64)
+    out = eos_engine.generate([prompt], SamplingParams(max_tokens=24, min_tokens=least))[0]
+    assert len(out.token_ids) >= least and first not in out.token_ids[:least]
+
+
+def test_logit_bias_steers_generation_and_names_unknown_tokens(fp8_artifact, rng):
+    engine = qruntime.load(fp8_artifact, device="cpu", num_kv_blocks=64)
+    prompt = [rng.randrange(500) for _ in range(rng.randrange(3, 20))]
+    forced = rng.randrange(engine.vocab_size)
+    out = engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True, logit_bias={forced: 100.0}))[0]
+    assert out.token_ids == (forced,) * 6
+    free = engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
+    out = engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True, logit_bias={free[0]: -100.0}))[0]
+    assert out.token_ids[0] != free[0]
+    with pytest.raises(qruntime.InvalidRequest, match=f"logit_bias: {engine.vocab_size} is not a token id"):
+        engine.add_request(prompt, SamplingParams(logit_bias={engine.vocab_size: 1.0}))

@@ -223,3 +223,52 @@ def test_a_seeded_row_draws_the_same_token_alone_and_in_any_batch(device, rng):
             sample(logits[i : i + 1], [params[i]], [torch.Generator(device).manual_seed(seeds[i])])[0] for i in range(n)
         ]
         assert batch == alone
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.0, 1.7])
+def test_min_p_keeps_the_tokens_within_min_p_of_the_likeliest(temperature):
+    logits = torch.randn(12) * 2
+    probs = (logits / temperature).softmax(-1)
+    min_p = float(torch.empty(()).uniform_(0.05, 0.4))
+    keep = (probs >= min_p * probs.max()).float()
+    assert 1 <= keep.sum() < 12 or min_p * probs.max() <= probs.min()
+    got = _frequencies(logits, SamplingParams(temperature=temperature, min_p=min_p))
+    assert torch.all(got[keep == 0] == 0)
+    assert torch.allclose(got, _expected(logits, temperature, keep), atol=0.03)
+
+
+def test_logit_bias_moves_greedy_and_sampled_choices():
+    logits = torch.randn(3, 40)
+    best, second = logits.topk(2, dim=-1).indices.unbind(-1)
+    favoured = [int((b + 1 + torch.randint(0, 38, ())) % 40) for b in best]  # any token but the best
+    params = [
+        SamplingParams(logit_bias={favoured[0]: float(logits[0].max() - logits[0, favoured[0]]) + 0.5}),
+        SamplingParams(logit_bias={int(best[1]): -100.0}),
+        SamplingParams(logit_bias={int(best[2]): -0.0}),
+    ]
+    before = logits.clone()
+    assert sample(logits, params, [None] * 3) == [favoured[0], int(second[1]), int(best[2])]
+    assert torch.equal(logits, before)  # biased on a copy: the caller's logits (a graph's output) stay
+    bias = torch.randn(12)
+    row = torch.randn(12) * 2
+    got = _frequencies(row, SamplingParams(temperature=1.0, logit_bias={i: float(b) for i, b in enumerate(bias)}))
+    assert torch.allclose(got, _expected(row + bias, 1.0, torch.ones(12)), atol=0.03)
+
+
+def test_banned_tokens_are_never_sampled():
+    logits = torch.randn(4, 30)
+    best = logits.argmax(-1).tolist()
+    banned = [[best[0]], [], [best[2], 5], list(range(29))]
+    params = [SamplingParams()] * 3 + [SamplingParams(temperature=1.0)]
+    got = sample(logits, params, [None] * 3 + [torch.Generator().manual_seed(1)], banned)
+    masked = logits.clone()
+    for r, tokens in enumerate(banned[:3]):
+        masked[r, tokens] = float("-inf")
+    assert got[:3] == masked[:3].argmax(-1).tolist() and got[3] == 29
+    row = torch.randn(12) * 2
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    drawn = sample(row.expand(DRAWS, -1), [SamplingParams(temperature=1.0)] * DRAWS, [generator] * DRAWS, [[3, 7]] * DRAWS)
+    keep = torch.ones(12)
+    keep[[3, 7]] = 0
+    got = torch.bincount(torch.tensor(drawn), minlength=12).float() / DRAWS
+    assert got[3] == got[7] == 0 and torch.allclose(got, _expected(row, 1.0, keep), atol=0.03)

@@ -21,7 +21,7 @@ def _float(rng, low: float, high: float) -> str:
 
 def bad_values(rng) -> dict[str, list[tuple[list[str], str]]]:
     """flag -> [(the arguments typed, the rule and value the error must show)], fresh values each run."""
-    tokens, k = rng.randint(-(10**6), 0), rng.randint(-(10**6), -1)
+    tokens, k, most = rng.randint(-(10**6), 0), rng.randint(-(10**6), -1), rng.randint(1, 500)
     cold, over, under = _float(rng, -100.0, -1e-6), _float(rng, 1.0 + 1e-6, 100.0), _float(rng, -100.0, 0.0)
     low_seed, high_seed = rng.randint(-(10**6), -1), (1 << 64) + rng.randrange(10**6)
     stop = "".join(rng.choice("abcxyz ") for _ in range(rng.randint(1, 8)))
@@ -39,6 +39,15 @@ def bad_values(rng) -> dict[str, list[tuple[list[str], str]]]:
             (["--top-p", "nan"], "must be in (0, 1] (got nan)"),
         ],
         "--top-k": [(["--top-k", str(k)], f"must be ≥ 0 (got {k})")],
+        "--min-p": [
+            (["--min-p", over], f"must be in [0, 1] (got {over})"),
+            (["--min-p", cold], f"must be in [0, 1] (got {cold})"),
+            (["--min-p", "nan"], "must be in [0, 1] (got nan)"),
+        ],
+        "--min-tokens": [
+            (["--min-tokens", str(k)], f"must be ≥ 0 (got {k})"),
+            (["--min-tokens", str(most + 1), "--max-tokens", str(most)], f"must be ≤ max tokens ({most}) (got {most + 1})"),
+        ],
         "--seed": [
             (["--seed", str(low_seed)], f"must be ≥ 0 and < 2**64 (got {low_seed})"),
             (["--seed", str(high_seed)], f"must be ≥ 0 and < 2**64 (got {high_seed})"),

@@ -34,6 +34,8 @@ class RunOptions:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    min_tokens: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -63,6 +65,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--temperature", "temperature", float, "Sampling temperature; 0 (default) is greedy.", "T"),
     Option("--top-p", "top_p", float, "Nucleus sampling: keep the smallest set of tokens of mass P (default 1.0, off).", "P"),
     Option("--top-k", "top_k", int, "Sample among the K most likely tokens (default 0, off).", "K"),
+    Option("--min-p", "min_p", float, "Drop tokens less likely than P times the likeliest (default 0, off).", "P"),
+    Option("--min-tokens", "min_tokens", int, "Generate at least N tokens before an end-of-sequence or stop token (default 0).", "N"),
     Option("--seed", "seed", int, "Seed of the sampler, for a reproducible sampled generation.", "SEED"),
     Option("--stop", "stop", str, "Stop when this text is generated (not printed); repeat for several.", "TEXT", True),
     Option("--ignore-eos", "ignore_eos", None, "Keep generating past the model's end-of-sequence tokens."),
@@ -99,6 +103,8 @@ def sampling_params(options: RunOptions) -> SamplingParams:
             temperature=options.temperature,
             top_k=options.top_k,
             top_p=options.top_p,
+            min_p=options.min_p,
+            min_tokens=options.min_tokens,
             seed=options.seed,
             stop=options.stop,
             ignore_eos=options.ignore_eos,

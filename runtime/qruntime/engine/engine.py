@@ -127,6 +127,10 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be a SamplingParams (got {type(params).__name__})")
         token_ids = self._prompt_ids(prompt)
+        if unknown := [token for token, _ in params.logit_bias if token >= self.vocab_size]:
+            raise InvalidRequest(
+                f"logit_bias: {unknown[0]} is not a token id (the model's vocabulary is ids 0..{self.vocab_size - 1})"
+            )
         if params.stop and not self.tokenizer.has_text:
             raise InvalidRequest(
                 "stop strings need the artifact's tokenizer, which it does not have (compiled with --no-tokenizer): "
@@ -182,7 +186,10 @@ class Engine:
             sampled = previous.tokens.ids if pending_rows and any(c.token_ids[-1] < 0 for c in chunks) else None
             logits = self._execute(chunks, sampled=sampled)
             logits = logits if len(rows) == len(chunks) else logits[rows]
-            tokens = sample_on_device(logits, [t.params for t in tracked], [t.generator for t in tracked])
+            banned = [self._banned(t) for t in tracked]
+            tokens = sample_on_device(
+                logits, [t.params for t in tracked], [t.generator for t in tracked], banned if any(banned) else None
+            )
         except Exception as exc:
             if self._is_fatal(exc):
                 raise
@@ -397,6 +404,14 @@ class Engine:
                 f"(max_model_len): at most {self.max_model_len - 1} prompt tokens leave room to generate"
             )
         return ids
+
+    def _banned(self, t: _Tracked) -> tuple[int, ...]:
+        """The tokens this request may not sample now: its stop token ids and (unless ignore_eos) the
+        EOS ids, while it has fewer than min_tokens outputs (the one being sampled not counted)."""
+        p, request = t.params, t.request
+        if not p.min_tokens or len(request.output_token_ids) + request.num_pending - 1 >= p.min_tokens:
+            return ()
+        return (*p.stop_token_ids, *(() if p.ignore_eos else self.tokenizer.eos_token_ids))
 
     def _stop_reason(self, t: _Tracked, token: int) -> tuple[str, str | int | None] | None:
         p, request = t.params, t.request

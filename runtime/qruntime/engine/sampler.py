@@ -11,12 +11,17 @@ never empty or NaN. A row whose logits hold a NaN or +inf, or are all -inf (a mo
 None: the engine fails that request alone (its device token is the argmax, a valid id, so the step
 launched after it runs). A -inf beside finite logits is a masked token, as usual.
 
+Before all that, each row's logit_bias is added and its `banned` tokens (the engine's: EOS and stop
+token ids before min_tokens) set to -inf, for the rows that have any, in two batched writes on an
+fp32 copy of the logits.
+
 The draw is the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with probability
 p_i (the Gumbel-max trick), so sampled rows need no multinomial per row.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -39,6 +44,9 @@ def _distributions(logits: torch.Tensor, best: torch.Tensor, params: Sequence[Sa
     shift = torch.where(finite, best.float(), torch.zeros_like(best, dtype=torch.float32))
     scaled = (logits.float() - shift[:, None]).div_(temperature[:, None])  # each row's maximum is 0
     scaled = torch.where(finite[:, None], scaled, torch.zeros_like(scaled))  # a faulty row: uniform, not NaN
+    if any(p.min_p > 0 for p in params):  # p_i < min_p * p_max  <=>  scaled_i < log(min_p) (the row's max is 0)
+        floor = torch.tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], device=device)
+        scaled = torch.where(scaled < floor[:, None], float("-inf"), scaled)
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(top_k):
         k = torch.tensor(top_k, device=device)
@@ -71,11 +79,40 @@ def _exponentials(shape: tuple[int, int], generators: Sequence[torch.Generator],
     return draws.clamp_(min=torch.finfo(torch.float32).tiny)  # an exact 0 would make 0 / 0 = NaN
 
 
+def _adjusted(
+    logits: torch.Tensor, params: Sequence[SamplingParams], banned: Sequence[Sequence[int]] | None
+) -> torch.Tensor:
+    """logits with each row's logit_bias added and its banned tokens at -inf (fp32), or as they are."""
+    rows, tokens, biases, ban_rows, ban_tokens = [], [], [], [], []
+    for row, p in enumerate(params):
+        for token, bias in p.logit_bias:
+            rows.append(row)
+            tokens.append(token)
+            biases.append(bias)
+        for token in banned[row] if banned is not None else ():
+            ban_rows.append(row)
+            ban_tokens.append(token)
+    if not (rows or ban_rows):
+        return logits
+    out, device = logits.to(torch.float32, copy=True), logits.device  # never the caller's (a captured graph's output)
+    if rows:
+        at = torch.tensor([rows, tokens], device=device)
+        out.index_put_((at[0], at[1]), torch.tensor(biases, device=device), accumulate=True)
+    if ban_rows:
+        at = torch.tensor([ban_rows, ban_tokens], device=device)
+        out.index_put_((at[0], at[1]), torch.tensor(float("-inf"), device=device))
+    return out
+
+
 def sample_on_device(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    banned: Sequence[Sequence[int]] | None = None,
 ) -> SampledTokens:
     """One token per row of logits [n, V]; row i uses params[i] and generators[i] (None for greedy),
-    on the device, without waiting for it."""
+    and cannot be any token of banned[i], on the device, without waiting for it."""
+    logits = _adjusted(logits, params, banned)
     best, index = logits.max(-1)  # NaN propagates into best: one reduction finds NaN, +inf and all -inf rows
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
@@ -89,8 +126,11 @@ def sample_on_device(
 
 
 def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    banned: Sequence[Sequence[int]] | None = None,
 ) -> list[int | None]:
     """`sample_on_device`, read on the host: one token per row, None for a row whose logits hold a
     NaN or +inf, or are all -inf."""
-    return sample_on_device(logits, params, generators).tolist()
+    return sample_on_device(logits, params, generators, banned).tolist()

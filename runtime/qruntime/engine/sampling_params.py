@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from qruntime.shown import shown
@@ -40,11 +40,16 @@ class InvalidSamplingParams(ValueError):
 class SamplingParams:
     """Per-request sampling and stopping.
 
-    temperature 0 (or anything below SAMPLING_EPS) is greedy (top_k / top_p / seed are then unused). top_k 0 means no top-k cut,
-    top_p 1.0 no nucleus cut. `seed` makes a sampled generation reproducible (whatever else runs in
-    the same batch). Generation stops at the first of: max_tokens new tokens; a stop token id; an
-    EOS id of the model (unless ignore_eos); a stop string (not part of the text); the model's
-    context length.
+    temperature 0 (or anything below SAMPLING_EPS) is greedy (top_k / top_p / min_p / seed are then
+    unused). top_k 0 means no top-k cut, top_p 1.0 no nucleus cut, min_p 0 no cut of the tokens less
+    likely than min_p times the likeliest (after the temperature, before top-k / top-p, as vLLM).
+    `seed` makes a sampled generation reproducible (whatever else runs in the same batch).
+    `logit_bias` ((token id, bias) pairs; a {token id: bias} mapping is taken too) adds each bias to
+    that token's logit before anything else, greedy included (OpenAI's: -100 bans a token, 100 all
+    but forces it). Generation stops at the first of: max_tokens new tokens; a stop token id; an EOS
+    id of the model (unless ignore_eos); a stop string (not part of the text); the model's context
+    length. Before `min_tokens` new tokens, the stop token ids and the EOS ids cannot be sampled (a
+    stop string still ends the generation: vLLM holds those back too).
     """
 
     max_tokens: int = 16
@@ -56,12 +61,17 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(tuple(pair) if isinstance(pair, Sequence) else pair for pair in bias))
         problems = _problems(self)
         if problems:
             raise InvalidSamplingParams(problems)
@@ -97,6 +107,9 @@ def _problems(p: SamplingParams) -> list[FieldProblem]:
         *_seed(p.seed),
         *_stop(p.stop),
         *_stop_token_ids(p.stop_token_ids),
+        *_min_p(p.min_p),
+        *_min_tokens(p.min_tokens, p.max_tokens),
+        *_logit_bias(p.logit_bias),
     ]
 
 
@@ -151,3 +164,38 @@ def _stop_token_ids(values: tuple[object, ...]) -> Iterator[FieldProblem]:
             yield FieldProblem("stop_token_ids", value, "must be an integer", i)
         elif value < 0:
             yield FieldProblem("stop_token_ids", value, "must be ≥ 0", i)
+
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a bias: [-100, 100]
+
+
+def _min_p(value: object) -> Iterator[FieldProblem]:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        yield FieldProblem("min_p", value, "must be a number")
+    elif not 0 <= value <= 1:  # NaN fails this too
+        yield FieldProblem("min_p", value, "must be in [0, 1]")
+
+
+def _min_tokens(value: object, max_tokens: object) -> Iterator[FieldProblem]:
+    if not _is_int(value):
+        yield FieldProblem("min_tokens", value, "must be an integer")
+    elif value < 0:
+        yield FieldProblem("min_tokens", value, "must be ≥ 0")
+    elif _is_int(max_tokens) and max_tokens >= 1 and value > max_tokens:
+        yield FieldProblem("min_tokens", value, f"must be ≤ max tokens ({max_tokens})")
+
+
+def _logit_bias(pairs: tuple[object, ...]) -> Iterator[FieldProblem]:
+    seen = set()
+    for i, pair in enumerate(pairs):
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            yield FieldProblem("logit_bias", pair, "must hold (token id, bias) pairs", i)
+            continue
+        token, bias = pair
+        if not _is_int(token) or token < 0:
+            yield FieldProblem("logit_bias", token, "must name tokens by id ≥ 0", i)
+        elif token in seen:
+            yield FieldProblem("logit_bias", token, "names this token twice", i)
+        elif not isinstance(bias, int | float) or isinstance(bias, bool) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            yield FieldProblem("logit_bias", bias, f"must be a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", i)
+        seen.add(token)

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from qruntime.engine.sampling_params import SamplingParams
+from qruntime.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from qruntime.reasoning import prompt_opens_thinking
 from qruntime.serve.errors import APIError, invalid
 from qruntime.serve.limits import RequestLimits
@@ -29,7 +29,6 @@ MAX_SEED = 1 << 63
 
 # field -> the values that mean "off"; anything else asks for something the engine does not do
 UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
-    "logit_bias": (None, {}),
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
 }
@@ -141,6 +140,28 @@ def _stop(body: Mapping[str, Any], limits: RequestLimits) -> tuple[str, ...]:
             "stop", f"the stop strings hold {chars} characters; this server takes at most {limits.max_stop_chars}"
         )
     return tuple(stops)
+
+
+def _logit_bias(body: Mapping[str, Any], model: ServedModel) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: {"token id": bias}, at most max_logit_bias entries, ids in the vocabulary
+    (SamplingParams checks the biases' range)."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        raise invalid("logit_bias", f"logit_bias must be an object of token id -> bias (got {shown(value)})", "invalid_type")
+    if len(value) > model.limits.max_logit_bias:
+        raise invalid("logit_bias", f"logit_bias has {len(value)} entries; this server takes at most {model.limits.max_logit_bias}")
+    pairs = []
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()) or int(key) >= model.vocab_size:
+            raise invalid(
+                "logit_bias", f"logit_bias: {shown(key)} is not a token id (the vocabulary is ids 0..{model.vocab_size - 1})"
+            )
+        if isinstance(bias, bool) or not isinstance(bias, int | float):
+            raise invalid("logit_bias", f"logit_bias[{shown(key)}] must be a number (got {shown(bias)})", "invalid_type")
+        pairs.append((int(key), float(bias)))
+    return tuple(pairs)
 
 
 def _int_list(body: Mapping[str, Any], name: str, most: int, below: int | None = None) -> tuple[int, ...]:
@@ -335,6 +356,9 @@ def _build(
         "stop_token_ids": _int_list(body, "stop_token_ids", model.limits.max_stop_token_ids, model.vocab_size),
         "ignore_eos": _bool(body, "ignore_eos", False),
         "skip_special_tokens": _bool(body, "skip_special_tokens", True),
+        "min_p": _number(body, "min_p", 0.0),
+        "min_tokens": _int(body, "min_tokens", 0, minimum=0),
+        "logit_bias": _logit_bias(body, model),
     }
     return_token_ids = _bool(body, "return_token_ids", False)
     param = "messages" if chat else "prompt"
@@ -344,7 +368,9 @@ def _build(
         for j in range(n):
             try:
                 params = SamplingParams(max_tokens=max_tokens, seed=None if seed is None else seed + j, **shared)
-            except ValueError as exc:  # what the field checks above let through
+            except InvalidSamplingParams as exc:  # what the field checks above let through, by its field
+                raise invalid(exc.problems[0].field, str(exc.problems[0])) from None
+            except ValueError as exc:
                 raise invalid(None, str(exc)) from None
             sequences.append(SequenceSpec(p * n + j, p, tuple(ids), params))
     return GenerationRequest(chat, tuple(sequences), tuple(map(len, prompts)), stream, include_usage, return_token_ids)

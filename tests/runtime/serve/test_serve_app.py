@@ -217,3 +217,23 @@ def test_requests_with_little_text_are_parsed_in_place(client, reference, monkey
     response = client.post("/v1/completions", json={"prompt": long_text, "max_tokens": 1, "model": MODEL})
     assert handed_over == ["parse_completion"]  # its tokenizing ran on a worker thread
     assert response.status_code in (200, 400) and (response.status_code == 200 or "max_model_len" in response.text)
+
+
+def test_logit_bias_min_p_and_min_tokens_reach_the_engine(client, reference):
+    rng = random.Random()
+    ids = [rng.randrange(200) for _ in range(rng.randrange(3, 30))]
+    forced, least = rng.randrange(200), rng.randrange(1, 5)
+    body = {
+        "prompt": ids, "max_tokens": 6, "temperature": 0, "model": MODEL, "logit_bias": {str(forced): 100},
+        "min_p": 0.2, "min_tokens": least, "stop_token_ids": [forced], "return_token_ids": True,
+    }  # fmt: skip
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    params = SamplingParams(
+        max_tokens=6, logit_bias={forced: 100.0}, min_p=0.2, min_tokens=least, stop_token_ids=(forced,)
+    )
+    expected = reference.generate([ids], params)[0]
+    choice = response.json()["choices"][0]
+    assert choice["token_ids"] == list(expected.token_ids) and choice["text"] == expected.text
+    # the forced token is held back until min_tokens, then ends the generation at once
+    assert len(expected.token_ids) == least + 1 and expected.token_ids[-1] == forced

@@ -76,6 +76,14 @@ def test_sampling_fields_reach_the_params(model):
     assert p.ignore_eos and not p.skip_special_tokens and p.max_tokens == 5
     assert request.stream and request.include_usage and request.return_token_ids
     assert parse_completion({"prompt": "a", "stop": ["a", "b"]}, model).sequences[0].params.stop == ("a", "b")
+    min_p, least = random.uniform(0, 1), random.randrange(0, 5)
+    bias = {str(random.randrange(model.vocab_size)): random.uniform(-100, 100) for _ in range(random.randrange(1, 6))}
+    p = parse_chat(
+        {"messages": [{"role": "user", "content": _text()}], "min_p": min_p, "min_tokens": least, "logit_bias": bias,
+         "max_tokens": 5},
+        model,
+    ).sequences[0].params  # fmt: skip
+    assert (p.min_p, p.min_tokens, p.logit_bias) == (min_p, least, tuple((int(k), v) for k, v in bias.items()))
 
 
 def test_chat_renders_the_template_and_fills_the_context_by_default(model):
@@ -143,6 +151,16 @@ BAD = [
     (parse_completion, {"logprobs": 1}, 400, "logprobs", "unsupported", "not supported"),
     (parse_completion, {"echo": True}, 400, "echo", "unsupported", "not supported"),
     (parse_completion, {"presence_penalty": 0.5}, 400, "presence_penalty", "unsupported", "not supported"),
+    (parse_completion, {"logit_bias": [1, 2]}, 400, "logit_bias", "invalid_type", "object"),
+    (parse_completion, {"logit_bias": {"x7": 1}}, 400, "logit_bias", "invalid_value", "not a token id"),
+    (parse_completion, {"logit_bias": {"544": 1}}, 400, "logit_bias", "invalid_value", "not a token id"),
+    (parse_completion, {"logit_bias": {"5": "up"}}, 400, "logit_bias", "invalid_type", "must be a number"),
+    (parse_completion, {"logit_bias": {"5": 101}}, 400, "logit_bias", "invalid_value", "[-100, 100]"),
+    (parse_completion, {"logit_bias": {str(i): 1 for i in range(301)}}, 400, "logit_bias", "invalid_value", "at most 300"),
+    (parse_completion, {"min_p": 1.5}, 400, "min_p", "invalid_value", "[0, 1]"),
+    (parse_completion, {"min_p": "high"}, 400, "min_p", "invalid_type", "number"),
+    (parse_completion, {"min_tokens": -1}, 400, "min_tokens", "invalid_value", ">= 0"),
+    (parse_completion, {"min_tokens": 9, "max_tokens": 4}, 400, "min_tokens", "invalid_value", "max tokens (4)"),
     (parse_chat, {"messages": []}, 400, "messages", "invalid_value", "non-empty list"),
     (parse_chat, {"messages": ["hi"]}, 400, "messages", "invalid_type", "must be an object"),
     (parse_chat, {"messages": [{"role": "user"}]}, 400, "messages", "invalid_value", "content"),
