@@ -31,6 +31,8 @@ MAX_SEED = 1 << 63
 UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),  # vLLM's extra: 1 is off
+    "prompt_logprobs": (None,),  # vLLM's extra
 }
 UNSUPPORTED_COMPLETION = {
     **UNSUPPORTED_COMMON,

@@ -151,6 +151,8 @@ BAD = [
     (parse_completion, {"logprobs": 1}, 400, "logprobs", "unsupported", "not supported"),
     (parse_completion, {"echo": True}, 400, "echo", "unsupported", "not supported"),
     (parse_completion, {"presence_penalty": 0.5}, 400, "presence_penalty", "unsupported", "not supported"),
+    (parse_chat, {"repetition_penalty": 1.1}, 400, "repetition_penalty", "unsupported", "not supported"),
+    (parse_completion, {"prompt_logprobs": 1}, 400, "prompt_logprobs", "unsupported", "not supported"),
     (parse_completion, {"logit_bias": [1, 2]}, 400, "logit_bias", "invalid_type", "object"),
     (parse_completion, {"logit_bias": {"x7": 1}}, 400, "logit_bias", "invalid_value", "not a token id"),
     (parse_completion, {"logit_bias": {"544": 1}}, 400, "logit_bias", "invalid_value", "not a token id"),
