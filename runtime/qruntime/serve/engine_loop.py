@@ -274,8 +274,11 @@ class EngineLoop:
             entry = self._live.pop(engine_id, None)
             if entry is None:
                 continue  # this choice finished already (or was never added)
-            output = self.engine.abort(engine_id)  # frees its KV blocks now
             live.remaining -= 1
+            try:
+                output = self.engine.abort(engine_id)  # frees its KV blocks now
+            except KeyError:  # the engine ended it in the step being dispatched (a failed step fails all
+                continue  # its sequences): its own delta comes later in this turn, and is dropped with the request
             if self.metrics is not None:
                 self.metrics.on_finished(output, live.submission.submitted)
             if notify:

@@ -32,6 +32,7 @@ API_KEY = "k-" + "".join(random.choices("abcdef0123456789", k=24))
 LIMITS = RequestLimits(max_body_bytes=64 << 10, body_timeout=1.0)
 HEADER_TIMEOUT = 1.0
 POISON_SEED = 424242  # the request sampled with this seed gets NaN logits (see `served`)
+RAISE_SEED = 525252  # a step sampling a request with this seed raises (see `served`)
 TEMPLATE_WITH_TOOLS = (  # as Qwen3's: loops over `tools` when given
     "{%- if tools %}{%- for tool in tools %}{{- tool | tojson }}{%- endfor %}{%- endif %}"
     "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{%- endfor %}"
@@ -56,12 +57,14 @@ def served(art):
     engine = qruntime.load(art, "cpu", max_model_len=256, num_kv_blocks=64)
     sample = qruntime.engine.engine.sample_on_device
 
-    def sample_poisoning(logits, params, generators):
+    def sample_poisoning(logits, params, generators, banned=None):
+        if any(p.seed == RAISE_SEED for p in params):
+            raise RuntimeError("a model step that fails (a bug): every sequence of its batch fails")
         logits = logits.clone()
         for row, p in enumerate(params):
             if p.seed == POISON_SEED:
                 logits[row, 0] = float("nan")
-        return sample(logits, params, generators)
+        return sample(logits, params, generators, banned)
 
     engine_module = qruntime.engine.engine
     engine_module.sample_on_device = sample_poisoning
@@ -159,6 +162,20 @@ def test_a_request_the_engine_fails_gets_a_500_naming_it_and_the_others_run_on(
         error = _error(poisoned, 500, "failed in the engine", "non-finite logits", "server log")
         assert error["type"] == "server_error"
     assert any("non-finite" in r.getMessage() for r in caplog.records)
+    _still_serving(client, app, reference, rng)
+
+
+def test_a_failed_step_fails_its_requests_whole_and_the_server_runs_on(client, served, reference, rng, caplog):
+    """A step that raises fails every sequence in it: a request with several choices there gets one
+    500 (its other choices, ended by the same step, were once aborted again and stopped the engine loop)."""
+    _, app = served
+    caplog.set_level(logging.ERROR)
+    n = rng.randrange(2, 5)
+    body = {"prompt": [rng.randrange(500) for _ in range(4)], "max_tokens": 6, "seed": RAISE_SEED, "n": n}
+    response = client.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    error = _error(response, 500, "failed in the engine", "the model step running this request failed", "server log")
+    assert error["type"] == "server_error"
+    assert any("model step" in r.getMessage() for r in caplog.records)
     _still_serving(client, app, reference, rng)
 
 
