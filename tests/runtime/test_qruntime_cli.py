@@ -236,7 +236,7 @@ def test_a_request_the_engine_fails_is_a_one_line_error(art, capsys, monkeypatch
     import qruntime.engine.engine as engine_module
     from qruntime.engine.sampled_tokens import SampledTokens
 
-    def nan_logits(logits, params, generators, banned=None):
+    def nan_logits(logits, params, generators, *rest):
         # what the sampler says of NaN logits: the argmax, and a NaN maximum
         return SampledTokens(logits.argmax(-1), logits.new_full((len(params),), float("nan")))
 

@@ -301,3 +301,19 @@ def test_logit_bias_steers_generation_and_names_unknown_tokens(fp8_artifact, rng
     assert out.token_ids[0] != free[0]
     with pytest.raises(qruntime.InvalidRequest, match=f"logit_bias: {engine.vocab_size} is not a token id"):
         engine.add_request(prompt, SamplingParams(logit_bias={engine.vocab_size: 1.0}))
+
+
+def test_penalties_count_the_output_in_flight(fp8_artifact, rng):
+    """With async scheduling a request's newest output is still on the device when the next step
+    samples: the penalties read it there, so the outputs equal those of an engine that waits."""
+    engines = [qruntime.load(fp8_artifact, device="cpu", num_kv_blocks=64) for _ in range(2)]
+    engines[1].async_scheduling = False
+    prompts = [[rng.randrange(500) for _ in range(rng.randrange(3, 20))] for _ in range(4)]
+    params = SamplingParams(
+        max_tokens=12, ignore_eos=True, repetition_penalty=rng.uniform(5, 50), presence_penalty=rng.uniform(0.5, 2),
+        frequency_penalty=rng.uniform(0.5, 2),
+    )  # fmt: skip
+    waited, overlapped = (e.generate(prompts, params) for e in engines)
+    assert [o.token_ids for o in overlapped] == [o.token_ids for o in waited]
+    free = engines[0].generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert [o.token_ids for o in free] != [o.token_ids for o in waited]  # the penalties did change the choices

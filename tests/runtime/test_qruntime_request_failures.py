@@ -35,12 +35,12 @@ def _poison(monkeypatch, victim: SamplingParams, value: float) -> None:
     (that very object)."""
     sample = qruntime.engine.engine.sample_on_device
 
-    def poisoned(logits, params, generators, banned=None):
+    def poisoned(logits, params, generators, *rest):
         logits = logits.clone()
         for row, p in enumerate(params):
             if p is victim:
                 logits[row, row % logits.shape[1]] = value
-        return sample(logits, params, generators, banned)
+        return sample(logits, params, generators, *rest)
 
     monkeypatch.setattr(qruntime.engine.engine, "sample_on_device", poisoned)
 

@@ -272,3 +272,56 @@ def test_banned_tokens_are_never_sampled():
     keep[[3, 7]] = 0
     got = torch.bincount(torch.tensor(drawn), minlength=12).float() / DRAWS
     assert got[3] == got[7] == 0 and torch.allclose(got, _expected(row, 1.0, keep), atol=0.03)
+
+
+def _penalized_reference(logits, params, histories, in_flight):
+    """Row by row, in plain Python over the vocabulary: OpenAI's presence / frequency and HF's repetition penalty."""
+    out = logits.clone()
+    for row, (p, h) in enumerate(zip(params, histories, strict=True)):
+        if h is None:
+            continue
+        outputs = list(h.outputs) + ([int(in_flight[h.in_flight_row])] if h.in_flight_row is not None else [])
+        for token in range(logits.shape[1]):
+            value = float(logits[row, token])
+            if token in outputs or token in h.prompt:
+                if p.repetition_penalty != 1:
+                    value = value / p.repetition_penalty if value > 0 else value * p.repetition_penalty
+            count = outputs.count(token)
+            value -= p.frequency_penalty * count + p.presence_penalty * (count > 0)
+            out[row, token] = value
+    return out
+
+
+def test_penalties_follow_their_definitions_with_outputs_in_flight(rng):
+    from qruntime.engine.sampler import History, penalized
+
+    vocab, n = 30, 6
+    logits = torch.randn(n, vocab) * 3
+    in_flight = torch.randint(0, vocab, (4,))
+    params, histories = [], []
+    for row in range(n):
+        if row == 0:
+            params.append(SamplingParams())  # no penalty: left as it is
+            histories.append(None)
+            continue
+        params.append(
+            SamplingParams(
+                presence_penalty=rng.uniform(-2, 2) if rng.random() < 0.7 else 0.0,
+                frequency_penalty=rng.uniform(-2, 2) if rng.random() < 0.7 else 0.0,
+                repetition_penalty=rng.uniform(0.5, 3) if rng.random() < 0.7 else 1.0,
+            )
+        )
+        histories.append(
+            History(
+                [rng.randrange(vocab) for _ in range(rng.randrange(0, 8))],
+                [rng.randrange(vocab) for _ in range(rng.randrange(0, 12))],
+                rng.choice([None, rng.randrange(4)]),
+            )
+        )
+    expected = _penalized_reference(logits, params, histories, in_flight)
+    got = penalized(logits.clone(), params, histories, in_flight)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-6)
+    assert torch.equal(got[0], logits[0])
+    greedy = sample(logits, [SamplingParams(**{**p.__dict__, "temperature": 0.0}) for p in params], [None] * n,
+                    histories=histories, in_flight=in_flight)  # fmt: skip
+    assert greedy == expected.argmax(-1).tolist()

@@ -36,7 +36,7 @@ from qruntime.engine.outputs import InvalidRequest, RequestOutput, StreamDelta, 
 from qruntime.engine.prefix_cache import PrefixCacheStats
 from qruntime.engine.request import Request
 from qruntime.engine.sampled_tokens import SampledTokens
-from qruntime.engine.sampler import sample_on_device
+from qruntime.engine.sampler import History, sample_on_device
 from qruntime.engine.sampling_params import SamplingParams, as_list
 from qruntime.engine.scheduler import Scheduler, SchedulerOutput
 from qruntime.engine.step_chunk import StepChunk
@@ -187,8 +187,21 @@ class Engine:
             logits = self._execute(chunks, sampled=sampled)
             logits = logits if len(rows) == len(chunks) else logits[rows]
             banned = [self._banned(t) for t in tracked]
+            histories = None
+            if any(t.params.penalized for t in tracked):  # an output still in flight is read on the device
+                histories = [
+                    History(t.request.prompt_token_ids, t.request.output_token_ids, pending_rows.get(t.request.request_id))
+                    if t.params.penalized
+                    else None
+                    for t in tracked
+                ]
             tokens = sample_on_device(
-                logits, [t.params for t in tracked], [t.generator for t in tracked], banned if any(banned) else None
+                logits,
+                [t.params for t in tracked],
+                [t.generator for t in tracked],
+                banned if any(banned) else None,
+                histories,
+                previous.tokens.ids if previous is not None else None,
             )
         except Exception as exc:
             if self._is_fatal(exc):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -79,10 +80,74 @@ def _exponentials(shape: tuple[int, int], generators: Sequence[torch.Generator],
     return draws.clamp_(min=torch.finfo(torch.float32).tiny)  # an exact 0 would make 0 / 0 = NaN
 
 
-def _adjusted(
-    logits: torch.Tensor, params: Sequence[SamplingParams], banned: Sequence[Sequence[int]] | None
+@dataclass(frozen=True)
+class History:
+    """What a penalized row has seen: its prompt's ids, its output ids the host knows, and the row of
+    the step in flight's sampled ids that holds its newest output (None: it has none in flight)."""
+
+    prompt: Sequence[int]
+    outputs: Sequence[int]
+    in_flight_row: int | None = None
+
+
+def penalized(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[History | None],
+    in_flight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """logits with each row's logit_bias added and its banned tokens at -inf (fp32), or as they are."""
+    """logits [n, V] fp32 with each penalized row's presence, frequency and repetition penalties
+    applied (SamplingParams says how), in place; `in_flight`: the sampled ids [m] on the device that
+    the histories' in_flight_row name (never read on the host). Batched: a count of each row's
+    outputs built by one scatter, whatever the batch."""
+    rows = [r for r, p in enumerate(params) if p.penalized]
+    if not rows:
+        return logits
+    device, vocab = logits.device, logits.shape[1]
+
+    def scatter(target: torch.Tensor, pairs: tuple[list[int], list[int]], values: torch.Tensor | float) -> None:
+        if pairs[0]:
+            at = torch.tensor(pairs, device=device)
+            target.index_put_((at[0], at[1]), torch.as_tensor(values, device=device, dtype=target.dtype), accumulate=True)
+
+    counts = torch.zeros(len(rows), vocab, device=device)
+    known: tuple[list[int], list[int]] = ([], [])
+    for k, row in enumerate(rows):
+        known[0].extend([k] * len(histories[row].outputs))
+        known[1].extend(histories[row].outputs)
+    scatter(counts, known, 1.0)
+    flying = [(k, histories[row].in_flight_row) for k, row in enumerate(rows) if histories[row].in_flight_row is not None]
+    if flying:
+        ks = torch.tensor([k for k, _ in flying], device=device)
+        counts.index_put_((ks, in_flight[torch.tensor([f for _, f in flying], device=device)]), torch.ones(len(flying), device=device), accumulate=True)
+    index = torch.tensor(rows, device=device)
+    picked = logits[index]
+    column = lambda name: torch.tensor([getattr(params[r], name) for r in rows], device=device)[:, None]  # noqa: E731
+    if any(params[r].repetition_penalty != 1 for r in rows):
+        seen = (counts > 0).float()
+        prompt: tuple[list[int], list[int]] = ([], [])
+        for k, row in enumerate(rows):
+            prompt[0].extend([k] * len(histories[row].prompt))
+            prompt[1].extend(histories[row].prompt)
+        scatter(seen, prompt, 1.0)
+        penalty = column("repetition_penalty")
+        scaled = torch.where(picked > 0, picked / penalty, picked * penalty)
+        picked = torch.where(seen > 0, scaled, picked)
+    picked = picked - column("frequency_penalty") * counts - column("presence_penalty") * (counts > 0)
+    logits[index] = picked
+    return logits
+
+
+def _adjusted(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    banned: Sequence[Sequence[int]] | None,
+    histories: Sequence[History | None] | None = None,
+    in_flight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """logits with each row's logit_bias added, its penalties applied and its banned tokens at -inf
+    (fp32), or as they are."""
+    penalties = histories is not None and any(p.penalized for p in params)
     rows, tokens, biases, ban_rows, ban_tokens = [], [], [], [], []
     for row, p in enumerate(params):
         for token, bias in p.logit_bias:
@@ -92,12 +157,14 @@ def _adjusted(
         for token in banned[row] if banned is not None else ():
             ban_rows.append(row)
             ban_tokens.append(token)
-    if not (rows or ban_rows):
+    if not (rows or ban_rows or penalties):
         return logits
     out, device = logits.to(torch.float32, copy=True), logits.device  # never the caller's (a captured graph's output)
     if rows:
         at = torch.tensor([rows, tokens], device=device)
         out.index_put_((at[0], at[1]), torch.tensor(biases, device=device), accumulate=True)
+    if penalties:
+        out = penalized(out, params, histories, in_flight)
     if ban_rows:
         at = torch.tensor([ban_rows, ban_tokens], device=device)
         out.index_put_((at[0], at[1]), torch.tensor(float("-inf"), device=device))
@@ -109,10 +176,13 @@ def sample_on_device(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     banned: Sequence[Sequence[int]] | None = None,
+    histories: Sequence[History | None] | None = None,
+    in_flight: torch.Tensor | None = None,
 ) -> SampledTokens:
     """One token per row of logits [n, V]; row i uses params[i] and generators[i] (None for greedy),
-    and cannot be any token of banned[i], on the device, without waiting for it."""
-    logits = _adjusted(logits, params, banned)
+    cannot be any token of banned[i], and is penalized by histories[i] (`penalized`), on the device,
+    without waiting for it."""
+    logits = _adjusted(logits, params, banned, histories, in_flight)
     best, index = logits.max(-1)  # NaN propagates into best: one reduction finds NaN, +inf and all -inf rows
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
@@ -130,7 +200,9 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     banned: Sequence[Sequence[int]] | None = None,
+    histories: Sequence[History | None] | None = None,
+    in_flight: torch.Tensor | None = None,
 ) -> list[int | None]:
     """`sample_on_device`, read on the host: one token per row, None for a row whose logits hold a
     NaN or +inf, or are all -inf."""
-    return sample_on_device(logits, params, generators, banned).tolist()
+    return sample_on_device(logits, params, generators, banned, histories, in_flight).tolist()

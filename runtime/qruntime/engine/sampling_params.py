@@ -50,6 +50,11 @@ class SamplingParams:
     id of the model (unless ignore_eos); a stop string (not part of the text); the model's context
     length. Before `min_tokens` new tokens, the stop token ids and the EOS ids cannot be sampled (a
     stop string still ends the generation: vLLM holds those back too).
+
+    Penalties, as OpenAI's and vLLM's: presence_penalty is subtracted from the logit of every token
+    already generated, frequency_penalty times the number of times it was; repetition_penalty (HF's,
+    over the prompt and the output) divides a positive logit of a token seen and multiplies a
+    negative one. They come after logit_bias, before the temperature, on the model's logits.
     """
 
     max_tokens: int = 16
@@ -64,6 +69,9 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,6 +87,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty changes this request's logits (their history is needed to sample it)."""
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1
 
 
 def as_list(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
@@ -110,6 +123,9 @@ def _problems(p: SamplingParams) -> list[FieldProblem]:
         *_min_p(p.min_p),
         *_min_tokens(p.min_tokens, p.max_tokens),
         *_logit_bias(p.logit_bias),
+        *_penalty("presence_penalty", p.presence_penalty),
+        *_penalty("frequency_penalty", p.frequency_penalty),
+        *_repetition_penalty(p.repetition_penalty),
     ]
 
 
@@ -199,3 +215,20 @@ def _logit_bias(pairs: tuple[object, ...]) -> Iterator[FieldProblem]:
         elif not isinstance(bias, int | float) or isinstance(bias, bool) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
             yield FieldProblem("logit_bias", bias, f"must be a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", i)
         seen.add(token)
+
+
+MAX_PENALTY = 2.0  # OpenAI's range for presence / frequency penalties: [-2, 2]
+
+
+def _penalty(field: str, value: object) -> Iterator[FieldProblem]:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        yield FieldProblem(field, value, "must be a number")
+    elif not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN fails this too
+        yield FieldProblem(field, value, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+
+
+def _repetition_penalty(value: object) -> Iterator[FieldProblem]:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        yield FieldProblem("repetition_penalty", value, "must be a number")
+    elif not 0 < value < math.inf:
+        yield FieldProblem("repetition_penalty", value, "must be finite and > 0")

@@ -29,9 +29,6 @@ MAX_SEED = 1 << 63
 
 # field -> the values that mean "off"; anything else asks for something the engine does not do
 UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1),  # vLLM's extra: 1 is off
     "prompt_logprobs": (None,),  # vLLM's extra
 }
 UNSUPPORTED_COMPLETION = {
@@ -361,6 +358,9 @@ def _build(
         "min_p": _number(body, "min_p", 0.0),
         "min_tokens": _int(body, "min_tokens", 0, minimum=0),
         "logit_bias": _logit_bias(body, model),
+        "presence_penalty": _number(body, "presence_penalty", 0.0),
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0),
+        "repetition_penalty": _number(body, "repetition_penalty", 1.0),  # vLLM's extra
     }
     return_token_ids = _bool(body, "return_token_ids", False)
     param = "messages" if chat else "prompt"

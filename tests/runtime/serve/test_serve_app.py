@@ -237,3 +237,15 @@ def test_logit_bias_min_p_and_min_tokens_reach_the_engine(client, reference):
     assert choice["token_ids"] == list(expected.token_ids) and choice["text"] == expected.text
     # the forced token is held back until min_tokens, then ends the generation at once
     assert len(expected.token_ids) == least + 1 and expected.token_ids[-1] == forced
+
+
+def test_penalties_reach_the_engine(client, reference):
+    rng = random.Random()
+    ids = [rng.randrange(200) for _ in range(rng.randrange(3, 30))]
+    penalties = {"presence_penalty": rng.uniform(0.5, 2), "frequency_penalty": rng.uniform(0.5, 2),
+                 "repetition_penalty": rng.uniform(2, 20)}  # fmt: skip
+    body = {"prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "model": MODEL, **penalties}
+    response = client.post("/v1/completions", json={**body, "return_token_ids": True})
+    assert response.status_code == 200, response.text
+    expected = reference.generate([ids], SamplingParams(max_tokens=8, ignore_eos=True, **penalties))[0]
+    assert response.json()["choices"][0]["token_ids"] == list(expected.token_ids)

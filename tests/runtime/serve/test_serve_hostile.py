@@ -57,14 +57,14 @@ def served(art):
     engine = qruntime.load(art, "cpu", max_model_len=256, num_kv_blocks=64)
     sample = qruntime.engine.engine.sample_on_device
 
-    def sample_poisoning(logits, params, generators, banned=None):
+    def sample_poisoning(logits, params, generators, *rest):
         if any(p.seed == RAISE_SEED for p in params):
             raise RuntimeError("a model step that fails (a bug): every sequence of its batch fails")
         logits = logits.clone()
         for row, p in enumerate(params):
             if p.seed == POISON_SEED:
                 logits[row, 0] = float("nan")
-        return sample(logits, params, generators, banned)
+        return sample(logits, params, generators, *rest)
 
     engine_module = qruntime.engine.engine
     engine_module.sample_on_device = sample_poisoning

@@ -84,6 +84,10 @@ def test_sampling_fields_reach_the_params(model):
         model,
     ).sequences[0].params  # fmt: skip
     assert (p.min_p, p.min_tokens, p.logit_bias) == (min_p, least, tuple((int(k), v) for k, v in bias.items()))
+    penalties = {"presence_penalty": random.uniform(-2, 2), "frequency_penalty": random.uniform(-2, 2),
+                 "repetition_penalty": random.uniform(0.1, 3)}  # fmt: skip
+    p = parse_completion({"prompt": _text(), **penalties}, model).sequences[0].params
+    assert {k: getattr(p, k) for k in penalties} == penalties and p.penalized
 
 
 def test_chat_renders_the_template_and_fills_the_context_by_default(model):
@@ -150,8 +154,9 @@ BAD = [
     (parse_completion, {"max_tokens": MAX_MODEL_LEN}, 400, "max_tokens", "context_length_exceeded", "max_model_len"),
     (parse_completion, {"logprobs": 1}, 400, "logprobs", "unsupported", "not supported"),
     (parse_completion, {"echo": True}, 400, "echo", "unsupported", "not supported"),
-    (parse_completion, {"presence_penalty": 0.5}, 400, "presence_penalty", "unsupported", "not supported"),
-    (parse_chat, {"repetition_penalty": 1.1}, 400, "repetition_penalty", "unsupported", "not supported"),
+    (parse_completion, {"presence_penalty": 2.5}, 400, "presence_penalty", "invalid_value", "[-2, 2]"),
+    (parse_chat, {"frequency_penalty": "some"}, 400, "frequency_penalty", "invalid_type", "number"),
+    (parse_chat, {"repetition_penalty": 0}, 400, "repetition_penalty", "invalid_value", "> 0"),
     (parse_completion, {"prompt_logprobs": 1}, 400, "prompt_logprobs", "unsupported", "not supported"),
     (parse_completion, {"logit_bias": [1, 2]}, 400, "logit_bias", "invalid_type", "object"),
     (parse_completion, {"logit_bias": {"x7": 1}}, 400, "logit_bias", "invalid_value", "not a token id"),
