@@ -1,0 +1,105 @@
+"""The server through the official `openai` client (as people call it): sampling fields OpenAI has
+(logit_bias, presence / frequency penalties, stop, n) and vLLM's extras (min_p, min_tokens,
+repetition_penalty, through extra_body) give what the engine gives for the same SamplingParams, whole
+and streamed, and a bad field is a BadRequestError naming it."""
+
+from __future__ import annotations
+
+import random
+
+import openai
+import pytest
+import qruntime
+from qruntime import SamplingParams
+from qruntime.serve.app import build_app
+from serve_harness import ThreadedServer
+
+MODEL = "tiny-openai"
+LOAD = {"device": "cpu", "max_model_len": 256, "num_kv_blocks": 64}
+WORDS = ("the", "model", "runs", "fast", "hello", "world", "cache", "tokens")
+
+
+@pytest.fixture(scope="module")
+def art(tiny_ckpt, compiled):
+    return compiled(tiny_ckpt, "ptpc-fp8")
+
+
+@pytest.fixture(scope="module")
+def reference(art):
+    return qruntime.load(art, **LOAD)
+
+
+@pytest.fixture(scope="module")
+def client(art):
+    app = build_app(qruntime.load(art, **LOAD), model_name=MODEL, max_waiting=32)
+    with ThreadedServer(app) as server:
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def _text(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randrange(2, 7)))
+
+
+def test_sampling_fields_give_the_engines_tokens_whole_and_streamed(client, reference, rng):
+    prompt = _text(rng)
+    (free,) = reference.generate([prompt], SamplingParams(max_tokens=1))
+    banned = free.token_ids[0]  # what greedy picks first: its -100 bias must change the reply
+    fields = {
+        "logit_bias": {str(banned): -100, str(rng.randrange(200)): rng.uniform(-3, 3)},
+        "presence_penalty": rng.uniform(-2, 2),
+        "frequency_penalty": rng.uniform(-2, 2),
+    }
+    extra = {"min_p": rng.uniform(0, 0.3), "min_tokens": rng.randrange(0, 4), "repetition_penalty": rng.uniform(0.5, 3)}
+    common = dict(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, n=2, **fields)
+    whole = client.completions.create(**common, extra_body=extra)
+    streamed = list(client.completions.create(**common, stream=True, extra_body=extra))
+    bias = tuple((int(k), float(v)) for k, v in fields["logit_bias"].items())
+    params = SamplingParams(
+        max_tokens=10, logit_bias=bias, presence_penalty=fields["presence_penalty"],
+        frequency_penalty=fields["frequency_penalty"], **extra,
+    )  # fmt: skip
+    (expected,) = reference.generate([prompt], params)
+    assert banned not in expected.token_ids
+    assert [c.text for c in whole.choices] == [expected.text] * 2
+    for index in range(2):
+        chunks = [c for chunk in streamed for c in chunk.choices if c.index == index]
+        assert "".join(c.text for c in chunks) == expected.text
+        assert chunks[-1].finish_reason == expected.finish_reason
+    assert whole.usage.completion_tokens == 2 * len(expected.token_ids)
+
+
+def test_a_chat_stops_at_its_stop_string_streamed(client, reference, rng):
+    for _ in range(20):  # a reply long enough to cut mid-way with a stop string
+        messages = [{"role": "user", "content": _text(rng)}]
+        (free,) = reference.chat(messages, SamplingParams(max_tokens=30, ignore_eos=True))
+        text = free.text
+        stop = text[len(text) // 2 : len(text) // 2 + 2]
+        (expected,) = reference.chat(messages, SamplingParams(max_tokens=30, ignore_eos=True, stop=(stop,)))
+        if len(text) >= 8 and expected.finish_reason == "stop":
+            break
+    else:
+        pytest.fail("no reply of the tiny model was long enough to cut with a stop string")
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=30, temperature=0, stop=[stop], stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == expected.text and stop not in content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"logit_bias": {"not-a-token": 5}}, "logit_bias"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"extra_body": {"min_p": 2}}, "min_p"),
+        ({"extra_body": {"repetition_penalty": -1}}, "repetition_penalty"),
+    ],
+)
+def test_a_bad_field_is_a_bad_request_naming_it(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt="hello", max_tokens=3, **kwargs)
+    assert caught.value.status_code == 400 and caught.value.body["param"] == param
