@@ -143,7 +143,7 @@ class StepProfiler:
         self.timed(torch.cuda.Event, "synchronize", "event_wait")  # inside graph_host: the inputs' guard
         self.timed(engine_module, "sample_on_device", "sample")
         self.timed(SampledTokens, "tolist", "read")
-        self.timed(IncrementalDetokenizer, "add", "detok")  # the engine's own text (qruntime run, not serve)
+        self.timed(IncrementalDetokenizer, "add", "detok")  # in the engine: a served request should never get here
         # serve turns ids into text in the HTTP process, as each request's reader takes its deltas
         from qruntime.serve.engine_client import Handle
 

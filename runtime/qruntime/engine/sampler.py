@@ -122,7 +122,11 @@ def penalized(
         counts.index_put_((ks, in_flight[torch.tensor([f for _, f in flying], device=device)]), torch.ones(len(flying), device=device), accumulate=True)
     index = torch.tensor(rows, device=device)
     picked = logits[index]
-    column = lambda name: torch.tensor([getattr(params[r], name) for r in rows], device=device)[:, None]  # noqa: E731
+
+    def column(name: str) -> torch.Tensor:
+        """A penalty of each penalized row, as a column [rows, 1]."""
+        return torch.tensor([getattr(params[r], name) for r in rows], device=device)[:, None]
+
     if any(params[r].repetition_penalty != 1 for r in rows):
         seen = (counts > 0).float()
         prompt: tuple[list[int], list[int]] = ([], [])

@@ -1,11 +1,13 @@
 """What the serve tests share: `qruntime serve` in a subprocess on a free loopback port, its
-/metrics as numbers, and bench/loadgen.py (the load test's client) imported from the repo."""
+/metrics as numbers, bench/loadgen.py (the load test's client) imported from the repo, and the
+small CPU engine and prompts the in-process servers use."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
 import os
+import random
 import re
 import signal
 import socket
@@ -23,6 +25,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[3]
 READY = re.compile(r"^(?:INFO: +)?serving .+ on (http://\S+) ")
+CPU_LOAD = {"device": "cpu", "max_model_len": 256, "num_kv_blocks": 64}  # qruntime.load's kwargs for a small CPU engine
+WORDS = ("the", "model", "runs", "fast", "hello", "world", "cache", "tokens")
+
+
+def random_text(rng: random.Random) -> str:
+    """A prompt of 2 to 6 of WORDS."""
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randrange(2, 7)))
 
 
 def load_loadgen() -> ModuleType:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import signal
 import time
 
@@ -21,14 +20,9 @@ from qruntime.serve.app import build_app
 from qruntime.serve.engine_loop import QueueFull
 from qruntime.serve.engine_process import EngineProcess
 from qruntime.serve.protocol import SequenceSpec
-from serve_harness import ThreadedServer, metrics, torch_threads
-
-WORDS = ("the", "model", "runs", "fast", "hello", "world", "cache", "tokens")
-LOAD = {"device": "cpu", "max_model_len": 256, "num_kv_blocks": 64}
+from serve_harness import CPU_LOAD, ThreadedServer, metrics, random_text, torch_threads
 
 
-def _text(rng: random.Random) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(rng.randrange(2, 7)))
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +32,12 @@ def art(tiny_ckpt, compiled):
 
 @pytest.fixture(scope="module")
 def reference(art):
-    return qruntime.load(art, **LOAD)
+    return qruntime.load(art, **CPU_LOAD)
 
 
 @pytest.fixture(scope="module")
 def process(art):
-    engine = EngineProcess({"path": str(art), **LOAD}, max_waiting=8, threads=1)
+    engine = EngineProcess({"path": str(art), **CPU_LOAD}, max_waiting=8, threads=1)
     yield engine
     engine.stop(30)
 
@@ -56,7 +50,7 @@ def client(process):
 
 
 def test_served_outputs_equal_the_engines_own(client, process, reference, rng):
-    prompts = [_text(rng) for _ in range(3)]
+    prompts = [random_text(rng) for _ in range(3)]
     tokens = rng.randrange(3, 12)
     body = {"prompt": prompts, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "model": "tiny"}
     whole = client.post("/v1/completions", json=body)
@@ -82,7 +76,7 @@ def test_served_outputs_equal_the_engines_own(client, process, reference, rng):
 
 def test_the_tokenizer_crossed_over_whole(client, process, reference, rng):
     """The HTTP side renders chats and counts prompt tokens with the tokenizer the engine process sent."""
-    messages = [{"role": "user", "content": _text(rng)}]
+    messages = [{"role": "user", "content": random_text(rng)}]
     response = client.post(
         "/v1/chat/completions", json={"messages": messages, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
     ).json()
@@ -113,17 +107,17 @@ def test_a_load_error_is_the_engines_own_and_leaves_no_process(tmp_path):
     (tmp_path / "manifest.json").write_text('{"format": "junk"')
     children_before = _children()
     with pytest.raises(ArtifactFormatError, match="manifest.json"):
-        EngineProcess({"path": str(tmp_path), **LOAD}, max_waiting=4)
+        EngineProcess({"path": str(tmp_path), **CPU_LOAD}, max_waiting=4)
     assert _children() == children_before
 
 
 def test_a_dead_engine_process_fails_requests_in_flight_then_health(art, rng):
-    engine = EngineProcess({"path": str(art), **LOAD}, max_waiting=8, threads=1)
+    engine = EngineProcess({"path": str(art), **CPU_LOAD}, max_waiting=8, threads=1)
     app = build_app(engine, model_name="tiny")
     try:
         with ThreadedServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
             assert client.get("/health").status_code == 200
-            body = {"prompt": _text(rng), "max_tokens": 200, "ignore_eos": True, "stream": True}
+            body = {"prompt": random_text(rng), "max_tokens": 200, "ignore_eos": True, "stream": True}
             with client.stream("POST", "/v1/completions", json=body) as response:
                 lines = response.iter_lines()
                 assert next(line for line in lines if line.startswith("data: "))  # it is generating
@@ -139,7 +133,7 @@ def test_a_dead_engine_process_fails_requests_in_flight_then_health(art, rng):
 
 
 def test_stop_ends_the_engine_process(art):
-    engine = EngineProcess({"path": str(art), **LOAD}, max_waiting=4, threads=1)
+    engine = EngineProcess({"path": str(art), **CPU_LOAD}, max_waiting=4, threads=1)
     pid = engine._process.pid
     assert pid in _children()
     engine.stop(30)
@@ -166,7 +160,7 @@ def _children() -> set[int]:
 def _stop_case(reference, rng):
     """A prompt and a stop string that ends its greedy reply mid-way (found in the engine's own text)."""
     for _ in range(20):
-        prompt = _text(rng)
+        prompt = random_text(rng)
         with torch_threads(1):
             (free,) = reference.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True))
         text = free.text

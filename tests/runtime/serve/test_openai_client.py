@@ -5,18 +5,15 @@ and streamed, and a bad field is a BadRequestError naming it."""
 
 from __future__ import annotations
 
-import random
 
 import openai
 import pytest
 import qruntime
 from qruntime import SamplingParams
 from qruntime.serve.app import build_app
-from serve_harness import ThreadedServer
+from serve_harness import CPU_LOAD, ThreadedServer, random_text
 
 MODEL = "tiny-openai"
-LOAD = {"device": "cpu", "max_model_len": 256, "num_kv_blocks": 64}
-WORDS = ("the", "model", "runs", "fast", "hello", "world", "cache", "tokens")
 
 
 @pytest.fixture(scope="module")
@@ -26,22 +23,19 @@ def art(tiny_ckpt, compiled):
 
 @pytest.fixture(scope="module")
 def reference(art):
-    return qruntime.load(art, **LOAD)
+    return qruntime.load(art, **CPU_LOAD)
 
 
 @pytest.fixture(scope="module")
 def client(art):
-    app = build_app(qruntime.load(art, **LOAD), model_name=MODEL, max_waiting=32)
+    app = build_app(qruntime.load(art, **CPU_LOAD), model_name=MODEL, max_waiting=32)
     with ThreadedServer(app) as server:
         yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
-def _text(rng: random.Random) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(rng.randrange(2, 7)))
-
 
 def test_sampling_fields_give_the_engines_tokens_whole_and_streamed(client, reference, rng):
-    prompt = _text(rng)
+    prompt = random_text(rng)
     (free,) = reference.generate([prompt], SamplingParams(max_tokens=1))
     banned = free.token_ids[0]  # what greedy picks first: its -100 bias must change the reply
     fields = {
@@ -70,7 +64,7 @@ def test_sampling_fields_give_the_engines_tokens_whole_and_streamed(client, refe
 
 def test_a_chat_stops_at_its_stop_string_streamed(client, reference, rng):
     for _ in range(20):  # a reply long enough to cut mid-way with a stop string
-        messages = [{"role": "user", "content": _text(rng)}]
+        messages = [{"role": "user", "content": random_text(rng)}]
         (free,) = reference.chat(messages, SamplingParams(max_tokens=30, ignore_eos=True))
         text = free.text
         stop = text[len(text) // 2 : len(text) // 2 + 2]

@@ -15,10 +15,9 @@ import qruntime
 from qruntime import SamplingParams
 from qruntime.reasoning import split_reasoning
 from qruntime.serve.app import build_app
-from serve_harness import ThreadedServer
+from serve_harness import CPU_LOAD, ThreadedServer
 
 WORDS = ("the", "model", "thinks", "then", "answers", "hello", "world")
-LOAD = {"device": "cpu", "max_model_len": 256, "num_kv_blocks": 64}
 OPEN = "{{- '<|im_start|>assistant\\n' }}"
 
 
@@ -42,12 +41,12 @@ def art(opening_ckpt, compiled):
 
 @pytest.fixture(scope="module")
 def reference(art):
-    return qruntime.load(art, **LOAD)
+    return qruntime.load(art, **CPU_LOAD)
 
 
 @pytest.fixture(scope="module")
 def client(art):
-    app = build_app(qruntime.load(art, **LOAD), model_name="m", reasoning_parser="qwen3")
+    app = build_app(qruntime.load(art, **CPU_LOAD), model_name="m", reasoning_parser="qwen3")
     with ThreadedServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
         yield client
 
@@ -88,7 +87,7 @@ def test_thinking_off_is_all_content(client, reference, rng):
 
 
 def test_without_the_parser_the_reply_is_whole(art, reference, rng):
-    app = build_app(qruntime.load(art, **LOAD), model_name="m")
+    app = build_app(qruntime.load(art, **CPU_LOAD), model_name="m")
     messages = _messages(rng)
     (expected,) = reference.chat(messages, SamplingParams(max_tokens=5))
     with ThreadedServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
