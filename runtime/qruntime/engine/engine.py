@@ -40,6 +40,7 @@ from qruntime.engine.sampler import History, sample_on_device
 from qruntime.engine.sampling_params import SamplingParams, as_list
 from qruntime.engine.scheduler import Scheduler, SchedulerOutput
 from qruntime.engine.step_chunk import StepChunk
+from qruntime.engine.transfer import device_tensor
 from qruntime.tokenizer import IncrementalDetokenizer, TokenIdsOnly, Tokenizer, TokenizerError
 
 if TYPE_CHECKING:
@@ -185,12 +186,14 @@ class Engine:
             chunks = [StepChunk.of(c, pending_rows.get(c.request.request_id)) for c in output.chunks]
             sampled = previous.tokens.ids if pending_rows and any(c.token_ids[-1] < 0 for c in chunks) else None
             logits = self._execute(chunks, sampled=sampled)
-            logits = logits if len(rows) == len(chunks) else logits[rows]
+            logits = logits if len(rows) == len(chunks) else logits[device_tensor(rows, torch.int64, logits.device)]
             banned = [self._banned(t) for t in tracked]
             histories = None
             if any(t.params.penalized for t in tracked):  # an output still in flight is read on the device
                 histories = [
-                    History(t.request.prompt_token_ids, t.request.output_token_ids, pending_rows.get(t.request.request_id))
+                    History(
+                        t.request.prompt_token_ids, t.request.output_token_ids, pending_rows.get(t.request.request_id)
+                    )
                     if t.params.penalized
                     else None
                     for t in tracked

@@ -11,16 +11,19 @@ tensor-parallel engine can send it to the other ranks, which run this same code 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from qruntime.engine.cuda_graphs import DecodeGraphs
 from qruntime.engine.piecewise_graphs import PiecewiseGraphs
 from qruntime.engine.sampled_tokens import resolve_pending
 from qruntime.engine.step_chunk import StepChunk
+from qruntime.engine.transfer import pack
 from qruntime.kv_cache import KVCache
-from qruntime.ops.base import AttentionMetadata, StepContext
+from qruntime.ops.base import AttentionMetadata, StepContext, TableSlots
 from qruntime.plan import Plan
 
 
@@ -53,44 +56,47 @@ class ModelRunner:
         self, chunks: Sequence[StepChunk], all_logits: bool = False
     ) -> tuple[dict[str, torch.Tensor], AttentionMetadata]:
         """Graph inputs (docs/OPS.md) and attention metadata for one step. logits_indices picks each
-        chunk's last token, or with all_logits every token of the step."""
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        starts = [0]
-        context_lens: list[int] = []
-        width = max(len(c.block_table) for c in chunks)
-        tables = torch.zeros(len(chunks), width, dtype=torch.int32)
+        chunk's last token, or with all_logits every token of the step.
+
+        Built with numpy on the host (a handful of array ops whatever the step's size; only each
+        chunk's ids and block table are walked in Python) and sent in two asynchronous copies, one
+        per dtype (transfer.pack): a blocking copy would wait for the step still in flight."""
+        bs, count = self.block_size, len(chunks)
+        lens = np.fromiter((c.num_tokens for c in chunks), np.int64, count)
+        starts = np.zeros(count + 1, np.int64)
+        np.cumsum(lens, out=starts[1:])
+        tokens = int(starts[-1])
+        first = np.fromiter((c.start for c in chunks), np.int64, count)
+        context_lens = first + lens
+        seq = np.repeat(np.arange(count), lens)  # the chunk of every token of the step
+        positions = np.arange(tokens) - starts[seq] + first[seq]
+        tables = np.zeros((count, max(len(c.block_table) for c in chunks)), np.int32)
         for b, chunk in enumerate(chunks):
-            end = chunk.start + chunk.num_tokens
-            ids += chunk.token_ids
-            positions += range(chunk.start, end)
-            starts.append(starts[-1] + chunk.num_tokens)
-            context_lens.append(end)
-            tables[b, : len(chunk.block_table)] = torch.tensor(chunk.block_table, dtype=torch.int32)
-        # slot of every position of every sequence: block_table[pos // bs] * bs + pos % bs
-        all_slots = (tables.long()[:, :, None] * bs + torch.arange(bs)).reshape(len(chunks), -1)
-        pos = torch.tensor(positions, dtype=torch.int64)
-        seq_of_token = torch.repeat_interleave(
-            torch.arange(len(chunks)), torch.tensor(starts[1:]) - torch.tensor(starts[:-1])
+            tables[b, : len(chunk.block_table)] = chunk.block_table
+        wide = pack(
+            {
+                "input_ids": np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64, tokens),
+                "positions": positions,
+                "slot_mapping": tables[seq, positions // bs].astype(np.int64) * bs + positions % bs,
+                "logits_indices": np.arange(tokens) if all_logits else starts[1:] - 1,
+            },
+            self.device,
         )
-        slot_mapping = all_slots[seq_of_token, pos]
-        feeds = {
-            "input_ids": torch.tensor(ids, dtype=torch.int64),
-            "positions": pos,
-            "slot_mapping": slot_mapping,
-            "block_tables": tables,
-            "context_lens": torch.tensor(context_lens, dtype=torch.int32),
-            "query_start_loc": torch.tensor(starts, dtype=torch.int32),
-            "logits_indices": torch.arange(starts[-1]) if all_logits else torch.tensor(starts[1:]) - 1,
-        }
-        feeds = {name: t.to(self.device) for name, t in feeds.items()}
-        device_slots = all_slots.to(self.device)
+        narrow = pack(
+            {
+                "block_tables": tables,
+                "context_lens": context_lens.astype(np.int32),
+                "query_start_loc": starts.astype(np.int32),
+            },
+            self.device,
+        )
+        feeds = {**wide, **narrow}
+        lens_tuple = tuple(context_lens.tolist())
         meta = AttentionMetadata(
-            query_start=tuple(starts),
-            context_lens=tuple(context_lens),
-            cache_slots=tuple(device_slots[b, :n] for b, n in enumerate(context_lens)),
-            max_q_len=max(c.num_tokens for c in chunks),
+            query_start=tuple(starts.tolist()),
+            context_lens=lens_tuple,
+            cache_slots=TableSlots(feeds["block_tables"], lens_tuple, bs),
+            max_q_len=int(lens.max()),
             max_context_len=self.max_context_len,
         )
         return feeds, meta

@@ -29,6 +29,7 @@ import torch
 
 from qruntime.engine.sampled_tokens import SampledTokens
 from qruntime.engine.sampling_params import SamplingParams
+from qruntime.engine.transfer import device_tensor
 
 # larger temperatures act as this one: it already flattens any logit spread below 1e25 to uniform
 MAX_TEMPERATURE = 1e30
@@ -40,17 +41,17 @@ MIN_TOP_P = 1e-30
 def _distributions(logits: torch.Tensor, best: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Probabilities [n, V] fp32 of the rows' tempered, cut distributions; `best` [n]: each row's maximum."""
     device, vocab = logits.device, logits.shape[1]
-    temperature = torch.tensor([min(p.temperature, MAX_TEMPERATURE) for p in params], device=device)
+    temperature = device_tensor([min(p.temperature, MAX_TEMPERATURE) for p in params], torch.float32, device)
     finite = torch.isfinite(best)
     shift = torch.where(finite, best.float(), torch.zeros_like(best, dtype=torch.float32))
     scaled = (logits.float() - shift[:, None]).div_(temperature[:, None])  # each row's maximum is 0
     scaled = torch.where(finite[:, None], scaled, torch.zeros_like(scaled))  # a faulty row: uniform, not NaN
     if any(p.min_p > 0 for p in params):  # p_i < min_p * p_max  <=>  scaled_i < log(min_p) (the row's max is 0)
-        floor = torch.tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], device=device)
+        floor = device_tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], torch.float32, device)
         scaled = torch.where(scaled < floor[:, None], float("-inf"), scaled)
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(top_k):
-        k = torch.tensor(top_k, device=device)
+        k = device_tensor(top_k, torch.int64, device)
         values = torch.topk(scaled, max(top_k), dim=-1).values
         kth = values.gather(1, (k - 1).clamp_(min=0)[:, None])
         scaled = torch.where((k[:, None] > 0) & (scaled < kth), float("-inf"), scaled)
@@ -59,7 +60,7 @@ def _distributions(logits: torch.Tensor, best: torch.Tensor, params: Sequence[Sa
         ordered, order = torch.sort(scaled, dim=-1, descending=True)
         probs = ordered.softmax(-1)
         # drop a token when the tokens ranked above it already hold top_p of the mass (never the first)
-        cut = torch.tensor(top_p, device=device)[:, None]
+        cut = device_tensor(top_p, torch.float32, device)[:, None]
         drop = ((probs.cumsum(-1) - probs) >= cut) & (cut < 1.0)
         scaled = scaled.scatter(1, order, ordered.masked_fill(drop, float("-inf")))
     return scaled.softmax(-1)
@@ -76,7 +77,7 @@ def _exponentials(shape: tuple[int, int], generators: Sequence[torch.Generator],
         draws = torch.empty(shape, device=device)
         for members in groups.values():
             block = torch.empty(len(members), shape[1], device=device).exponential_(generator=generators[members[0]])
-            draws[torch.tensor(members, device=device)] = block
+            draws[device_tensor(members, torch.int64, device)] = block
     return draws.clamp_(min=torch.finfo(torch.float32).tiny)  # an exact 0 would make 0 / 0 = NaN
 
 
@@ -105,10 +106,12 @@ def penalized(
         return logits
     device, vocab = logits.device, logits.shape[1]
 
-    def scatter(target: torch.Tensor, pairs: tuple[list[int], list[int]], values: torch.Tensor | float) -> None:
+    def scatter(target: torch.Tensor, pairs: tuple[list[int], list[int]], value: float) -> None:
         if pairs[0]:
-            at = torch.tensor(pairs, device=device)
-            target.index_put_((at[0], at[1]), torch.as_tensor(values, device=device, dtype=target.dtype), accumulate=True)
+            at = device_tensor(pairs, torch.int64, device)
+            target.index_put_(
+                (at[0], at[1]), torch.full((), value, device=device, dtype=target.dtype), accumulate=True
+            )
 
     counts = torch.zeros(len(rows), vocab, device=device)
     known: tuple[list[int], list[int]] = ([], [])
@@ -116,16 +119,18 @@ def penalized(
         known[0].extend([k] * len(histories[row].outputs))
         known[1].extend(histories[row].outputs)
     scatter(counts, known, 1.0)
-    flying = [(k, histories[row].in_flight_row) for k, row in enumerate(rows) if histories[row].in_flight_row is not None]
+    flying = [
+        (k, histories[row].in_flight_row) for k, row in enumerate(rows) if histories[row].in_flight_row is not None
+    ]
     if flying:
-        ks = torch.tensor([k for k, _ in flying], device=device)
-        counts.index_put_((ks, in_flight[torch.tensor([f for _, f in flying], device=device)]), torch.ones(len(flying), device=device), accumulate=True)
-    index = torch.tensor(rows, device=device)
+        ks, at = device_tensor([[k for k, _ in flying], [f for _, f in flying]], torch.int64, device)
+        counts.index_put_((ks, in_flight[at]), torch.ones(len(flying), device=device), accumulate=True)
+    index = device_tensor(rows, torch.int64, device)
     picked = logits[index]
 
     def column(name: str) -> torch.Tensor:
         """A penalty of each penalized row, as a column [rows, 1]."""
-        return torch.tensor([getattr(params[r], name) for r in rows], device=device)[:, None]
+        return device_tensor([getattr(params[r], name) for r in rows], torch.float32, device)[:, None]
 
     if any(params[r].repetition_penalty != 1 for r in rows):
         seen = (counts > 0).float()
@@ -165,13 +170,13 @@ def _adjusted(
         return logits
     out, device = logits.to(torch.float32, copy=True), logits.device  # never the caller's (a captured graph's output)
     if rows:
-        at = torch.tensor([rows, tokens], device=device)
-        out.index_put_((at[0], at[1]), torch.tensor(biases, device=device), accumulate=True)
+        at = device_tensor([rows, tokens], torch.int64, device)
+        out.index_put_((at[0], at[1]), device_tensor(biases, torch.float32, device), accumulate=True)
     if penalties:
         out = penalized(out, params, histories, in_flight)
     if ban_rows:
-        at = torch.tensor([ban_rows, ban_tokens], device=device)
-        out.index_put_((at[0], at[1]), torch.tensor(float("-inf"), device=device))
+        at = device_tensor([ban_rows, ban_tokens], torch.int64, device)
+        out.index_put_((at[0], at[1]), torch.full((), float("-inf"), device=device))
     return out
 
 
@@ -190,7 +195,7 @@ def sample_on_device(
     best, index = logits.max(-1)  # NaN propagates into best: one reduction finds NaN, +inf and all -inf rows
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
-        rows = torch.tensor(sampled, device=logits.device) if len(sampled) < len(params) else None
+        rows = device_tensor(sampled, torch.int64, logits.device) if len(sampled) < len(params) else None
         picked = logits if rows is None else logits[rows]
         probs = _distributions(picked, best if rows is None else best[rows], [params[i] for i in sampled])
         race = probs.div_(_exponentials(tuple(probs.shape), [generators[i] for i in sampled], logits.device))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from qruntime.engine.step_chunk import StepChunk
 
-
 PREFILL_TILE_PROBES = (9, 24, 48, 100)  # longest chunks of each prefill tile below 256 rows
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -32,12 +32,13 @@ class AttentionMetadata:
     """Per-sequence facts of one step, built once by the ModelRunner and shared by every layer.
 
     `cache_slots[b]` are the cache slots of positions 0 .. context_lens[b]-1 of sequence b (the
-    reference ops gather with them; kernels read the block tables). `max_context_len` bounds every
-    context of the engine (kernels size their grids with it, so a captured graph stays valid)."""
+    reference ops gather with them; kernels read the block tables): a tuple, or TableSlots, which
+    computes a sequence's slots when an op asks. `max_context_len` bounds every context of the
+    engine (kernels size their grids with it, so a captured graph stays valid)."""
 
     query_start: tuple[int, ...]  # [B+1]
     context_lens: tuple[int, ...]  # [B]
-    cache_slots: tuple[torch.Tensor, ...]  # B x [context_len] int64
+    cache_slots: Sequence[torch.Tensor]  # B x [context_len] int64
     max_q_len: int = 0
     max_context_len: int = 0
 
@@ -45,6 +46,27 @@ class AttentionMetadata:
     def decode_only(self) -> bool:
         """Every sequence adds exactly one token this step."""
         return self.max_q_len == 1
+
+
+class TableSlots(Sequence[torch.Tensor]):
+    """cache_slots computed from the step's block tables on their device, one sequence at a time, when
+    an op asks (slot = block_table[pos // block_size] * block_size + pos % block_size): the fast ops
+    read the tables themselves, and building every sequence's slots on the host cost a copy of
+    B x max_blocks x block_size ids and a slice per sequence, each step."""
+
+    def __init__(self, block_tables: torch.Tensor, context_lens: Sequence[int], block_size: int) -> None:
+        self.block_tables, self.context_lens, self.block_size = block_tables, tuple(context_lens), block_size
+
+    def __len__(self) -> int:
+        return len(self.context_lens)
+
+    def __getitem__(self, b):  # type: ignore[override]
+        if isinstance(b, slice):
+            return tuple(self[i] for i in range(*b.indices(len(self))))
+        ctx, bs = self.context_lens[b], self.block_size
+        blocks = self.block_tables[b, : -(-ctx // bs)].long()
+        offsets = torch.arange(bs, dtype=torch.int64, device=blocks.device)
+        return (blocks[:, None] * bs + offsets).reshape(-1)[:ctx]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,102 @@
+"""An engine step is queued on the GPU without the host waiting for the device: every kind of step
+(decode graphs, piecewise prefill and mixed steps, chunks after a cached prefix, chunks that do not
+sample) and every sampling option. A blocking host-to-device copy (torch.tensor(..., device=cuda),
+t.to(cuda), indexing with a list) waits for the step in flight, which undoes async scheduling: mixed
+steps used to make nine such copies each."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import qruntime
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def _guard_launches(engine) -> list[tuple[str, list[str]]]:
+    """Record, for each step the engine launches, its kind and every synchronizing CUDA call made while
+    launching it (torch's sync debug mode warns with the Python line that made the call)."""
+    launches: list[tuple[str, list[str]]] = []
+    launch, execute = engine._launch, engine.runner.execute
+    kinds: list[str] = []
+
+    def recorded_execute(chunks, all_logits=False, sampled=None):
+        decodes = sum(c.num_tokens == 1 for c in chunks)
+        kinds.append("decode" if decodes == len(chunks) else f"{len(chunks) - decodes} prefill + {decodes} decode")
+        return execute(chunks, all_logits=all_logits, sampled=sampled)
+
+    def guarded(previous):
+        kinds.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                result = launch(previous)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
+        if kinds:
+            launches.append((kinds[0], syncs))
+        return result
+
+    engine._launch = guarded
+    engine.runner.execute = recorded_execute
+    return launches
+
+
+def test_steps_are_launched_without_a_host_sync(gpu_artifact, cuda, rng):
+    engine = qruntime.load(
+        gpu_artifact,
+        device=cuda,
+        max_model_len=1024,
+        max_num_seqs=16,
+        max_num_batched_tokens=512,
+        kv_cache_memory=256 << 20,
+    )
+    assert engine.runner.decode_graphs is not None and engine.runner.piecewise_graphs is not None
+    vocab = 500
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(10, vocab) for _ in range(n)]
+
+    shared = prompt(96)  # six full KV blocks, cached once its first request has run
+    engine.generate(shared + prompt(7), qruntime.SamplingParams(max_tokens=2))
+    launches = _guard_launches(engine)
+    sampled = [
+        qruntime.SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, top_k=20, ignore_eos=True),
+        qruntime.SamplingParams(
+            max_tokens=24, temperature=1.1, min_p=0.05, seed=rng.randrange(1 << 30), ignore_eos=True
+        ),
+        qruntime.SamplingParams(max_tokens=24, temperature=0.7, seed=rng.randrange(1 << 30), ignore_eos=True),
+        qruntime.SamplingParams(
+            max_tokens=24, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, ignore_eos=True
+        ),
+        qruntime.SamplingParams(max_tokens=24, logit_bias={11: 5.0, 12: -100.0}, min_tokens=8, ignore_eos=False),
+    ]
+    ids = [engine.add_request(prompt(rng.randrange(5, 40)), p) for p in sampled]
+    for _ in range(4):  # decode steps, then prompts arrive beside them: mixed steps
+        engine.step()
+    ids += [
+        engine.add_request(shared + prompt(rng.randrange(3, 30)), qruntime.SamplingParams(max_tokens=16))
+        for _ in range(2)
+    ]
+    ids.append(
+        engine.add_request(prompt(700), qruntime.SamplingParams(max_tokens=8))
+    )  # chunked: its first chunk samples nothing
+    finished = {}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            if delta.finished:
+                finished[delta.request_id] = delta.output
+    assert set(finished) == set(ids)
+    assert all(o.finish_reason in ("length", "stop") for o in finished.values()), [
+        o.finish_reason for o in finished.values()
+    ]
+    kinds = {kind for kind, _ in launches}
+    assert "decode" in kinds and any("prefill" in k and not k.endswith("+ 0 decode") for k in kinds), kinds
+    assert engine.prefix_cache_stats.hits >= 2 * 96, engine.prefix_cache_stats
+    synced = [(kind, syncs) for kind, syncs in launches if syncs]
+    assert not synced, f"{len(synced)} of {len(launches)} launches waited for the device: {synced[:3]}"
+    engine.close()
