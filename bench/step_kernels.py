@@ -1,11 +1,14 @@
 """Where one engine step's GPU time goes, by kernel, for the step shapes a loaded server runs:
 decode batches (graph replay, and eager so each launch shows) and mixed steps (decodes beside
-prefill chunks, eager today). qwen3-8b ptpc-fp8 on random weights, built as decode_bench builds it.
+prefill chunks, fresh or after a cached prefix: piecewise graphs). qwen3-8b ptpc-fp8 on random
+weights, built as decode_bench builds it.
 
     python bench/step_kernels.py --workdir /tmp/q8b --out bench/results/step_kernels_qwen3-8b.json
+    python bench/step_kernels.py --batches '' --mixed 5x23x64x2000,1x1x64x2000   # the prefix cache's steps
 
-Each shape reports: the step's wall time measured over `--repeats` steps (host + GPU, synchronised),
-the GPU busy time (sum of kernel times), the number of kernel launches, and the top kernels.
+Each shape reports: the step's wall time measured over `--steps` steps (host + GPU, synchronised),
+the GPU busy time (sum of kernel times), the number of kernel launches, and the top kernels; a
+mixed step also its host time (until engine.step() returns, the step queued).
 """
 
 from __future__ import annotations
@@ -81,22 +84,30 @@ def decode_rows(engine, batch: int, context: int, steps: int, top: int) -> dict:
     return out
 
 
-def mixed_rows(engine, decodes: int, prompts: int, prompt_len: int, context: int, top: int) -> dict:
-    """One step of `decodes` decoding sequences beside `prompts` fresh prompts of `prompt_len` tokens,
-    repeated: each measured step admits a new set of prompts (all prefilled in that one step)."""
+def mixed_rows(
+    engine, decodes: int, prompts: int, prompt_len: int, context: int, top: int, prefix: int = 0
+) -> dict:
+    """One step of `decodes` decoding sequences beside `prompts` prompts of `prompt_len` new tokens,
+    repeated: each measured step admits a new set of prompts (all prefilled in that one step). With
+    `prefix`, every prompt starts with the same `prefix` tokens, cached before (the prefix cache's
+    case: short chunks after a long cached context)."""
     ids = _fill(engine, decodes, context, max_tokens=400)
-    g = torch.Generator().manual_seed(prompts * 31 + prompt_len)
+    g = torch.Generator().manual_seed(prompts * 31 + prompt_len + prefix)
+    shared = torch.randint(10, 100_000, (prefix,), generator=g).tolist()
+    if prefix:
+        engine.generate(shared + [7] * prompt_len, qruntime.SamplingParams(max_tokens=1))  # its blocks stay cached
+        hits = engine.prefix_cache_stats.hits
 
     def admit() -> list[str]:
         return [
             engine.add_request(
-                torch.randint(10, 100_000, (prompt_len,), generator=g).tolist(),
+                shared + torch.randint(10, 100_000, (prompt_len,), generator=g).tolist(),
                 qruntime.SamplingParams(max_tokens=1, ignore_eos=True),
             )
             for _ in range(prompts)
         ]
 
-    def one_step(profiled: bool) -> tuple[float, object]:
+    def one_step(profiled: bool) -> tuple[float, float, object]:
         admit()
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -107,47 +118,60 @@ def mixed_rows(engine, decodes: int, prompts: int, prompt_len: int, context: int
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 engine.step()
                 torch.cuda.synchronize()
+            host = time.perf_counter()
         else:
             engine.step()
+            host = time.perf_counter()  # the step is queued: what the host spent launching it
             torch.cuda.synchronize()
-        return (time.perf_counter() - start) * 1e3, prof
+        return (time.perf_counter() - start) * 1e3, (host - start) * 1e3, prof
 
     for _ in range(3):
         one_step(False)  # warm-up: this shape's kernels compile
-    walls = [one_step(False)[0] for _ in range(5)]
-    _, prof = one_step(True)
+    runs = [one_step(False) for _ in range(5)]
+    *_, prof = one_step(True)
     for i in ids:
         engine.abort(i)
-    return {
+    row = {
         "decodes": decodes,
         "prompts": prompts,
         "prompt_len": prompt_len,
+        "prefix": prefix,
         "tokens": decodes + prompts * prompt_len,
-        "wall_ms": sorted(walls)[len(walls) // 2],
+        "wall_ms": sorted(r[0] for r in runs)[len(runs) // 2],
+        "host_ms": sorted(r[1] for r in runs)[len(runs) // 2],
         **_kernels(prof, 1, top),
     }
+    if prefix:
+        row["prefix_hit_tokens_per_step"] = (engine.prefix_cache_stats.hits - hits) / (len(runs) + 4)
+    return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3-8b")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/q8b"))
-    parser.add_argument("--batches", default="64,128")
+    parser.add_argument("--batches", default="64,128", help="Decode batches to measure ('' for none).")
     parser.add_argument("--context", type=int, default=192)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--top", type=int, default=16)
+    parser.add_argument(
+        "--mixed",
+        default="64x16x128x0,112x16x128x0,0x16x128x0,64x4x128x0",
+        help="Mixed steps to measure, comma-separated DECODESxPROMPTSxPROMPT_LENxPREFIX: PROMPTS prompts of "
+        "PROMPT_LEN new tokens after a cached PREFIX-token prefix (0: fresh prompts) beside DECODES decodes.",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     report = gpu_report_header("step_kernels", synthetic=True)
     timings: dict[str, float] = {}
     art, _ = build_artifact(args.preset, args.workdir, timings)
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = [int(b) for b in args.batches.split(",") if b]
     engine = qruntime.load(
         art,
         device="cuda",
-        max_model_len=2048,
-        max_num_seqs=max(batches) + 32,
+        max_model_len=4096,
+        max_num_seqs=max([*batches, 96]) + 32,
         max_num_batched_tokens=4096,
         kv_cache_memory=16 << 30,
     )
@@ -159,8 +183,9 @@ def main() -> None:
         print(json.dumps({k: v for k, v in row.items()}, indent=None)[:3000], flush=True)
         report["decode"].append(row)
     report["mixed"] = []
-    for decodes, prompts in ((64, 16), (112, 16), (0, 16), (64, 4)):
-        row = mixed_rows(engine, decodes, prompts, 128, args.context, args.top)
+    for spec in args.mixed.split(","):
+        decodes, prompts, prompt_len, prefix = (int(x) for x in spec.split("x"))
+        row = mixed_rows(engine, decodes, prompts, prompt_len, args.context, args.top, prefix)
         print(json.dumps(row)[:3000], flush=True)
         report["mixed"].append(row)
     engine.close()
