@@ -84,8 +84,32 @@ def decode_rows(engine, batch: int, context: int, steps: int, top: int) -> dict:
     return out
 
 
+def _host_profile(step, top: int) -> list[str]:
+    """cProfile of one step: the functions with the most own time (ms), then the most in all."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(step)
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, primitive, own s, cumulative s, callers)}
+
+    def named(key, value, index):
+        return f"{key[2]} ({Path(key[0]).name}:{key[1]}): {value[index] * 1e3:.2f} ms, {value[0]} calls"
+
+    own = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    cumulative = sorted(stats.items(), key=lambda kv: -kv[1][3])[:top]
+    return [named(k, v, 2) for k, v in own] + ["-- cumulative --"] + [named(k, v, 3) for k, v in cumulative]
+
+
 def mixed_rows(
-    engine, decodes: int, prompts: int, prompt_len: int, context: int, top: int, prefix: int = 0
+    engine,
+    decodes: int,
+    prompts: int,
+    prompt_len: int,
+    context: int,
+    top: int,
+    prefix: int = 0,
+    host_profile: bool = False,
 ) -> dict:
     """One step of `decodes` decoding sequences beside `prompts` prompts of `prompt_len` new tokens,
     repeated: each measured step admits a new set of prompts (all prefilled in that one step). With
@@ -129,6 +153,7 @@ def mixed_rows(
         one_step(False)  # warm-up: this shape's kernels compile
     runs = [one_step(False) for _ in range(5)]
     *_, prof = one_step(True)
+    host_top = _host_profile(lambda: one_step(False), top) if host_profile else None
     for i in ids:
         engine.abort(i)
     row = {
@@ -142,7 +167,9 @@ def mixed_rows(
         **_kernels(prof, 1, top),
     }
     if prefix:
-        row["prefix_hit_tokens_per_step"] = (engine.prefix_cache_stats.hits - hits) / (len(runs) + 4)
+        row["prefix_hit_tokens_per_step"] = (engine.prefix_cache_stats.hits - hits) / (len(runs) + 4 + bool(host_top))
+    if host_top:
+        row["host_top"] = host_top
     return row
 
 
@@ -159,6 +186,9 @@ def main() -> None:
         default="64x16x128x0,112x16x128x0,0x16x128x0,64x4x128x0",
         help="Mixed steps to measure, comma-separated DECODESxPROMPTSxPROMPT_LENxPREFIX: PROMPTS prompts of "
         "PROMPT_LEN new tokens after a cached PREFIX-token prefix (0: fresh prompts) beside DECODES decodes.",
+    )
+    parser.add_argument(
+        "--host-profile", action="store_true", help="Add a cProfile of one step of each mixed shape (host_top)."
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -185,7 +215,7 @@ def main() -> None:
     report["mixed"] = []
     for spec in args.mixed.split(","):
         decodes, prompts, prompt_len, prefix = (int(x) for x in spec.split("x"))
-        row = mixed_rows(engine, decodes, prompts, prompt_len, args.context, args.top, prefix)
+        row = mixed_rows(engine, decodes, prompts, prompt_len, args.context, args.top, prefix, args.host_profile)
         print(json.dumps(row)[:3000], flush=True)
         report["mixed"].append(row)
     engine.close()

@@ -193,7 +193,7 @@ def build_rank(
         graphs = DecodeGraphs(plan, kv_cache, blocks, max_model_len, buckets)
         # a plan that mixes rows (per-tensor activation scales) runs its other steps eagerly instead
         if unfit_reason(plan) is None:
-            tokens = token_buckets(config.max_num_batched_tokens, graphs.buckets[-1])
+            tokens = token_buckets(config.max_num_batched_tokens)
             piecewise = PiecewiseGraphs(plan, kv_cache, tokens, blocks, max_model_len)
     runner = ModelRunner(plan, kv_cache, device, max_model_len, graphs, piecewise)
     if cuda_graphs:  # every rank runs them (their collectives pair up): the kernels of mixed steps build now

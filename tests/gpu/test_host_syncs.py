@@ -15,9 +15,21 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
+def _syncs_of(call):
+    """(call(), the synchronizing CUDA calls it made): torch's sync debug mode warns for each, naming
+    the Python line that made it."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return result, [f"{w.filename}:{w.lineno}" for w in caught if "called a synchronizing" in str(w.message)]
+
+
 def _guard_launches(engine) -> list[tuple[str, list[str]]]:
-    """Record, for each step the engine launches, its kind and every synchronizing CUDA call made while
-    launching it (torch's sync debug mode warns with the Python line that made the call)."""
+    """Record, for each step the engine launches, its kind and the synchronizing calls made launching it."""
     launches: list[tuple[str, list[str]]] = []
     launch, execute = engine._launch, engine.runner.execute
     kinds: list[str] = []
@@ -29,14 +41,7 @@ def _guard_launches(engine) -> list[tuple[str, list[str]]]:
 
     def guarded(previous):
         kinds.clear()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                result = launch(previous)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
+        result, syncs = _syncs_of(lambda: launch(previous))
         if kinds:
             launches.append((kinds[0], syncs))
         return result
@@ -44,6 +49,13 @@ def _guard_launches(engine) -> list[tuple[str, list[str]]]:
     engine._launch = guarded
     engine.runner.execute = recorded_execute
     return launches
+
+
+def test_the_guard_sees_a_blocking_copy(cuda):
+    _, syncs = _syncs_of(lambda: torch.tensor([1, 2, 3], device=cuda))
+    assert syncs, "torch's sync debug mode reported no sync for a blocking host-to-device copy"
+    _, syncs = _syncs_of(lambda: torch.tensor([1, 2, 3]).pin_memory().to(cuda, non_blocking=True))
+    assert not syncs, syncs
 
 
 def test_steps_are_launched_without_a_host_sync(gpu_artifact, cuda, rng):

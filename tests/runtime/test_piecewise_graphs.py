@@ -172,15 +172,18 @@ def test_padding_fills_the_bucket_and_only_the_scratch_block(tiny_ckpt, compiled
     assert graphs.bucket_for(33) is None and not graphs.fits(33) and graphs.fits(32)
 
 
-def test_default_buckets_follow_the_tuner_up_to_the_token_budget(rng):
-    assert token_buckets(2048, 64) == (128, 256, 512, 1024, 2048)
-    assert token_buckets(3000, 256) == (512, 1024, 2048, 3000)
-    assert token_buckets(48, 64) == (48,)
-    budget, decode = rng.randint(1, 9000), rng.choice([1, 8, 64, 256])
-    print("budget", budget, "largest decode bucket", decode)
-    buckets = token_buckets(budget, decode)
+def test_default_buckets_follow_the_tuner_and_halve_its_gaps_up_to_the_token_budget(rng):
+    assert token_buckets(2048) == (128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+    assert token_buckets(3000) == (128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3000)
+    assert token_buckets(48) == (48,)
+    budget = rng.randint(1, 9000)
+    print("budget", budget)
+    buckets = token_buckets(budget)
     assert buckets[-1] == budget and list(buckets) == sorted(set(buckets))
-    assert all(b > decode and b & (b - 1) == 0 for b in buckets[:-1])
+    # a step of n > 128 tokens pads by less than half of itself: at most a third of its bucket is padding
+    for n in range(129, budget + 1):
+        bucket = next(b for b in buckets if b >= n)
+        assert bucket - n < n / 2, (n, bucket)
 
 
 def test_attention_runs_eagerly_between_the_pieces_on_the_real_rows(tiny_ckpt, compiled, rng, monkeypatch):

@@ -17,13 +17,16 @@ attention runs on the n real rows only, so nothing reads them. Every op of a pie
 (Op.row_wise; a per-tensor activation scale is not, and such a plan gets no piecewise graphs), so a
 padding row cannot change a real one; the MoE routes the padding rows too, which only adds work.
 
-Buckets (token_buckets): the tuner's token buckets (qcompile/tune/gemm.py TOKEN_BUCKETS, powers of
-two, so each bucket runs the GEMM configs tuned at its exact size), from the first above the
-largest decode bucket, and max_num_batched_tokens as the last, so every step the scheduler forms
-fits one. Smaller steps pad up to the first bucket, where the GEMMs still cost about what reading
+Buckets (token_buckets): the tuner's token buckets from 128 (qcompile/tune/gemm.py TOKEN_BUCKETS,
+powers of two, each running the GEMM configs tuned at its exact size), a bucket half-way between
+each two of them (192, 384, 768, 1536, ...), and max_num_batched_tokens as the last, so every step the
+scheduler forms fits one. Smaller steps pad up to 128, where the GEMMs still cost about what reading
 the weights costs (H100, qwen3-8b's 4096x4096 FP8 GEMM: 10.6 us at 1 token, 13.0 at 128, 14.4 at
-256). There are no sizes in between: each bucket keeps attention's input of every layer (below),
-so a bucket's memory grows with T (qwen3-8b: 36 layers x 8 KiB of q a token, 1.1 GiB for 128..2048).
+256). Above ~512 tokens a step is compute-bound and the padding costs its share: with powers of two
+alone, 23 prompts of 64 tokens beside 5 decodes (1,477 tokens) ran the 2048 bucket, 22.6 ms of
+GEMMs (H100, qwen3-8b: bench/step_kernels.py); the halves bound the padding by a third rather than
+by double. More sizes cost memory: each bucket keeps attention's input of every layer (below), so a
+bucket's memory grows with T (qwen3-8b: 36 layers x 8 KiB of q a token, 1.9 GiB for 128..2048).
 
 Memory: the graphs of every bucket share one pool, the largest bucket captured first. A piece's
 output that only later pieces read is let go once they are captured, so later captures reuse its
@@ -87,10 +90,11 @@ def eager_capture(run_piece: Callable[[], Outputs]) -> tuple[Outputs, Callable[[
     return outputs, replay
 
 
-def token_buckets(max_num_batched_tokens: int, largest_decode_bucket: int) -> tuple[int, ...]:
-    """The default buckets (see the module docstring): TOKEN_BUCKETS above the largest decode
-    bucket and below max_num_batched_tokens, then max_num_batched_tokens."""
-    return (*(t for t in TOKEN_BUCKETS if largest_decode_bucket < t < max_num_batched_tokens), max_num_batched_tokens)
+def token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """The default buckets (see the module docstring): TOKEN_BUCKETS and the sizes half-way between
+    them, below max_num_batched_tokens, then max_num_batched_tokens."""
+    sizes = {*TOKEN_BUCKETS, *(a + (b - a) // 2 for a, b in zip(TOKEN_BUCKETS, TOKEN_BUCKETS[1:], strict=False))}
+    return (*sorted(t for t in sizes if t < max_num_batched_tokens), max_num_batched_tokens)
 
 
 def unfit_reason(plan: Plan) -> str | None:
