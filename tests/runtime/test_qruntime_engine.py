@@ -218,6 +218,7 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(fp8_artifact, rng
         (1, 2, engine.vocab_size): f"unknown token id {engine.vocab_size} at position 2",
         (1, -1): "unknown token id -1 at position 1",
         (1, 2.5): "token ids must be integers",
+        (1, True, 3): r"token ids must be integers \(position 1: True\)",
         None: "a prompt is a string or a list of token ids",
     }
     for prompt_value, message in bad.items():

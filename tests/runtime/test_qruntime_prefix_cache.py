@@ -27,6 +27,10 @@ def test_chain_same_tokens_same_hashes_a_changed_token_changes_its_block_and_eve
     assert chain == _chain(list(tokens), bs) and all(len(h) == 32 for h in chain)
     grown = extend_chain(_chain(tokens[: 2 * bs], bs), SALT, tokens[2 * bs :], bs)  # block by block == at once
     assert grown == chain
+    parent = SALT  # the chain is hash_block's, link by link
+    for i, name in enumerate(chain):
+        parent = hash_block(parent, tokens[i * bs : (i + 1) * bs])
+        assert name == parent, i
 
     p = rng.randrange(len(chain) * bs)
     changed = list(tokens)

@@ -401,10 +401,15 @@ class Engine:
                 raise InvalidRequest(f"prompt: {exc}") from None
         elif isinstance(prompt, Sequence):
             ids = list(prompt)
-            bad = [(i, t) for i, t in enumerate(ids) if isinstance(t, bool) or not isinstance(t, int)]
+            # the common case in one pass of C-level builtins (a 2,064-id prompt: ~0.1 ms, not ~1 ms of
+            # this thread's time, which a served request spends on the engine's own thread); any
+            # doubt takes the per-id checks, which name the position at fault
+            plain = all(type(t) is int for t in ids)
+            bad = [] if plain else [(i, t) for i, t in enumerate(ids) if isinstance(t, bool) or not isinstance(t, int)]
             if bad:
                 raise InvalidRequest(f"token ids must be integers (position {bad[0][0]}: {bad[0][1]!r})")
-            unknown = [(i, t) for i, t in enumerate(ids) if not 0 <= t < self.vocab_size]
+            in_vocab = plain and bool(ids) and 0 <= min(ids) and max(ids) < self.vocab_size
+            unknown = [] if in_vocab else [(i, t) for i, t in enumerate(ids) if not 0 <= t < self.vocab_size]
             if unknown:
                 raise InvalidRequest(
                     f"unknown token id {unknown[0][1]} at position {unknown[0][0]}: "

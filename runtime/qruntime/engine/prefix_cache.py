@@ -37,8 +37,11 @@ def extend_chain(chain: list[bytes], salt: bytes, token_ids: Sequence[int], bloc
     next full blocks of `token_ids`, the sequence's tokens from position len(chain) * block_size on;
     returns chain."""
     parent = chain[-1] if chain else salt
-    for i in range(len(token_ids) // block_size):
-        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
+    count = len(token_ids) // block_size
+    # hash_block's bytes, packed once for every block (a 2,064-token prompt: one pack, not 129)
+    data, width = struct.pack(f"<{count * block_size}q", *token_ids[: count * block_size]), 8 * block_size
+    for i in range(count):
+        parent = hashlib.sha256(parent + data[i * width : (i + 1) * width]).digest()
         chain.append(parent)
     return chain
 
