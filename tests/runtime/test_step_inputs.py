@@ -33,10 +33,12 @@ def _random_chunks(rng, count: int) -> list[StepChunk]:
     return chunks
 
 
-@pytest.mark.parametrize("all_logits", [False, True])
+@pytest.mark.parametrize("all_logits", [False, True, "per chunk"])
 def test_prepare_lays_out_each_chunk_as_defined(rng, all_logits):
     runner = ModelRunner(plan=None, kv_cache=_Cache(), device=torch.device("cpu"), max_context_len=64)
     chunks = _random_chunks(rng, rng.randrange(1, 9))
+    if all_logits == "per chunk":
+        all_logits = tuple(rng.random() < 0.5 for _ in chunks)
     feeds, meta = runner.prepare(chunks, all_logits=all_logits)
     ids, positions, slots, starts, lens = [], [], [], [0], []
     for c in chunks:
@@ -50,7 +52,9 @@ def test_prepare_lays_out_each_chunk_as_defined(rng, all_logits):
     assert feeds["slot_mapping"].tolist() == slots
     assert feeds["query_start_loc"].tolist() == starts and feeds["query_start_loc"].dtype == torch.int32
     assert feeds["context_lens"].tolist() == lens and feeds["context_lens"].dtype == torch.int32
-    assert feeds["logits_indices"].tolist() == (list(range(starts[-1])) if all_logits else [s - 1 for s in starts[1:]])
+    every = [all_logits] * len(chunks) if isinstance(all_logits, bool) else all_logits
+    rows = [r for b, e in enumerate(every) for r in (range(starts[b], starts[b + 1]) if e else [starts[b + 1] - 1])]
+    assert feeds["logits_indices"].tolist() == rows
     width = max(len(c.block_table) for c in chunks)
     assert feeds["block_tables"].tolist() == [list(c.block_table) + [0] * (width - len(c.block_table)) for c in chunks]
     assert meta.query_start == tuple(starts) and meta.context_lens == tuple(lens)

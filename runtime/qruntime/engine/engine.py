@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from qruntime.engine.block_manager import NoFreeBlocks
+from qruntime.engine.logprobs import DeviceLogprobs
 from qruntime.engine.model_runner import ModelRunner
-from qruntime.engine.outputs import InvalidRequest, RequestOutput, StreamDelta, Timings
+from qruntime.engine.outputs import InvalidRequest, RequestOutput, StreamDelta, Timings, TokenLogprob
 from qruntime.engine.prefix_cache import PrefixCacheStats
 from qruntime.engine.request import Request
 from qruntime.engine.sampled_tokens import SampledTokens
@@ -66,6 +67,9 @@ class _Tracked:
     new_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     output: RequestOutput | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of each output token (params.logprobs)
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.. (params.prompt_logprobs)
 
 
 @dataclass(eq=False)
@@ -76,6 +80,9 @@ class _Launched:
     tracked: list[_Tracked]  # the requests of its sampling rows, in row order
     tokens: SampledTokens
     rows: dict[str, int]  # request id -> its row of tokens (what the next step's pending ids name)
+    logprobs: tuple[list[int], DeviceLogprobs] | None = None  # (rows of `tracked`, their sampled tokens' logprobs)
+    # (request, its first prompt position scored, how many), in the order of the prompt logprobs' rows
+    prompt_logprobs: tuple[list[tuple[_Tracked, int, int]], DeviceLogprobs] | None = None
 
 
 class Engine:
@@ -145,7 +152,7 @@ class Engine:
             generator = self._generator  # shared: the sampler draws for all such rows in one op
         elif not params.greedy:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        request = Request(request_id, token_ids, params.max_tokens)
+        request = Request(request_id, token_ids, params.max_tokens, reuse_cached=params.prompt_logprobs is None)
         detok = None
         if detokenize:
             detok = IncrementalDetokenizer(
@@ -185,8 +192,15 @@ class Engine:
             pending_rows = previous.rows if previous is not None else {}
             chunks = [StepChunk.of(c, pending_rows.get(c.request.request_id)) for c in output.chunks]
             sampled = previous.tokens.ids if pending_rows and any(c.token_ids[-1] < 0 for c in chunks) else None
-            logits = self._execute(chunks, sampled=sampled)
-            logits = logits if len(rows) == len(chunks) else logits[device_tensor(rows, torch.int64, logits.device)]
+            scored = [self._scores_prompt(c) for c in output.chunks]
+            logits = self._execute(chunks, all_logits=tuple(scored) if any(scored) else False, sampled=sampled)
+            prompt_logprobs = None
+            if any(scored):  # the scored chunks' rows came back too: score them, keep each chunk's last
+                ends = list(itertools.accumulate(c.num_tokens if s else 1 for c, s in zip(chunks, scored, strict=True)))
+                prompt_logprobs = self._prompt_logprobs(logits, output.chunks, scored, ends)
+                logits = logits[device_tensor([ends[i] - 1 for i in rows], torch.int64, logits.device)]
+            elif len(rows) != len(chunks):
+                logits = logits[device_tensor(rows, torch.int64, logits.device)]
             banned = [self._banned(t) for t in tracked]
             histories = None
             if any(t.params.penalized for t in tracked):  # an output still in flight is read on the device
@@ -206,26 +220,74 @@ class Engine:
                 histories,
                 previous.tokens.ids if previous is not None else None,
             )
+            logprobs = None
+            if wanted := [row for row, t in enumerate(tracked) if t.params.logprobs is not None]:
+                k = max(tracked[row].params.logprobs for row in wanted)
+                chosen = tokens.ids[device_tensor(wanted, torch.int64, logits.device)]
+                logprobs = (wanted, DeviceLogprobs(logits, wanted, chosen, k))
         except Exception as exc:
             if self._is_fatal(exc):
                 raise
             batch = [self._tracked[c.request.request_id] for c in output.chunks]
             return None, self._fail(batch, "the model step running this request failed", exc)
         ids = {t.request.request_id: row for row, t in enumerate(tracked)}
-        return _Launched(output, tracked, tokens, ids), []
+        return _Launched(output, tracked, tokens, ids, logprobs, prompt_logprobs), []
+
+    def _scores_prompt(self, chunk) -> bool:
+        """Whether this scheduled chunk computes prompt positions whose prompt logprobs are wanted."""
+        t = self._tracked[chunk.request.request_id]
+        if t.params.prompt_logprobs is None:
+            return False
+        last = min(chunk.start + chunk.num_tokens, len(t.request.prompt_token_ids) - 1)
+        return max(chunk.start, len(t.prompt_logprobs)) < last
+
+    def _prompt_logprobs(self, logits, chunks, scored, ends) -> tuple[list[tuple[_Tracked, int, int]], DeviceLogprobs]:
+        """Queue the prompt logprobs of the scored chunks' rows: row p (the logits after position p)
+        scores prompt token p + 1, for the positions no earlier step scored (a preempted request
+        computes its prompt again)."""
+        spans, rows, chosen, k = [], [], [], 0
+        for chunk, wanted, end in zip(chunks, scored, ends, strict=True):
+            if not wanted:
+                continue
+            t = self._tracked[chunk.request.request_id]
+            prompt = t.request.prompt_token_ids
+            first = max(chunk.start, len(t.prompt_logprobs))  # position whose next token is scored first
+            last = min(chunk.start + chunk.num_tokens, len(prompt) - 1)  # one past the last such position
+            if first >= last:
+                continue
+            row0 = end - chunk.num_tokens - chunk.start
+            rows += range(row0 + first, row0 + last)
+            chosen += prompt[first + 1 : last + 1]
+            spans.append((t, first, last - first))
+            k = max(k, t.params.prompt_logprobs)
+        device = logits.device
+        return spans, DeviceLogprobs(logits, rows, device_tensor(chosen, torch.int64, device), k)
 
     def _complete(self, launched: _Launched) -> list[StreamDelta]:
         """Read a launched step's tokens (waiting for them) and apply them: the scheduler's update,
         detokenizing, the stop rules. Requests finished or aborted since it was launched are skipped."""
         tokens = launched.tokens.tolist()
         tracked = launched.tracked
+        if launched.prompt_logprobs is not None:
+            spans, device_logprobs = launched.prompt_logprobs
+            entries, at = device_logprobs.tolist(), 0
+            for t, first, count in spans:
+                done = len(t.prompt_logprobs)  # positions scored before (a recomputed prompt scores some again)
+                if self._tracked.get(t.request.request_id) is t and first <= done < first + count:
+                    k = t.params.prompt_logprobs
+                    t.prompt_logprobs += [_top(e, k) for e in entries[at + done - first : at + count]]
+                at += count
+        token_logprobs = {}
+        if launched.logprobs is not None:
+            wanted, device_logprobs = launched.logprobs
+            token_logprobs = dict(zip(wanted, device_logprobs.tolist(), strict=True))
         self.scheduler.update(
             launched.output,
             {t.request.request_id: tok for t, tok in zip(tracked, tokens, strict=True) if tok is not None},
         )
         now = time.perf_counter()
         deltas = []
-        for t, token in zip(tracked, tokens, strict=True):
+        for row, (t, token) in enumerate(zip(tracked, tokens, strict=True)):
             if self._tracked.get(t.request.request_id) is not t:
                 continue  # finished (by the step before, or aborted) after this step was launched
             if token is None:
@@ -234,6 +296,10 @@ class Engine:
             try:
                 t.first_token = t.first_token if t.first_token is not None else now
                 t.new_ids.append(token)
+                if row in token_logprobs:
+                    entry = _top(token_logprobs[row], t.params.logprobs)
+                    t.logprobs.append(entry)
+                    t.new_logprobs.append(entry)
                 if t.detok is not None:
                     t.new_text += t.detok.add(token)
                 reason = self._stop_reason(t, token)
@@ -408,7 +474,7 @@ class Engine:
             bad = [] if plain else [(i, t) for i, t in enumerate(ids) if isinstance(t, bool) or not isinstance(t, int)]
             if bad:
                 raise InvalidRequest(f"token ids must be integers (position {bad[0][0]}: {bad[0][1]!r})")
-            in_vocab = plain and bool(ids) and 0 <= min(ids) and max(ids) < self.vocab_size
+            in_vocab = plain and bool(ids) and min(ids) >= 0 and max(ids) < self.vocab_size
             unknown = [] if in_vocab else [(i, t) for i, t in enumerate(ids) if not 0 <= t < self.vocab_size]
             if unknown:
                 raise InvalidRequest(
@@ -466,6 +532,8 @@ class Engine:
             request.num_preemptions,
             error,
             request.num_cached_prompt_tokens or 0,
+            tuple(t.logprobs) if t.params.logprobs is not None else None,
+            (None, *t.prompt_logprobs) if t.params.prompt_logprobs is not None else None,
         )
 
     def _fail(self, failed: list[_Tracked], what: str, exc: BaseException | None = None) -> list[StreamDelta]:
@@ -481,6 +549,13 @@ class Engine:
         return deltas
 
     def _delta(self, t: _Tracked) -> StreamDelta:
-        delta = StreamDelta(t.request.request_id, tuple(t.new_ids), t.new_text, t.output is not None, t.output)
-        t.new_ids, t.new_text = [], ""
+        delta = StreamDelta(
+            t.request.request_id, tuple(t.new_ids), t.new_text, t.output is not None, t.output, tuple(t.new_logprobs)
+        )
+        t.new_ids, t.new_text, t.new_logprobs = [], "", []
         return delta
+
+
+def _top(entry: TokenLogprob, k: int) -> TokenLogprob:
+    """entry with its k likeliest tokens (a step computes the most any of its requests asked for)."""
+    return entry if len(entry.top) <= k else TokenLogprob(entry.token_id, entry.logprob, entry.top[:k])

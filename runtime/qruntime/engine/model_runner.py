@@ -53,10 +53,11 @@ class ModelRunner:
             self.decode_graphs = self.piecewise_graphs = None
 
     def prepare(
-        self, chunks: Sequence[StepChunk], all_logits: bool = False
+        self, chunks: Sequence[StepChunk], all_logits: bool | Sequence[bool] = False
     ) -> tuple[dict[str, torch.Tensor], AttentionMetadata]:
         """Graph inputs (docs/OPS.md) and attention metadata for one step. logits_indices picks each
-        chunk's last token, or with all_logits every token of the step.
+        chunk's last token, or with all_logits every token of the step; all_logits may also be one
+        bool per chunk: every token of the chunks it marks, the last of the others (in step order).
 
         Built with numpy on the host (a handful of array ops whatever the step's size; only each
         chunk's ids and block table are walked in Python) and sent in two asynchronous copies, one
@@ -78,7 +79,7 @@ class ModelRunner:
                 "input_ids": np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64, tokens),
                 "positions": positions,
                 "slot_mapping": tables[seq, positions // bs].astype(np.int64) * bs + positions % bs,
-                "logits_indices": np.arange(tokens) if all_logits else starts[1:] - 1,
+                "logits_indices": _logit_rows(all_logits, lens, starts, seq),
             },
             self.device,
         )
@@ -103,19 +104,39 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, chunks: Sequence[StepChunk], all_logits: bool = False, sampled: torch.Tensor | None = None
+        self,
+        chunks: Sequence[StepChunk],
+        all_logits: bool | Sequence[bool] = False,
+        sampled: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the plan on the step's chunks; logits [len(chunks), V] of each chunk's last token
-        (all_logits: [tokens, V], a row per token of the step). With captured graphs, decode steps
-        replay a decode graph, and other steps that fit a token bucket the piecewise graphs.
+        (all_logits: [tokens, V], a row per token of the step; one bool per chunk: the rows
+        `prepare` says). With captured graphs, decode steps replay a decode graph, and other steps
+        that fit a token bucket the piecewise graphs (whose logits tail runs eagerly, on any rows).
         `sampled`: the previous step's sampled ids on the device, which the chunks' pending ids
         (step_chunk.pending) name by row."""
-        if self.decode_graphs is not None and not all_logits and self.decode_graphs.fits(chunks, sampled):
+        every = all_logits if isinstance(all_logits, bool) else any(all_logits)
+        if self.decode_graphs is not None and not every and self.decode_graphs.fits(chunks, sampled):
             return self.decode_graphs.run(chunks, sampled)
         feeds, meta = self.prepare(chunks, all_logits)
         if sampled is not None:
             feeds["input_ids"] = resolve_pending(feeds["input_ids"], sampled)
         piecewise = self.piecewise_graphs
-        if piecewise is not None and not all_logits and piecewise.fits(len(feeds["input_ids"])):
+        if piecewise is not None and all_logits is not True and piecewise.fits(len(feeds["input_ids"])):
             return piecewise.run(feeds, meta)
         return self.plan.run(StepContext(self.kv_cache, meta), feeds)
+
+
+def _logit_rows(all_logits: bool | Sequence[bool], lens: np.ndarray, starts: np.ndarray, seq: np.ndarray) -> np.ndarray:
+    """The step's token rows whose logits come back (see ModelRunner.prepare)."""
+    tokens = int(starts[-1])
+    if all_logits is True:
+        return np.arange(tokens)
+    if all_logits is False:
+        return starts[1:] - 1
+    every = np.asarray(all_logits, dtype=bool)
+    if every.shape != lens.shape:
+        raise ValueError(f"all_logits has {every.size} entries for {lens.size} chunks")
+    last = np.zeros(tokens, dtype=bool)
+    last[starts[1:] - 1] = True
+    return np.flatnonzero(every[seq] | last)

@@ -11,6 +11,16 @@ class InvalidRequest(ValueError):
     Raised when the request is added; nothing else in the engine is affected."""
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A token, its logprob, and the likeliest tokens at its position with theirs, best first
+    (engine/logprobs.py says which logits they come from)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(frozen=True)
 class Timings:
     """Wall-clock seconds (time.perf_counter) of a request's life."""
@@ -53,6 +63,8 @@ class RequestOutput:
     num_preemptions: int
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefix cache held when it was first admitted (usage's cached_tokens)
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token_ids entry, when SamplingParams.logprobs asked
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # one per prompt token (the first: None)
 
     def stopped_at(self, num_tokens: int, stop: str, text: str = "") -> RequestOutput:
         """This output as if it had ended at stop string `stop`, completed by its token num_tokens - 1:
@@ -61,6 +73,7 @@ class RequestOutput:
         return replace(
             self,
             token_ids=self.token_ids[:num_tokens],
+            logprobs=None if self.logprobs is None else self.logprobs[:num_tokens],
             text=text,
             finish_reason="stop",
             stop_reason=stop,
@@ -77,3 +90,4 @@ class StreamDelta:
     text: str
     finished: bool
     output: RequestOutput | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # of token_ids, when the request asked for logprobs

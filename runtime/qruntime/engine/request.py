@@ -27,6 +27,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     num_cached_prompt_tokens: int | None = None  # prompt tokens whose KV the prefix cache had at first admission
+    reuse_cached: bool = True  # False: computes every prompt token (its prompt logprobs need each position's logits)
 
     @property
     def all_token_ids(self) -> list[int]:

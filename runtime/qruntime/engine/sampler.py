@@ -109,9 +109,7 @@ def penalized(
     def scatter(target: torch.Tensor, pairs: tuple[list[int], list[int]], value: float) -> None:
         if pairs[0]:
             at = device_tensor(pairs, torch.int64, device)
-            target.index_put_(
-                (at[0], at[1]), torch.full((), value, device=device, dtype=target.dtype), accumulate=True
-            )
+            target.index_put_((at[0], at[1]), torch.full((), value, device=device, dtype=target.dtype), accumulate=True)
 
     counts = torch.zeros(len(rows), vocab, device=device)
     known: tuple[list[int], list[int]] = ([], [])

@@ -55,6 +55,11 @@ class SamplingParams:
     already generated, frequency_penalty times the number of times it was; repetition_penalty (HF's,
     over the prompt and the output) divides a positive logit of a token seen and multiplies a
     negative one. They come after logit_bias, before the temperature, on the model's logits.
+
+    `logprobs` k (0 to MAX_LOGPROBS): each generated token's logprob and the k likeliest tokens at its
+    position; `prompt_logprobs` k: the same for every prompt token after the first (such a request
+    computes its whole prompt: the prefix cache would skip the positions). Both are the model's raw
+    log-softmax, before logit_bias, penalties and the temperature (engine/logprobs.py).
     """
 
     max_tokens: int = 16
@@ -72,6 +77,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,7 +86,9 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
-        object.__setattr__(self, "logit_bias", tuple(tuple(pair) if isinstance(pair, Sequence) else pair for pair in bias))
+        object.__setattr__(
+            self, "logit_bias", tuple(tuple(pair) if isinstance(pair, Sequence) else pair for pair in bias)
+        )
         problems = _problems(self)
         if problems:
             raise InvalidSamplingParams(problems)
@@ -126,6 +135,8 @@ def _problems(p: SamplingParams) -> list[FieldProblem]:
         *_penalty("presence_penalty", p.presence_penalty),
         *_penalty("frequency_penalty", p.frequency_penalty),
         *_repetition_penalty(p.repetition_penalty),
+        *_logprobs("logprobs", p.logprobs),
+        *_logprobs("prompt_logprobs", p.prompt_logprobs),
     ]
 
 
@@ -212,7 +223,9 @@ def _logit_bias(pairs: tuple[object, ...]) -> Iterator[FieldProblem]:
             yield FieldProblem("logit_bias", token, "must name tokens by id ≥ 0", i)
         elif token in seen:
             yield FieldProblem("logit_bias", token, "names this token twice", i)
-        elif not isinstance(bias, int | float) or isinstance(bias, bool) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+        elif (
+            not isinstance(bias, int | float) or isinstance(bias, bool) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS
+        ):
             yield FieldProblem("logit_bias", bias, f"must be a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", i)
         seen.add(token)
 
@@ -232,3 +245,15 @@ def _repetition_penalty(value: object) -> Iterator[FieldProblem]:
         yield FieldProblem("repetition_penalty", value, "must be a number")
     elif not 0 < value < math.inf:
         yield FieldProblem("repetition_penalty", value, "must be finite and > 0")
+
+
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs range: 0 to 20
+
+
+def _logprobs(field: str, value: object) -> Iterator[FieldProblem]:
+    if value is None:
+        return
+    if not _is_int(value):
+        yield FieldProblem(field, value, "must be an integer")
+    elif not 0 <= value <= MAX_LOGPROBS:
+        yield FieldProblem(field, value, f"must be in [0, {MAX_LOGPROBS}]")

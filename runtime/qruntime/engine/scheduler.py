@@ -259,7 +259,7 @@ class Scheduler:
 
     def _cached_prefix(self, request: Request) -> tuple[int, ...]:
         """Cached blocks holding the request's first tokens, leaving at least its last one to compute."""
-        if not self.config.prefix_caching or request.num_computed_tokens:
+        if not self.config.prefix_caching or request.num_computed_tokens or not request.reuse_cached:
             return ()
         limit = (request.num_tokens - 1) // self.config.block_size
         return self.block_manager.lookup(itertools.islice(self._chain(request, limit), limit))
