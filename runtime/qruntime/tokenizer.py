@@ -9,6 +9,7 @@ template renders in a sandboxed Jinja environment with `raise_exception`, `tojso
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -177,6 +178,18 @@ class Tokenizer:
         """Text of `ids`; incomplete UTF-8 sequences come out as U+FFFD."""
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a piece of a multi-byte character is not text on its own):
+        its byte-level BPE piece mapped back through GPT-2's byte alphabet, Qwen's; a piece outside
+        that alphabet (another kind of vocabulary) gives its decoded text's UTF-8."""
+        piece = self.backend.id_to_token(int(token_id))
+        if piece is None:
+            return b""
+        table = _byte_decoder()
+        if all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
     ) -> str:
@@ -213,6 +226,20 @@ class Tokenizer:
     ) -> list[int]:
         """Ids of the rendered chat (the template writes its own special tokens, so none are added)."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kw), add_special_tokens=False)
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's printable stand-in character of each byte (byte-level BPE), inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 def _model_configs(root: Path) -> list[tuple[dict[str, Any], Path]]:

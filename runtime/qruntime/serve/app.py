@@ -113,7 +113,7 @@ class OpenAIRoutes:
             ) from None
         except ShuttingDown as exc:
             raise APIError(503, str(exc), code="unavailable") from None
-        builder = ResponseBuilder(parsed, request_id, self.model.name, int(time.time()))
+        builder = ResponseBuilder(parsed, request_id, self.model.name, int(time.time()), self.model.tokenizer)
         if parsed.stream:
             return SSEResponse(self._events(handle, builder), on_close=handle.close)
         return await self._whole(request, handle, builder)

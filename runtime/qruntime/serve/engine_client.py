@@ -95,7 +95,10 @@ class Handle:
         if tokenizer is not None:
             for spec in sequences:
                 detok = IncrementalDetokenizer(
-                    tokenizer, spec.prompt_ids, skip_special_tokens=spec.params.skip_special_tokens, stop=spec.params.stop
+                    tokenizer,
+                    spec.prompt_ids,
+                    skip_special_tokens=spec.params.skip_special_tokens,
+                    stop=spec.params.stop,
                 )
                 self._texts[spec.index] = _Text(detok)
 
@@ -155,16 +158,17 @@ class Handle:
         state.num_tokens += len(ids)
         if detok.stop_matched is not None:
             state.stop = detok.stop_matched
+            kept = delta.logprobs[: len(ids)]
             if not delta.finished:
                 self._owner.stop_sequence(self, index, state.num_tokens, state.stop)
-                return StreamDelta(delta.request_id, tuple(ids), text, False)
-            return StreamDelta(delta.request_id, tuple(ids), text, True, self._stopped(state, delta.output))
+                return StreamDelta(delta.request_id, tuple(ids), text, False, logprobs=kept)
+            return StreamDelta(delta.request_id, tuple(ids), text, True, self._stopped(state, delta.output), kept)
         output = delta.output
         if delta.finished:
             if output.finish_reason != "error":
                 text += detok.flush()
             output = replace(output, text=detok.text)
-        return StreamDelta(delta.request_id, delta.token_ids, text, delta.finished, output)
+        return StreamDelta(delta.request_id, delta.token_ids, text, delta.finished, output, delta.logprobs)
 
     @staticmethod
     def _stopped(state: _Text, output: RequestOutput) -> RequestOutput:
@@ -186,7 +190,12 @@ class Handle:
 
 def _joined(first: StreamDelta, then: StreamDelta) -> StreamDelta:
     return StreamDelta(
-        first.request_id, first.token_ids + then.token_ids, first.text + then.text, then.finished, then.output
+        first.request_id,
+        first.token_ids + then.token_ids,
+        first.text + then.text,
+        then.finished,
+        then.output,
+        first.logprobs + then.logprobs,
     )
 
 

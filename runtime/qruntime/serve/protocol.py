@@ -6,7 +6,11 @@ Defaults follow OpenAI: temperature 1, top_p 1, n 1; max_tokens 16 for completio
 room the prompt leaves) and all of that room for chat. Extensions as in vLLM: top_k, ignore_eos,
 stop_token_ids, skip_special_tokens, return_token_ids, chat_template_kwargs. With n > 1 and a seed,
 choice j samples with seed + j. Unknown fields are ignored; known ones the engine cannot honour
-(logprobs, penalties, tools, ...) are refused rather than silently dropped.
+(tools, response_format, best_of, ...) are refused rather than silently dropped.
+
+Logprobs: completions' `logprobs` k, chat's `logprobs` + `top_logprobs` k (0 to 20), and completions'
+`echo` (the prompt's text, and with logprobs its tokens' logprobs, before the completion's); they
+are the model's raw logprobs (engine/logprobs.py).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from qruntime.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from qruntime.engine.sampling_params import MAX_LOGPROBS, InvalidSamplingParams, SamplingParams
 from qruntime.reasoning import prompt_opens_thinking
 from qruntime.serve.errors import APIError, invalid
 from qruntime.serve.limits import RequestLimits
@@ -33,15 +37,11 @@ UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
 }
 UNSUPPORTED_COMPLETION = {
     **UNSUPPORTED_COMMON,
-    "logprobs": (None,),
-    "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
 }
 UNSUPPORTED_CHAT = {
     **UNSUPPORTED_COMMON,
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "tools": (None, []),
     "functions": (None, []),
     "tool_choice": (None, "none", "auto"),
@@ -91,6 +91,8 @@ class GenerationRequest:
     return_token_ids: bool
     reasoning: bool = False  # chat replies' thinking returned apart, as reasoning_content (qruntime.reasoning)
     thinking_opened: bool = False  # the rendered prompt ends in an open <think>: replies start in the block
+    logprobs: int | None = None  # top logprobs per token to return (None: no logprobs)
+    echo: bool = False  # completions: each choice's text (and logprobs) starts with its prompt's
 
 
 # --- fields ---------------------------------------------------------------------------------------
@@ -148,17 +150,25 @@ def _logit_bias(body: Mapping[str, Any], model: ServedModel) -> tuple[tuple[int,
     if value is None:
         return ()
     if not isinstance(value, Mapping):
-        raise invalid("logit_bias", f"logit_bias must be an object of token id -> bias (got {shown(value)})", "invalid_type")
+        raise invalid(
+            "logit_bias", f"logit_bias must be an object of token id -> bias (got {shown(value)})", "invalid_type"
+        )
     if len(value) > model.limits.max_logit_bias:
-        raise invalid("logit_bias", f"logit_bias has {len(value)} entries; this server takes at most {model.limits.max_logit_bias}")
+        raise invalid(
+            "logit_bias",
+            f"logit_bias has {len(value)} entries; this server takes at most {model.limits.max_logit_bias}",
+        )
     pairs = []
     for key, bias in value.items():
         if not (key.isascii() and key.isdigit()) or int(key) >= model.vocab_size:
             raise invalid(
-                "logit_bias", f"logit_bias: {shown(key)} is not a token id (the vocabulary is ids 0..{model.vocab_size - 1})"
+                "logit_bias",
+                f"logit_bias: {shown(key)} is not a token id (the vocabulary is ids 0..{model.vocab_size - 1})",
             )
         if isinstance(bias, bool) or not isinstance(bias, int | float):
-            raise invalid("logit_bias", f"logit_bias[{shown(key)}] must be a number (got {shown(bias)})", "invalid_type")
+            raise invalid(
+                "logit_bias", f"logit_bias[{shown(key)}] must be a number (got {shown(bias)})", "invalid_type"
+            )
         pairs.append((int(key), float(bias)))
     return tuple(pairs)
 
@@ -203,7 +213,7 @@ def _check_unsupported(body: Mapping[str, Any], table: Mapping[str, tuple[Any, .
 def _check_ids(ids: list[int], model: ServedModel, param: str) -> list[int]:
     if not ids:
         raise invalid(param, f"{param} is empty (no tokens)")
-    if 0 <= min(ids) and max(ids) < model.vocab_size:
+    if min(ids) >= 0 and max(ids) < model.vocab_size:
         return ids  # the common case, checked at C speed: a 2,000-token prompt's loop took ~0.3 ms
     for position, token in enumerate(ids):
         if not 0 <= token < model.vocab_size:
@@ -363,6 +373,14 @@ def _build(
         "repetition_penalty": _number(body, "repetition_penalty", 1.0),  # vLLM's extra
     }
     return_token_ids = _bool(body, "return_token_ids", False)
+    logprobs = _logprobs(body, chat)
+    echo = not chat and _bool(body, "echo", False)
+    if echo and stream and logprobs is not None:
+        raise invalid(
+            "echo", "echo with logprobs is not supported when streaming (the prompt's logprobs come at the end)"
+        )
+    shared["logprobs"] = logprobs
+    shared["prompt_logprobs"] = logprobs if echo else None
     param = "messages" if chat else "prompt"
     sequences = []
     for p, ids in enumerate(prompts):
@@ -375,7 +393,30 @@ def _build(
             except ValueError as exc:
                 raise invalid(None, str(exc)) from None
             sequences.append(SequenceSpec(p * n + j, p, tuple(ids), params))
-    return GenerationRequest(chat, tuple(sequences), tuple(map(len, prompts)), stream, include_usage, return_token_ids)
+    return GenerationRequest(
+        chat,
+        tuple(sequences),
+        tuple(map(len, prompts)),
+        stream,
+        include_usage,
+        return_token_ids,
+        logprobs=logprobs,
+        echo=echo,
+    )
+
+
+def _logprobs(body: Mapping[str, Any], chat: bool) -> int | None:
+    """Top logprobs per token: completions' `logprobs` k; chat's `top_logprobs` k when `logprobs` is
+    true (0 without it, as OpenAI). None: no logprobs."""
+    name = "top_logprobs" if chat else "logprobs"
+    if chat and not _bool(body, "logprobs", False):
+        if body.get("top_logprobs") is not None:
+            raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
+        return None
+    k = _int(body, name, 0 if chat else None, minimum=0)
+    if k is not None and k > MAX_LOGPROBS:
+        raise invalid(name, f"{name} must be <= {MAX_LOGPROBS} (got {k})")
+    return k
 
 
 def _object(body: Any) -> Mapping[str, Any]:

@@ -7,6 +7,13 @@ which stop string or token ended a choice; `usage.prompt_tokens_details.cached_t
 prompt tokens the prefix cache held. With the server's --reasoning-parser, a chat reply's
 thinking comes apart from its answer (qruntime.reasoning): `reasoning_content` beside `content` in
 the message, and in stream deltas as it arrives.
+
+Logprobs, when asked for: a chat choice's `logprobs.content` lists each generated token (its text,
+logprob, UTF-8 `bytes` and `top_logprobs`), the thinking's tokens included; a completion choice's
+`logprobs` holds OpenAI's legacy lists (`tokens`, `token_logprobs`, `top_logprobs` as {text:
+logprob}, the likeliest of tokens that share a text, `text_offset` into the choice's text), its prompt's tokens first with `echo` (the first
+one's logprob null). A stream chunk carries its own tokens'. Without the artifact's tokenizer a
+token's text is "token_id:N".
 """
 
 from __future__ import annotations
@@ -14,16 +21,27 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from qruntime.engine.outputs import RequestOutput, StreamDelta
+from qruntime.engine.outputs import RequestOutput, StreamDelta, TokenLogprob
 from qruntime.reasoning import ReasoningSplitter, Split, split_reasoning
 from qruntime.serve.protocol import GenerationRequest
+from qruntime.tokenizer import TokenIdsOnly, Tokenizer
 
 
 class ResponseBuilder:
     """Builds one request's bodies; `chunk` for streaming, `full` for the whole response."""
 
-    def __init__(self, request: GenerationRequest, request_id: str, model: str, created: int) -> None:
+    def __init__(
+        self,
+        request: GenerationRequest,
+        request_id: str,
+        model: str,
+        created: int,
+        tokenizer: Tokenizer | TokenIdsOnly | None = None,
+    ) -> None:
         self.request = request
+        self.tokenizer = tokenizer
+        self._offsets: dict[int, int] = {}  # completion choice -> characters of its text sent so far (text_offset)
+        self._echoed: set[int] = set()  # stream choices whose prompt went out
         self.head = {
             "id": request_id,
             "object": ("chat.completion" if request.chat else "text_completion"),
@@ -58,8 +76,10 @@ class ResponseBuilder:
         output: RequestOutput | None,
         token_ids: tuple[int, ...],
         stream: bool,
+        logprobs: Any = None,
     ) -> dict[str, Any]:
-        """`text` is a Split (reasoning, answer) when the request returns the thinking apart."""
+        """`text` is a Split (reasoning, answer) when the request returns the thinking apart;
+        `logprobs` the choice's logprobs body (None: null)."""
         choice: dict[str, Any] = {"index": index}
         split = text if isinstance(text, Split) else None
         if self.request.chat and stream:
@@ -78,7 +98,7 @@ class ResponseBuilder:
             }
         else:
             choice["text"] = text
-        choice["logprobs"] = None
+        choice["logprobs"] = logprobs
         choice["finish_reason"] = None if output is None else output.finish_reason
         choice["stop_reason"] = None if output is None else output.stop_reason
         if self.request.return_token_ids:
@@ -94,7 +114,18 @@ class ResponseBuilder:
 
     def full(self, outputs: Mapping[int, RequestOutput]) -> dict[str, Any]:
         """The non-streaming body, from every choice's finished output."""
-        choices = [self._choice(i, self._text(o.text), o, o.token_ids, stream=False) for i, o in sorted(outputs.items())]
+        choices = []
+        for i, o in sorted(outputs.items()):
+            text, logprobs = self._text(o.text), None
+            first = None
+            if self.request.echo:
+                text = self._prompt_text(o.prompt_token_ids) + o.text
+                entries, first = [*(o.prompt_logprobs or ())[1:], *(o.logprobs or ())], o.prompt_token_ids[0]
+            else:
+                entries = list(o.logprobs or ())
+            if self.request.logprobs is not None:
+                logprobs = self._logprobs(i, entries, first)
+            choices.append(self._choice(i, text, o, o.token_ids, stream=False, logprobs=logprobs))
         completion_tokens = sum(len(o.token_ids) for o in outputs.values())
         return {**self.head, "choices": choices, "usage": self.usage(completion_tokens, outputs)}
 
@@ -122,6 +153,11 @@ class ResponseBuilder:
     def chunk(self, index: int, delta: StreamDelta) -> dict[str, Any] | None:
         """A stream chunk for one delta; None when it carries nothing a client would see."""
         text: str | Split = delta.text
+        entries = list(delta.logprobs)
+        if self.request.echo and index not in self._echoed:  # the prompt goes out first (streamed: no logprobs)
+            self._echoed.add(index)
+            sequence = next(s for s in self.request.sequences if s.index == index)
+            text = self._prompt_text(sequence.prompt_ids) + delta.text
         if delta.output is not None:
             self._finished[index] = delta.output
         if self.request.reasoning:
@@ -132,9 +168,72 @@ class ResponseBuilder:
                 now = Split(now.reasoning + last.reasoning, now.content + last.content)
             text = now
         visible = text.reasoning or text.content if isinstance(text, Split) else text
-        if not (visible or delta.finished or (self.request.return_token_ids and delta.token_ids)):
+        if not (visible or delta.finished or (self.request.return_token_ids and delta.token_ids) or entries):
             return None
-        return self._stream_body([self._choice(index, text, delta.output, delta.token_ids, stream=True)])
+        logprobs = self._logprobs(index, entries) if self.request.logprobs is not None else None
+        return self._stream_body(
+            [self._choice(index, text, delta.output, delta.token_ids, stream=True, logprobs=logprobs)]
+        )
+
+    # --- logprobs ---------------------------------------------------------------------------------
+    def _prompt_text(self, prompt_ids: tuple[int, ...]) -> str:
+        if self.tokenizer is None or not self.tokenizer.has_text:
+            return ""
+        return self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+
+    def _token(self, token_id: int) -> tuple[str, bytes | None]:
+        if self.tokenizer is None or not self.tokenizer.has_text:
+            return f"token_id:{token_id}", None
+        raw = self.tokenizer.token_bytes(token_id)
+        return raw.decode("utf-8", errors="replace"), raw
+
+    def _logprobs(self, index: int, entries: list[TokenLogprob], first: int | None = None) -> dict[str, Any]:
+        """A choice's logprobs body for `entries`; `first`: an echoed prompt's first token, which has none."""
+        if self.request.chat:
+            content = []
+            for entry in entries:
+                text, raw = self._token(entry.token_id)
+                top = []
+                for token_id, logprob in entry.top:
+                    top_text, top_raw = self._token(token_id)
+                    top.append(
+                        {"token": top_text, "logprob": logprob, "bytes": None if top_raw is None else list(top_raw)}
+                    )
+                content.append(
+                    {
+                        "token": text,
+                        "logprob": entry.logprob,
+                        "bytes": None if raw is None else list(raw),
+                        "top_logprobs": top,
+                    }
+                )
+            return {"content": content}
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        offset = self._offsets.get(index, 0)
+        if first is not None:
+            text, _ = self._token(first)
+            tokens.append(text)
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            offsets.append(offset)
+            offset += len(text)
+        for entry in entries:
+            text, _ = self._token(entry.token_id)
+            tokens.append(text)
+            token_logprobs.append(entry.logprob)
+            top: dict[str, float] = {}
+            for token_id, logprob in entry.top:  # tokens of one text (pieces of a character: U+FFFD) keep the likeliest
+                top.setdefault(self._token(token_id)[0], logprob)
+            top_logprobs.append(top if self.request.logprobs else None)
+            offsets.append(offset)
+            offset += len(text)
+        self._offsets[index] = offset
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
+            "text_offset": offsets,
+        }
 
     def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
         """The last chunk with stream_options.include_usage: no choices, the usage."""

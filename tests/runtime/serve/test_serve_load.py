@@ -55,7 +55,7 @@ INVALID = (
     ("chat", {"messages": []}, 400, "messages"),
     ("completions", {"max_tokens": 10 * MAX_MODEL_LEN}, 400, "max_tokens"),
     ("chat", {"stream": "yes"}, 400, "stream"),
-    ("completions", {"logprobs": 2}, 400, "logprobs"),
+    ("completions", {"logprobs": 21}, 400, "logprobs"),
     ("completions", {"seed": -3}, 400, "seed"),
 )
 MALFORMED = (
