@@ -112,6 +112,7 @@ class Engine:
         self.async_scheduling = async_scheduling and workers is None
         self._tracked: dict[str, _Tracked] = {}
         self._in_flight: _Launched | None = None  # the step launched last, not read yet (async scheduling)
+        self._scoring: set[str] = set()  # unfinished requests that asked for prompt logprobs (usually none)
         # the random stream of sampled requests without a seed (each seeded one has its own)
         self._generator = torch.Generator(device=runner.device).manual_seed(int.from_bytes(os.urandom(8)) >> 1)
         self._ids = itertools.count()
@@ -159,6 +160,8 @@ class Engine:
                 self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop
             )
         self._tracked[request_id] = _Tracked(request, params, detok, generator, time.perf_counter())
+        if params.prompt_logprobs is not None:
+            self._scoring.add(request_id)
         self.scheduler.add(request)
         return request_id
 
@@ -192,10 +195,11 @@ class Engine:
             pending_rows = previous.rows if previous is not None else {}
             chunks = [StepChunk.of(c, pending_rows.get(c.request.request_id)) for c in output.chunks]
             sampled = previous.tokens.ids if pending_rows and any(c.token_ids[-1] < 0 for c in chunks) else None
-            scored = [self._scores_prompt(c) for c in output.chunks]
-            logits = self._execute(chunks, all_logits=tuple(scored) if any(scored) else False, sampled=sampled)
+            scored = tuple(map(self._scores_prompt, output.chunks)) if self._scoring else ()
+            scoring = any(scored)
+            logits = self._execute(chunks, all_logits=scored if scoring else False, sampled=sampled)
             prompt_logprobs = None
-            if any(scored):  # the scored chunks' rows came back too: score them, keep each chunk's last
+            if scoring:  # the scored chunks' rows came back too: score them, keep each chunk's last
                 ends = list(itertools.accumulate(c.num_tokens if s else 1 for c, s in zip(chunks, scored, strict=True)))
                 prompt_logprobs = self._prompt_logprobs(logits, output.chunks, scored, ends)
                 logits = logits[device_tensor([ends[i] - 1 for i in rows], torch.int64, logits.device)]
@@ -235,9 +239,9 @@ class Engine:
 
     def _scores_prompt(self, chunk) -> bool:
         """Whether this scheduled chunk computes prompt positions whose prompt logprobs are wanted."""
-        t = self._tracked[chunk.request.request_id]
-        if t.params.prompt_logprobs is None:
+        if chunk.request.request_id not in self._scoring:
             return False
+        t = self._tracked[chunk.request.request_id]
         last = min(chunk.start + chunk.num_tokens, len(t.request.prompt_token_ids) - 1)
         return max(chunk.start, len(t.prompt_logprobs)) < last
 
@@ -517,6 +521,7 @@ class Engine:
         request = t.request
         self.scheduler.finish(request.request_id)
         del self._tracked[request.request_id]
+        self._scoring.discard(request.request_id)
         if t.detok is not None and (reason not in ("stop", "error") or not isinstance(stop_reason, str)):
             with contextlib.suppress(Exception):  # a request failing in its detokenizer keeps what it has
                 t.new_text += t.detok.flush()
