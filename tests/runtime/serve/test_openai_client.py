@@ -1,10 +1,11 @@
 """The server through the official `openai` client (as people call it): sampling fields OpenAI has
 (logit_bias, presence / frequency penalties, stop, n) and vLLM's extras (min_p, min_tokens,
 repetition_penalty, through extra_body) give what the engine gives for the same SamplingParams, whole
-and streamed, and a bad field is a BadRequestError naming it."""
+and streamed, and a bad field is a BadRequestError naming it. Logprobs: completions' `logprobs` k
+(OpenAI's legacy lists, `echo` putting the prompt's tokens first) and chat's `logprobs` /
+`top_logprobs` (entries with `bytes`), whole and streamed, equal the engine's own."""
 
 from __future__ import annotations
-
 
 import openai
 import pytest
@@ -14,6 +15,7 @@ from qruntime.serve.app import build_app
 from serve_harness import CPU_LOAD, ThreadedServer, random_text
 
 MODEL = "tiny-openai"
+TOLERANCE = 1e-6  # the engine's float32 logprobs through JSON and back
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,6 @@ def client(art):
     app = build_app(qruntime.load(art, **CPU_LOAD), model_name=MODEL, max_waiting=32)
     with ThreadedServer(app) as server:
         yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-
 
 
 def test_sampling_fields_give_the_engines_tokens_whole_and_streamed(client, reference, rng):
@@ -97,3 +98,86 @@ def test_a_bad_field_is_a_bad_request_naming_it(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=MODEL, prompt="hello", max_tokens=3, **kwargs)
     assert caught.value.status_code == 400 and caught.value.body["param"] == param
+
+
+def _text(reference, token_id: int) -> str:
+    return reference.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= TOLERANCE
+
+
+def test_completion_logprobs_are_the_engines_whole_and_streamed(client, reference, rng):
+    prompt = random_text(rng)
+    k = rng.randrange(1, 5)
+    (expected,) = reference.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, logprobs=k))
+    common = dict(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=k, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**common).choices[0].logprobs
+    assert whole.tokens == [_text(reference, t) for t in expected.token_ids]
+    assert all(_close(a, e.logprob) for a, e in zip(whole.token_logprobs, expected.logprobs, strict=True))
+    for top, entry in zip(whole.top_logprobs, expected.logprobs, strict=True):
+        want = {}
+        for token_id, logprob in entry.top:
+            want.setdefault(_text(reference, token_id), logprob)
+        assert top.keys() == want.keys() and all(_close(top[t], want[t]) for t in want)
+    lengths = [len(t) for t in whole.tokens]
+    assert whole.text_offset == [sum(lengths[:i]) for i in range(len(lengths))]
+    chunks = [c.choices[0].logprobs for c in client.completions.create(**common, stream=True) if c.choices[0].logprobs]
+    assert [t for c in chunks for t in c.tokens] == whole.tokens
+    assert [lp for c in chunks for lp in c.token_logprobs] == whole.token_logprobs
+    assert [o for c in chunks for o in c.text_offset] == whole.text_offset
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_first(client, reference, rng):
+    prompt_ids = [rng.randrange(10, 500) for _ in range(rng.randrange(5, 40))]
+    params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    (expected,) = reference.generate([prompt_ids], params)
+    choice = client.completions.create(
+        model=MODEL,
+        prompt=prompt_ids,
+        max_tokens=4,
+        temperature=0,
+        logprobs=1,
+        echo=True,
+        extra_body={"ignore_eos": True},
+    ).choices[0]
+    prompt_text = reference.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+    assert choice.text == prompt_text + expected.text
+    lp = choice.logprobs
+    ids = [*prompt_ids, *expected.token_ids]
+    assert lp.tokens == [_text(reference, t) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    entries = [*expected.prompt_logprobs[1:], *expected.logprobs]
+    assert all(_close(a, e.logprob) for a, e in zip(lp.token_logprobs[1:], entries, strict=True))
+    streamed = list(
+        client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=4, temperature=0, echo=True, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in streamed).startswith(prompt_text)
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=2, echo=True, logprobs=1, stream=True)
+
+
+def test_chat_logprobs_are_the_engines_whole_and_streamed(client, reference, rng):
+    messages = [{"role": "user", "content": random_text(rng)}]
+    k = rng.randrange(0, 4)
+    (expected,) = reference.chat(messages, SamplingParams(max_tokens=8, ignore_eos=True, logprobs=k))
+    common = dict(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=k,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    content = client.chat.completions.create(**common).choices[0].logprobs.content
+    assert [c.token for c in content] == [_text(reference, t) for t in expected.token_ids]
+    assert [bytes(c.bytes) for c in content] == [reference.tokenizer.token_bytes(t) for t in expected.token_ids]
+    for item, entry in zip(content, expected.logprobs, strict=True):
+        assert _close(item.logprob, entry.logprob) and len(item.top_logprobs) == k
+        for top, (token_id, logprob) in zip(item.top_logprobs, entry.top, strict=True):
+            assert top.token == _text(reference, token_id) and _close(top.logprob, logprob)
+    streamed = [
+        c.choices[0].logprobs.content
+        for c in client.chat.completions.create(**common, stream=True)
+        if c.choices and c.choices[0].logprobs
+    ]
+    assert [(c.token, c.logprob) for part in streamed for c in part] == [(c.token, c.logprob) for c in content]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
