@@ -6,7 +6,9 @@ Defaults follow OpenAI: temperature 1, top_p 1, n 1; max_tokens 16 for completio
 room the prompt leaves) and all of that room for chat. Extensions as in vLLM: top_k, ignore_eos,
 stop_token_ids, skip_special_tokens, return_token_ids, chat_template_kwargs. With n > 1 and a seed,
 choice j samples with seed + j. Unknown fields are ignored; known ones the engine cannot honour
-(tools, response_format, best_of, ...) are refused rather than silently dropped.
+(tools, response_format, ...) are refused rather than silently dropped. Completions' best_of b >= n
+generates b sequences per prompt and returns the n with the highest mean token logprob (OpenAI's
+"highest log probability per token"; not streamed when b > n).
 
 Logprobs: completions' `logprobs` k, chat's `logprobs` + `top_logprobs` k (0 to 20), and completions'
 `echo` (the prompt's text, and with logprobs its tokens' logprobs, before the completion's); they
@@ -37,7 +39,6 @@ UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
 }
 UNSUPPORTED_COMPLETION = {
     **UNSUPPORTED_COMMON,
-    "best_of": (None, 1),
     "suffix": (None, ""),
 }
 UNSUPPORTED_CHAT = {
@@ -93,6 +94,8 @@ class GenerationRequest:
     thinking_opened: bool = False  # the rendered prompt ends in an open <think>: replies start in the block
     logprobs: int | None = None  # top logprobs per token to return (None: no logprobs)
     echo: bool = False  # completions: each choice's text (and logprobs) starts with its prompt's
+    n: int = 1  # choices returned per prompt
+    best_of: int = 1  # sequences generated per prompt (>= n): the n likeliest are returned (completions)
 
 
 # --- fields ---------------------------------------------------------------------------------------
@@ -346,13 +349,15 @@ def _build(
     n = _int(body, "n", 1, minimum=1)
     if n > model.limits.max_n:
         raise invalid("n", f"n must be <= {model.limits.max_n} (got {n})")
-    if n * len(prompts) > model.max_sequences:
+    stream = _bool(body, "stream", False)
+    best_of = n if chat else _best_of(body, n, stream, model)
+    if best_of * len(prompts) > model.max_sequences:
+        name = "best_of" if best_of > n else "n"
         raise invalid(
-            "n",
-            f"the request asks for {n * len(prompts)} sequences (prompts x n), more than the "
+            name,
+            f"the request asks for {best_of * len(prompts)} sequences (prompts x {name}), more than the "
             f"{model.max_sequences} this server queues at once (--max-waiting)",
         )
-    stream = _bool(body, "stream", False)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, Mapping):
         raise invalid("stream_options", f"stream_options must be an object (got {shown(options)})", "invalid_type")
@@ -379,20 +384,20 @@ def _build(
         raise invalid(
             "echo", "echo with logprobs is not supported when streaming (the prompt's logprobs come at the end)"
         )
-    shared["logprobs"] = logprobs
+    shared["logprobs"] = logprobs if best_of == n or logprobs is not None else 0  # best_of ranks by them
     shared["prompt_logprobs"] = logprobs if echo else None
     param = "messages" if chat else "prompt"
     sequences = []
     for p, ids in enumerate(prompts):
         max_tokens = _max_tokens(requested_max, default_max, len(ids), model, param, max_param)
-        for j in range(n):
+        for j in range(best_of):
             try:
                 params = SamplingParams(max_tokens=max_tokens, seed=None if seed is None else seed + j, **shared)
             except InvalidSamplingParams as exc:  # what the field checks above let through, by its field
                 raise invalid(exc.problems[0].field, str(exc.problems[0])) from None
             except ValueError as exc:
                 raise invalid(None, str(exc)) from None
-            sequences.append(SequenceSpec(p * n + j, p, tuple(ids), params))
+            sequences.append(SequenceSpec(p * best_of + j, p, tuple(ids), params))
     return GenerationRequest(
         chat,
         tuple(sequences),
@@ -402,7 +407,23 @@ def _build(
         return_token_ids,
         logprobs=logprobs,
         echo=echo,
+        n=n,
+        best_of=best_of,
     )
+
+
+def _best_of(body: Mapping[str, Any], n: int, stream: bool, model: ServedModel) -> int:
+    """Completions' best_of: sequences per prompt, n by default; more than n cannot be streamed."""
+    best_of = _int(body, "best_of", n, minimum=1)
+    if best_of < n:
+        raise invalid("best_of", f"best_of must be >= n ({n}) (got {best_of})")
+    if best_of > model.limits.max_n:
+        raise invalid("best_of", f"best_of must be <= {model.limits.max_n} (got {best_of})")
+    if stream and best_of > n:
+        raise invalid(
+            "best_of", "best_of > n cannot be streamed: the best are known only when every sequence has ended"
+        )
+    return best_of
 
 
 def _logprobs(body: Mapping[str, Any], chat: bool) -> int | None:

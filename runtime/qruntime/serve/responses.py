@@ -113,9 +113,12 @@ class ResponseBuilder:
         return split_reasoning(output_text, self.request.thinking_opened)
 
     def full(self, outputs: Mapping[int, RequestOutput]) -> dict[str, Any]:
-        """The non-streaming body, from every choice's finished output."""
+        """The non-streaming body, from every choice's finished output (with best_of, every sequence's:
+        the n best of each prompt become its choices)."""
+        completion_tokens = sum(len(o.token_ids) for o in outputs.values())  # every sequence generated
+        usage = self.usage(completion_tokens, outputs)
         choices = []
-        for i, o in sorted(outputs.items()):
+        for i, o in sorted(self._best(outputs).items()):
             text, logprobs = self._text(o.text), None
             first = None
             if self.request.echo:
@@ -126,8 +129,22 @@ class ResponseBuilder:
             if self.request.logprobs is not None:
                 logprobs = self._logprobs(i, entries, first)
             choices.append(self._choice(i, text, o, o.token_ids, stream=False, logprobs=logprobs))
-        completion_tokens = sum(len(o.token_ids) for o in outputs.values())
-        return {**self.head, "choices": choices, "usage": self.usage(completion_tokens, outputs)}
+        return {**self.head, "choices": choices, "usage": usage}
+
+    def _best(self, outputs: Mapping[int, RequestOutput]) -> dict[int, RequestOutput]:
+        """With best_of b > n: of each prompt's b sequences, the n with the highest mean token logprob,
+        as its choices p * n .. p * n + n - 1 (best first; ties to the earlier sequence)."""
+        n, runs = self.request.n, self.request.best_of
+        if runs == n:
+            return dict(outputs)
+        best = {}
+        for p in range(len(self.request.prompt_lens)):
+            ranked = sorted(
+                (i for i in range(p * runs, (p + 1) * runs) if i in outputs),
+                key=lambda i: (-_mean_logprob(outputs[i]), i),
+            )
+            best.update((p * n + rank, outputs[i]) for rank, i in enumerate(ranked[:n]))
+        return best
 
     def _stream_body(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {**self.head, "object": self._chunk_object, "choices": choices}
@@ -238,3 +255,9 @@ class ResponseBuilder:
     def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
         """The last chunk with stream_options.include_usage: no choices, the usage."""
         return {**self._stream_body([]), "usage": self.usage(completion_tokens, self._finished)}
+
+
+def _mean_logprob(output: RequestOutput) -> float:
+    """The mean logprob of a sequence's tokens (-inf for one without any)."""
+    entries = output.logprobs or ()
+    return sum(e.logprob for e in entries) / len(entries) if entries else float("-inf")

@@ -181,3 +181,24 @@ def test_chat_logprobs_are_the_engines_whole_and_streamed(client, reference, rng
     assert [(c.token, c.logprob) for part in streamed for c in part] == [(c.token, c.logprob) for c in content]
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
     assert plain.choices[0].logprobs is None
+
+
+def test_best_of_returns_the_sequences_with_the_highest_mean_logprob(client, reference, rng):
+    prompt = random_text(rng)
+    seed, n, best_of = rng.randrange(1 << 30), 2, 4
+    runs = [
+        reference.generate(
+            [prompt], SamplingParams(max_tokens=6, ignore_eos=True, temperature=1.3, seed=seed + j, logprobs=0)
+        )[0]
+        for j in range(best_of)
+    ]
+    means = [sum(e.logprob for e in o.logprobs) / len(o.logprobs) for o in runs]
+    ranked = sorted(range(best_of), key=lambda j: (-means[j], j))
+    response = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, temperature=1.3, seed=seed, n=n, best_of=best_of,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert [c.text for c in response.choices] == [runs[j].text for j in ranked[:n]]
+    assert [c.index for c in response.choices] == [0, 1] and all(c.logprobs is None for c in response.choices)
+    assert response.usage.completion_tokens == sum(len(o.token_ids) for o in runs)  # every sequence generated
+    assert len({o.text for o in runs}) > 1, "the sampled sequences were all alike: nothing was ranked"
