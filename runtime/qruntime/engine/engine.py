@@ -37,10 +37,11 @@ from qruntime.engine.outputs import InvalidRequest, RequestOutput, StreamDelta, 
 from qruntime.engine.prefix_cache import PrefixCacheStats
 from qruntime.engine.request import Request
 from qruntime.engine.sampled_tokens import SampledTokens
-from qruntime.engine.sampler import History, sample_on_device
+from qruntime.engine.sampler import Forced, History, sample_on_device
 from qruntime.engine.sampling_params import SamplingParams, as_list
 from qruntime.engine.scheduler import Scheduler, SchedulerOutput
 from qruntime.engine.step_chunk import StepChunk
+from qruntime.engine.thinking import ThinkingState
 from qruntime.engine.transfer import device_tensor
 from qruntime.tokenizer import IncrementalDetokenizer, TokenIdsOnly, Tokenizer, TokenizerError
 
@@ -70,6 +71,7 @@ class _Tracked:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of each output token (params.logprobs)
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.. (params.prompt_logprobs)
+    thinking: ThinkingState | None = None  # params.max_thinking_tokens: where its <think> block stands
 
 
 @dataclass(eq=False)
@@ -113,6 +115,7 @@ class Engine:
         self._tracked: dict[str, _Tracked] = {}
         self._in_flight: _Launched | None = None  # the step launched last, not read yet (async scheduling)
         self._scoring: set[str] = set()  # unfinished requests that asked for prompt logprobs (usually none)
+        self._capped: set[str] = set()  # unfinished requests with a thinking cap (usually none)
         # the random stream of sampled requests without a seed (each seeded one has its own)
         self._generator = torch.Generator(device=runner.device).manual_seed(int.from_bytes(os.urandom(8)) >> 1)
         self._ids = itertools.count()
@@ -145,6 +148,14 @@ class Engine:
                 "stop strings need the artifact's tokenizer, which it does not have (compiled with --no-tokenizer): "
                 "use stop_token_ids"
             )
+        thinking = None
+        if params.max_thinking_tokens is not None:
+            marks = self._think_ids()
+            if marks is None:
+                raise InvalidRequest(
+                    "max_thinking_tokens needs <think> and </think> tokens, which this model's vocabulary lacks"
+                )
+            thinking = ThinkingState.of_prompt(params.max_thinking_tokens, *marks, token_ids)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._tracked:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
@@ -159,9 +170,11 @@ class Engine:
             detok = IncrementalDetokenizer(
                 self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop
             )
-        self._tracked[request_id] = _Tracked(request, params, detok, generator, time.perf_counter())
+        self._tracked[request_id] = _Tracked(request, params, detok, generator, time.perf_counter(), thinking=thinking)
         if params.prompt_logprobs is not None:
             self._scoring.add(request_id)
+        if thinking is not None:
+            self._capped.add(request_id)
         self.scheduler.add(request)
         return request_id
 
@@ -223,6 +236,7 @@ class Engine:
                 banned if any(banned) else None,
                 histories,
                 previous.tokens.ids if previous is not None else None,
+                self._forced(tracked, pending_rows) if self._capped else None,
             )
             logprobs = None
             if wanted := [row for row, t in enumerate(tracked) if t.params.logprobs is not None]:
@@ -236,6 +250,31 @@ class Engine:
             return None, self._fail(batch, "the model step running this request failed", exc)
         ids = {t.request.request_id: row for row, t in enumerate(tracked)}
         return _Launched(output, tracked, tokens, ids, logprobs, prompt_logprobs), []
+
+    def _think_ids(self) -> tuple[int, int] | None:
+        """The ids of <think> and </think>, None when the vocabulary lacks one."""
+        backend = getattr(self.tokenizer, "backend", None)
+        if backend is None:
+            return None
+        ids = backend.token_to_id("<think>"), backend.token_to_id("</think>")
+        return None if None in ids else ids
+
+    def _forced(self, tracked: list[_Tracked], pending_rows: Mapping[str, int]) -> Forced | None:
+        """The rows whose token this step must force to </think> (thinking.ThinkingState.mode)."""
+        rows: dict[str, list] = {"always": [], "unless": [], "when": []}
+        marks = None
+        for row, t in enumerate(tracked):
+            if t.thinking is None:
+                continue
+            flying = pending_rows.get(t.request.request_id)
+            mode = t.thinking.mode(flying is not None)
+            if mode is not None:
+                rows[mode].append(row if mode == "always" else (row, flying))
+                marks = (t.thinking.open_id, t.thinking.close_id)
+        if marks is None:
+            return None
+        open_id, close_id = marks
+        return Forced(close_id, tuple(rows["always"]), tuple(rows["unless"]), close_id, tuple(rows["when"]), open_id)
 
     def _scores_prompt(self, chunk) -> bool:
         """Whether this scheduled chunk computes prompt positions whose prompt logprobs are wanted."""
@@ -300,6 +339,8 @@ class Engine:
             try:
                 t.first_token = t.first_token if t.first_token is not None else now
                 t.new_ids.append(token)
+                if t.thinking is not None:
+                    t.thinking.observe(token)
                 if row in token_logprobs:
                     entry = _top(token_logprobs[row], t.params.logprobs)
                     t.logprobs.append(entry)
@@ -522,6 +563,7 @@ class Engine:
         self.scheduler.finish(request.request_id)
         del self._tracked[request.request_id]
         self._scoring.discard(request.request_id)
+        self._capped.discard(request.request_id)
         if t.detok is not None and (reason not in ("stop", "error") or not isinstance(stop_reason, str)):
             with contextlib.suppress(Exception):  # a request failing in its detokenizer keeps what it has
                 t.new_text += t.detok.flush()

@@ -178,6 +178,42 @@ def _adjusted(
     return out
 
 
+@dataclass(frozen=True)
+class Forced:
+    """Rows whose token is `token` whatever was sampled: those of `always`, and those of `unless`
+    (row, in-flight row) whose token in flight (in_flight[in-flight row], still on the device) is
+    not `unless_token`, and those of `when` (row, in-flight row) whose token in flight is
+    `when_token`. The conditions are decided on the device: the host does not know those tokens yet."""
+
+    token: int
+    always: tuple[int, ...] = ()
+    unless: tuple[tuple[int, int], ...] = ()
+    unless_token: int = -1
+    when: tuple[tuple[int, int], ...] = ()
+    when_token: int = -1
+
+
+def _forced(index: torch.Tensor, forced: Forced, in_flight: torch.Tensor | None) -> torch.Tensor:
+    """index with the forced rows' token put in (Forced says which), on the device."""
+    device = index.device
+    rows = [*forced.always, *(r for r, _ in forced.unless), *(r for r, _ in forced.when)]
+    if not rows:
+        return index
+    if (forced.unless or forced.when) and in_flight is None:
+        raise ValueError("a forced row's condition reads the token in flight, and none is")
+    apply = torch.ones(len(rows), dtype=torch.bool, device=device)
+    if forced.unless or forced.when:
+        start = len(forced.always)
+        flying = device_tensor([f for _, f in (*forced.unless, *forced.when)], torch.int64, device)
+        previous = in_flight[flying]
+        wanted = torch.cat(
+            [previous[: len(forced.unless)] != forced.unless_token, previous[len(forced.unless) :] == forced.when_token]
+        )
+        apply[start:] = wanted
+    at = device_tensor(rows, torch.int64, device)
+    return index.index_put((at,), torch.where(apply, forced.token, index[at]))
+
+
 def sample_on_device(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -185,10 +221,11 @@ def sample_on_device(
     banned: Sequence[Sequence[int]] | None = None,
     histories: Sequence[History | None] | None = None,
     in_flight: torch.Tensor | None = None,
+    forced: Forced | None = None,
 ) -> SampledTokens:
     """One token per row of logits [n, V]; row i uses params[i] and generators[i] (None for greedy),
     cannot be any token of banned[i], and is penalized by histories[i] (`penalized`), on the device,
-    without waiting for it."""
+    without waiting for it. `forced` rows get its token instead (the engine's thinking cap)."""
     logits = _adjusted(logits, params, banned, histories, in_flight)
     best, index = logits.max(-1)  # NaN propagates into best: one reduction finds NaN, +inf and all -inf rows
     sampled = [i for i, p in enumerate(params) if not p.greedy]
@@ -199,6 +236,8 @@ def sample_on_device(
         race = probs.div_(_exponentials(tuple(probs.shape), [generators[i] for i in sampled], logits.device))
         drawn = race.argmax(-1)
         index = drawn if rows is None else index.index_copy(0, rows, drawn)
+    if forced is not None:
+        index = _forced(index, forced, in_flight)
     return SampledTokens(index, best)
 
 

@@ -60,6 +60,10 @@ class SamplingParams:
     position; `prompt_logprobs` k: the same for every prompt token after the first (such a request
     computes its whole prompt: the prefix cache would skip the positions). Both are the model's raw
     log-softmax, before logit_bias, penalties and the temperature (engine/logprobs.py).
+
+    `max_thinking_tokens` caps a reasoning model's thinking: once that many tokens have been
+    generated inside an open <think> block (opened by the prompt's end or by a generated <think>),
+    the next token is </think>, whatever the model would pick (needs both tokens in the vocabulary).
     """
 
     max_tokens: int = 16
@@ -79,6 +83,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    max_thinking_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -137,6 +142,7 @@ def _problems(p: SamplingParams) -> list[FieldProblem]:
         *_repetition_penalty(p.repetition_penalty),
         *_logprobs("logprobs", p.logprobs),
         *_logprobs("prompt_logprobs", p.prompt_logprobs),
+        *_max_thinking_tokens(p.max_thinking_tokens),
     ]
 
 
@@ -257,3 +263,12 @@ def _logprobs(field: str, value: object) -> Iterator[FieldProblem]:
         yield FieldProblem(field, value, "must be an integer")
     elif not 0 <= value <= MAX_LOGPROBS:
         yield FieldProblem(field, value, f"must be in [0, {MAX_LOGPROBS}]")
+
+
+def _max_thinking_tokens(value: object) -> Iterator[FieldProblem]:
+    if value is None:
+        return
+    if not _is_int(value):
+        yield FieldProblem("max_thinking_tokens", value, "must be an integer")
+    elif value < 0:
+        yield FieldProblem("max_thinking_tokens", value, "must be ≥ 0")

@@ -8,7 +8,8 @@ stop_token_ids, skip_special_tokens, return_token_ids, chat_template_kwargs. Wit
 choice j samples with seed + j. Unknown fields are ignored; known ones the engine cannot honour
 (tools, response_format, ...) are refused rather than silently dropped. Completions' best_of b >= n
 generates b sequences per prompt and returns the n with the highest mean token logprob (OpenAI's
-"highest log probability per token"; not streamed when b > n).
+"highest log probability per token"; not streamed when b > n). `max_thinking_tokens` (this
+server's extra) caps each <think> block: after that many tokens in it, the next is </think>.
 
 Logprobs: completions' `logprobs` k, chat's `logprobs` + `top_logprobs` k (0 to 20), and completions'
 `echo` (the prompt's text, and with logprobs its tokens' logprobs, before the completion's); they
@@ -376,6 +377,7 @@ def _build(
         "presence_penalty": _number(body, "presence_penalty", 0.0),
         "frequency_penalty": _number(body, "frequency_penalty", 0.0),
         "repetition_penalty": _number(body, "repetition_penalty", 1.0),  # vLLM's extra
+        "max_thinking_tokens": _int(body, "max_thinking_tokens", None, minimum=0),  # ours: a cap on <think> blocks
     }
     return_token_ids = _bool(body, "return_token_ids", False)
     logprobs = _logprobs(body, chat)

@@ -202,3 +202,17 @@ def test_best_of_returns_the_sequences_with_the_highest_mean_logprob(client, ref
     assert [c.index for c in response.choices] == [0, 1] and all(c.logprobs is None for c in response.choices)
     assert response.usage.completion_tokens == sum(len(o.token_ids) for o in runs)  # every sequence generated
     assert len({o.text for o in runs}) > 1, "the sampled sequences were all alike: nothing was ranked"
+
+
+def test_max_thinking_tokens_closes_the_block(client, reference, rng):
+    backend = reference.tokenizer.backend
+    open_id, close_id = backend.token_to_id("<think>"), backend.token_to_id("</think>")
+    cap = rng.randrange(0, 4)
+    prompt = [rng.randrange(10, 400) for _ in range(12)] + [open_id]
+    bias = {str(open_id): -100, str(close_id): -100}  # the model never opens or closes a block itself
+    response = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=cap + 4, temperature=0, logit_bias=bias,
+        extra_body={"ignore_eos": True, "max_thinking_tokens": cap, "return_token_ids": True, "skip_special_tokens": False},
+    )  # fmt: skip
+    ids = response.choices[0].model_extra["token_ids"]
+    assert ids[cap] == close_id and ids.count(close_id) == 1, ids

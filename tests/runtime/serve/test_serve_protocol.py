@@ -161,6 +161,8 @@ BAD = [
     (parse_completion, {"best_of": 129}, 400, "best_of", "invalid_value", "<= 128"),
     (parse_completion, {"best_of": 3, "stream": True}, 400, "best_of", "invalid_value", "cannot be streamed"),
     (parse_completion, {"best_of": "two"}, 400, "best_of", "invalid_type", "integer"),
+    (parse_chat, {"max_thinking_tokens": -1}, 400, "max_thinking_tokens", "invalid_value", ">= 0"),
+    (parse_chat, {"max_thinking_tokens": "few"}, 400, "max_thinking_tokens", "invalid_type", "integer"),
     (parse_completion, {"presence_penalty": 2.5}, 400, "presence_penalty", "invalid_value", "[-2, 2]"),
     (parse_chat, {"frequency_penalty": "some"}, 400, "frequency_penalty", "invalid_type", "number"),
     (parse_chat, {"repetition_penalty": 0}, 400, "repetition_penalty", "invalid_value", "> 0"),
