@@ -1,7 +1,7 @@
 """An engine step is queued on the GPU without the host waiting for the device: every kind of step
 (decode graphs, piecewise prefill and mixed steps, chunks after a cached prefix, chunks that do not
-sample) and every sampling option. A blocking host-to-device copy (torch.tensor(..., device=cuda),
-t.to(cuda), indexing with a list) waits for the step in flight, which undoes async scheduling: mixed
+sample) and every sampling option, logprobs and the thinking cap included. A blocking
+host-to-device copy (torch.tensor(..., device=cuda), t.to(cuda), indexing with a list) waits for the step in flight, which undoes async scheduling: mixed
 steps used to make nine such copies each."""
 
 from __future__ import annotations
@@ -86,8 +86,12 @@ def test_steps_are_launched_without_a_host_sync(gpu_artifact, cuda, rng):
             max_tokens=24, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, ignore_eos=True
         ),
         qruntime.SamplingParams(max_tokens=24, logit_bias={11: 5.0, 12: -100.0}, min_tokens=8, ignore_eos=False),
+        qruntime.SamplingParams(max_tokens=24, logprobs=3, prompt_logprobs=2, ignore_eos=True),
     ]
     ids = [engine.add_request(prompt(rng.randrange(5, 40)), p) for p in sampled]
+    think = engine.tokenizer.backend.token_to_id("<think>")  # a block the cap closes, on the device or not
+    capped = qruntime.SamplingParams(max_tokens=12, max_thinking_tokens=rng.randrange(0, 4), ignore_eos=True)
+    ids.append(engine.add_request(prompt(9) + [think], capped))
     for _ in range(4):  # decode steps, then prompts arrive beside them: mixed steps
         engine.step()
     ids += [
