@@ -85,10 +85,45 @@ CORPUS_FILES: tuple[tuple[str, int], ...] = (
 )
 CORPUS_BYTES = 1_500_000
 
+# Qwen3's chat format, tools included: the tools' JSON schemas listed in a system turn, an
+# assistant's calls as <tool_call> blocks of {"name", "arguments"} JSON, and each run of tool
+# results as one user turn of <tool_response> blocks (the wording of the tools preamble is ours)
 CHAT_TEMPLATE = """\
+{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages and messages[0]['role'] == 'system' and messages[0]['content'] is string %}
+        {{- messages[0]['content'] + '\\n\\n' }}
+    {%- endif %}
+    {{- '# Tools\\n\\nThese functions are available; their signatures are in <tools></tools>:\\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\\n' + (tool | tojson) }}
+    {%- endfor %}
+    {{- '\\n</tools>\\n\\nTo call one, write its name and arguments as JSON in <tool_call></tool_call> tags:\\n' }}
+    {{- '<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
+{%- endif %}
 {%- for message in messages %}
     {%- set content = message['content'] if message['content'] is string else '' %}
-    {{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>' + '\\n' }}
+    {%- if tools and loop.first and message['role'] == 'system' %}
+    {%- elif message['role'] == 'tool' %}
+        {%- if loop.first or loop.previtem['role'] != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}
+        {%- if loop.last or loop.nextitem['role'] != 'tool' %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- elif message['role'] == 'assistant' and message['tool_calls'] %}
+        {{- '<|im_start|>assistant\\n' + content }}
+        {%- for call in message['tool_calls'] %}
+            {%- set function = call['function'] if call['function'] is defined else call %}
+            {{- ('\\n' if content or not loop.first else '') + '<tool_call>\\n{"name": ' + (function['name'] | tojson) + ', "arguments": ' }}
+            {{- function['arguments'] if function['arguments'] is string else (function['arguments'] | tojson) }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>' + '\\n' }}
+    {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\\n' }}

@@ -204,9 +204,15 @@ class Tokenizer:
             )
         checked = []
         for index, message in enumerate(messages):
-            if not (isinstance(message, Mapping) and all(isinstance(message.get(k), str) for k in ("role", "content"))):
+            # an assistant message that only calls tools may have no content (OpenAI's null)
+            content = message.get("content") if isinstance(message, Mapping) else None
+            if not (
+                isinstance(message, Mapping)
+                and isinstance(message.get("role"), str)
+                and (isinstance(content, str) or (content is None and message.get("tool_calls")))
+            ):
                 raise TokenizerError(
-                    f"messages[{index}] must be a mapping with str 'role' and 'content', got {message!r:.100}"
+                    f"messages[{index}] must be a mapping with str 'role' and 'content' (or tool_calls), got {message!r:.100}"
                 )
             checked.append(dict(message))
         variables = {"tools": None, "documents": None, **self.special_tokens, **template_kwargs}

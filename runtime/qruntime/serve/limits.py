@@ -36,9 +36,19 @@ class RequestLimits:
     max_stop_chars: int = 4096  # their total length, in characters
     max_stop_token_ids: int = 1024
     max_logit_bias: int = 300  # OpenAI's cap on logit_bias entries
+    max_tools: int = 128  # OpenAI's cap on tools per request
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_json_depth", "max_n", "max_stop", "max_stop_chars", "max_stop_token_ids", "max_logit_bias"):
+        for name in (
+            "max_body_bytes",
+            "max_json_depth",
+            "max_n",
+            "max_stop",
+            "max_stop_chars",
+            "max_stop_token_ids",
+            "max_logit_bias",
+            "max_tools",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
         if not self.body_timeout > 0:

@@ -6,7 +6,9 @@ Defaults follow OpenAI: temperature 1, top_p 1, n 1; max_tokens 16 for completio
 room the prompt leaves) and all of that room for chat. Extensions as in vLLM: top_k, ignore_eos,
 stop_token_ids, skip_special_tokens, return_token_ids, chat_template_kwargs. With n > 1 and a seed,
 choice j samples with seed + j. Unknown fields are ignored; known ones the engine cannot honour
-(tools, response_format, ...) are refused rather than silently dropped. Completions' best_of b >= n
+(response_format, required or named tool_choice, ...) are refused rather than silently dropped.
+Chat `tools` (tool_choice "auto", the default with tools) are rendered through the artifact's chat
+template and the replies' <tool_call> blocks come back as tool_calls (qruntime.tool_calls). Completions' best_of b >= n
 generates b sequences per prompt and returns the n with the highest mean token logprob (OpenAI's
 "highest log probability per token"; not streamed when b > n). `max_thinking_tokens` (this
 server's extra) caps each <think> block: after that many tokens in it, the next is </think>.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -44,9 +47,8 @@ UNSUPPORTED_COMPLETION = {
 }
 UNSUPPORTED_CHAT = {
     **UNSUPPORTED_COMMON,
-    "tools": (None, []),
-    "functions": (None, []),
-    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),  # the deprecated forms of tools / tool_choice
+    "function_call": (None, "none", "auto"),
     "response_format": (None, {"type": "text"}),
 }
 
@@ -96,6 +98,8 @@ class GenerationRequest:
     logprobs: int | None = None  # top logprobs per token to return (None: no logprobs)
     echo: bool = False  # completions: each choice's text (and logprobs) starts with its prompt's
     n: int = 1  # choices returned per prompt
+    tools: bool = False  # chat with tools (tool_choice auto): replies' <tool_call> blocks come back as tool_calls
+    parallel_tool_calls: bool = True  # False: a reply's first call only
     best_of: int = 1  # sequences generated per prompt (>= n): the n likeliest are returned (completions)
 
 
@@ -271,8 +275,72 @@ def _text_content(content: Any, index: int) -> Any:
     return "".join(texts)
 
 
-def chat_prompt(body: Mapping[str, Any], model: ServedModel) -> list[int]:
-    """`messages` rendered with the artifact's chat template (plus chat_template_kwargs)."""
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
+
+
+def _tools(body: Mapping[str, Any], model: ServedModel) -> tuple[list[Any] | None, bool]:
+    """(the tools to render in the prompt, whether replies are parsed for calls), from `tools` and
+    `tool_choice`: "auto" (the default with tools) renders and parses, "none" neither. "required" and
+    a named function need decoding constrained to a call, which this server does not do yet."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise invalid("tools", f"tools must be a list of function tools (got {shown(tools)})", "invalid_type")
+        if len(tools) > model.limits.max_tools:
+            raise invalid(
+                "tools", f"tools has {len(tools)} entries; this server takes at most {model.limits.max_tools}"
+            )
+        for i, tool in enumerate(tools):
+            function = tool.get("function") if isinstance(tool, Mapping) else None
+            if not isinstance(tool, Mapping) or tool.get("type") != "function" or not isinstance(function, Mapping):
+                raise invalid(
+                    "tools", f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}} (got {shown(tool)})"
+                )
+            name = function.get("name")
+            if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+                raise invalid(
+                    "tools", f"tools[{i}].function.name must be 1-64 letters, digits, _ or - (got {shown(name)})"
+                )
+            if not isinstance(function.get("description", ""), str):
+                raise invalid("tools", f"tools[{i}].function.description must be a string", "invalid_type")
+            if not isinstance(function.get("parameters", {}), Mapping):
+                raise invalid("tools", f"tools[{i}].function.parameters must be a JSON schema object", "invalid_type")
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "none":
+        return None, False
+    if choice == "auto":
+        return (tools or None), bool(tools)
+    if choice == "required" or isinstance(choice, Mapping):
+        raise invalid(
+            "tool_choice",
+            f"tool_choice={shown(choice)} needs decoding constrained to a tool call, which this server does not do yet: "
+            "use 'auto' or 'none'",
+            "unsupported",
+        )
+    raise invalid(
+        "tool_choice", f"tool_choice must be 'none', 'auto', 'required' or a named function (got {shown(choice)})"
+    )
+
+
+def _tool_calls(calls: Any, index: int) -> list[Mapping[str, Any]]:
+    """An assistant message's tool_calls, as the template renders them."""
+    if not isinstance(calls, list):
+        raise invalid("messages", f"messages[{index}].tool_calls must be a list (got {shown(calls)})", "invalid_type")
+    for k, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        name = function.get("name") if isinstance(function, Mapping) else None
+        arguments = function.get("arguments") if isinstance(function, Mapping) else None
+        if not isinstance(name, str) or not name or not isinstance(arguments, str | Mapping):
+            raise invalid(
+                "messages",
+                f"messages[{index}].tool_calls[{k}] must be {{'function': {{'name': str, 'arguments': str}}}} (got {shown(call)})",
+            )
+    return calls
+
+
+def chat_prompt(body: Mapping[str, Any], model: ServedModel, tools: list[Any] | None = None) -> list[int]:
+    """`messages` rendered with the artifact's chat template (plus chat_template_kwargs and `tools`)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid(
@@ -292,7 +360,12 @@ def chat_prompt(body: Mapping[str, Any], model: ServedModel) -> list[int]:
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise invalid("messages", f"messages[{index}] must be an object (got {shown(message)})", "invalid_type")
-        rendered.append({**message, "content": _text_content(message.get("content"), index)})
+        entry = {**message, "content": _text_content(message.get("content"), index)}
+        if message.get("tool_calls") is not None:
+            entry["tool_calls"] = _tool_calls(message["tool_calls"], index)
+        rendered.append(entry)
+    if tools is not None:
+        kwargs = {**kwargs, "tools": tools}
     try:
         ids = model.tokenizer.encode_chat(rendered, **kwargs)
     except TokenizerError as exc:
@@ -465,8 +538,11 @@ def parse_chat(body: Any, model: ServedModel) -> GenerationRequest:
     _check_unsupported(body, UNSUPPORTED_CHAT)
     max_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     requested = _int(body, max_param, None, minimum=1)
-    prompt = chat_prompt(body, model)
+    tools, parse_calls = _tools(body, model)
+    prompt = chat_prompt(body, model, tools)
     request = _build(body, [prompt], max_param, requested, None, model, chat=True)
+    if parse_calls:
+        request = dataclasses.replace(request, tools=True, parallel_tool_calls=_bool(body, "parallel_tool_calls", True))
     if model.reasoning_parser is None:
         return request
     tail = model.tokenizer.decode(prompt[-OPEN_TAIL_TOKENS:], skip_special_tokens=False)

@@ -18,6 +18,7 @@ token's text is "token_id:N".
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +26,7 @@ from qruntime.engine.outputs import RequestOutput, StreamDelta, TokenLogprob
 from qruntime.reasoning import ReasoningSplitter, Split, split_reasoning
 from qruntime.serve.protocol import GenerationRequest
 from qruntime.tokenizer import TokenIdsOnly, Tokenizer
+from qruntime.tool_calls import ToolCall, ToolCallStreamer, parse_tool_calls
 
 
 class ResponseBuilder:
@@ -42,6 +44,9 @@ class ResponseBuilder:
         self.tokenizer = tokenizer
         self._offsets: dict[int, int] = {}  # completion choice -> characters of its text sent so far (text_offset)
         self._echoed: set[int] = set()  # stream choices whose prompt went out
+        self._tool_streams: dict[int, ToolCallStreamer] = {}  # choice -> its stream's tool-call parser
+        self._called: set[int] = set()  # stream choices that made a tool call
+        self._call_counts: dict[int, int] = {}  # stream choice -> its tool calls sent
         self.head = {
             "id": request_id,
             "object": ("chat.completion" if request.chat else "text_completion"),
@@ -77,9 +82,11 @@ class ResponseBuilder:
         token_ids: tuple[int, ...],
         stream: bool,
         logprobs: Any = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """`text` is a Split (reasoning, answer) when the request returns the thinking apart;
-        `logprobs` the choice's logprobs body (None: null)."""
+        `logprobs` the choice's logprobs body (None: null); `tool_calls` the calls its answer made
+        (then its finish_reason is "tool_calls" and an empty content is null)."""
         choice: dict[str, Any] = {"index": index}
         split = text if isinstance(text, Split) else None
         if self.request.chat and stream:
@@ -88,8 +95,10 @@ class ResponseBuilder:
             else:
                 delta = {"reasoning_content": split.reasoning, "content": split.content}
                 choice["delta"] = {k: v for k, v in delta.items() if v}
+            if tool_calls:
+                choice["delta"]["tool_calls"] = tool_calls
         elif self.request.chat and split is None:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = {"role": "assistant", "content": (text or None) if tool_calls else text}
         elif self.request.chat:  # vLLM's shape: null where there is none
             choice["message"] = {
                 "role": "assistant",
@@ -98,8 +107,12 @@ class ResponseBuilder:
             }
         else:
             choice["text"] = text
+        if self.request.chat and not stream and tool_calls:
+            choice["message"]["tool_calls"] = tool_calls
         choice["logprobs"] = logprobs
         choice["finish_reason"] = None if output is None else output.finish_reason
+        if output is not None and (tool_calls or index in self._called):
+            choice["finish_reason"] = "tool_calls"
         choice["stop_reason"] = None if output is None else output.stop_reason
         if self.request.return_token_ids:
             choice["token_ids"] = list(token_ids)
@@ -128,7 +141,14 @@ class ResponseBuilder:
                 entries = list(o.logprobs or ())
             if self.request.logprobs is not None:
                 logprobs = self._logprobs(i, entries, first)
-            choices.append(self._choice(i, text, o, o.token_ids, stream=False, logprobs=logprobs))
+            calls = None
+            if self.request.tools:
+                content, parsed = parse_tool_calls(text.content if isinstance(text, Split) else text)
+                if parsed:
+                    parsed = parsed if self.request.parallel_tool_calls else parsed[:1]
+                    calls = [_tool_call(call) for call in parsed]
+                    text = Split(text.reasoning, content or "") if isinstance(text, Split) else (content or "")
+            choices.append(self._choice(i, text, o, o.token_ids, stream=False, logprobs=logprobs, tool_calls=calls))
         return {**self.head, "choices": choices, "usage": usage}
 
     def _best(self, outputs: Mapping[int, RequestOutput]) -> dict[int, RequestOutput]:
@@ -184,13 +204,35 @@ class ResponseBuilder:
                 last = splitter.flush()
                 now = Split(now.reasoning + last.reasoning, now.content + last.content)
             text = now
+        calls = None
+        if self.request.tools:
+            content, calls = self._stream_calls(
+                index, text.content if isinstance(text, Split) else text, delta.finished
+            )
+            text = Split(text.reasoning, content) if isinstance(text, Split) else content
         visible = text.reasoning or text.content if isinstance(text, Split) else text
-        if not (visible or delta.finished or (self.request.return_token_ids and delta.token_ids) or entries):
+        if not (visible or delta.finished or (self.request.return_token_ids and delta.token_ids) or entries or calls):
             return None
         logprobs = self._logprobs(index, entries) if self.request.logprobs is not None else None
         return self._stream_body(
-            [self._choice(index, text, delta.output, delta.token_ids, stream=True, logprobs=logprobs)]
+            [self._choice(index, text, delta.output, delta.token_ids, stream=True, logprobs=logprobs, tool_calls=calls)]
         )
+
+    def _stream_calls(self, index: int, answer: str, finished: bool) -> tuple[str, list[dict[str, Any]]]:
+        """(the content of this part of a choice's answer, the tool-call deltas it completes)."""
+        streamer = self._tool_streams.setdefault(index, ToolCallStreamer())
+        content, made = streamer.feed(answer)
+        if finished:
+            content += streamer.finish()[0]
+        calls = []
+        for call in made:
+            number = self._call_counts.get(index, 0)
+            if number and not self.request.parallel_tool_calls:
+                continue  # the first call only
+            self._call_counts[index] = number + 1
+            self._called.add(index)
+            calls.append({"index": number, **_tool_call(call)})
+        return content, calls
 
     # --- logprobs ---------------------------------------------------------------------------------
     def _prompt_text(self, prompt_ids: tuple[int, ...]) -> str:
@@ -261,3 +303,12 @@ def _mean_logprob(output: RequestOutput) -> float:
     """The mean logprob of a sequence's tokens (-inf for one without any)."""
     entries = output.logprobs or ()
     return sum(e.logprob for e in entries) / len(entries) if entries else float("-inf")
+
+
+def _tool_call(call: ToolCall) -> dict[str, Any]:
+    """A call as OpenAI's tool_calls entry (a fresh id: the model does not name its calls)."""
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
