@@ -33,8 +33,9 @@ def prompt_opens_thinking(prompt_text: str) -> bool:
     return prompt_text.rstrip().endswith(THINK_OPEN)
 
 
-def _tag_prefix_len(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag` (may become the tag)."""
+def tag_prefix_len(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag` (may become the tag):
+    what a streamed parser holds back (tool_calls uses it too)."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if text.endswith(tag[:n]):
             return n
@@ -67,7 +68,7 @@ class ReasoningSplitter:
             elif self._state == "reasoning":
                 end = held.find(THINK_CLOSE)
                 if end < 0:
-                    keep = _tag_prefix_len(held, THINK_CLOSE)
+                    keep = tag_prefix_len(held, THINK_CLOSE)
                     reasoning += held[: len(held) - keep]
                     self._held = held[len(held) - keep :]
                     break

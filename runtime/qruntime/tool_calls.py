@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from qruntime.reasoning import _tag_prefix_len
+from qruntime.reasoning import tag_prefix_len
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -100,7 +100,7 @@ class ToolCallStreamer:
         if not self._in_calls:
             start = held.find(CALL_OPEN)
             if start < 0:
-                keep = _tag_prefix_len(held, CALL_OPEN)
+                keep = tag_prefix_len(held, CALL_OPEN)
                 self._held = held[len(held) - keep :]
                 return held[: len(held) - keep], []
             self._in_calls = True
