@@ -41,8 +41,9 @@ from qruntime.engine.sampler import Forced, History, sample_on_device
 from qruntime.engine.sampling_params import SamplingParams, as_list
 from qruntime.engine.scheduler import Scheduler, SchedulerOutput
 from qruntime.engine.step_chunk import StepChunk
+from qruntime.engine.structured import Grammars, StructuredOutput, StructuredOutputError
 from qruntime.engine.thinking import ThinkingState
-from qruntime.engine.transfer import device_tensor
+from qruntime.engine.transfer import device_tensor, to_device
 from qruntime.tokenizer import IncrementalDetokenizer, TokenIdsOnly, Tokenizer, TokenizerError
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ class _Tracked:
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.. (params.prompt_logprobs)
     thinking: ThinkingState | None = None  # params.max_thinking_tokens: where its <think> block stands
+    matcher: Any = None  # params.structured: its llguidance matcher, which has seen every token generated
 
 
 @dataclass(eq=False)
@@ -116,6 +118,8 @@ class Engine:
         self._in_flight: _Launched | None = None  # the step launched last, not read yet (async scheduling)
         self._scoring: set[str] = set()  # unfinished requests that asked for prompt logprobs (usually none)
         self._capped: set[str] = set()  # unfinished requests with a thinking cap (usually none)
+        self._guided: set[str] = set()  # unfinished requests with structured output: steps run synchronously
+        self._grammars: Grammars | None = None  # built with the first structured request
         # the random stream of sampled requests without a seed (each seeded one has its own)
         self._generator = torch.Generator(device=runner.device).manual_seed(int.from_bytes(os.urandom(8)) >> 1)
         self._ids = itertools.count()
@@ -156,6 +160,9 @@ class Engine:
                     "max_thinking_tokens needs <think> and </think> tokens, which this model's vocabulary lacks"
                 )
             thinking = ThinkingState.of_prompt(params.max_thinking_tokens, *marks, token_ids)
+        matcher = None
+        if params.structured is not None:
+            matcher = self._matcher(params.structured)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._tracked:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
@@ -170,11 +177,15 @@ class Engine:
             detok = IncrementalDetokenizer(
                 self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop
             )
-        self._tracked[request_id] = _Tracked(request, params, detok, generator, time.perf_counter(), thinking=thinking)
+        self._tracked[request_id] = _Tracked(
+            request, params, detok, generator, time.perf_counter(), thinking=thinking, matcher=matcher
+        )
         if params.prompt_logprobs is not None:
             self._scoring.add(request_id)
         if thinking is not None:
             self._capped.add(request_id)
+        if matcher is not None:
+            self._guided.add(request_id)
         self.scheduler.add(request)
         return request_id
 
@@ -189,9 +200,11 @@ class Engine:
         model step that raises fails the requests of its batch. The engine runs on for the others;
         only a device error (the GPU is gone, every later step would fail too) is raised."""
         previous, self._in_flight = self._in_flight, None
-        launched, deltas = self._launch(previous if self.async_scheduling else None)
-        if not self.async_scheduling:
-            return deltas + (self._complete(launched) if launched is not None else [])
+        if not self.async_scheduling or self._guided:  # a matcher must see a token before it masks the next
+            done = self._complete(previous) if previous is not None else []
+            launched, deltas = self._launch(None)
+            return done + deltas + (self._complete(launched) if launched is not None else [])
+        launched, deltas = self._launch(previous)
         self._in_flight = launched
         return deltas + (self._complete(previous) if previous is not None else [])
 
@@ -237,6 +250,7 @@ class Engine:
                 histories,
                 previous.tokens.ids if previous is not None else None,
                 self._forced(tracked, pending_rows) if self._capped else None,
+                self._allowed(tracked, logits.device) if self._guided else None,
             )
             logprobs = None
             if wanted := [row for row, t in enumerate(tracked) if t.params.logprobs is not None]:
@@ -250,6 +264,26 @@ class Engine:
             return None, self._fail(batch, "the model step running this request failed", exc)
         ids = {t.request.request_id: row for row, t in enumerate(tracked)}
         return _Launched(output, tracked, tokens, ids, logprobs, prompt_logprobs), []
+
+    def _matcher(self, constraint: StructuredOutput) -> Any:
+        """A new request's grammar matcher (InvalidRequest when its constraint does not compile)."""
+        backend = getattr(self.tokenizer, "backend", None)
+        if backend is None:
+            raise InvalidRequest("structured output needs the artifact's tokenizer, which it does not have")
+        if self._grammars is None:
+            self._grammars = Grammars(backend.to_str(), self.vocab_size, self.tokenizer.eos_token_ids)
+        try:
+            return self._grammars.matcher(constraint)
+        except StructuredOutputError as exc:
+            raise InvalidRequest(f"structured output: {exc}") from None
+
+    def _allowed(self, tracked: list[_Tracked], device: torch.device) -> tuple[list[int], torch.Tensor] | None:
+        """The structured rows of a step and their masks of allowed tokens, on the device."""
+        rows = [row for row, t in enumerate(tracked) if t.matcher is not None]
+        if not rows:
+            return None
+        masks = self._grammars.masks([tracked[row].matcher for row in rows])
+        return rows, to_device(masks, device)
 
     def _think_ids(self) -> tuple[int, int] | None:
         """The ids of <think> and </think>, None when the vocabulary lacks one."""
@@ -341,6 +375,8 @@ class Engine:
                 t.new_ids.append(token)
                 if t.thinking is not None:
                     t.thinking.observe(token)
+                if t.matcher is not None and not t.matcher.consume_token(token):
+                    raise RuntimeError(f"the grammar refused token {token}: {t.matcher.get_error()[:200]}")
                 if row in token_logprobs:
                     entry = _top(token_logprobs[row], t.params.logprobs)
                     t.logprobs.append(entry)
@@ -551,6 +587,8 @@ class Engine:
             return "stop", token
         if t.detok is not None and t.detok.stop_matched is not None:
             return "stop", t.detok.stop_matched
+        if t.matcher is not None and t.matcher.is_stopped():  # the constraint is complete
+            return "stop", None
         if len(request.output_token_ids) >= p.max_tokens or request.num_tokens >= self.max_model_len:
             return "length", None
         return None
@@ -564,6 +602,7 @@ class Engine:
         del self._tracked[request.request_id]
         self._scoring.discard(request.request_id)
         self._capped.discard(request.request_id)
+        self._guided.discard(request.request_id)
         if t.detok is not None and (reason not in ("stop", "error") or not isinstance(stop_reason, str)):
             with contextlib.suppress(Exception):  # a request failing in its detokenizer keeps what it has
                 t.new_text += t.detok.flush()

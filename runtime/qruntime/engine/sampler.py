@@ -151,9 +151,11 @@ def _adjusted(
     banned: Sequence[Sequence[int]] | None,
     histories: Sequence[History | None] | None = None,
     in_flight: torch.Tensor | None = None,
+    allowed: tuple[Sequence[int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """logits with each row's logit_bias added, its penalties applied and its banned tokens at -inf
-    (fp32), or as they are."""
+    """logits with each row's logit_bias added, its penalties applied, its banned tokens at -inf and,
+    for the rows of `allowed` (rows, int32 bitmask [len(rows), ceil(V / 32)] on the device: bit j of
+    word w allows token 32 w + j), every token the mask does not allow at -inf (fp32); or as they are."""
     penalties = histories is not None and any(p.penalized for p in params)
     rows, tokens, biases, ban_rows, ban_tokens = [], [], [], [], []
     for row, p in enumerate(params):
@@ -164,7 +166,7 @@ def _adjusted(
         for token in banned[row] if banned is not None else ():
             ban_rows.append(row)
             ban_tokens.append(token)
-    if not (rows or ban_rows or penalties):
+    if not (rows or ban_rows or penalties or allowed):
         return logits
     out, device = logits.to(torch.float32, copy=True), logits.device  # never the caller's (a captured graph's output)
     if rows:
@@ -175,6 +177,12 @@ def _adjusted(
     if ban_rows:
         at = device_tensor([ban_rows, ban_tokens], torch.int64, device)
         out.index_put_((at[0], at[1]), torch.full((), float("-inf"), device=device))
+    if allowed:
+        masked, words = allowed
+        shifts = torch.arange(32, dtype=torch.int32, device=device)
+        bits = ((words[:, :, None] >> shifts) & 1).reshape(len(masked), -1)[:, : out.shape[1]].bool()
+        at = device_tensor(list(masked), torch.int64, device)
+        out[at] = torch.where(bits, out[at], float("-inf"))
     return out
 
 
@@ -222,11 +230,13 @@ def sample_on_device(
     histories: Sequence[History | None] | None = None,
     in_flight: torch.Tensor | None = None,
     forced: Forced | None = None,
+    allowed: tuple[Sequence[int], torch.Tensor] | None = None,
 ) -> SampledTokens:
     """One token per row of logits [n, V]; row i uses params[i] and generators[i] (None for greedy),
-    cannot be any token of banned[i], and is penalized by histories[i] (`penalized`), on the device,
-    without waiting for it. `forced` rows get its token instead (the engine's thinking cap)."""
-    logits = _adjusted(logits, params, banned, histories, in_flight)
+        cannot be any token of banned[i], and is penalized by histories[i] (`penalized`), on the device,
+        without waiting for it. `forced` rows get its token instead (the engine's thinking cap); the rows of
+    `allowed` sample only tokens their mask allows (structured output: `_adjusted`)."""
+    logits = _adjusted(logits, params, banned, histories, in_flight, allowed)
     best, index = logits.max(-1)  # NaN propagates into best: one reduction finds NaN, +inf and all -inf rows
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:

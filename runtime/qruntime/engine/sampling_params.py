@@ -6,6 +6,7 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from qruntime.engine.structured import StructuredOutput
 from qruntime.shown import shown
 
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (as vLLM): dividing by them only rounds to argmax
@@ -64,6 +65,10 @@ class SamplingParams:
     `max_thinking_tokens` caps a reasoning model's thinking: once that many tokens have been
     generated inside an open <think> block (opened by the prompt's end or by a generated <think>),
     the next token is </think>, whatever the model would pick (needs both tokens in the vocabulary).
+
+    `structured` (engine/structured.StructuredOutput) constrains the output to a JSON schema, any
+    JSON object, a regex, a choice of strings or a Lark grammar; it ends when the constraint is
+    complete (finish_reason "stop").
     """
 
     max_tokens: int = 16
@@ -84,6 +89,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     max_thinking_tokens: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -143,6 +149,7 @@ def _problems(p: SamplingParams) -> list[FieldProblem]:
         *_logprobs("logprobs", p.logprobs),
         *_logprobs("prompt_logprobs", p.prompt_logprobs),
         *_max_thinking_tokens(p.max_thinking_tokens),
+        *_structured(p.structured),
     ]
 
 
@@ -272,3 +279,8 @@ def _max_thinking_tokens(value: object) -> Iterator[FieldProblem]:
         yield FieldProblem("max_thinking_tokens", value, "must be an integer")
     elif value < 0:
         yield FieldProblem("max_thinking_tokens", value, "must be ≥ 0")
+
+
+def _structured(value: object) -> Iterator[FieldProblem]:
+    if value is not None and not isinstance(value, StructuredOutput):
+        yield FieldProblem("structured", value, "must be a StructuredOutput")

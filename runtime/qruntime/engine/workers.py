@@ -259,9 +259,7 @@ class Workers:
                     error = WorkerError(rank, f"sent {kind!r} while rank 0 waited for {tag!r}")
                 raise self._find_failure(FAILURE_GRACE_S, error)
 
-    def step(
-        self, runner: ModelRunner, chunks: Sequence[StepChunk], all_logits: bool | Sequence[bool]
-    ) -> torch.Tensor:
+    def step(self, runner: ModelRunner, chunks: Sequence[StepChunk], all_logits: bool | Sequence[bool]) -> torch.Tensor:
         """Send the step to every worker, then run it on rank 0's runner: rank 0's logits."""
         if self.closed:
             raise RuntimeError(f"the tensor-parallel engine is closed{f' ({self.failure})' if self.failure else ''}")

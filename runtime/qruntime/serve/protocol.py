@@ -6,7 +6,11 @@ Defaults follow OpenAI: temperature 1, top_p 1, n 1; max_tokens 16 for completio
 room the prompt leaves) and all of that room for chat. Extensions as in vLLM: top_k, ignore_eos,
 stop_token_ids, skip_special_tokens, return_token_ids, chat_template_kwargs. With n > 1 and a seed,
 choice j samples with seed + j. Unknown fields are ignored; known ones the engine cannot honour
-(response_format, required or named tool_choice, ...) are refused rather than silently dropped.
+(required or named tool_choice, the deprecated functions, ...) are refused rather than silently
+dropped. Structured output: `response_format` {"type": "json_object"} or {"type": "json_schema",
+"json_schema": {"schema": ...}} and vLLM's guided_json / guided_regex / guided_choice /
+guided_grammar (one per request; engine/structured.py, llguidance), compiled here first so a
+constraint that does not compile is a 400 naming its field.
 Chat `tools` (tool_choice "auto", the default with tools) are rendered through the artifact's chat
 template and the replies' <tool_call> blocks come back as tool_calls (qruntime.tool_calls). Completions' best_of b >= n
 generates b sequences per prompt and returns the n with the highest mean token logprob (OpenAI's
@@ -21,6 +25,7 @@ are the model's raw logprobs (engine/logprobs.py).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from collections.abc import Mapping
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qruntime.engine.sampling_params import MAX_LOGPROBS, InvalidSamplingParams, SamplingParams
+from qruntime.engine.structured import StructuredOutput, StructuredOutputError
 from qruntime.reasoning import prompt_opens_thinking
 from qruntime.serve.errors import APIError, invalid
 from qruntime.serve.limits import RequestLimits
@@ -49,10 +55,10 @@ UNSUPPORTED_CHAT = {
     **UNSUPPORTED_COMMON,
     "functions": (None, []),  # the deprecated forms of tools / tool_choice
     "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
 }
 
 
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's extras
 OPEN_TAIL_TOKENS = 8  # the prompt's last tokens, decoded to see whether its template opened a <think> block
 REASONING_PARSERS = ("qwen3",)
 # template variables the server sets itself; chat_template_kwargs may set any other
@@ -451,6 +457,7 @@ def _build(
         "frequency_penalty": _number(body, "frequency_penalty", 0.0),
         "repetition_penalty": _number(body, "repetition_penalty", 1.0),  # vLLM's extra
         "max_thinking_tokens": _int(body, "max_thinking_tokens", None, minimum=0),  # ours: a cap on <think> blocks
+        "structured": _structured(body),
     }
     return_token_ids = _bool(body, "return_token_ids", False)
     logprobs = _logprobs(body, chat)
@@ -485,6 +492,57 @@ def _build(
         n=n,
         best_of=best_of,
     )
+
+
+def _structured(body: Mapping[str, Any]) -> StructuredOutput | None:
+    """The request's output constraint: response_format or one of vLLM's guided_* fields (a 400
+    naming the field when it is malformed or does not compile)."""
+    given = [name for name in GUIDED_FIELDS if body.get(name) is not None]
+    response_format = body.get("response_format")
+    if response_format is not None and not (
+        isinstance(response_format, Mapping) and response_format.get("type") == "text"
+    ):
+        given.append("response_format")
+    if not given:
+        return None
+    if len(given) > 1:
+        raise invalid(given[1], f"one output constraint per request (got {', '.join(given)})")
+    name = given[0]
+    value = body[name]
+    try:
+        if name == "response_format":
+            kind = value.get("type") if isinstance(value, Mapping) else None
+            if kind == "json_object":
+                constraint = StructuredOutput("json_object")
+            elif kind == "json_schema" and isinstance(value.get("json_schema"), Mapping):
+                schema = value["json_schema"].get("schema", {})
+                if not isinstance(schema, Mapping | bool):
+                    raise invalid(
+                        name, "response_format.json_schema.schema must be a JSON schema object", "invalid_type"
+                    )
+                constraint = StructuredOutput("json_schema", json.dumps(schema))
+            else:
+                raise invalid(
+                    name,
+                    f"response_format must be {{'type': 'text' | 'json_object' | 'json_schema', ...}} (got {shown(value)})",
+                )
+        elif name == "guided_json":
+            schema = json.loads(value) if isinstance(value, str) else value
+            if not isinstance(schema, Mapping | bool):
+                raise invalid(name, f"guided_json must be a JSON schema (got {shown(value)})", "invalid_type")
+            constraint = StructuredOutput("json_schema", json.dumps(schema))
+        elif name == "guided_choice":
+            if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+                raise invalid(name, f"guided_choice must be a non-empty list of non-empty strings (got {shown(value)})")
+            constraint = StructuredOutput("choice", tuple(value))
+        else:
+            if not isinstance(value, str) or not value:
+                raise invalid(name, f"{name} must be a non-empty string (got {shown(value)})", "invalid_type")
+            constraint = StructuredOutput("regex" if name == "guided_regex" else "grammar", value)
+        constraint.grammar()  # a check here, on the HTTP side: the engine's own compile is cached by constraint
+    except (StructuredOutputError, ValueError) as exc:
+        raise invalid(name, f"{name}: {exc}") from None
+    return constraint
 
 
 def _best_of(body: Mapping[str, Any], n: int, stream: bool, model: ServedModel) -> int:

@@ -7,6 +7,9 @@ and streamed, and a bad field is a BadRequestError naming it. Logprobs: completi
 
 from __future__ import annotations
 
+import json
+import re
+
 import openai
 import pytest
 import qruntime
@@ -216,3 +219,46 @@ def test_max_thinking_tokens_closes_the_block(client, reference, rng):
     )  # fmt: skip
     ids = response.choices[0].model_extra["token_ids"]
     assert ids[cap] == close_id and ids.count(close_id) == 1, ids
+
+
+def test_response_format_and_guided_fields_constrain_the_reply(client, reference, rng):
+    schema = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    }
+    messages = [{"role": "user", "content": random_text(rng)}]
+    common = dict(model=MODEL, messages=messages, max_tokens=120, temperature=1.0, seed=rng.randrange(1 << 30))
+    response_format = {"type": "json_schema", "json_schema": {"name": "trip", "schema": schema}}
+    # any JSON object allows strings of any length: favouring '"' and '}' ends them within max_tokens
+    closing = {str(t): 8 for t in (*reference.tokenizer.encode('"', False), *reference.tokenizer.encode("}", False))}
+    whole = client.chat.completions.create(**common, response_format=response_format).choices[0]
+    reply = json.loads(whole.message.content)
+    assert whole.finish_reason == "stop" and reply["city"] in ("Paris", "Rome") and 1 <= reply["days"] <= 9
+    streamed = client.chat.completions.create(**common, response_format=response_format, stream=True)
+    assert json.loads("".join(c.choices[0].delta.content or "" for c in streamed if c.choices)) == reply
+    assert isinstance(
+        json.loads(
+            client.chat.completions.create(**common, response_format={"type": "json_object"}, logit_bias=closing)
+            .choices[0]
+            .message.content
+        ),
+        dict,
+    )
+    regex = client.completions.create(
+        model=MODEL, prompt=random_text(rng), max_tokens=20, extra_body={"guided_regex": "[xyz]{3}[0-9]"}
+    )
+    assert re.fullmatch("[xyz]{3}[0-9]", regex.choices[0].text)
+    choice = client.completions.create(
+        model=MODEL, prompt=random_text(rng), max_tokens=20, extra_body={"guided_choice": ["up", "down"]}
+    )
+    assert choice.choices[0].text in ("up", "down")
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(
+            **common, response_format={"type": "json_schema", "json_schema": {"schema": {"type": "no"}}}
+        )
+    with pytest.raises(openai.BadRequestError, match="one output constraint"):
+        client.chat.completions.create(
+            **common, response_format={"type": "json_object"}, extra_body={"guided_regex": "a"}
+        )
