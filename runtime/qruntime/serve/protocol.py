@@ -6,8 +6,7 @@ Defaults follow OpenAI: temperature 1, top_p 1, n 1; max_tokens 16 for completio
 room the prompt leaves) and all of that room for chat. Extensions as in vLLM: top_k, ignore_eos,
 stop_token_ids, skip_special_tokens, return_token_ids, chat_template_kwargs. With n > 1 and a seed,
 choice j samples with seed + j. Unknown fields are ignored; known ones the engine cannot honour
-(required or named tool_choice, the deprecated functions, ...) are refused rather than silently
-dropped. Structured output: `response_format` {"type": "json_object"} or {"type": "json_schema",
+(the deprecated functions, ...) are refused rather than silently dropped. Structured output: `response_format` {"type": "json_object"} or {"type": "json_schema",
 "json_schema": {"schema": ...}} and vLLM's guided_json / guided_regex / guided_choice /
 guided_grammar (one per request; engine/structured.py, llguidance), compiled here first so a
 constraint that does not compile is a 400 naming its field.
@@ -284,10 +283,11 @@ def _text_content(content: Any, index: int) -> Any:
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
 
 
-def _tools(body: Mapping[str, Any], model: ServedModel) -> tuple[list[Any] | None, bool]:
-    """(the tools to render in the prompt, whether replies are parsed for calls), from `tools` and
-    `tool_choice`: "auto" (the default with tools) renders and parses, "none" neither. "required" and
-    a named function need decoding constrained to a call, which this server does not do yet."""
+def _tools(body: Mapping[str, Any], model: ServedModel) -> tuple[list[Any] | None, bool, StructuredOutput | None]:
+    """(the tools to render in the prompt, whether replies are parsed for calls, the constraint on
+    the reply), from `tools` and `tool_choice`: "auto" (the default with tools) renders and parses,
+    "none" neither; "required" and a named function render, parse and constrain the reply to calls
+    (of any tool, or of that one)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools is not None:
         if not isinstance(tools, list):
@@ -314,19 +314,25 @@ def _tools(body: Mapping[str, Any], model: ServedModel) -> tuple[list[Any] | Non
     if choice is None:
         choice = "auto" if tools else "none"
     if choice == "none":
-        return None, False
+        return None, False, None
     if choice == "auto":
-        return (tools or None), bool(tools)
-    if choice == "required" or isinstance(choice, Mapping):
+        return (tools or None), bool(tools), None
+    named = None
+    if isinstance(choice, Mapping):
+        function = choice.get("function")
+        named = function.get("name") if choice.get("type") == "function" and isinstance(function, Mapping) else None
+        if not isinstance(named, str):
+            raise invalid(
+                "tool_choice",
+                f"a named tool_choice is {{'type': 'function', 'function': {{'name': ...}}}} (got {shown(choice)})",
+            )
+    elif choice != "required":
         raise invalid(
-            "tool_choice",
-            f"tool_choice={shown(choice)} needs decoding constrained to a tool call, which this server does not do yet: "
-            "use 'auto' or 'none'",
-            "unsupported",
+            "tool_choice", f"tool_choice must be 'none', 'auto', 'required' or a named function (got {shown(choice)})"
         )
-    raise invalid(
-        "tool_choice", f"tool_choice must be 'none', 'auto', 'required' or a named function (got {shown(choice)})"
-    )
+    if not tools:
+        raise invalid("tool_choice", f"tool_choice={shown(choice)} needs tools")
+    return tools, True, _tool_call_grammar(tools, named, _bool(body, "parallel_tool_calls", True), model)
 
 
 def _tool_calls(calls: Any, index: int) -> list[Mapping[str, Any]]:
@@ -415,7 +421,10 @@ def _build(
     model: ServedModel,
     *,
     chat: bool,
+    constraint: StructuredOutput | None = None,
 ) -> GenerationRequest:
+    """`constraint`: the one tool_choice sets (required / a named function), besides which the body
+    may set no other."""
     temperature = _number(body, "temperature", 1.0)
     if temperature < 0:
         raise invalid("temperature", f"temperature must be >= 0 (got {temperature:g})")
@@ -457,7 +466,7 @@ def _build(
         "frequency_penalty": _number(body, "frequency_penalty", 0.0),
         "repetition_penalty": _number(body, "repetition_penalty", 1.0),  # vLLM's extra
         "max_thinking_tokens": _int(body, "max_thinking_tokens", None, minimum=0),  # ours: a cap on <think> blocks
-        "structured": _structured(body),
+        "structured": _constraint(body, constraint),
     }
     return_token_ids = _bool(body, "return_token_ids", False)
     logprobs = _logprobs(body, chat)
@@ -492,6 +501,54 @@ def _build(
         n=n,
         best_of=best_of,
     )
+
+
+def _constraint(body: Mapping[str, Any], from_tools: StructuredOutput | None) -> StructuredOutput | None:
+    structured = _structured(body)
+    if from_tools is not None and structured is not None:
+        raise invalid(
+            "tool_choice", "tool_choice required or a named function constrains the reply: no other constraint with it"
+        )
+    return from_tools or structured
+
+
+def _tool_call_grammar(tools: list[Any], name: str | None, parallel: bool, model: ServedModel) -> StructuredOutput:
+    """The Lark grammar (llguidance) of replies that are tool calls only: one or more of any tool
+    (`name` None: tool_choice required; one when not `parallel`), or one call of the named tool;
+    each call a <tool_call> block of {"name", "arguments"} JSON, the arguments per the tool's schema."""
+    shapes = []
+    for tool in tools:
+        function = tool["function"]
+        if name is not None and function["name"] != name:
+            continue
+        shapes.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": function["name"]},
+                    "arguments": function.get("parameters") or {"type": "object"},
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    if not shapes:
+        raise invalid("tool_choice", f"tool_choice names {shown(name)}, which is not one of the tools")
+    schema = {**(shapes[0] if len(shapes) == 1 else {"anyOf": shapes}), "x-guidance": {"whitespace_flexible": False}}
+    backend = getattr(model.tokenizer, "backend", None)
+    # the tags are tokens of Qwen3's vocabulary: named so, the grammar takes the token, not its spelling
+    tags = [
+        t if backend is not None and backend.token_to_id(t) is not None else json.dumps(t)
+        for t in ("<tool_call>", "</tool_call>")
+    ]
+    repeat = "+" if name is None and parallel else ""
+    lark = f'start: call{repeat}\ncall: {tags[0]} "\\n" %json {json.dumps(schema)} "\\n" {tags[1]}\n'
+    constraint = StructuredOutput("grammar", lark)
+    try:
+        constraint.grammar()
+    except StructuredOutputError as exc:
+        raise invalid("tools", f"the tools' parameters do not make a grammar: {exc}") from None
+    return constraint
 
 
 def _structured(body: Mapping[str, Any]) -> StructuredOutput | None:
@@ -596,9 +653,9 @@ def parse_chat(body: Any, model: ServedModel) -> GenerationRequest:
     _check_unsupported(body, UNSUPPORTED_CHAT)
     max_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     requested = _int(body, max_param, None, minimum=1)
-    tools, parse_calls = _tools(body, model)
+    tools, parse_calls, constraint = _tools(body, model)
     prompt = chat_prompt(body, model, tools)
-    request = _build(body, [prompt], max_param, requested, None, model, chat=True)
+    request = _build(body, [prompt], max_param, requested, None, model, chat=True, constraint=constraint)
     if parse_calls:
         request = dataclasses.replace(request, tools=True, parallel_tool_calls=_bool(body, "parallel_tool_calls", True))
     if model.reasoning_parser is None:

@@ -31,7 +31,8 @@ TOOLS = [
 
 
 class ScriptedReplies:
-    """The real engine, each request's generated ids replaced by those of `reply` (settable)."""
+    """The real engine, each request's generated ids replaced by those of `reply` (settable; None:
+    the model's own)."""
 
     def __init__(self, engine, reply: str) -> None:
         self._engine, self._sent, self._at = engine, {}, {}  # request id -> its scripted ids, the ones sent
@@ -44,6 +45,8 @@ class ScriptedReplies:
         return tuple(self._engine.tokenizer.encode(self.reply, add_special_tokens=False))
 
     def add_request(self, prompt, params=None, request_id=None, *, detokenize=True):
+        if self.reply is None:  # the model's own reply
+            return self._engine.add_request(prompt, params, request_id, detokenize=detokenize)
         ids = self._ids()
         params = dataclasses.replace(params, max_tokens=len(ids), ignore_eos=True, stop=(), stop_token_ids=())
         rid = self._engine.add_request(prompt, params, request_id, detokenize=detokenize)
@@ -53,6 +56,9 @@ class ScriptedReplies:
     def step(self):
         out = []
         for delta in self._engine.step():
+            if delta.request_id not in self._sent:
+                out.append(delta)
+                continue
             ids, at = self._sent[delta.request_id], self._at.get(delta.request_id, 0)
             self._at[delta.request_id] = at + len(delta.token_ids)
             output = delta.output
@@ -129,9 +135,11 @@ def test_tools_go_into_the_prompt_and_tool_choice_none_leaves_them_out(client, s
     assert '"name": "get_weather"' in prompt and "<tools>" in prompt
     assert "<tools>" not in tokenizer.decode(without.model_extra["prompt_token_ids"], skip_special_tokens=False)
     assert not without.message.tool_calls and without.message.content == scripted.reply  # not parsed either
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+    for choice in ("sometimes", {"type": "function", "function": {"name": "get_news"}}):
         with pytest.raises(openai.BadRequestError, match="tool_choice"):
             _ask(client, tools=TOOLS, tool_choice=choice)
+    with pytest.raises(openai.BadRequestError, match="needs tools"):
+        _ask(client, tool_choice="required")
     with pytest.raises(openai.BadRequestError, match="tools"):
         _ask(client, tools=[{"type": "function", "function": {"name": "bad name!"}}])
 
@@ -149,3 +157,63 @@ def test_a_conversation_goes_on_with_the_tools_results(client, scripted):
     prompt = scripted.tokenizer.decode(second.model_extra["prompt_token_ids"], skip_special_tokens=False)
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>' in prompt
     assert "<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrain\n</tool_response>" in prompt
+
+
+# schemas a random model's constrained reply ends within max_tokens: bounded strings, no free keys
+BOUNDED = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 10}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+        },
+    },
+]
+
+
+def _valid_call(call) -> bool:
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        return set(arguments) == {"city"} and isinstance(arguments["city"], str) and len(arguments["city"]) <= 10
+    return call.function.name == "get_time" and arguments == {}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_and_named_tool_choice_make_the_model_call(client, scripted, rng, stream):
+    """The random-weight model's own replies, constrained by the tools' grammar, are always calls."""
+    scripted.reply = None
+    try:
+        for choice, names in (
+            ("required", {"get_weather", "get_time"}),
+            ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
+        ):
+            kwargs = dict(tools=BOUNDED, tool_choice=choice, seed=rng.randrange(1 << 30))
+            kwargs.update(parallel_tool_calls=choice != "required" or rng.random() < 0.5)
+            # after a whole call the grammar lets the reply end or call again: favour the end (EOS),
+            # which a random-weight model would not pick over another call (the mask keeps EOS out mid-call)
+            kwargs["logit_bias"] = {str(t): 10 for t in scripted.tokenizer.eos_token_ids}
+            if not stream:
+                reply = _ask(client, **kwargs).choices[0]
+                calls, finish = reply.message.tool_calls, reply.finish_reason
+            else:
+                chunks = list(_ask(client, stream=True, **kwargs))
+                calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+                finish = chunks[-1].choices[0].finish_reason
+            assert finish == "tool_calls" and calls, (choice, calls)
+            assert all(c.function.name in names and _valid_call(c) for c in calls), calls
+            if isinstance(choice, dict) or not kwargs["parallel_tool_calls"]:
+                assert len(calls) == 1
+    finally:
+        scripted.reply = ""
