@@ -89,7 +89,7 @@ def expert_load(engine, input_len: int) -> dict:
     }
 
 
-def run_one(preset: str, tp: int, args, bandwidth: float) -> dict:
+def run_one(preset: str, tp: int, args, bandwidth: float, custom_all_reduce: bool = True) -> dict:
     timings: dict[str, float] = {}
     art = build(preset, tp, args.workdir, tuple(int(b) for b in args.tune_buckets.split(",")), timings)
     print(preset, "tp", tp, "built", timings, flush=True)
@@ -102,9 +102,17 @@ def run_one(preset: str, tp: int, args, bandwidth: float) -> dict:
         max_num_seqs=1,
         max_num_batched_tokens=max(args.input_len, 256),
         kv_cache_memory=8 << 30,
+        custom_all_reduce=custom_all_reduce,
     )
     timings["load_s"] = round(time.perf_counter() - start, 2)
-    row: dict = {"preset": preset, "tp": tp, "weights": SYNTHETIC, "engine": engine.description, "timings": timings}
+    row: dict = {
+        "preset": preset,
+        "tp": tp,
+        "custom_all_reduce": custom_all_reduce,
+        "weights": SYNTHETIC,
+        "engine": engine.description,
+        "timings": timings,
+    }
     try:
         measure(engine, 64, 8, 1, seed=1)  # warm-up: triton compiles
         short = measure(engine, args.short_len, args.short_out, 1, seed=2)
@@ -148,8 +156,8 @@ def run_one(preset: str, tp: int, args, bandwidth: float) -> dict:
 def run_isolated(item: str, args) -> dict:
     """One PRESET:TP run in its own process (its GPUs, process group and memory are gone after it,
     and a run that fails or hangs past --run-timeout is recorded while the next one still runs)."""
-    preset, tp = item.split(":")
-    row_out = args.workdir / f"row-{preset}-tp{tp}.json"
+    preset, tp, *mode = item.split(":")
+    row_out = args.workdir / f"row-{preset}-tp{tp}{''.join(mode)}.json"
     row_out.unlink(missing_ok=True)
     passed = [a for a in sys.argv[1:] if not a.startswith("--runs") and a != args.runs]
     cmd = [sys.executable, __file__, *passed, "--one", item, "--row-out", str(row_out)]
@@ -172,7 +180,9 @@ def run_isolated(item: str, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", default="qwen3-30b-a3b:1", help="comma-separated PRESET:TP")
+    parser.add_argument(
+        "--runs", default="qwen3-30b-a3b:1", help="comma-separated PRESET:TP[:nccl] (nccl: no custom all-reduce)"
+    )
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/qmoe"))
     parser.add_argument("--input-len", type=int, default=8000)
     parser.add_argument("--output-len", type=int, default=500)
@@ -187,9 +197,9 @@ def main() -> None:
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.one is not None:
-        preset, tp = args.one.split(":")
+        preset, tp, *mode = args.one.split(":")
         bandwidth = copy_bandwidth()
-        run_one(preset, int(tp), args, bandwidth)
+        run_one(preset, int(tp), args, bandwidth, custom_all_reduce=mode != ["nccl"])
         return
     import triton
 
@@ -207,8 +217,9 @@ def main() -> None:
             print(f"{r['preset']:>16} tp={r['tp']}  FAILED")
             continue
         d, s = r["decode_b1"], r["scenario"]
+        ar = "custom" if r.get("custom_all_reduce", True) else "nccl"
         print(
-            f"{r['preset']:>16} tp={r['tp']}  b1 TPOT {d['tpot_ms']:.2f} ms (floor {d['floor_ms']:.2f}, "
+            f"{r['preset']:>16} tp={r['tp']} {ar:>6}  b1 TPOT {d['tpot_ms']:.2f} ms (floor {d['floor_ms']:.2f}, "
             f"x{d['tpot_over_floor']:.2f})  scenario TTFT {s['ttft_ms']:.0f} ms TPOT {s['tpot_ms']:.2f} ms"
         )
 

@@ -180,6 +180,7 @@ def load(
     backend: str = "auto",
     cuda_graphs: bool | None = None,
     prefix_cache: bool = True,
+    custom_all_reduce: bool = True,
 ) -> Engine:
     """Load a qcompile artifact and return an Engine.
 
@@ -213,7 +214,10 @@ def load(
     any rank can hold. Call `engine.close()` (or use `with qruntime.load(...) as engine:`) to stop
     the workers; a finaliser does it when the engine is collected or the interpreter exits. A worker
     that fails (at load or in a step) raises qruntime.WorkerError naming its rank, with its
-    traceback, and closes the engine. The workers are spawned: a script that loads at tp > 1 must
+    traceback, and closes the engine. custom_all_reduce (tp > 1, triton backend): messages up to 512 KiB
+    (a decode step's) are summed by one kernel that reads every rank's copy through CUDA IPC peer
+    memory, fused with the AddRMSNorm[Quant] that follows (qruntime/comm); larger ones, and all of
+    them when False or when some pair of GPUs has no peer access, go through NCCL. The workers are spawned: a script that loads at tp > 1 must
     guard its entry point with `if __name__ == "__main__":`. One tp engine per process at a time,
     in a process without a torch.distributed default group of its own.
     """
@@ -262,6 +266,7 @@ def load(
         kv_cache_memory=kv_cache_memory,
         cuda_graphs=cuda_graphs,
         synthetic=is_synthetic(manifest),
+        custom_all_reduce=custom_all_reduce,
     )
     built, workers = _build(config)
     try:
@@ -291,6 +296,8 @@ def load(
     }
     if tp > 1:
         description["tp"] = tp
+        if built.all_reduce is not None:
+            description["all_reduce"] = built.all_reduce
     if built.graph_buckets is not None:
         description["cuda_graphs"] = list(built.graph_buckets)
     if built.piecewise_buckets is not None:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from qruntime.artifact import ArtifactFormatError, artifact_path
+from qruntime.comm.all_reduce import AllReducePolicy, AllReducer
 from qruntime.engine.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
 from qruntime.engine.model_runner import ModelRunner
 from qruntime.engine.piecewise_graphs import PiecewiseGraphs, token_buckets, unfit_reason
@@ -60,6 +61,7 @@ class RankConfig:
     kv_cache_memory: int | None
     cuda_graphs: bool | None
     synthetic: bool = False  # random weights made on the device instead of read (qruntime.synthetic)
+    custom_all_reduce: bool = True  # tp > 1, triton backend: small messages through peer memory (qruntime.comm)
 
     @property
     def tp(self) -> int:
@@ -80,6 +82,7 @@ class Rank:
     max_model_len: int
     graph_buckets: tuple[int, ...] | None  # batch sizes of the captured decode graphs
     piecewise_buckets: tuple[int, ...] | None = None  # token counts of the piecewise graphs (other steps)
+    all_reduce: str | None = None  # how tp > 1 sums over the ranks (AllReducer.describe)
 
 
 def _no_checkpoint(tag: str) -> None:
@@ -161,8 +164,12 @@ def build_rank(
     checkpoint("loaded")
 
     group = init_group(config, rank, store) if config.tp > 1 else None
+    reducer = None
+    if group is not None and config.backend == "triton":
+        policy = AllReducePolicy() if config.custom_all_reduce else AllReducePolicy(max_custom_bytes=0)
+        reducer = AllReducer.create(group, device, policy)
     registry = triton_ops() if config.backend == "triton" else reference_ops()
-    env = OpEnv(config.dtype, device, config.kv_spec, kernels, tp_group=group)
+    env = OpEnv(config.dtype, device, config.kv_spec, kernels, tp_group=group, all_reduce=reducer)
     try:
         plan = Plan.build(graph, weights, env, registry)
     except PlanError as exc:
@@ -209,4 +216,5 @@ def build_rank(
         max_model_len,
         graphs.buckets if graphs is not None else None,
         piecewise.buckets if piecewise is not None else None,
+        reducer.describe() if reducer is not None else None,
     )

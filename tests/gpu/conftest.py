@@ -31,3 +31,9 @@ def cuda() -> torch.device:
 def gpu_artifact(make_ckpt, compiled, cuda) -> Path:
     """A small ptpc-fp8 artifact of the real dense layout (GPU_MODEL), compiled once per session."""
     return compiled(make_ckpt("tiny", **GPU_MODEL), "ptpc-fp8")
+
+
+@pytest.fixture(scope="session")
+def gpu_artifact_tp2(make_ckpt, compiled, cuda) -> Path:
+    """gpu_artifact's checkpoint compiled for two GPUs (--tp 2)."""
+    return compiled(make_ckpt("tiny", **GPU_MODEL), "ptpc-fp8", "tp=2")

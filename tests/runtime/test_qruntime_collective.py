@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from qruntime.comm.all_reduce import AllReducer
 from qruntime.kv_cache import KVCacheSpec
 from qruntime.kv_layout import KV_LAYOUTS
 from qruntime.ops import functional as fn
@@ -22,11 +23,12 @@ ATTRS = {"AllReduce": {}, "AllReduceAddRMSNorm": {"epsilon": 1e-6}}
 ATTRS["AllReduceAddRMSNormQuant"] = {"epsilon": 1e-6, "group_size": 0}
 GROUPED = {"group_size": 16}  # per-group scales: no kernel, the reference op after the all-reduce
 TABLES = {"reference": reference_ops, "triton": triton_ops}
+CUSTOM = "triton+custom"  # the fast table with the custom all-reduce over peer memory (OpEnv.all_reduce)
 
 
-def _env(tp_group) -> OpEnv:
+def _env(tp_group, all_reduce=None) -> OpEnv:
     kv = KVCacheSpec(KV_LAYOUTS["nhd"], "bf16", 16, 1, 1, 16)
-    return OpEnv(torch.bfloat16, torch.device("cpu"), kv, tp_group=tp_group)
+    return OpEnv(torch.bfloat16, torch.device("cpu"), kv, tp_group=tp_group, all_reduce=all_reduce)
 
 
 @pytest.mark.parametrize("table", list(TABLES))
@@ -40,10 +42,13 @@ def _rank(rank: int, store: str, inputs: dict, out: str) -> None:
     """One gloo rank: every collective op of both tables on this rank's partial sum."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
-        env = _env(dist.group.WORLD)
+        reducer = AllReducer.create(dist.group.WORLD, torch.device("cpu"))
+        envs = {"reference": _env(dist.group.WORLD), "triton": _env(dist.group.WORLD)}
+        envs[CUSTOM] = _env(dist.group.WORLD, reducer)
         x, residual, w = inputs["x"][rank], inputs["residual"], inputs["w"]
-        results = {}
-        for table, make in TABLES.items():
+        results = {"custom_took": reducer.takes(x)}
+        for table, make in (*TABLES.items(), (CUSTOM, triton_ops)):
+            env = envs[table]
             for op in OPS:
                 impl = make()[("qcompile", op)](ATTRS[op], env)
                 args = (x.clone(),) if op == "AllReduce" else (x.clone(), residual, w)
@@ -74,6 +79,7 @@ def test_two_ranks_sum_their_partial_outputs_then_normalize(tmp_path: Path) -> N
         "AllReduceAddRMSNormQuant": (*fn.dynamic_quant(y, 0), h),
     }
     for results in ranks:
+        assert results["custom_took"]
         for table in TABLES:
             for g, w in zip(results[(table, "grouped")], (*fn.dynamic_quant(y, 16), h), strict=True):
                 assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), table
@@ -82,12 +88,13 @@ def test_two_ranks_sum_their_partial_outputs_then_normalize(tmp_path: Path) -> N
             assert len(got) == len(want[op])
             for g, w in zip(got, want[op], strict=True):
                 assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), op
-            fast = results[("triton", op)]
-            if op == "AllReduce":
-                assert torch.equal(fast[0], summed)
-                continue
-            from qruntime.kernels.add_rmsnorm_quant import add_rmsnorm, add_rmsnorm_quant
+            for table in ("triton", CUSTOM):  # NCCL's path and the custom kernels: the same bits
+                fast = results[(table, op)]
+                if op == "AllReduce":
+                    assert torch.equal(fast[0], summed), table
+                    continue
+                from qruntime.kernels.add_rmsnorm_quant import add_rmsnorm, add_rmsnorm_quant
 
-            kernel = add_rmsnorm if op == "AllReduceAddRMSNorm" else add_rmsnorm_quant
-            for g, w in zip(fast, kernel(summed, inputs["residual"], inputs["w"], 1e-6), strict=True):
-                assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), op
+                kernel = add_rmsnorm if op == "AllReduceAddRMSNorm" else add_rmsnorm_quant
+                for g, w in zip(fast, kernel(summed, inputs["residual"], inputs["w"], 1e-6), strict=True):
+                    assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), (table, op)

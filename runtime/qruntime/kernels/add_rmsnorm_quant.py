@@ -58,6 +58,23 @@ def _normed_row(x_row, r_row, w_ptr, offs, mask, rstd, HAS_RES: tl.constexpr, DT
 
 
 @triton.jit
+def normalize_row(
+    h, w_ptr, cols, mask, y_row, s_ptr, H, eps, QUANT: tl.constexpr, DTYPE: tl.constexpr, HW: tl.constexpr
+):
+    """The tail of one row held in one tile: h (fp32 holding DTYPE values, 0 past H) -> y = D(w * D(h *
+    rstd)) stored at y_row, as e4m3 codes with the scale at s_ptr when QUANT (also the fused all-reduce's)."""
+    rstd = _rstd(tl.sum(h * h, axis=0), H, eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = round_to(w * round_to(h * rstd, DTYPE, HW), DTYPE, HW)
+    if QUANT:
+        scale = quant_scale(tl.max(tl.abs(y), axis=0))
+        tl.store(y_row + cols, fp8_e4m3_code(y, scale, tl.math.div_rn(1.0, scale), HW), mask=mask)
+        tl.store(s_ptr, scale)
+    else:
+        tl.store(y_row + cols, y.to(DTYPE), mask=mask)
+
+
+@triton.jit
 def _add_rmsnorm_kernel(
     x_ptr,  # [T, H] model dtype, unit column stride
     r_ptr,  # [T, H] residual (unused without HAS_RES)
@@ -88,15 +105,7 @@ def _add_rmsnorm_kernel(
         if HAS_RES:
             h = round_to(h + tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32), DTYPE, HW)
             tl.store(ro_row + cols, h.to(DTYPE), mask=mask)  # exact: h is a DTYPE value
-        rstd = _rstd(tl.sum(h * h, axis=0), H, eps)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = round_to(w * round_to(h * rstd, DTYPE, HW), DTYPE, HW)
-        if QUANT:
-            scale = quant_scale(tl.max(tl.abs(y), axis=0))
-            tl.store(y_row + cols, fp8_e4m3_code(y, scale, tl.math.div_rn(1.0, scale), HW), mask=mask)
-            tl.store(s_ptr + row, scale)
-        else:
-            tl.store(y_row + cols, y.to(DTYPE), mask=mask)
+        normalize_row(h, w_ptr, cols, mask, y_row, s_ptr + row, H, eps, QUANT, DTYPE, HW)
     else:
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for c in range(NUM_CHUNKS):

@@ -288,34 +288,51 @@ FAST_OPS = (
 
 
 class AllReduce(collective.AllReduce):
-    """The sum over the ranks, reduced in place: x is the rank's partial sum, which nothing else reads."""
+    """The sum over the ranks, reduced in place: x is the rank's partial sum, which nothing else reads.
+    Decode-sized messages take the custom kernel over peer memory (OpEnv.all_reduce), others NCCL."""
 
     def __call__(self, step, x):
+        if self.env.all_reduce is not None:
+            return self.env.all_reduce.all_reduce(x)
         torch.distributed.all_reduce(x, group=self.env.tp_group)
         return x
 
 
+def _fused_all_reduce(env, x, residual, w, eps: float, quant: bool):
+    """The one-kernel all-reduce + AddRMSNorm[Quant], or None when the message takes NCCL."""
+    if env.all_reduce is None:
+        return None
+    return env.all_reduce.all_reduce_add_rmsnorm(x, residual, w, eps, quant)
+
+
 class AllReduceAddRMSNorm(AddRMSNorm):
-    """All-reduce x in place (the rank's partial sum, read by nothing else), then AddRMSNorm's kernel."""
+    """One kernel sums x over the ranks through peer memory and normalizes (decode-sized messages);
+    otherwise all-reduce x in place (the rank's partial sum, read by nothing else), then AddRMSNorm's kernel."""
 
     def __init__(self, attrs, env, consts=()) -> None:
         super().__init__(attrs, env, consts)
         collective.check_group(env)
 
     def __call__(self, step, x, residual, w):
+        fused = _fused_all_reduce(self.env, x, residual, w, self.a["epsilon"], quant=False)
+        if fused is not None:
+            return fused
         torch.distributed.all_reduce(x, group=self.env.tp_group)
         return super().__call__(step, x, residual, w)
 
 
 class AllReduceAddRMSNormQuant(AddRMSNormQuant):
-    """All-reduce x in place (the rank's partial sum, read by nothing else), then AddRMSNormQuant's
-    kernel (per-token quantization; other group sizes run the reference)."""
+    """As AllReduceAddRMSNorm, with per-token quantization (other group sizes: NCCL, then the reference)."""
 
     def __init__(self, attrs, env, consts=()) -> None:
         super().__init__(attrs, env, consts)
         collective.check_group(env)
 
     def __call__(self, step, x, residual, w):
+        if self.kernel is not None:
+            fused = _fused_all_reduce(self.env, x, residual, w, self.a["epsilon"], quant=True)
+            if fused is not None:
+                return fused
         torch.distributed.all_reduce(x, group=self.env.tp_group)
         return super().__call__(step, x, residual, w)
 

@@ -1,0 +1,116 @@
+"""The all-reduce of a tensor-parallel group: decode-sized messages through the one-shot kernel over
+peer memory (qruntime.kernels.custom_allreduce), larger ones — and every message where peer memory
+is unavailable — through torch.distributed (NCCL on GPUs, gloo on the CPU).
+
+Every rank makes the same choice for the same call: it depends only on the message's bytes and the
+policy, which all ranks share, and `create` succeeds or fails on all ranks together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from qruntime.comm.peer_memory import PeerMemoryUnavailable, PeerRegions, create_regions
+
+DEFAULT_MAX_CUSTOM_BYTES = 512 << 10  # the default crossover to NCCL (a tuned table may move it)
+DEFAULT_TIMEOUT_S = 120.0  # a kernel waiting longer for a peer traps (a rank died or hung)
+
+
+@dataclass(frozen=True)
+class AllReducePolicy:
+    """Messages of at most `max_custom_bytes` take the custom kernel (0: never); a kernel that waits
+    more than `timeout_s` for a peer traps."""
+
+    max_custom_bytes: int = DEFAULT_MAX_CUSTOM_BYTES
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.max_custom_bytes < 0 or self.timeout_s <= 0:
+            raise ValueError(f"bad all-reduce policy {self}: max_custom_bytes >= 0, timeout_s > 0")
+
+
+class AllReducer:
+    """Sums over the group's ranks, choosing the custom kernel or torch.distributed per message."""
+
+    def __init__(self, group, regions: PeerRegions | None, policy: AllReducePolicy, unavailable: str = "") -> None:
+        self.group, self.regions, self.policy = group, regions, policy
+        self.unavailable = unavailable  # why there is no peer memory, when there is none
+        self._peers: dict[torch.dtype, object] = {}  # kernels' Peers per model dtype
+        self.counters = None
+        if regions is not None:
+            self.counters = torch.zeros(_layout().MAX_SLOTS, dtype=torch.int64, device=regions.bases.device)
+
+    @classmethod
+    def create(cls, group, device: torch.device, policy: AllReducePolicy = AllReducePolicy()) -> AllReducer:
+        """Set up peer memory on every rank of `group` (a collective call) sized for the policy's
+        messages; where it cannot be (no P2P between some pair, more ranks than the kernel takes, a
+        policy of 0 bytes), every rank gets the torch.distributed path alone."""
+        layout = _layout()
+        world = dist.get_world_size(group)
+        if policy.max_custom_bytes == 0:
+            return cls(group, None, policy, "off")
+        if world > layout.MAX_WORLD:
+            return cls(group, None, policy, f"{world} ranks, more than {layout.MAX_WORLD}")
+        half = -(-policy.max_custom_bytes // 64) * 64
+        try:
+            regions = create_regions(group, device, layout.DATA_OFFSET + 2 * half)
+        except PeerMemoryUnavailable as exc:
+            return cls(group, None, policy, str(exc))
+        return cls(group, regions, policy)
+
+    def describe(self) -> str:
+        """How messages are summed, for the engine's description."""
+        if self.regions is None:
+            return f"nccl ({self.unavailable})"
+        return f"custom one-shot up to {self.policy.max_custom_bytes >> 10} KiB, nccl above"
+
+    def peers(self, dtype: torch.dtype):
+        """The kernels' view of the regions for `dtype` (made once per dtype)."""
+        if dtype not in self._peers:
+            layout, r = _layout(), self.regions
+            size = torch.empty((), dtype=dtype).element_size()
+            half = (r.nbytes - layout.DATA_OFFSET) // 2 // size
+            data = r.local[layout.DATA_OFFSET : layout.DATA_OFFSET + 2 * half * size].view(dtype)
+            deltas = (r.bases - r.bases[r.rank]) // size
+            self._peers[dtype] = layout.Peers(
+                data, deltas, r.bases, self.counters, r.rank, r.world, int(self.policy.timeout_s * 1e9)
+            )
+        return self._peers[dtype]
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether x goes through the custom kernel (every rank decides the same for the same x)."""
+        nbytes = x.numel() * x.element_size()
+        return self.regions is not None and 0 < nbytes <= self.policy.max_custom_bytes
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks of x, reduced in place (x is the rank's partial sum, read by nothing else)."""
+        if self.takes(x) and x.is_contiguous():
+            from qruntime.kernels.custom_allreduce import one_shot_all_reduce
+
+            return one_shot_all_reduce(x, self.peers(x.dtype), out=x)
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_reduce_add_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float, quant: bool
+    ) -> tuple[torch.Tensor, ...] | None:
+        """AddRMSNorm[Quant] of the sum over the ranks of x in one kernel, or None when the message
+        does not take the custom path (the caller all-reduces and normalizes itself)."""
+        from qruntime.kernels.custom_allreduce import all_reduce_add_rmsnorm, fits_fused
+
+        if not self.takes(x):
+            return None
+        peers = self.peers(x.dtype)
+        if not fits_fused(x, peers) or (residual is not None and residual.stride(1) != 1):
+            return None
+        return all_reduce_add_rmsnorm(x, residual, w, eps, quant, peers)
+
+
+def _layout():
+    """The kernel module's layout constants (imported when used: the reference path never imports triton)."""
+    from qruntime.kernels import custom_allreduce
+
+    return custom_allreduce
