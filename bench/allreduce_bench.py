@@ -27,32 +27,10 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from qcompile.tune.allreduce import graph_us
+
 SIZES_KB = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 FUSED_TOKENS = (1, 4, 16, 64)
-
-
-def graph_us(fn, calls: int, replays: int) -> float:
-    """Mean µs of one call of fn, from a CUDA graph of `calls` calls replayed `replays` times."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * calls)
 
 
 def _rank(rank: int, world: int, port: int, args, out: str) -> None:

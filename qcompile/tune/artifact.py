@@ -1,7 +1,9 @@
 """`tune_artifact`: tune every GEMM and fused-MoE shape of an artifact on this GPU and record the winners.
 
 For every PTPC-FP8 weight shape the FP8 GEMM (gemm.py), for every stacked-expert shape the fused MoE
-kernel (moe.py), each at every token-count bucket. Writes kernels/<device>.json (docs/ARTIFACT.md)
+kernel (moe.py), each at every token-count bucket; for a tp = N > 1 artifact on a machine with N GPUs,
+the all-reduce's crossover from the custom kernel to NCCL (allreduce.py; with fewer GPUs it is left
+out and the runtime keeps its default). Writes kernels/<device>.json (docs/ARTIFACT.md)
 and updates the manifest's file table in the same step, so `qcompile verify` still covers every
 file. Needs a GPU.
 """
@@ -20,6 +22,7 @@ from qruntime.kernel_configs import KERNELS_DIR, device_file
 
 from qcompile.compile.manifest import write_manifest
 from qcompile.errors import QCompileError
+from qcompile.tune.allreduce import tune_all_reduce
 from qcompile.tune.gemm import ROTATE_BYTES, TOKEN_BUCKETS, gemm_shapes, time_us, tune_gemm
 from qcompile.tune.moe import moe_shapes, tune_moe
 
@@ -46,6 +49,13 @@ def tune_artifact(
         entries[shape.key] = tune_moe(shape, list(buckets), device, time_us, ROTATE_BYTES)
         if progress is not None:
             progress(shape.key)
+    tp = manifest.get("tp", 1)
+    if tp > 1 and torch.cuda.device_count() >= tp:
+        entries[f"AllReduce:tp{tp}"] = tune_all_reduce(tp)
+        if progress is not None:
+            progress(f"AllReduce:tp{tp}")
+    elif tp > 1 and progress is not None:
+        progress(f"AllReduce:tp{tp} not tuned: {torch.cuda.device_count()} GPU(s) here, the artifact runs on {tp}")
     table = {
         "device": name,
         "capability": list(torch.cuda.get_device_capability(device)),

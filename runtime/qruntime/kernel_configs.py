@@ -40,6 +40,10 @@ POW2_KEYS: Mapping[str, Mapping[str, tuple[int, int]]] = MappingProxyType(
     }
 )
 STAGE_KEYS = MappingProxyType({"PTPCLinear": ("num_stages",), "MoE": ("w13_num_stages", "w2_num_stages")})
+# key prefix -> {config key: (least, most)} of the integers it holds
+INT_KEYS = MappingProxyType(
+    {"AllReduce": MappingProxyType({"max_custom_bytes": (0, 1 << 26)})}
+)  # 2x per rank is mapped
 STAGES = (1, 16)
 
 
@@ -84,7 +88,7 @@ class KernelTable:
 
 
 def check_config(key: str, cfg: Any, where: str) -> None:
-    """One bucket's config of op key `key` ("PTPCLinear:NxK", "MoE:..."): a backend this runtime has,
+    """One bucket's config of op key `key` ("PTPCLinear:NxK", "MoE:...", "AllReduce:tpN"): a backend this runtime has,
     and, for the Triton kernels, every launch parameter an integer in its range (block sizes, splits
     and warps powers of two). Other keys (a tuner's timings) are not read. ValueError names `where`."""
     if not isinstance(cfg, dict):
@@ -101,6 +105,10 @@ def check_config(key: str, cfg: Any, where: str) -> None:
         value = cfg.get(name)
         if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most or value & (value - 1):
             raise ValueError(f"{where}.{name} must be a power of two in {least}..{most} (got {str(value)[:40]})")
+    for name, (least, most) in INT_KEYS.get(op, {}).items():
+        value = cfg.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
+            raise ValueError(f"{where}.{name} must be an integer in {least}..{most} (got {str(value)[:40]})")
     for name in STAGE_KEYS.get(op, ()):
         value = cfg.get(name)
         if isinstance(value, bool) or not isinstance(value, int) or not STAGES[0] <= value <= STAGES[1]:

@@ -125,6 +125,15 @@ def _kernels(config: RankConfig, device: torch.device, warn: bool) -> KernelTabl
     return kernels
 
 
+def _all_reduce_policy(config: RankConfig, kernels: KernelTable | None) -> AllReducePolicy:
+    """The tuned crossover from the custom all-reduce to NCCL (`qcompile tune` on tp GPUs), else the
+    default; none when custom_all_reduce is off. Every rank reads the same table: the same policy."""
+    if not config.custom_all_reduce:
+        return AllReducePolicy(max_custom_bytes=0)
+    tuned = kernels.lookup(f"AllReduce:tp{config.tp}", 1) if kernels is not None else None
+    return AllReducePolicy() if tuned is None else AllReducePolicy(max_custom_bytes=tuned["max_custom_bytes"])
+
+
 def _local_blocks(config: RankConfig, device: torch.device) -> int:
     """KV blocks this rank can hold: as asked, or what its memory allows."""
     if config.num_kv_blocks is not None:
@@ -166,8 +175,7 @@ def build_rank(
     group = init_group(config, rank, store) if config.tp > 1 else None
     reducer = None
     if group is not None and config.backend == "triton":
-        policy = AllReducePolicy() if config.custom_all_reduce else AllReducePolicy(max_custom_bytes=0)
-        reducer = AllReducer.create(group, device, policy)
+        reducer = AllReducer.create(group, device, _all_reduce_policy(config, kernels))
     registry = triton_ops() if config.backend == "triton" else reference_ops()
     env = OpEnv(config.dtype, device, config.kv_spec, kernels, tp_group=group, all_reduce=reducer)
     try:
