@@ -4,8 +4,11 @@ Column-parallel linears split their output rows: q_proj by query heads, k_proj /
 (replicated when the model has fewer KV heads than ranks: rank r holds KV head r * kv_heads // tp),
 gate_proj / up_proj and the experts' gate / up by the intermediate dim. Row-parallel linears split
 their input columns the same way (o_proj by query heads, down_proj and the experts' down by the
-intermediate dim), so each rank's output is a partial sum that the graph all-reduces. Everything
-else (embeddings, norms, q/k norms, the MoE router, lm_head) is replicated.
+intermediate dim), so each rank's output is a partial sum that the graph all-reduces. lm_head, when
+it is a tensor of its own (untied, or quantized from tied embeddings) and the vocabulary divides
+evenly, splits its rows by vocabulary (`vocab_parallel`): each rank computes V/tp columns of the
+logits, gathered by the graph. Everything else (embeddings, norms, q/k norms, the MoE router, a tied
+unquantized head that reads the embedding table) is replicated.
 
 A rank's tensor is always an exact slice of the tp=1 tensor, spans concatenated along one axis:
 fused tensors concatenate their parts' spans in part order (a qkv_proj rank holds its q rows, then
@@ -77,6 +80,11 @@ class Split:
 def local_heads(spec: ModelSpec, tp: int) -> tuple[int, int]:
     """(query heads, KV heads) each rank computes: num_heads / tp and num_kv_heads / tp, at least one."""
     return spec.num_attention_heads // tp, max(spec.num_key_value_heads // tp, 1)
+
+
+def vocab_parallel(spec: ModelSpec, tp: int) -> bool:
+    """Whether a tp > 1 artifact splits its own lm_head by vocabulary rows (V/tp rows per rank)."""
+    return tp > 1 and spec.vocab_size % tp == 0
 
 
 def check_tp(spec: ModelSpec, tp: int) -> None:
@@ -155,6 +163,7 @@ class Sharding:
     def __init__(self, spec: ModelSpec, tp: int) -> None:
         self.tp = tp
         self._sources = source_splits(spec, tp) if tp > 1 else {}
+        self._vocab = Split(tp, 0, _even(spec.vocab_size, tp)) if vocab_parallel(spec, tp) else None
 
     def splits(self, job: WeightJob, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Split]:
         """{tensor name: Split} of the weight (and scale) `job` writes.
@@ -168,6 +177,8 @@ class Sharding:
         return out
 
     def _weight_split(self, job: WeightJob, shapes: Mapping[str, tuple[int, ...]]) -> Split:
+        if job.role == "lm_head":  # by its role: its source may be the (replicated) embedding table
+            return self._vocab if self._vocab is not None else Split(self.tp)
         found = {src: self._sources.get(src) for src in job.source_names()}
         axes = {None if rule is None else rule[0] for rule in found.values()}
         if axes == {None}:

@@ -6,7 +6,7 @@ import torch
 from qruntime.kv_layout import KV_LAYOUTS
 
 from qcompile.compile.kvcache import KVScales
-from qcompile.compile.sharding import check_tp
+from qcompile.compile.sharding import check_tp, vocab_parallel
 from qcompile.errors import PlanError
 from qcompile.graph.builder import GraphBuilder
 from qcompile.graph.ir import Graph
@@ -76,14 +76,20 @@ def build_graph(spec: ModelSpec, recipe: Recipe, kv_scales: KVScales | None = No
 
 
 def _lm_head(b: GraphBuilder, rows: str) -> None:
-    """logits [B,V]; a tied unquantized head reads the embedding table itself (stored once)."""
+    """logits [B,V]; a tied unquantized head reads the embedding table itself (stored once). At tp > 1
+    a head of its own is vocabulary-parallel (sharding.vocab_parallel): each rank computes its V/tp
+    columns of the logits and an AllGather puts the rows together, so no rank reads the whole head."""
     spec = b.spec
     tied = spec.tie_word_embeddings
     if tied and not b.scheme_of(hf.LM_HEAD).quantized:
         b.gemm(rows, f"{hf.EMBED}.weight", spec.vocab_size, LOGITS, name=hf.LM_HEAD)
         return
     source = f"{hf.EMBED}.weight" if tied else f"{hf.LM_HEAD}.weight"
-    b.linear(rows, hf.LM_HEAD, spec.vocab_size, LOGITS, role="lm_head", source=source)
+    if not vocab_parallel(spec, b.tp):
+        b.linear(rows, hf.LM_HEAD, spec.vocab_size, LOGITS, role="lm_head", source=source)
+        return
+    local = b.linear(rows, hf.LM_HEAD, spec.vocab_size // b.tp, f"{LOGITS}.local", role="lm_head", source=source)
+    b.all_gather(local, LOGITS)
 
 
 def check_plan(spec: ModelSpec, recipe: Recipe) -> None:

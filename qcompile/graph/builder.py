@@ -152,6 +152,13 @@ class GraphBuilder:
             return partial
         return self.node("AllReduce", [partial], [self.act(out, self.shape(partial))], name=f"{out}.all_reduce")[0]
 
+    def all_gather(self, local: str, out: str) -> str:
+        """AllGather of every rank's `local` [B, n] into `out` [B, tp * n], rank 0's columns first."""
+        rows, cols = self.shape(local)
+        return self.node(
+            "AllGather", [local], [self.act(out, (rows, self.tp * cols))], {"axis": 1}, name=f"{out}.all_gather"
+        )[0]
+
     def binary(self, op_type: str, a: str, b: str, out: str) -> str:
         """Add / Mul of two values; the result has the first one's shape."""
         return self.node(op_type, [a, b], [self.act(out, self.shape(a))])[0]

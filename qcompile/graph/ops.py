@@ -72,6 +72,7 @@ SIGNATURES: Mapping[str, OpSignature] = MappingProxyType(
         ),
         "ExpertWeight": OpSignature((("topk_weights", "T"), ("topk_ids", "I64")), (("coef", "T"),), {"expert": int}),
         "AllReduce": OpSignature((("x", "T"),), (("y", "T"),)),
+        "AllGather": OpSignature((("x", "T"),), (("y", "T"),), {"axis": int}),
         # fused ops
         "AddRMSNorm": OpSignature(
             (("x", "T"), ("residual?", "T"), ("w", "T")), (("y", "T"), ("residual_out", "T")), {"epsilon": float}
@@ -125,8 +126,9 @@ FUSED_OPS = frozenset(
     }
 )
 SIMPLE_OPS = frozenset(SIGNATURES) - FUSED_OPS
-# the ops that sum the tensor-parallel ranks' partial outputs (only in the graphs of a tp > 1 artifact)
-COLLECTIVE_OPS = frozenset({"AllReduce", "AllReduceAddRMSNorm", "AllReduceAddRMSNormQuant"})
+# the ops that combine the tensor-parallel ranks' outputs (only in the graphs of a tp > 1 artifact): the
+# sums of partial outputs, and the gather of the vocabulary-parallel lm_head's logits
+COLLECTIVE_OPS = frozenset({"AllReduce", "AllReduceAddRMSNorm", "AllReduceAddRMSNormQuant", "AllGather"})
 
 # op type -> domain ('' is the ONNX default domain)
 OP_DOMAINS = MappingProxyType({**{op: "" for op in STANDARD_OPS}, **{op: DOMAIN for op in SIGNATURES}})

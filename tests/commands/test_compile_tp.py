@@ -111,7 +111,10 @@ def check_graphs(art: Path, manifest: dict) -> None:
             props = {p.key: p.value for p in model.metadata_props}
             assert (props["rank"], props["tp"]) == (str(rank), str(tp))
             ops = [node.op_type for node in model.graph.node]
-            assert sum(op in COLLECTIVE_OPS for op in ops) == 2 * layers
+            # two sums a layer, and the gather of a vocabulary-parallel lm_head's logits
+            gathers = int(manifest["tensors"].get("lm_head.weight", {}).get("axis") == 0)
+            assert sum(op in COLLECTIVE_OPS for op in ops) == 2 * layers + gathers
+            assert ops.count("AllGather") == gathers
             read = 0
             for init in model.graph.initializer:
                 if init.name in ranks[rank]:
@@ -136,6 +139,11 @@ def test_rank_tensors_are_slices_of_the_tp1_tensors(make_ckpt, compiled, preset,
     tensors, quantized = manifest["tensors"], recipe != "bf16"
     o_proj = "model.layers.0.self_attn.o_proj.weight"
     assert tensors[o_proj]["axis"] == 1 and tensors["model.norm.weight"]["axis"] is None
+    vocab = manifest["spec"]["vocab_size"]  # lm_head by vocabulary rows; the embedding table whole
+    assert [e["spans"] for e in tensors["lm_head.weight"]["ranks"]] == [
+        [[r * vocab // tp, (r + 1) * vocab // tp]] for r in range(tp)
+    ]
+    assert tensors["model.embed_tokens.weight"]["axis"] is None
     if quantized:  # per-row scales of a row-parallel weight: whole on every rank
         assert tensors[o_proj + "_scale"]["axis"] is None
     if recipe != "ptpc-fp8-unfused":
@@ -227,6 +235,14 @@ def _all_reduce(tensor: torch.Tensor, group: _Member, **_: object) -> None:
     tensor.copy_(total)
 
 
+def _all_gather_into_tensor(out: torch.Tensor, tensor: torch.Tensor, group: _Member, **_: object) -> None:
+    shared = group.group
+    shared.slots[group.rank] = tensor.clone()
+    shared.barrier.wait()
+    out.copy_(torch.cat(shared.slots, 0))  # the ranks' rows stacked in rank order, as NCCL and gloo write them
+    shared.barrier.wait()
+
+
 def _steps(vocab: int):
     """(feeds, metadata) of a prefill of two prompts, then a decode step of both."""
     prompts = [torch.randint(0, vocab, (n,)).tolist() for n in (19, 6)]
@@ -302,6 +318,9 @@ def test_ranks_run_together_give_the_tp1_logits(make_ckpt, compiled, monkeypatch
     to fp32 summation order unquantized; to FP8 activation rounding with per-token activation scales,
     which a row-parallel rank takes over its own columns."""
     monkeypatch.setattr(collective.dist, "all_reduce", _all_reduce)
+    monkeypatch.setattr(collective.dist, "all_gather_into_tensor", _all_gather_into_tensor)
+    monkeypatch.setattr(collective.dist, "all_gather_single", _all_gather_into_tensor, raising=False)
+    monkeypatch.setattr(collective.dist, "get_world_size", lambda group: len(group.group.slots))
     ckpt = make_ckpt(preset)
     steps = _steps(int(read_manifest(compiled(ckpt, recipe))["spec"]["vocab_size"]))
     want = _logits(compiled(ckpt, recipe), steps)
@@ -428,3 +447,29 @@ def test_a_failed_tp_compile_leaves_nothing(tiny_moe_ckpt, tmp_path, monkeypatch
     result = run("compile", tiny_moe_ckpt, "-o", tmp_path / "art", "-q", "--tp", "2")
     assert result.exit_code != 0 and len(calls) >= 9
     assert leftovers(tmp_path, "art") == []
+
+
+@pytest.mark.parametrize("quantized_head", [False, True])
+def test_a_tied_head_is_vocabulary_parallel_only_as_a_tensor_of_its_own(
+    make_ckpt, compiled, monkeypatch, quantized_head
+):
+    """Tied embeddings: an unquantized head reads the embedding table, which every rank holds whole
+    (no split, no gather); an FP8 head made from it is its own tensor and splits by vocabulary."""
+    ckpt = make_ckpt("tiny", tie_word_embeddings=True)
+    overrides = ("quantization.ignore=[]",) if quantized_head else ()
+    art = compiled(ckpt, "ptpc-fp8", *overrides, "tp=2")
+    manifest = check_slices(compiled(ckpt, "ptpc-fp8", *overrides), art, 2)
+    check_graphs(art, manifest)
+    tensors = manifest["tensors"]
+    assert tensors["model.embed_tokens.weight"]["axis"] is None
+    assert ("lm_head.weight" in tensors) == quantized_head
+    if quantized_head:
+        assert tensors["lm_head.weight"]["axis"] == 0 and tensors["lm_head.weight_scale"]["axis"] == 0
+    monkeypatch.setattr(collective.dist, "all_reduce", _all_reduce)
+    monkeypatch.setattr(collective.dist, "all_gather_into_tensor", _all_gather_into_tensor)
+    monkeypatch.setattr(collective.dist, "all_gather_single", _all_gather_into_tensor, raising=False)
+    monkeypatch.setattr(collective.dist, "get_world_size", lambda group: len(group.group.slots))
+    steps = _steps(int(manifest["spec"]["vocab_size"]))
+    for g, w in zip(_logits(art, steps), _logits(compiled(ckpt, "ptpc-fp8", *overrides), steps), strict=True):
+        snr = 10 * torch.log10(w.pow(2).mean() / (g - w).pow(2).mean())
+        assert float(snr) > 18, f"{float(snr):.1f} dB"

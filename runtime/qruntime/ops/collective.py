@@ -1,5 +1,6 @@
-"""The collectives of a tensor-parallel artifact's rank graphs (docs/OPS.md): AllReduce, and its fusion
-with the residual add and RMSNorm that follow every row-parallel output.
+"""The collectives of a tensor-parallel artifact's rank graphs (docs/OPS.md): AllReduce, its fusion
+with the residual add and RMSNorm that follow every row-parallel output, and AllGather (the
+vocabulary-parallel lm_head's logits put together).
 
 Each rank's o_proj / down_proj / MoE output is a partial sum over its share of the heads or of the
 intermediate dim; these ops sum it over the ranks with `torch.distributed.all_reduce` on the group
@@ -62,3 +63,29 @@ class AllReduceAddRMSNormQuant(quant.AddRMSNormQuant):
 
     def __call__(self, step, x, residual, w):
         return super().__call__(step, all_reduce(x, self.env.tp_group), residual, w)
+
+
+def all_gather_columns(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, n] of every rank -> [B, tp * n], rank 0's columns first: one all_gather_into_tensor of the
+    rows stacked by rank, then the ranks' blocks side by side (one copy)."""
+    world = dist.get_world_size(group)
+    rows, cols = x.shape
+    stacked = torch.empty((world * rows, cols), dtype=x.dtype, device=x.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name torch >= 2.13 keeps
+    gather(stacked, x.contiguous(), group=group)
+    return stacked.view(world, rows, cols).permute(1, 0, 2).reshape(rows, world * cols)
+
+
+class AllGather(Op):
+    """y [B, tp * n] = the ranks' x [B, n] side by side along axis 1 (rank order)."""
+
+    attrs = ("axis",)
+
+    def __init__(self, attrs, env, consts=()) -> None:
+        super().__init__(attrs, env, consts)
+        check_group(env)
+        if self.a["axis"] != 1:
+            raise OpBindError(f"AllGather gathers along axis 1 (the logits' columns), not {self.a['axis']}")
+
+    def __call__(self, step, x):
+        return all_gather_columns(x, self.env.tp_group)

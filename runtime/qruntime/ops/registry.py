@@ -24,6 +24,7 @@ def reference_ops() -> Mapping[tuple[str, str], type[Op]]:
     qcompile_ops += [attention.RoPE, attention.KVCacheWrite, attention.PagedAttention, attention.QKNormRoPEKVWrite]
     qcompile_ops += [moe.MoERouting, moe.ExpertWeight, moe.MoE]
     qcompile_ops += [collective.AllReduce, collective.AllReduceAddRMSNorm, collective.AllReduceAddRMSNormQuant]
+    qcompile_ops += [collective.AllGather]
     table = {(DEFAULT_DOMAIN, op.__name__): op for op in standard_ops}
     table.update({(QCOMPILE_DOMAIN, op.__name__): op for op in qcompile_ops})
     return MappingProxyType(table)
