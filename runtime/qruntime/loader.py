@@ -157,7 +157,10 @@ def _build(config: RankConfig) -> tuple[Rank, Workers | None]:
         return build_rank(config), None
     workers = Workers(config)
     try:
-        return build_rank(config, 0, workers.store, workers.checkpoint), workers
+        built = build_rank(config, 0, workers.store, workers.checkpoint)
+        if built.all_reduce is not None:  # a worker that dies must not leave rank 0's kernels waiting for it
+            workers.on_death(built.all_reduce.abort)
+        return built, workers
     except BaseException as exc:
         error = workers.abandon(exc)
         if error is exc:
@@ -297,7 +300,7 @@ def load(
     if tp > 1:
         description["tp"] = tp
         if built.all_reduce is not None:
-            description["all_reduce"] = built.all_reduce
+            description["all_reduce"] = built.all_reduce.describe()
     if built.graph_buckets is not None:
         description["cuda_graphs"] = list(built.graph_buckets)
     if built.piecewise_buckets is not None:

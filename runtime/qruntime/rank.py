@@ -82,7 +82,7 @@ class Rank:
     max_model_len: int
     graph_buckets: tuple[int, ...] | None  # batch sizes of the captured decode graphs
     piecewise_buckets: tuple[int, ...] | None = None  # token counts of the piecewise graphs (other steps)
-    all_reduce: str | None = None  # how tp > 1 sums over the ranks (AllReducer.describe)
+    all_reduce: AllReducer | None = None  # how tp > 1 sums over the ranks on the fast path
 
 
 def _no_checkpoint(tag: str) -> None:
@@ -224,5 +224,5 @@ def build_rank(
         max_model_len,
         graphs.buckets if graphs is not None else None,
         piecewise.buckets if piecewise is not None else None,
-        reducer.describe() if reducer is not None else None,
+        reducer,
     )

@@ -39,9 +39,12 @@ class AllReducer:
         self.group, self.regions, self.policy = group, regions, policy
         self.unavailable = unavailable  # why there is no peer memory, when there is none
         self._peers: dict[torch.dtype, object] = {}  # kernels' Peers per model dtype
-        self.counters = None
+        self.counters = self.abort_word = None
         if regions is not None:
-            self.counters = torch.zeros(_layout().MAX_SLOTS, dtype=torch.int64, device=regions.bases.device)
+            device = regions.bases.device
+            self.counters = torch.zeros(_layout().MAX_SLOTS, dtype=torch.int64, device=device)
+            # the kernels read it across PCIe while they wait (mapped pinned memory: the host pointer works there)
+            self.abort_word = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")
 
     @classmethod
     def create(cls, group, device: torch.device, policy: AllReducePolicy = AllReducePolicy()) -> AllReducer:
@@ -61,6 +64,12 @@ class AllReducer:
             return cls(group, None, policy, str(exc))
         return cls(group, regions, policy)
 
+    def abort(self) -> None:
+        """Stop every wait of this rank's kernels, now and later (a rank died): their sums are garbage
+        from here on, which the caller must not use (qruntime.engine.workers raises instead)."""
+        if self.abort_word is not None:
+            self.abort_word.fill_(1)
+
     def describe(self) -> str:
         """How messages are summed, for the engine's description."""
         if self.regions is None:
@@ -76,7 +85,7 @@ class AllReducer:
             data = r.local[layout.DATA_OFFSET : layout.DATA_OFFSET + 2 * half * size].view(dtype)
             deltas = (r.bases - r.bases[r.rank]) // size
             self._peers[dtype] = layout.Peers(
-                data, deltas, r.bases, self.counters, r.rank, r.world, int(self.policy.timeout_s * 1e9)
+                data, deltas, r.bases, self.counters, r.rank, r.world, int(self.policy.timeout_s * 1e9), self.abort_word
             )
         return self._peers[dtype]
 

@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
@@ -89,6 +89,7 @@ class _State:
     watcher: threading.Thread | None = None
     wake_watcher: Connection | None = None
     closing: bool = False
+    on_death: list[Callable[[], None]] = field(default_factory=list)  # run by the watcher when a worker dies
 
 
 def serve_store(world_size: int) -> tuple[dist.TCPStore, socket.socket]:
@@ -173,7 +174,12 @@ def _shutdown(state: _State, graceful: bool) -> None:
 def _watch(sentinels: list[int], wake: Connection, state: _State) -> None:
     """CUDA: a worker that dies leaves rank 0 blocked in an NCCL collective; abort the group to free it."""
     wait([*sentinels, wake])
-    if not state.closing and dist.is_initialized():
+    if state.closing:
+        return
+    for release in state.on_death:  # e.g. the custom all-reduce's kernels stop waiting for the dead rank
+        with contextlib.suppress(Exception):
+            release()
+    if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.distributed_c10d._abort_process_group()
 
@@ -259,6 +265,10 @@ class Workers:
                     error = WorkerError(rank, f"sent {kind!r} while rank 0 waited for {tag!r}")
                 raise self._find_failure(FAILURE_GRACE_S, error)
 
+    def on_death(self, release: Callable[[], None]) -> None:
+        """Call `release` (from the watcher thread, on CUDA) as soon as a worker process dies."""
+        self._state.on_death.append(release)
+
     def step(self, runner: ModelRunner, chunks: Sequence[StepChunk], all_logits: bool | Sequence[bool]) -> torch.Tensor:
         """Send the step to every worker, then run it on rank 0's runner: rank 0's logits."""
         if self.closed:
@@ -275,6 +285,8 @@ class Workers:
             logits = runner.execute(chunks, all_logits)
             if logits.is_cuda:  # a failed collective surfaces here, inside this try, not in the sampler
                 torch.cuda.current_stream(logits.device).synchronize()
+                if wait([p.sentinel for p in self._state.processes], 0):  # released, not finished, by on_death
+                    raise self._find_failure(FAILURE_GRACE_S) or RuntimeError("a worker process ended")
             return logits
         except BaseException as exc:
             error = self.abandon(exc)

@@ -23,8 +23,11 @@ Numerics: the sum is D(sum_r fp32(x_r)) in rank order, D the model dtype: at two
 NCCL and the reference give (one addition); at more, the fp32 sum is at least as exact as a chain of
 D additions. The fused kernel then follows add_rmsnorm_quant.py's rounding order exactly.
 
-A wait is bounded: past `timeout_ns` (the GPU's global timer) the program traps, so a peer that died
-turns into a CUDA error on this rank instead of a kernel spinning forever. Under Triton's interpreter
+A wait is bounded: the host can raise an abort word (pinned host memory the kernel polls every 256
+spins; rank 0 raises it when a worker process dies), which ends the wait and skips the sum (the
+result is then garbage, and the host raises instead of returning it); and past `timeout_ns` (the
+GPU's global timer) the program traps, so a peer that hung turns into a CUDA error instead of a
+kernel spinning forever. Under Triton's interpreter
 (CI) there is no timer and no trap; the tests run the ranks as processes over shared files.
 """
 
@@ -80,8 +83,11 @@ def _data_half(data, deltas, rank, parity, half):
 
 
 @triton.jit
-def _barrier(bases, counters, slot, count, timeout_ns, RANK: tl.constexpr, WORLD: tl.constexpr, HW: tl.constexpr):
-    """Meet program `slot` of every rank: publish `count`, wait for every rank's (see the module doc)."""
+def _barrier(
+    bases, counters, slot, count, timeout_ns, abort, RANK: tl.constexpr, WORLD: tl.constexpr, HW: tl.constexpr
+):
+    """Meet program `slot` of every rank: publish `count`, wait for every rank's (see the module doc).
+    Returns 0 when the host raised the abort word (a rank died) while it waited, else 1."""
     tl.store(counters + slot, count)
     tl.debug_barrier()  # every thread's data stores happen before the signal
     if HW:  # one system-scope fence, then relaxed signals (a release on each would fence each)
@@ -94,18 +100,28 @@ def _barrier(bases, counters, slot, count, timeout_ns, RANK: tl.constexpr, WORLD
             signals = tl.load(bases + r).to(tl.pointer_type(tl.int64))
             tl.atomic_xchg(signals + slot * _MAX_WORLD + RANK, count, sem="release", scope="sys")
     mine = tl.load(bases + RANK).to(tl.pointer_type(tl.int64)) + slot * _MAX_WORLD
+    aborted = abort.to(tl.pointer_type(tl.int32))  # a host word (pinned, mapped): set when a rank died
+    alive = 1
     for r in tl.static_range(WORLD):
         seen = tl.atomic_add(mine + r, 0, sem="acquire", scope="sys")
         if HW:
             start = _global_timer_ns()
-            while seen < count:
-                if _global_timer_ns() - start > timeout_ns:
-                    _trap()
+            spins = 0
+            while (seen < count) & (alive != 0):
+                spins += 1
+                if spins % 256 == 0:  # a read across PCIe: not on every spin
+                    if tl.load(aborted, volatile=True) != 0:
+                        alive = 0
+                    if _global_timer_ns() - start > timeout_ns:
+                        _trap()
                 seen = tl.atomic_add(mine + r, 0, sem="acquire", scope="sys")
         else:
-            while seen < count:
+            while (seen < count) & (alive != 0):
+                if tl.load(aborted, volatile=True) != 0:
+                    alive = 0
                 seen = tl.atomic_add(mine + r, 0, sem="acquire", scope="sys")
     tl.debug_barrier()
+    return alive
 
 
 @triton.jit
@@ -119,6 +135,7 @@ def _one_shot_kernel(
     bases,  # [WORLD] int64: every rank's region in this process (the signals)
     counters,  # [MAX_SLOTS] int64, this rank's
     timeout_ns,
+    abort,  # int64: address of the host's abort word
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -135,8 +152,8 @@ def _one_shot_kernel(
         idx = tl.multiple_of(start, BLOCK) + offs
         mask = idx < n
         tl.store(mine + idx, tl.load(x_ptr + idx, mask=mask), mask=mask)
-    _barrier(bases, counters, slot, count, timeout_ns, RANK, WORLD, HW)
-    for start in range(slot * BLOCK, n, step):
+    alive = _barrier(bases, counters, slot, count, timeout_ns, abort, RANK, WORLD, HW)
+    for start in range(slot * BLOCK, n * alive, step):  # nothing read from a dead rank
         idx = tl.multiple_of(start, BLOCK) + offs
         mask = idx < n
         acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -165,6 +182,7 @@ def _fused_kernel(
     bases,
     counters,
     timeout_ns,
+    abort,
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     HAS_RES: tl.constexpr,
@@ -182,8 +200,8 @@ def _fused_kernel(
     mask = cols < H
     for row in range(slot, T, grid):  # int32 offsets: a message holds at most a data half
         tl.store(mine + row * H + cols, tl.load(x_ptr + row * stride_x + cols, mask=mask), mask=mask)
-    _barrier(bases, counters, slot, count, timeout_ns, RANK, WORLD, HW)
-    for row in range(slot, T, grid):
+    alive = _barrier(bases, counters, slot, count, timeout_ns, abort, RANK, WORLD, HW)
+    for row in range(slot, T * alive, grid):  # nothing read from a dead rank
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for r in tl.static_range(WORLD):
             peer = _data_half(data, deltas, r, parity, half)
@@ -210,6 +228,7 @@ class Peers:
     rank: int
     world: int
     timeout_ns: int  # a wait for a peer longer than this traps
+    abort: torch.Tensor  # [1] int32 in pinned host memory (CPU memory in the tests): nonzero stops waits
 
     def __post_init__(self) -> None:
         if not 2 <= self.world <= MAX_WORLD or not 0 <= self.rank < self.world:
@@ -242,7 +261,7 @@ def one_shot_all_reduce(x: torch.Tensor, peers: Peers, out: torch.Tensor | None 
     if n:
         _one_shot_kernel[(_grid(triton.cdiv(n, BLOCK)),)](
             x, out, n, peers.data, peers.deltas, peers.half, peers.bases, peers.counters, peers.timeout_ns,
-            RANK=peers.rank, WORLD=peers.world, BLOCK=BLOCK, HW=use_hw_casts(x), num_warps=8,
+            peers.abort.data_ptr(), RANK=peers.rank, WORLD=peers.world, BLOCK=BLOCK, HW=use_hw_casts(x), num_warps=8,
         )  # fmt: skip
     return out
 
@@ -283,7 +302,7 @@ def all_reduce_add_rmsnorm(
             y.view(torch.uint8) if quant else y, ys if quant else residual_out,
             tokens, hidden, x.stride(0), residual.stride(0) if has_res else 0, float(eps),
             peers.data, peers.deltas, peers.half, peers.bases, peers.counters, peers.timeout_ns,
-            RANK=peers.rank, WORLD=peers.world, HAS_RES=has_res, QUANT=quant, BLOCK=block, HW=use_hw_casts(x),
+            peers.abort.data_ptr(), RANK=peers.rank, WORLD=peers.world, HAS_RES=has_res, QUANT=quant, BLOCK=block, HW=use_hw_casts(x),
             num_warps=num_warps,
         )  # fmt: skip
     return (y, ys, residual_out) if quant else (y, residual_out)

@@ -111,7 +111,7 @@ kernel, types, constexprs, num_warps = json.loads(sys.argv[1])
 kernel = getattr(custom_allreduce, kernel)
 names = list(inspect.signature(kernel.fn).parameters)
 signature = {n: types.get(n, "constexpr") for n in names}
-aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in types and n != "timeout_ns"}
+aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in types and n not in ("timeout_ns", "abort")}
 source = ASTSource(kernel, signature, constexprs=constexprs, attrs=aligned)
 print(triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"])
 """
@@ -135,7 +135,7 @@ def test_the_gpu_branch_compiles_with_system_scope_signals_and_vector_peer_loads
     from qruntime.kernels import custom_allreduce as car
 
     common = {"n": "i32", "data": "*bf16", "deltas": "*i64", "half": "i32", "bases": "*i64", "counters": "*i64"}
-    common["timeout_ns"] = "i64"
+    common |= {"timeout_ns": "i64", "abort": "i64"}
     one_shot = _hopper_ptx(
         "_one_shot_kernel",
         {"x_ptr": "*bf16", "out_ptr": "*bf16", **common},
@@ -154,4 +154,33 @@ def test_the_gpu_branch_compiles_with_system_scope_signals_and_vector_peer_loads
         assert ptx.count("fence.acq_rel.sys;") >= 1
         assert ptx.count("atom.global.sys.relaxed.exch.b64") == world
         assert "ld.global.sys.acquire.b64" in ptx and "%globaltimer" in ptx and "trap;" in ptx
+        assert "ld.volatile.global.b32" in ptx  # the host's abort word, polled while waiting
         assert "ld.global.cv.v4.b32" in ptx and "ld.global.cv.b16" not in ptx  # vectors, never scalar
+
+
+def _abandoned_rank(rank: int, store: str, out: str) -> None:
+    """Rank 0 all-reduces while rank 1 never does (it died, as far as rank 0 can tell); the abort word,
+    raised from another thread a second later, ends rank 0's wait instead of leaving it spinning."""
+    import threading
+    import time
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        reducer = AllReducer.create(dist.group.WORLD, torch.device("cpu"), AllReducePolicy(MAX_BYTES))
+        if rank == 0:
+            timer = threading.Timer(1.0, reducer.abort)
+            timer.start()
+            start = time.monotonic()
+            reducer.all_reduce(torch.randn(300).to(torch.bfloat16))
+            torch.save({"waited": time.monotonic() - start}, out)
+            timer.join()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_abort_word_ends_a_wait_for_a_rank_that_never_comes(tmp_path: Path) -> None:
+    mp.spawn(_abandoned_rank, args=(str(tmp_path / "store"), str(tmp_path / "out.pt")), nprocs=2)
+    waited = torch.load(tmp_path / "out.pt")["waited"]
+    assert 0.9 < waited < 30, waited
