@@ -109,10 +109,26 @@ def test_replicated_tensors() -> None:
     shapes = expected_tensors(SPEC)
     for job in (
         WeightJob("model.embed_tokens", (("model.embed_tokens.weight",),), False, "none", "embedding"),
-        WeightJob("lm_head", (("lm_head.weight",),), False, "ptpc-fp8", "lm_head"),
         WeightJob("model.norm", (("model.norm.weight",),), False, "none", "norm"),
     ):
         assert all(split.replicated for split in Sharding(SPEC, 2).splits(job, shapes).values())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_lm_head_splits_by_vocabulary_rows_when_the_ranks_divide_it(tied: bool) -> None:
+    """By its role, whatever it reads: an FP8 head made from tied embeddings splits too, while the
+    embedding table it was made from stays whole."""
+    source = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    job = WeightJob("lm_head", ((source,),), False, "ptpc-fp8", "lm_head")
+    spec = dataclasses.replace(SPEC, vocab_size=64)
+    vocab = spec.vocab_size
+    for tp in (2, 4):
+        splits = Sharding(spec, tp).splits(job, expected_tensors(spec))
+        step = vocab // tp
+        for split in splits.values():  # the weight and its per-row scale
+            assert split.axis == 0 and split.ranks == tuple(((r * step, (r + 1) * step),) for r in range(tp))
+    odd = dataclasses.replace(SPEC, vocab_size=50)  # not a multiple of 4: every rank holds the whole head
+    assert all(s.replicated for s in Sharding(odd, 4).splits(job, expected_tensors(odd)).values())
 
 
 def test_block_splits_off_the_grid_are_plan_errors() -> None:
