@@ -8,8 +8,18 @@ download. The text it generates is noise; its speed is the real model's.
 
 Values (FP8 codes stay well inside e4m3's range, activations stay bounded through the layers):
 FP8 weights e4m3(N(0, 1) x 32) with scales 0.02/32 x U(0.5, 1.5) (dequantized weights ~ N(0, 0.02)),
-other matrices N(0, 0.02), 1-D tensors (norms) 1 + N(0, 0.02). Each tensor's values are a function
-of its name alone, so a tensor replicated over tensor-parallel ranks is equal on every rank.
+other matrices N(0, 0.02), 1-D tensors (norms) 1 + N(0, 0.02), except the attention's q/k norms,
+QK_NORM_SCALE x (1 + N(0, 0.02)). Each tensor's values are a function of its name alone, so a tensor
+replicated over tensor-parallel ranks is equal on every rank.
+
+Why the q/k norms are larger: with weights near 1 the attention logits of random weights are ~N(0, 1)
+whatever the head size, so attention is nearly uniform and every token's output is about the running
+mean of V — the same for all tokens. That common part grows layer by layer until every token's router
+input is nearly the same vector and routing collapses (on qwen3-30b-a3b / 235b-a22b shapes: in each
+layer ~90 of 128 experts idle, the hottest ~16x the mean load, so a prefill measured the wrong MoE
+work). At 6x the logits are ~N(0, 36): attention is sharp and token-specific, and routing over random
+token ids spreads (measured on CPU, 128 experts / top 8: max/mean load 1.8-3.6 per layer over 8-16
+layers, 3-6 at 48 layers, against 13-16 before; tests/runtime/test_synthetic_routing.py).
 """
 
 from __future__ import annotations
@@ -26,6 +36,8 @@ from qruntime.weights import load_initializers, runtime_dtype
 
 FP8_SPREAD = 32.0  # std of the FP8 codes (e4m3 reaches 448)
 WEIGHT_STD = 0.02
+QK_NORM_SCALE = 6.0  # the attention's q/k RMSNorm weights (see the module doc)
+QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 CHUNK_ELEMENTS = 1 << 28  # bound the bf16 temporaries of a large stacked tensor
 
 
@@ -65,7 +77,8 @@ def random_tensor(name: str, shape: list[int], dtype: torch.dtype, device: torch
         scale = torch.rand(shape, generator=generator, device=device, dtype=torch.float32).add_(0.5)
         return out.copy_(scale.mul_(WEIGHT_STD / FP8_SPREAD))
     if len(shape) == 1:
-        return _fill_normal(out, 1.0, WEIGHT_STD, generator)
+        scale = QK_NORM_SCALE if name.endswith(QK_NORMS) else 1.0
+        return _fill_normal(out, scale, WEIGHT_STD * scale, generator)
     return _fill_normal(out, 0.0, WEIGHT_STD, generator)
 
 

@@ -106,7 +106,8 @@ def test_tuning_finds_where_the_custom_kernel_wins() -> None:
     assert bucket["max_custom_bytes"] >= 64 << 10, bucket
 
 
-def test_a_worker_killed_mid_generation_is_an_error_within_seconds(gpu_artifact_tp2, cuda) -> None:
+@pytest.mark.parametrize("custom", [True, False])
+def test_a_worker_killed_mid_generation_is_an_error_within_seconds(gpu_artifact_tp2, cuda, custom) -> None:
     """Rank 0's custom all-reduce kernels wait for the killed rank inside the GPU; the watcher raises
     their abort word when the worker dies, so the step ends and rank 0 raises WorkerError — well
     before the kernels' 120 s trap."""
@@ -119,9 +120,9 @@ def test_a_worker_killed_mid_generation_is_an_error_within_seconds(gpu_artifact_
 
     engine = qruntime.load(
         gpu_artifact_tp2, device=cuda, tp=2, max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=256,
-        kv_cache_memory=256 << 20,
+        kv_cache_memory=256 << 20, custom_all_reduce=custom,
     )  # fmt: skip
-    assert engine.description["all_reduce"].startswith("custom")
+    assert engine.description["all_reduce"].startswith("custom" if custom else "nccl")
     (worker,) = multiprocessing.active_children()
     engine.generate([[1, 2, 3]], qruntime.SamplingParams(max_tokens=4))  # compiled, captured, warm
     threading.Timer(0.5, os.kill, (worker.pid, signal.SIGKILL)).start()
