@@ -104,30 +104,3 @@ def test_tuning_finds_where_the_custom_kernel_wins() -> None:
     assert sorted(rows) == sorted(SIZES) and all(r["custom_us"] > 0 and r["nccl_us"] > 0 for r in rows.values())
     # measured on H200s (bench/results/allreduce_bench_h200x4.json): about 0.3x NCCL's time at 8-64 KB
     assert bucket["max_custom_bytes"] >= 64 << 10, bucket
-
-
-@pytest.mark.parametrize("custom", [True, False])
-def test_a_worker_killed_mid_generation_is_an_error_within_seconds(gpu_artifact_tp2, cuda, custom) -> None:
-    """Rank 0's custom all-reduce kernels wait for the killed rank inside the GPU; the watcher raises
-    their abort word when the worker dies, so the step ends and rank 0 raises WorkerError — well
-    before the kernels' 120 s trap."""
-    import multiprocessing
-    import signal
-    import threading
-    import time
-
-    import qruntime
-
-    engine = qruntime.load(
-        gpu_artifact_tp2, device=cuda, tp=2, max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=256,
-        kv_cache_memory=256 << 20, custom_all_reduce=custom,
-    )  # fmt: skip
-    assert engine.description["all_reduce"].startswith("custom" if custom else "nccl")
-    (worker,) = multiprocessing.active_children()
-    engine.generate([[1, 2, 3]], qruntime.SamplingParams(max_tokens=4))  # compiled, captured, warm
-    threading.Timer(0.5, os.kill, (worker.pid, signal.SIGKILL)).start()
-    start = time.monotonic()
-    with pytest.raises(qruntime.WorkerError, match=rf"rank 1 failed: its process {worker.pid} died"):
-        engine.generate([[4, 5, 6]], qruntime.SamplingParams(max_tokens=3500, ignore_eos=True))
-    assert time.monotonic() - start < 30
-    assert not multiprocessing.active_children()
