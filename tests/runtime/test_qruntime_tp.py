@@ -96,6 +96,14 @@ def test_bf16_tp2_equals_tp1_step_by_step(request, fixture, compiled, monkeypatc
         assert len(tp2_steps) == len(steps) > GREEDY.max_tokens  # prefill chunks, then 15 decode steps
         for index, (logits, tp2_logits) in enumerate(zip(steps, tp2_steps, strict=True)):
             assert _relative_error(logits, tp2_logits) < 1e-5, f"step {index}"
+        # the vocabulary-parallel head's gathered logits sample as tp=1's do: seeded, the same tokens
+        seeded = [
+            SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=rng.randrange(1 << 30), ignore_eos=True)
+            for _ in prompts
+        ]
+        sampled = [o.token_ids for o in tp1.generate(prompts, seeded)]
+        assert [o.token_ids for o in tp2.generate(prompts, seeded)] == sampled
+        assert len({tuple(t) for t in sampled}) > 1
         # the engine keeps serving: a scored sequence (one prefill over all its tokens) agrees too
         ids = prompts[2] + list(tokens[2])
         assert _relative_error(tp1.score(ids), tp2.score(ids)) < 1e-5
