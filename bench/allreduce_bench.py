@@ -1,5 +1,5 @@
-"""Issue-22 benchmark: the custom one-shot all-reduce over CUDA IPC peer memory against NCCL, on the
-GPUs of one host, at decode-sized messages and beyond.
+"""Issue-22 benchmark: the custom one-shot and two-shot all-reduces over CUDA IPC peer memory against
+NCCL, on the GPUs of one host, at decode-sized messages and beyond.
 
 For each tp in --tp (tp processes, rank r on cuda:r, NCCL_NVLS_ENABLE=0) and each message size:
   - correctness: the custom sum equals NCCL's at tp=2 bit for bit (one bf16 addition), is within
@@ -44,7 +44,8 @@ def _rank(rank: int, world: int, port: int, args, out: str) -> None:
     from qruntime.kernels.add_rmsnorm_quant import add_rmsnorm_quant
 
     group = dist.group.WORLD
-    reducer = AllReducer.create(group, device, AllReducePolicy(max_custom_bytes=max(SIZES_KB) << 10))
+    reducer = AllReducer.create(group, device, AllReducePolicy(max_one_shot_bytes=max(SIZES_KB) << 10))
+    two_shot = AllReducer.create(group, device, AllReducePolicy(0, max_two_shot_bytes=max(SIZES_KB) << 10))
     rows = {"tp": world, "all_reduce": reducer.describe(), "sizes": [], "fused": []}
     gen = torch.Generator(device).manual_seed(1000 + rank)
     warm = torch.randn(1 << 20, device=device, generator=gen)
@@ -67,8 +68,10 @@ def _rank(rank: int, world: int, port: int, args, out: str) -> None:
         }
         buf = x.clone()
         row["nccl_us"] = graph_us(lambda buf=buf: dist.all_reduce(buf, group=group), args.calls, args.replays)
-        row["custom_us"] = graph_us(lambda buf=buf: reducer.all_reduce(buf), args.calls, args.replays)
-        row["custom_over_nccl"] = row["custom_us"] / row["nccl_us"]
+        row["one_shot_us"] = graph_us(lambda buf=buf: reducer.all_reduce(buf), args.calls, args.replays)
+        row["one_shot_over_nccl"] = row["one_shot_us"] / row["nccl_us"]
+        row["two_shot_bit_equal_one_shot"] = bool(torch.equal(two_shot.all_reduce(x.clone()), got))
+        row["two_shot_us"] = graph_us(lambda buf=buf: two_shot.all_reduce(buf), args.calls, args.replays)
         rows["sizes"].append(row)
     for hidden in args.hidden:
         w = (torch.rand(hidden, device=device, generator=gen) + 0.5).to(torch.bfloat16)
@@ -128,10 +131,11 @@ def main() -> None:
         run = json.loads(Path(out).read_text())
         report["runs"].append(run)
         print(f"tp={world}: {run['all_reduce']}")
-        print(f"{'KB':>6} {'nccl us':>8} {'custom us':>9} {'ratio':>6}  equal  same")
+        print(f"{'KB':>6} {'nccl us':>8} {'1-shot us':>9} {'ratio':>6} {'2-shot us':>9}  equal  same")
         for r in run["sizes"]:
             print(
-                f"{r['kb']:>6} {r['nccl_us']:>8.2f} {r['custom_us']:>9.2f} {r['custom_over_nccl']:>6.2f}  "
+                f"{r['kb']:>6} {r['nccl_us']:>8.2f} {r['one_shot_us']:>9.2f} {r['one_shot_over_nccl']:>6.2f} "
+                f"{r['two_shot_us']:>9.2f}  "
                 f"{r['bit_equal_nccl']!s:>5} {r['same_on_every_rank']!s:>5}  (max diff {r['max_abs_diff_nccl']:.3g})"
             )
         print(f"{'T':>4} {'H':>5} {'nccl+kernel us':>14} {'custom+kernel':>13} {'fused us':>9} {'ratio':>6}  equal")

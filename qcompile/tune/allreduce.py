@@ -1,9 +1,9 @@
 """Tuning of a tp > 1 artifact's all-reduce: on this host's first tp GPUs (one spawned process each,
-NCCL with NVLink multicast off), time the custom one-shot kernel over peer memory
+NCCL with NVLink multicast off), time the one-shot and two-shot kernels over peer memory
 (qruntime.comm.all_reduce) against NCCL at every message size of SIZES, each from a CUDA graph of
-back-to-back calls as decode steps run them, and keep the crossover: the largest size up to which the
-custom kernel was faster at every size. Stored as the table entry "AllReduce:tp<N>" (one bucket,
-`max_custom_bytes`, with the timings beside it); the runtime reads it at load (qruntime/rank.py).
+back-to-back calls as decode steps run them, and keep where each wins (`thresholds`). Stored as the
+table entry "AllReduce:tp<N>" (one bucket: `max_one_shot_bytes`, `max_two_shot_bytes`, the timings
+beside them); the runtime reads it at load (qruntime/rank.py).
 """
 
 from __future__ import annotations
@@ -48,14 +48,23 @@ def graph_us(fn, calls: int = CALLS, replays: int = REPLAYS) -> float:
     return start.elapsed_time(end) * 1e3 / (replays * calls)
 
 
-def crossover(timings: list[dict[str, float]]) -> int:
-    """The largest `bytes` up to which the custom kernel beat NCCL at every size (0: never)."""
-    best = 0
-    for row in sorted(timings, key=lambda r: r["bytes"]):
-        if row["custom_us"] >= row["nccl_us"]:
-            break
-        best = row["bytes"]
-    return best
+def thresholds(timings: list[dict[str, float]]) -> tuple[int, int]:
+    """(max_one_shot_bytes, max_two_shot_bytes): from the smallest size up, the one-shot kernel while
+    it is the fastest of the three, then the two-shot while it beats NCCL; each limit the last size of
+    its unbroken run (0: none; the two-shot's at least the one-shot's)."""
+
+    def fastest(row: dict[str, float]) -> str:
+        return min(("one_shot_us", "two_shot_us", "nccl_us"), key=lambda k: row.get(k, float("inf")))
+
+    rows = sorted(timings, key=lambda r: r["bytes"])
+    one = two = i = 0
+    while i < len(rows) and fastest(rows[i]) == "one_shot_us":
+        one = two = rows[i]["bytes"]
+        i += 1
+    while i < len(rows) and rows[i].get("two_shot_us", float("inf")) < rows[i]["nccl_us"]:
+        two = rows[i]["bytes"]
+        i += 1
+    return one, two
 
 
 def _rank(rank: int, world: int, init: str, out: str) -> None:
@@ -68,7 +77,10 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
     dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, device_id=device)
     try:
         group = dist.group.WORLD
-        reducer = AllReducer.create(group, device, AllReducePolicy(max_custom_bytes=max(SIZES)))
+        one_shot = AllReducer.create(group, device, AllReducePolicy(max_one_shot_bytes=max(SIZES)))
+        two_shot = AllReducer.create(
+            group, device, AllReducePolicy(max_one_shot_bytes=0, max_two_shot_bytes=max(SIZES))
+        )
         rows: list[dict[str, Any]] = []
         warm = torch.ones(1 << 20, device=device)
         for _ in range(500):  # clocks up, NCCL's channels made
@@ -79,18 +91,19 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
                 "bytes": size,
                 "nccl_us": graph_us(lambda buf=buf: dist.all_reduce(buf, group=group)),
             }
-            if reducer.regions is not None:
-                row["custom_us"] = graph_us(lambda buf=buf: reducer.all_reduce(buf))
+            for name, reducer in (("one_shot_us", one_shot), ("two_shot_us", two_shot)):
+                if reducer.regions is not None:
+                    row[name] = graph_us(lambda buf=buf, reducer=reducer: reducer.all_reduce(buf))
             rows.append(row)
         if rank == 0:
-            torch.save({"rows": rows, "unavailable": reducer.unavailable}, out)
+            torch.save({"rows": rows, "unavailable": one_shot.unavailable}, out)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
 def tune_all_reduce(tp: int) -> dict[str, dict[str, Any]]:
-    """The "AllReduce:tp<N>" bucket: {"1": {"max_custom_bytes": ..., "timings_us": [...]}}."""
+    """The "AllReduce:tp<N>" bucket: {"1": {"max_one_shot_bytes": ..., "max_two_shot_bytes": ..., "timings_us": [...]}}."""
     import torch.multiprocessing as mp
 
     if torch.cuda.device_count() < tp:
@@ -102,6 +115,6 @@ def tune_all_reduce(tp: int) -> dict[str, dict[str, Any]]:
         mp.spawn(_rank, args=(tp, f"file://{Path(tmp) / 'store'}", out), nprocs=tp)
         result = torch.load(out)
     rows = result["rows"]
-    best = crossover(rows) if all("custom_us" in r for r in rows) else 0
+    one, two = thresholds(rows)  # both 0 where peer memory was unavailable (NCCL's rows only)
     note = {} if result["unavailable"] == "" else {"custom_unavailable": result["unavailable"]}
-    return {"1": {"max_custom_bytes": best, "timings_us": rows, **note}}
+    return {"1": {"max_one_shot_bytes": one, "max_two_shot_bytes": two, "timings_us": rows, **note}}

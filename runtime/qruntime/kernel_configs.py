@@ -41,9 +41,10 @@ POW2_KEYS: Mapping[str, Mapping[str, tuple[int, int]]] = MappingProxyType(
 )
 STAGE_KEYS = MappingProxyType({"PTPCLinear": ("num_stages",), "MoE": ("w13_num_stages", "w2_num_stages")})
 # key prefix -> {config key: (least, most)} of the integers it holds
+# (each rank maps two data halves of the larger AllReduce limit)
 INT_KEYS = MappingProxyType(
-    {"AllReduce": MappingProxyType({"max_custom_bytes": (0, 1 << 26)})}
-)  # 2x per rank is mapped
+    {"AllReduce": MappingProxyType({"max_one_shot_bytes": (0, 1 << 26), "max_two_shot_bytes": (0, 1 << 26)})}
+)
 STAGES = (1, 16)
 
 

@@ -126,12 +126,15 @@ def _kernels(config: RankConfig, device: torch.device, warn: bool) -> KernelTabl
 
 
 def _all_reduce_policy(config: RankConfig, kernels: KernelTable | None) -> AllReducePolicy:
-    """The tuned crossover from the custom all-reduce to NCCL (`qcompile tune` on tp GPUs), else the
-    default; none when custom_all_reduce is off. Every rank reads the same table: the same policy."""
+    """The tuned limits of the one-shot and two-shot kernels (`qcompile tune` on tp GPUs), else the
+    default (one-shot up to 512 KiB); none when custom_all_reduce is off. Every rank reads the same
+    table: the same policy."""
     if not config.custom_all_reduce:
-        return AllReducePolicy(max_custom_bytes=0)
+        return AllReducePolicy(max_one_shot_bytes=0)
     tuned = kernels.lookup(f"AllReduce:tp{config.tp}", 1) if kernels is not None else None
-    return AllReducePolicy() if tuned is None else AllReducePolicy(max_custom_bytes=tuned["max_custom_bytes"])
+    if tuned is None:
+        return AllReducePolicy()
+    return AllReducePolicy(tuned["max_one_shot_bytes"], tuned["max_two_shot_bytes"])
 
 
 def _local_blocks(config: RankConfig, device: torch.device) -> int:

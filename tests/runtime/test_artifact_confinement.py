@@ -221,10 +221,12 @@ def test_paths_resolve_to_the_artifact(tmp_path):
 
 def test_an_all_reduce_entry_is_checked_at_load(rng):
     key = f"AllReduce:tp{rng.choice([2, 4, 8])}"
-    good = {"max_custom_bytes": rng.randrange(0, 1 << 26), "timings_us": [{"bytes": 4096, "nccl_us": 20.0}]}
+    good = {"max_one_shot_bytes": rng.randrange(0, 1 << 26), "max_two_shot_bytes": rng.randrange(0, 1 << 26)}
+    good["timings_us"] = [{"bytes": 4096, "nccl_us": 20.0}]
     table = KernelTable.from_dict({"device": "GPU X", "entries": {key: {"1": good}}}, "t.json")
-    assert table.lookup(key, 1)["max_custom_bytes"] == good["max_custom_bytes"]
-    for value in ("8", 8.0, True, None, -1, (1 << 26) + 1):  # a region of 2x this is mapped on every rank
-        broken = {"device": "GPU X", "entries": {key: {"1": good | {"max_custom_bytes": value}}}}
-        with pytest.raises(ValueError, match=rf"entries\['{key}'\]\['1'\]\.max_custom_bytes must be an integer"):
-            KernelTable.from_dict(broken, "t.json")
+    assert table.lookup(key, 1)["max_one_shot_bytes"] == good["max_one_shot_bytes"]
+    for field in ("max_one_shot_bytes", "max_two_shot_bytes"):
+        for value in ("8", 8.0, True, None, -1, (1 << 26) + 1):  # a region of 2x this is mapped on every rank
+            broken = {"device": "GPU X", "entries": {key: {"1": good | {field: value}}}}
+            with pytest.raises(ValueError, match=rf"entries\['{key}'\]\['1'\]\.{field} must be an integer"):
+                KernelTable.from_dict(broken, "t.json")

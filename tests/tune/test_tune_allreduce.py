@@ -6,32 +6,46 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from qruntime.comm.all_reduce import DEFAULT_MAX_CUSTOM_BYTES
+from qruntime.comm.all_reduce import DEFAULT_MAX_ONE_SHOT_BYTES
 from qruntime.kernel_configs import KernelTable
 from qruntime.rank import RankConfig, _all_reduce_policy
 
-from qcompile.tune.allreduce import SIZES, crossover
+from qcompile.tune.allreduce import SIZES, thresholds
 
 
-def _rows(custom_wins_up_to: int, rng: random.Random) -> list[dict]:
+def _rows(one_up_to: int, two_up_to: int, rng: random.Random) -> list[dict]:
+    """Timings where the one-shot is fastest up to `one_up_to`, the two-shot beats NCCL up to `two_up_to`."""
     rows = []
     for size in SIZES:
         nccl = rng.uniform(15, 40)
-        custom = nccl * (rng.uniform(0.2, 0.9) if size <= custom_wins_up_to else rng.uniform(1.0, 2.0))
-        rows.append({"bytes": size, "nccl_us": nccl, "custom_us": custom})
+        if size <= one_up_to:
+            one = nccl * rng.uniform(0.2, 0.6)
+            two = one * rng.uniform(1.05, 2.0)
+        elif size <= two_up_to:
+            two = nccl * rng.uniform(0.3, 0.9)
+            one = two * rng.uniform(1.05, 2.0)
+        else:
+            one, two = nccl * rng.uniform(1.0, 2.0), nccl * rng.uniform(1.0, 2.0)
+        rows.append({"bytes": size, "nccl_us": nccl, "one_shot_us": one, "two_shot_us": two})
     rng.shuffle(rows)  # the order rows come in does not matter
     return rows
 
 
-def test_crossover_is_the_largest_size_of_an_unbroken_run_of_wins():
+def test_thresholds_are_the_ends_of_unbroken_runs_of_wins():
     rng = random.Random()
-    for edge in (0, *SIZES):
-        assert crossover(_rows(edge, rng)) == edge
-    rows = _rows(SIZES[5], rng)
-    for row in rows:  # a win past a loss does not count: the choice is one threshold
-        if row["bytes"] == SIZES[7]:
-            row["custom_us"] = row["nccl_us"] / 2
-    assert crossover(rows) == SIZES[5]
+    for _ in range(50):
+        one = rng.choice((0, *SIZES))
+        two = rng.choice([s for s in (0, *SIZES) if s >= one])
+        assert thresholds(_rows(one, two, rng)) == (one, max(one, two))
+    rows = _rows(SIZES[3], SIZES[6], rng)
+    for row in rows:  # a win past a loss does not count: each kernel gets one range
+        if row["bytes"] == SIZES[8]:
+            row["two_shot_us"] = row["nccl_us"] / 2
+        if row["bytes"] == SIZES[5]:
+            row["one_shot_us"] = row["two_shot_us"] / 2  # the one-shot back in the two-shot's range
+    assert thresholds(rows) == (SIZES[3], SIZES[6])
+    nccl_only = [{"bytes": s, "nccl_us": 1.0} for s in SIZES]  # no peer memory: NCCL everywhere
+    assert thresholds(nccl_only) == (0, 0)
 
 
 def _config(tp: int, custom: bool = True) -> RankConfig:
@@ -46,11 +60,17 @@ def _config(tp: int, custom: bool = True) -> RankConfig:
 
 
 def test_a_load_takes_the_tuned_crossover_of_its_tp():
-    limit = random.randrange(0, 1 << 26)
+    limit, two = random.randrange(0, 1 << 26), random.randrange(0, 1 << 26)
     table = KernelTable.from_dict(
-        {"device": "GPU X", "entries": {"AllReduce:tp4": {"1": {"max_custom_bytes": limit}}}}, "t.json"
+        {
+            "device": "GPU X",
+            "entries": {"AllReduce:tp4": {"1": {"max_one_shot_bytes": limit, "max_two_shot_bytes": two}}},
+        },
+        "t.json",
     )
-    assert _all_reduce_policy(_config(4), table).max_custom_bytes == limit
-    assert _all_reduce_policy(_config(2), table).max_custom_bytes == DEFAULT_MAX_CUSTOM_BYTES  # tuned at tp 4 only
-    assert _all_reduce_policy(_config(4), None).max_custom_bytes == DEFAULT_MAX_CUSTOM_BYTES
-    assert _all_reduce_policy(_config(4, custom=False), table).max_custom_bytes == 0
+    policy = _all_reduce_policy(_config(4), table)
+    assert (policy.max_one_shot_bytes, policy.max_two_shot_bytes) == (limit, two)
+    assert _all_reduce_policy(_config(2), table).max_one_shot_bytes == DEFAULT_MAX_ONE_SHOT_BYTES  # tuned at tp 4 only
+    assert _all_reduce_policy(_config(4), None).max_one_shot_bytes == DEFAULT_MAX_ONE_SHOT_BYTES
+    off = _all_reduce_policy(_config(4, custom=False), table)
+    assert off.max_one_shot_bytes == off.max_two_shot_bytes == 0

@@ -1,6 +1,7 @@
 """The all-reduce of a tensor-parallel group: decode-sized messages through the one-shot kernel over
-peer memory (qruntime.kernels.custom_allreduce), larger ones — and every message where peer memory
-is unavailable — through torch.distributed (NCCL on GPUs, gloo on the CPU).
+peer memory (qruntime.kernels.custom_allreduce), then — where `qcompile tune` measured it faster than
+NCCL — the two-shot kernel (kernels/two_shot_allreduce.py), larger ones and every message where peer
+memory is unavailable through torch.distributed (NCCL on GPUs, gloo on the CPU).
 
 Every rank makes the same choice for the same call: it depends only on the message's bytes and the
 policy, which all ranks share, and `create` succeeds or fails on all ranks together.
@@ -15,21 +16,36 @@ import torch.distributed as dist
 
 from qruntime.comm.peer_memory import PeerMemoryUnavailable, PeerRegions, create_regions
 
-DEFAULT_MAX_CUSTOM_BYTES = 512 << 10  # the default crossover to NCCL (a tuned table may move it)
+DEFAULT_MAX_ONE_SHOT_BYTES = 512 << 10  # the default crossover to NCCL (a tuned table may move it)
 DEFAULT_TIMEOUT_S = 120.0  # a kernel waiting longer for a peer traps (a rank died or hung)
 
 
 @dataclass(frozen=True)
 class AllReducePolicy:
-    """Messages of at most `max_custom_bytes` take the custom kernel (0: never); a kernel that waits
-    more than `timeout_s` for a peer traps."""
+    """Messages of at most `max_one_shot_bytes` take the one-shot kernel, then up to
+    `max_two_shot_bytes` the two-shot kernel (0: none; measured by `qcompile tune`, off by default),
+    larger ones torch.distributed; a kernel that waits more than `timeout_s` for a peer traps."""
 
-    max_custom_bytes: int = DEFAULT_MAX_CUSTOM_BYTES
+    max_one_shot_bytes: int = DEFAULT_MAX_ONE_SHOT_BYTES
+    max_two_shot_bytes: int = 0
     timeout_s: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
-        if self.max_custom_bytes < 0 or self.timeout_s <= 0:
-            raise ValueError(f"bad all-reduce policy {self}: max_custom_bytes >= 0, timeout_s > 0")
+        if self.max_one_shot_bytes < 0 or self.max_two_shot_bytes < 0 or self.timeout_s <= 0:
+            raise ValueError(f"bad all-reduce policy {self}: byte limits >= 0, timeout_s > 0")
+
+    @property
+    def region_bytes(self) -> int:
+        """The largest message a custom kernel takes (a data half of every rank's region)."""
+        return max(self.max_one_shot_bytes, self.max_two_shot_bytes)
+
+    def kernel(self, nbytes: int) -> str | None:
+        """ "one_shot", "two_shot", or None (torch.distributed) for a message of `nbytes`."""
+        if 0 < nbytes <= self.max_one_shot_bytes:
+            return "one_shot"
+        if 0 < nbytes <= self.max_two_shot_bytes:
+            return "two_shot"
+        return None
 
 
 class AllReducer:
@@ -53,11 +69,11 @@ class AllReducer:
         policy of 0 bytes), every rank gets the torch.distributed path alone."""
         layout = _layout()
         world = dist.get_world_size(group)
-        if policy.max_custom_bytes == 0:
+        if policy.region_bytes == 0:
             return cls(group, None, policy, "off")
         if world > layout.MAX_WORLD:
             return cls(group, None, policy, f"{world} ranks, more than {layout.MAX_WORLD}")
-        half = -(-policy.max_custom_bytes // 64) * 64
+        half = -(-policy.region_bytes // 64) * 64
         try:
             regions = create_regions(group, device, layout.DATA_OFFSET + 2 * half)
         except PeerMemoryUnavailable as exc:
@@ -74,7 +90,11 @@ class AllReducer:
         """How messages are summed, for the engine's description."""
         if self.regions is None:
             return f"nccl ({self.unavailable})"
-        return f"custom one-shot up to {self.policy.max_custom_bytes >> 10} KiB, nccl above"
+        p = self.policy
+        two = (
+            f", two-shot up to {p.max_two_shot_bytes >> 10} KiB" if p.max_two_shot_bytes > p.max_one_shot_bytes else ""
+        )
+        return f"custom one-shot up to {p.max_one_shot_bytes >> 10} KiB{two}, nccl above"
 
     def peers(self, dtype: torch.dtype):
         """The kernels' view of the regions for `dtype` (made once per dtype)."""
@@ -89,17 +109,24 @@ class AllReducer:
             )
         return self._peers[dtype]
 
-    def takes(self, x: torch.Tensor) -> bool:
-        """Whether x goes through the custom kernel (every rank decides the same for the same x)."""
-        nbytes = x.numel() * x.element_size()
-        return self.regions is not None and 0 < nbytes <= self.policy.max_custom_bytes
+    def kernel(self, x: torch.Tensor) -> str | None:
+        """The custom kernel x goes through ("one_shot" | "two_shot"), or None: torch.distributed
+        (every rank decides the same for the same x)."""
+        if self.regions is None or not x.is_contiguous():
+            return None
+        return self.policy.kernel(x.numel() * x.element_size())
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks of x, reduced in place (x is the rank's partial sum, read by nothing else)."""
-        if self.takes(x) and x.is_contiguous():
+        kernel = self.kernel(x)
+        if kernel == "one_shot":
             from qruntime.kernels.custom_allreduce import one_shot_all_reduce
 
             return one_shot_all_reduce(x, self.peers(x.dtype), out=x)
+        if kernel == "two_shot":
+            from qruntime.kernels.two_shot_allreduce import two_shot_all_reduce
+
+            return two_shot_all_reduce(x, self.peers(x.dtype), out=x)
         dist.all_reduce(x, group=self.group)
         return x
 
@@ -110,7 +137,7 @@ class AllReducer:
         does not take the custom path (the caller all-reduces and normalizes itself)."""
         from qruntime.kernels.custom_allreduce import all_reduce_add_rmsnorm, fits_fused
 
-        if not self.takes(x):
+        if self.kernel(x) != "one_shot":
             return None
         peers = self.peers(x.dtype)
         if not fits_fused(x, peers) or (residual is not None and residual.stride(1) != 1):
@@ -119,7 +146,7 @@ class AllReducer:
 
 
 def _layout():
-    """The kernel module's layout constants (imported when used: the reference path never imports triton)."""
-    from qruntime.kernels import custom_allreduce
+    """The kernels' region layout and Peers (imported when used: the reference path never imports triton)."""
+    from qruntime.kernels import peer_sync
 
-    return custom_allreduce
+    return peer_sync

@@ -23,20 +23,29 @@ from qruntime.ops import functional as fn
 from test_kernel_quant import assert_fp8_close
 
 MAX_BYTES = 16 << 10
-# (tokens, hidden) of successive calls: one element, a partial block, several programs, rows wider
-# than a block, a message too large for the custom path (gloo), then small ones again
-SHAPES = ((1, 1), (3, 700), (2, 2048 * 2 + 5), (9, 48), (64, 256), (1, 4096), (5, 48))
+# one-shot up to 4 KiB, two-shot up to 16 KiB, gloo beyond; blocks of 16 elements in both kernels, so
+# a message of a few thousand elements runs more blocks than programs (each program loops), and the
+# two-shot's runs of blocks end off the programs' grid
+POLICY = AllReducePolicy(max_one_shot_bytes=4 << 10, max_two_shot_bytes=MAX_BYTES)
+TEST_BLOCK = 16
+# (tokens, hidden) of successive calls, in both data halves and counts moving on per slot: one element,
+# a partial block, more blocks than programs, a message too large for the custom kernels (gloo), a
+# two-shot message of fewer blocks than ranks, ...
+SHAPES = ((1, 1), (3, 700), (2, 4101), (9, 48), (64, 256), (1, 2), (1, 4096), (5, 48), (1, 1500), (2, 1000))
 
 
 def _rank(rank: int, world: int, store: str, inputs: dict, out: str) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        reducer = AllReducer.create(dist.group.WORLD, torch.device("cpu"), AllReducePolicy(MAX_BYTES))
+        from qruntime.kernels import custom_allreduce, two_shot_allreduce
+
+        custom_allreduce.BLOCK = two_shot_allreduce.BLOCK = TEST_BLOCK
+        reducer = AllReducer.create(dist.group.WORLD, torch.device("cpu"), POLICY)
         results = {"regions": reducer.regions is not None, "sums": [], "took": [], "fused": []}
         for x in inputs["x"]:
             mine = x[rank].clone()
-            results["took"].append(reducer.takes(mine))
+            results["took"].append(reducer.kernel(mine))
             results["sums"].append(reducer.all_reduce(mine))
         for x, residual, w, quant in inputs["fused"]:
             results["fused"].append(reducer.all_reduce_add_rmsnorm(x[rank].clone(), residual, w, 1e-6, quant))
@@ -70,17 +79,18 @@ def test_ranks_sum_through_peer_memory(tmp_path: Path, world: int) -> None:
         "fused": [
             (randn(world, 5, 48), randn(5, 48), (torch.rand(48, generator=gen) + 0.5).to(torch.bfloat16), True),
             (randn(world, 1, 96), None, (torch.rand(96, generator=gen) + 0.5).to(torch.bfloat16), False),
-            (randn(world, 130, 40), randn(130, 40), (torch.rand(40, generator=gen) + 0.5).to(torch.bfloat16), True),
+            (randn(world, 130, 12), randn(130, 12), (torch.rand(12, generator=gen) + 0.5).to(torch.bfloat16), True),
         ],
     }
     mp.spawn(_rank, args=(world, str(tmp_path / "store"), inputs, str(tmp_path / "rank{}.pt")), nprocs=world)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    assert {POLICY.kernel(t * h * 2) for t, h in SHAPES} == {"one_shot", "two_shot", None}
     for results in ranks:
         assert results["regions"]
         for (tokens, hidden), x, took, got in zip(SHAPES, inputs["x"], results["took"], results["sums"], strict=True):
-            assert took == (tokens * hidden * 2 <= MAX_BYTES)
+            assert took == POLICY.kernel(tokens * hidden * 2)
             want = x.float().sum(0).to(torch.bfloat16)
-            if took or world == 2:  # gloo sums in its own order: the same bits only with two addends
+            if took is not None or world == 2:  # gloo sums in its own order: the same bits only with two addends
                 assert torch.equal(got, want), (tokens, hidden)
             else:
                 torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
@@ -105,10 +115,10 @@ import inspect, json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from qruntime.kernels import custom_allreduce
+import importlib
 
-kernel, types, constexprs, num_warps = json.loads(sys.argv[1])
-kernel = getattr(custom_allreduce, kernel)
+module, kernel, types, constexprs, num_warps = json.loads(sys.argv[1])
+kernel = getattr(importlib.import_module(module), kernel)
 names = list(inspect.signature(kernel.fn).parameters)
 signature = {n: types.get(n, "constexpr") for n in names}
 aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in types and n not in ("timeout_ns", "abort")}
@@ -117,11 +127,13 @@ print(triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_war
 """
 
 
-def _hopper_ptx(kernel: str, types: dict, constexprs: dict, num_warps: int) -> str:
+def _hopper_ptx(
+    kernel: str, types: dict, constexprs: dict, num_warps: int, module: str = "qruntime.kernels.custom_allreduce"
+) -> str:
     """The kernel compiled for an H100 (sm_90) as a launch on aligned tensors would compile it, in a
     process without the interpreter; no GPU needed (Triton's own ptxas)."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    arg = json.dumps([kernel, types, constexprs, num_warps])
+    arg = json.dumps([module, kernel, types, constexprs, num_warps])
     done = subprocess.run([sys.executable, "-c", _COMPILE, arg], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
@@ -150,9 +162,16 @@ def test_the_gpu_branch_compiles_with_system_scope_signals_and_vector_peer_loads
         {"RANK": 0, "WORLD": 2, "HAS_RES": True, "QUANT": True, "BLOCK": 4096, "HW": True},
         16,
     )
-    for ptx, world in ((one_shot, 4), (fused, 2)):
-        assert ptx.count("fence.acq_rel.sys;") >= 1
-        assert ptx.count("atom.global.sys.relaxed.exch.b64") == world
+    two_shot = _hopper_ptx(
+        "_two_shot_kernel",
+        {"x_ptr": "*bf16", "out_ptr": "*bf16", "run": "i32", **common},
+        {"RANK": 2, "WORLD": 4, "BLOCK": 2048, "HW": True},
+        8,
+        module="qruntime.kernels.two_shot_allreduce",
+    )
+    for ptx, world, barriers in ((one_shot, 4, 1), (fused, 2, 1), (two_shot, 4, 2)):
+        assert ptx.count("fence.acq_rel.sys;") >= barriers
+        assert ptx.count("atom.global.sys.relaxed.exch.b64") == world * barriers
         assert "ld.global.sys.acquire.b64" in ptx and "%globaltimer" in ptx and "trap;" in ptx
         assert "ld.volatile.global.b32" in ptx  # the host's abort word, polled while waiting
         assert "ld.global.cv.v4.b32" in ptx and "ld.global.cv.b16" not in ptx  # vectors, never scalar
