@@ -316,6 +316,8 @@ class IncrementalDetokenizer:
     come out whole and long outputs cost O(1) per token. Text that may begin a stop string is held
     back until it cannot. The earliest stop string to complete wins (on a tie, the one starting first);
     finding it costs O(new text) per token, whatever the number of stop strings (stop_strings.py).
+    With `min_tokens`, stop strings are looked for only in the text of the output tokens after the
+    first min_tokens (as vLLM's detokenizer, since its PR 22014): earlier text is released as it comes.
     """
 
     def __init__(
@@ -325,6 +327,7 @@ class IncrementalDetokenizer:
         *,
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
+        min_tokens: int = 0,
     ) -> None:
         stops = tuple(stop)
         if not all(isinstance(s, str) and s for s in stops):
@@ -342,6 +345,8 @@ class IncrementalDetokenizer:
         self._pending = ""  # released by decoding, held back as a possible stop-string prefix
         self._parts: list[str] = []
         self._done = False
+        self._added = 0  # output tokens taken
+        self._min_tokens = min_tokens
         self.stop_matched: str | None = None
 
     @property
@@ -356,6 +361,7 @@ class IncrementalDetokenizer:
         if self.stop_matched is not None:
             return ""
         self._ids.append(int(token_id))
+        self._added += 1
         return self._release(self._step(final=False), final=False)
 
     def flush(self) -> str:
@@ -382,7 +388,8 @@ class IncrementalDetokenizer:
 
     def _release(self, new: str, final: bool) -> str:
         buffer = self._pending + new  # _pending: the characters the matcher holds (held) before `new`
-        hit = self._stops.feed(new) if self._stops is not None else None
+        matching = self._stops is not None and self._added > self._min_tokens
+        hit = self._stops.feed(new) if matching else None
         if hit is not None:
             end, length = hit
             end += len(self._pending)
@@ -390,7 +397,7 @@ class IncrementalDetokenizer:
             self.stop_matched = buffer[cut:end]
             out, self._pending = buffer[:cut], ""
         else:
-            keep = 0 if final or self._stops is None else self._stops.held
+            keep = 0 if final or not matching else self._stops.held
             out, self._pending = buffer[: len(buffer) - keep], buffer[len(buffer) - keep :]
         if out:
             self._parts.append(out)

@@ -291,6 +291,25 @@ def test_min_tokens_holds_back_stop_tokens_and_eos(fp8_artifact, rng, tmp_path):
     assert len(out.token_ids) >= least and first not in out.token_ids[:least]
 
 
+def test_min_tokens_holds_back_stop_strings(fp8_artifact, rng):
+    """A stop string is looked for only in the text of the tokens after the first min_tokens: the first
+    token's own text, a stop string at once without it, is passed over with min_tokens (greedy: the
+    same tokens either way, up to where the stop string next completes)."""
+    engine = qruntime.load(fp8_artifact, device="cpu", num_kv_blocks=64)
+    prompt = [rng.randrange(500) for _ in range(rng.randrange(3, 20))]
+    plain = engine.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+    stop = engine.tokenizer.decode(plain.token_ids[:1]).strip()
+    if not stop:  # a token of whitespace only: the first two tokens' text
+        stop = engine.tokenizer.decode(plain.token_ids[:2]).strip()
+    assert stop and plain.text.lstrip().startswith(stop)
+    at_once = engine.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True, stop=(stop,)))[0]
+    assert at_once.finish_reason == "stop" and stop not in at_once.text and len(at_once.token_ids) <= 2
+    least = rng.randrange(3, 8)
+    held = engine.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True, stop=(stop,), min_tokens=least))[0]
+    assert len(held.token_ids) > least and held.token_ids == plain.token_ids[: len(held.token_ids)]
+    assert held.text.startswith(engine.tokenizer.decode(plain.token_ids[:least]))
+
+
 def test_logit_bias_steers_generation_and_names_unknown_tokens(fp8_artifact, rng):
     engine = qruntime.load(fp8_artifact, device="cpu", num_kv_blocks=64)
     prompt = [rng.randrange(500) for _ in range(rng.randrange(3, 20))]

@@ -387,3 +387,21 @@ def test_a_pickled_tokenizer_is_the_same_tokenizer(tiny_ckpt, tmp_path, rng, spl
         messages, enable_thinking=False
     )
     assert copy.template_source == original.template_source and copy.chat_template_text
+
+
+def test_stop_strings_are_looked_for_only_after_min_tokens(tok, rng):
+    """As vLLM's detokenizer: the text of the first min_tokens tokens is never matched; the first stop
+    string in the text of a later token ends the output there."""
+    ids = tok.encode("one stop, two stop, three stop, four")
+    texts = [tok.decode(ids[: i + 1]) for i in range(len(ids))]  # the text after each token
+    for min_tokens in range(len(ids)):
+        detok, deltas, tail = stream(tok, ids, stop=["stop"], min_tokens=min_tokens)
+        whole = "".join(deltas) + tail
+        searched_from = len(texts[min_tokens - 1]) if min_tokens else 0  # text of the tokens after the first min_tokens
+        at = texts[-1].find("stop", searched_from)  # a stop string wholly in that text (the matcher starts there)
+        if at < 0:
+            assert detok.stop_matched is None and whole == texts[-1], min_tokens
+        else:
+            assert detok.stop_matched == "stop" and whole == texts[-1][:at], (min_tokens, whole)
+    # min_tokens 0 is the plain behaviour
+    assert stream(tok, ids, stop=["stop"], min_tokens=0)[0].text == "one "

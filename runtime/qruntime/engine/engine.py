@@ -175,7 +175,11 @@ class Engine:
         detok = None
         if detokenize:
             detok = IncrementalDetokenizer(
-                self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop
+                self.tokenizer,
+                token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                min_tokens=params.min_tokens,
             )
         self._tracked[request_id] = _Tracked(
             request, params, detok, generator, time.perf_counter(), thinking=thinking, matcher=matcher

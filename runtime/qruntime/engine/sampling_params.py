@@ -49,8 +49,8 @@ class SamplingParams:
     that token's logit before anything else, greedy included (OpenAI's: -100 bans a token, 100 all
     but forces it). Generation stops at the first of: max_tokens new tokens; a stop token id; an EOS
     id of the model (unless ignore_eos); a stop string (not part of the text); the model's context
-    length. Before `min_tokens` new tokens, the stop token ids and the EOS ids cannot be sampled (a
-    stop string still ends the generation: vLLM holds those back too).
+    length. Before `min_tokens` new tokens, the stop token ids and the EOS ids cannot be sampled, and
+    stop strings are looked for only in the text of the tokens after the first min_tokens (as vLLM).
 
     Penalties, as OpenAI's and vLLM's: presence_penalty is subtracted from the logit of every token
     already generated, frequency_penalty times the number of times it was; repetition_penalty (HF's,

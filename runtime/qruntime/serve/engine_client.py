@@ -99,6 +99,7 @@ class Handle:
                     spec.prompt_ids,
                     skip_special_tokens=spec.params.skip_special_tokens,
                     stop=spec.params.stop,
+                    min_tokens=spec.params.min_tokens,
                 )
                 self._texts[spec.index] = _Text(detok)
 
