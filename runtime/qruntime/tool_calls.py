@@ -14,19 +14,26 @@ Qwen3 (as Hermes-format models) writes each call as a JSON object in its own blo
   whole answer is content and there are no calls (as vLLM's Hermes parser does).
 
 `ToolCallStreamer` does it as text streams in: content passes until what could be the start of a
-`<tool_call>`; each call comes out once its block closes; `finish()` gives back as content what
-was held if a block turned out not to be a call.
+`<tool_call>`; a call's name comes out as soon as its block reads `{"name": "...", "arguments": {`
+(the order Qwen3's template asks for), then its arguments' text as it arrives (as vLLM's Hermes
+parser streams them: the model's own JSON text, which the client joins); a block written otherwise
+(another key order, arguments as a JSON string) comes out whole when it closes. `finish()` gives
+back as content what was held if a block turned out not to be a call — a stream cannot take back a
+name or arguments it sent for a block that then breaks.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from qruntime.reasoning import tag_prefix_len
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
+# a block's start, up to its arguments' value: streamed from here when that value is an object
+HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
 
 
 @dataclass(frozen=True)
@@ -78,25 +85,54 @@ def parse_tool_calls(text: str) -> tuple[str | None, tuple[ToolCall, ...]]:
     return (content if content.strip() else None), tuple(calls)
 
 
+@dataclass(frozen=True)
+class CallDelta:
+    """A piece of a streamed call: `call` is its number in the answer (0, 1, ...); a call's first
+    piece carries its name (and arguments "" or their first characters), later ones more arguments."""
+
+    call: int
+    arguments: str
+    name: str | None = None
+
+
+@dataclass
+class _Block:
+    """How far the block being read has been streamed."""
+
+    name: str | None = None  # sent
+    start: int = 0  # where the arguments' value begins in the block
+    at: int = 0  # arguments sent up to here
+    depth: int = 0  # the JSON scanner over the arguments: nesting, inside a string, after a backslash
+    in_string: bool = False
+    escaped: bool = False
+    done: bool = False  # the arguments' object has closed
+
+
 class ToolCallStreamer:
-    """One answer's text, split as it arrives: `feed(delta)` -> (content now, calls completed now);
-    `finish()` -> (content held back, calls) at the end. For an answer parse_tool_calls takes as
-    calls, the pieces join to its result. A stream cannot take back what it sent: where the whole
-    text would be all content (a broken or unclosed block, text after the calls), the calls before
-    that point have gone out, and the rest comes out as content from finish()."""
+    """One answer's text, split as it arrives: `feed(delta)` -> (content now, call pieces now);
+    `finish()` -> (content held back, pieces) at the end. For an answer parse_tool_calls takes as
+    calls, each call's pieces join to its name and arguments (the model's JSON text of them; the
+    same object as parse_tool_calls' normalised text). A stream cannot take back what it sent: where
+    the whole text would be all content (a broken or unclosed block, text after the calls), what was
+    sent before that point has gone out, and the rest comes out as content from finish()."""
 
     def __init__(self) -> None:
         self._held = ""  # text that may still be (part of) a call
         self._in_calls = False  # a <tool_call> has been seen
-        self._calls: list[ToolCall] = []
+        self._count = 0  # calls completed
+        self._block = _Block()
+        self._broken = False
 
     @property
     def called(self) -> bool:
-        return bool(self._calls)
+        return self._count > 0
 
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         held = self._held + text
         self._held = ""
+        if self._broken:
+            self._held = held
+            return "", []
         if not self._in_calls:
             start = held.find(CALL_OPEN)
             if start < 0:
@@ -107,24 +143,71 @@ class ToolCallStreamer:
             content, held = held[:start], held[start:]
         else:
             content = ""
-        done = []
+        out: list[CallDelta] = []
         while True:
-            end = held.find(CALL_CLOSE)
+            opened = held.find(CALL_OPEN)
+            if opened < 0 or held[:opened].strip():
+                break  # no block yet, or text between calls (it breaks them: finish gives it back)
+            end = held.find(CALL_CLOSE, opened)
+            body = held[opened + len(CALL_OPEN) : end if end >= 0 else len(held)]
+            out += self._advance(body)
             if end < 0:
                 break
-            opened = held.find(CALL_OPEN)
-            call = _call(held[opened + len(CALL_OPEN) : end]) if opened >= 0 and not held[:opened].strip() else None
-            if call is None:  # not a call: everything from here on is content (finish gives it back)
-                self._calls += done
-                self._held = held
-                return content, done
-            done.append(call)
+            call = _call(body)
+            if call is None:  # not a call: everything from here on is content
+                self._broken = True
+                break
+            block, self._block = self._block, _Block()
+            if block.name is None:
+                out.append(CallDelta(self._count, call.arguments, call.name))
+            elif not block.done:  # named, but its arguments were not an object streamed to its end
+                out.append(CallDelta(self._count, call.arguments[block.at - block.start :]))
+            self._count += 1
             held = held[end + len(CALL_CLOSE) :]
-        self._calls += done
         self._held = held
-        return content, done
+        return content, out
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def _advance(self, body: str) -> list[CallDelta]:
+        """The pieces of the open block's call that `body` (its text so far) adds."""
+        block, out = self._block, []
+        if block.name is None:
+            head = HEAD.match(body)
+            if head is None or head.end() >= len(body) or body[head.end()] != "{":
+                return out  # not (yet) the streamable form: the call comes whole at its close
+            name = json.loads(head.group(1))
+            if not isinstance(name, str) or not name:
+                return out
+            block.name, block.start = name, head.end()
+            block.at = head.end()
+            out.append(CallDelta(self._count, "", name))
+        if block.done:
+            return out
+        i = block.at
+        while i < len(body):  # the arguments object, scanned as JSON up to its closing brace
+            ch = body[i]
+            i += 1
+            if block.in_string:
+                if block.escaped:
+                    block.escaped = False
+                elif ch == "\\":
+                    block.escaped = True
+                elif ch == '"':
+                    block.in_string = False
+            elif ch == '"':
+                block.in_string = True
+            elif ch in "{[":
+                block.depth += 1
+            elif ch in "}]":
+                block.depth -= 1
+                if block.depth == 0:
+                    block.done = True
+                    break
+        if i > block.at:
+            out.append(CallDelta(self._count, body[block.at : i]))
+            block.at = i
+        return out
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
         """What is left: text held back comes out as content (an unclosed or broken block)."""
         held, self._held = self._held, ""
         if self._in_calls and not held.strip():

@@ -33,14 +33,24 @@ def _reply(rng, calls: int) -> tuple[str, str | None, list[ToolCall]]:
     return text, (want if want.strip() else None) if calls else text, made
 
 
-def _streamed(text: str, rng) -> tuple[str, list[ToolCall]]:
-    streamer, content, calls, at = ToolCallStreamer(), "", [], 0
+def _streamed(text: str, rng, pieces: list | None = None) -> tuple[str, list[ToolCall]]:
+    """Feed `text` in random steps; (content, the calls its pieces join to, arguments normalised)."""
+    streamer, content, got, at = ToolCallStreamer(), "", [], 0
     while at < len(text):
         step = rng.randrange(1, 8)
         piece, made = streamer.feed(text[at : at + step])
-        content, calls, at = content + piece, calls + made, at + step
+        content, got, at = content + piece, got + made, at + step
     rest, made = streamer.finish()
-    return content + rest, calls + made
+    got += made
+    if pieces is not None:
+        pieces += got
+    calls: dict[int, list[str]] = {}
+    for p in got:
+        assert (p.name is not None) == (p.call not in calls), p  # the name first, once
+        calls.setdefault(p.call, [p.name, ""])[1] += p.arguments
+    assert sorted(calls) == list(range(len(calls)))
+    joined = [ToolCall(n, json.dumps(json.loads(a), ensure_ascii=False)) for n, a in calls.values()]
+    return content + rest, joined
 
 
 @pytest.mark.parametrize("calls", [0, 1, 3])
@@ -70,6 +80,24 @@ def test_a_block_that_is_not_a_call_leaves_the_answer_all_content(rng, block):
     assert parse_tool_calls(text) == (text, ())
     content, calls = _streamed(text, rng)
     assert calls == [] and content == text
+
+
+def test_arguments_stream_as_they_arrive(rng):
+    """A call written as Qwen3's template asks ({"name": ..., "arguments": {...}}) sends its name as
+    soon as its arguments begin, then their text piece by piece; another key order comes whole."""
+    arguments = {"city": 'Pa"ris {x}', "days": [1, {"n": [2, 3]}], "note": "\\"}
+    text = f'Sure. {CALL_OPEN}\n{{"name": "get_weather", "arguments": {json.dumps(arguments)}}}\n{CALL_CLOSE}'
+    text += f'{CALL_OPEN}{{"arguments": {{"a": 1}}, "name": "later"}}{CALL_CLOSE}'
+    pieces: list = []
+    content, calls = _streamed(text, rng, pieces)
+    assert content == "Sure. " and calls == [
+        ToolCall("get_weather", json.dumps(arguments, ensure_ascii=False)),
+        ToolCall("later", '{"a": 1}'),
+    ]
+    first = [p for p in pieces if p.call == 0]
+    assert first[0].name == "get_weather" and len(first) > 5  # streamed, not sent at the close
+    assert "".join(p.arguments for p in first) == json.dumps(arguments)  # the model's own text
+    assert [p for p in pieces if p.call == 1] == [pieces[-1]] and pieces[-1].name == "later"
 
 
 def test_an_unclosed_block_or_text_after_the_calls_is_content(rng):

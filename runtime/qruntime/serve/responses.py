@@ -46,7 +46,6 @@ class ResponseBuilder:
         self._echoed: set[int] = set()  # stream choices whose prompt went out
         self._tool_streams: dict[int, ToolCallStreamer] = {}  # choice -> its stream's tool-call parser
         self._called: set[int] = set()  # stream choices that made a tool call
-        self._call_counts: dict[int, int] = {}  # stream choice -> its tool calls sent
         self.head = {
             "id": request_id,
             "object": ("chat.completion" if request.chat else "text_completion"),
@@ -219,19 +218,24 @@ class ResponseBuilder:
         )
 
     def _stream_calls(self, index: int, answer: str, finished: bool) -> tuple[str, list[dict[str, Any]]]:
-        """(the content of this part of a choice's answer, the tool-call deltas it completes)."""
+        """(the content of this part of a choice's answer, the tool-call deltas it makes): a call's
+        first delta has its id, type and name (arguments "" or their start), later ones more of its
+        arguments, as OpenAI streams them."""
         streamer = self._tool_streams.setdefault(index, ToolCallStreamer())
-        content, made = streamer.feed(answer)
+        content, pieces = streamer.feed(answer)
         if finished:
             content += streamer.finish()[0]
-        calls = []
-        for call in made:
-            number = self._call_counts.get(index, 0)
-            if number and not self.request.parallel_tool_calls:
+        calls: list[dict[str, Any]] = []
+        for piece in pieces:
+            if piece.call and not self.request.parallel_tool_calls:
                 continue  # the first call only
-            self._call_counts[index] = number + 1
-            self._called.add(index)
-            calls.append({"index": number, **_tool_call(call)})
+            if piece.name is not None:
+                self._called.add(index)
+                calls.append({"index": piece.call, **_tool_call(ToolCall(piece.name, piece.arguments))})
+            elif calls and calls[-1]["index"] == piece.call:  # joined with this chunk's delta of the same call
+                calls[-1]["function"]["arguments"] += piece.arguments
+            else:
+                calls.append({"index": piece.call, "function": {"arguments": piece.arguments}})
         return content, calls
 
     # --- logprobs ---------------------------------------------------------------------------------

@@ -104,17 +104,43 @@ def test_a_reply_that_calls_tools_comes_back_as_tool_calls(client, scripted):
     assert [c.function.name for c in only] == ["get_weather"]
 
 
+def _joined(chunks) -> list:
+    """A stream's tool-call deltas joined per call, as a client does: (index, id, name, arguments text)."""
+    calls: dict[int, list] = {}
+    for chunk in chunks:
+        for t in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            if t.index not in calls:
+                assert t.id and t.function.name, t  # a call's first delta names it
+                calls[t.index] = [t.index, t.id, t.function.name, ""]
+            else:
+                assert t.id is None and t.function.name is None, t
+            calls[t.index][3] += t.function.arguments or ""
+    return list(calls.values())
+
+
 def test_streamed_tool_calls_join_to_the_whole_ones(client, scripted):
     scripted.reply = _call("get_weather", {"city": "Rome", "unit": "C"}) + _call("get_time", {})
     chunks = list(_ask(client, tools=TOOLS, stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
-    calls = [t for d in deltas for t in (d.tool_calls or [])]
-    assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in calls] == [
+    calls = _joined(chunks)
+    assert [(index, name, json.loads(args)) for index, _, name, args in calls] == [
         (0, "get_weather", {"city": "Rome", "unit": "C"}),
         (1, "get_time", {}),
     ]
+    pieces = [t for d in deltas for t in (d.tool_calls or []) if t.index == 0]
+    assert len(pieces) > 2  # the arguments came as the model wrote them, not at the call's close
     assert "".join(d.content or "" for d in deltas).strip() == ""
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@dataclasses.dataclass
+class _Call:  # a joined streamed call, shaped as the client's whole ones (call.function.name / arguments)
+    name: str
+    arguments: str
+
+    @property
+    def function(self):
+        return self
 
 
 def test_a_reply_without_calls_is_content(client, scripted):
@@ -209,7 +235,7 @@ def test_required_and_named_tool_choice_make_the_model_call(client, scripted, rn
                 calls, finish = reply.message.tool_calls, reply.finish_reason
             else:
                 chunks = list(_ask(client, stream=True, **kwargs))
-                calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+                calls = [_Call(name, args) for _, _, name, args in _joined(chunks)]
                 finish = chunks[-1].choices[0].finish_reason
             assert finish == "tool_calls" and calls, (choice, calls)
             assert all(c.function.name in names and _valid_call(c) for c in calls), calls
