@@ -119,10 +119,7 @@ def one_shot_all_reduce(x: torch.Tensor, peers: Peers, out: torch.Tensor | None 
     """The sum over the ranks of their x (contiguous, the peers' dtype, at most a data half) into
     `out` (a new tensor by default; x itself is allowed). Every rank calls it with the same shape."""
     check_model_dtype("x", x)
-    if not x.is_contiguous() or not peers.fits(x):
-        raise ValueError(
-            f"x {tuple(x.shape)} {x.dtype} must be contiguous, {peers.data.dtype}, at most {peers.half} elements"
-        )
+    peers.check_message(x)
     out = torch.empty_like(x) if out is None else out
     n = x.numel()
     if n:

@@ -151,3 +151,10 @@ class Peers:
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.dtype == self.data.dtype and x.numel() <= self.half
+
+    def check_message(self, x: torch.Tensor) -> None:
+        """ValueError unless x can be all-reduced through the regions: contiguous, their dtype, at most a data half."""
+        if not x.is_contiguous() or not self.fits(x):
+            raise ValueError(
+                f"x {tuple(x.shape)} {x.dtype} must be contiguous, {self.data.dtype}, at most {self.half} elements"
+            )
