@@ -34,6 +34,9 @@ def _check(entry: TokenLogprob, row: torch.Tensor, token: int, k: int) -> None:
     for (top_id, top_lp), want_lp in zip(entry.top, values.tolist(), strict=True):
         assert abs(top_lp - want_lp) <= TOLERANCE and abs(row[top_id].item() - top_lp) <= TOLERANCE
     assert [lp for _, lp in entry.top] == sorted((lp for _, lp in entry.top), reverse=True)
+    # the rank: 1 + the tokens above it (fp64 reference; a near-tie within the tolerance may swap them)
+    above = int((row > row[token] + TOLERANCE).sum())
+    assert above + 1 <= entry.rank <= int((row > row[token] - TOLERANCE).sum()), (entry.rank, above)
 
 
 def test_logprobs_are_the_models_log_softmax_for_every_request_of_a_batch(engine, rng):

@@ -648,4 +648,4 @@ class Engine:
 
 def _top(entry: TokenLogprob, k: int) -> TokenLogprob:
     """entry with its k likeliest tokens (a step computes the most any of its requests asked for)."""
-    return entry if len(entry.top) <= k else TokenLogprob(entry.token_id, entry.logprob, entry.top[:k])
+    return entry if len(entry.top) <= k else TokenLogprob(entry.token_id, entry.logprob, entry.top[:k], entry.rank)

@@ -19,6 +19,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # 1 + how many tokens of the vocabulary have a higher logprob (vLLM's rank)
 
 
 @dataclass(frozen=True)

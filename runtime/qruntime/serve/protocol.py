@@ -43,15 +43,10 @@ COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_SEED = 1 << 63
 
 # field -> the values that mean "off"; anything else asks for something the engine does not do
-UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
-    "prompt_logprobs": (None,),  # vLLM's extra
-}
-UNSUPPORTED_COMPLETION = {
-    **UNSUPPORTED_COMMON,
+UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
 }
-UNSUPPORTED_CHAT = {
-    **UNSUPPORTED_COMMON,
+UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),  # the deprecated forms of tools / tool_choice
     "function_call": (None, "none", "auto"),
 }
@@ -106,6 +101,7 @@ class GenerationRequest:
     tools: bool = False  # chat with tools (tool_choice auto): replies' <tool_call> blocks come back as tool_calls
     parallel_tool_calls: bool = True  # False: a reply's first call only
     best_of: int = 1  # sequences generated per prompt (>= n): the n likeliest are returned (completions)
+    prompt_logprobs: int | None = None  # vLLM's extra: each prompt token's logprob, rank and top k (None: none)
 
 
 # --- fields ---------------------------------------------------------------------------------------
@@ -476,7 +472,9 @@ def _build(
             "echo", "echo with logprobs is not supported when streaming (the prompt's logprobs come at the end)"
         )
     shared["logprobs"] = logprobs if best_of == n or logprobs is not None else 0  # best_of ranks by them
-    shared["prompt_logprobs"] = logprobs if echo else None
+    prompt_k = _prompt_logprobs(body, stream)
+    wanted = [k for k in (logprobs if echo else None, prompt_k) if k is not None]
+    shared["prompt_logprobs"] = max(wanted) if wanted else None
     param = "messages" if chat else "prompt"
     sequences = []
     for p, ids in enumerate(prompts):
@@ -500,6 +498,7 @@ def _build(
         echo=echo,
         n=n,
         best_of=best_of,
+        prompt_logprobs=prompt_k,
     )
 
 
@@ -627,6 +626,18 @@ def _logprobs(body: Mapping[str, Any], chat: bool) -> int | None:
     k = _int(body, name, 0 if chat else None, minimum=0)
     if k is not None and k > MAX_LOGPROBS:
         raise invalid(name, f"{name} must be <= {MAX_LOGPROBS} (got {k})")
+    return k
+
+
+def _prompt_logprobs(body: Mapping[str, Any], stream: bool) -> int | None:
+    """vLLM's `prompt_logprobs` k: every prompt token's logprob, rank and the k likeliest (None: none)."""
+    k = _int(body, "prompt_logprobs", None, minimum=0)
+    if k is not None and k > MAX_LOGPROBS:
+        raise invalid("prompt_logprobs", f"prompt_logprobs must be <= {MAX_LOGPROBS} (got {k})")
+    if k is not None and stream:
+        raise invalid(
+            "prompt_logprobs", "prompt_logprobs is not supported when streaming (the prompt's logprobs come at the end)"
+        )
     return k
 
 

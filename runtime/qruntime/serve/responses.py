@@ -148,7 +148,33 @@ class ResponseBuilder:
                     calls = [_tool_call(call) for call in parsed]
                     text = Split(text.reasoning, content or "") if isinstance(text, Split) else (content or "")
             choices.append(self._choice(i, text, o, o.token_ids, stream=False, logprobs=logprobs, tool_calls=calls))
-        return {**self.head, "choices": choices, "usage": usage}
+            if self.request.prompt_logprobs is not None and not self.request.chat:
+                choices[-1]["prompt_logprobs"] = self._prompt_logprobs(o)
+        body = {**self.head, "choices": choices, "usage": usage}
+        if self.request.prompt_logprobs is not None and self.request.chat and outputs:
+            body["prompt_logprobs"] = self._prompt_logprobs(next(iter(outputs.values())))  # one prompt: vLLM's place
+        return body
+
+    def _prompt_logprobs(self, output: RequestOutput) -> list[dict[str, Any] | None]:
+        """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank,
+        decoded_token}} of the prompt's token and the k likeliest there."""
+        k = self.request.prompt_logprobs or 0
+        out: list[dict[str, Any] | None] = []
+        for entry in output.prompt_logprobs or ():
+            if entry is None:
+                out.append(None)
+                continue
+            position = {
+                str(token_id): {"logprob": logprob, "rank": rank, "decoded_token": self._token(token_id)[0]}
+                for rank, (token_id, logprob) in enumerate(entry.top[:k], start=1)
+            }
+            position[str(entry.token_id)] = {
+                "logprob": entry.logprob,
+                "rank": entry.rank,
+                "decoded_token": self._token(entry.token_id)[0],
+            }
+            out.append(position)
+        return out
 
     def _best(self, outputs: Mapping[int, RequestOutput]) -> dict[int, RequestOutput]:
         """With best_of b > n: of each prompt's b sequences, the n with the highest mean token logprob,

@@ -161,6 +161,42 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(client, reference, rng):
         client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=2, echo=True, logprobs=1, stream=True)
 
 
+def _check_prompt_logprobs(got: list, expected, k: int, reference) -> None:
+    """vLLM's prompt_logprobs against the engine's: None first, then per prompt token its logprob and
+    rank and the k likeliest (ranks 1..k), keyed by token id."""
+    assert got[0] is None and len(got) == len(expected.prompt_logprobs)
+    for position, entry in zip(got[1:], expected.prompt_logprobs[1:], strict=True):
+        mine = position[str(entry.token_id)]
+        assert _close(mine["logprob"], entry.logprob) and mine["rank"] == entry.rank >= 1
+        assert mine["decoded_token"] == _text(reference, entry.token_id)
+        for rank, (token_id, logprob) in enumerate(entry.top[:k], start=1):
+            top = position[str(token_id)]
+            assert _close(top["logprob"], logprob) and top["rank"] == (
+                rank if token_id != entry.token_id else entry.rank
+            )
+        assert len(position) in (k, k + 1)  # the prompt's token beside the top k, unless among them
+
+
+def test_prompt_logprobs_are_vllms_extra_for_completions_and_chat(client, reference, rng):
+    prompt_ids = [rng.randrange(10, 500) for _ in range(rng.randrange(5, 30))]
+    k = rng.randrange(0, 4)
+    (expected,) = reference.generate(
+        [prompt_ids], SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=max(k, 1))
+    )
+    completion = client.completions.create(
+        model=MODEL, prompt=prompt_ids, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": k}
+    )
+    _check_prompt_logprobs(completion.choices[0].model_extra["prompt_logprobs"], expected, k, reference)
+    messages = [{"role": "user", "content": random_text(rng)}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": k}
+    )
+    got = chat.model_extra["prompt_logprobs"]
+    assert got[0] is None and all(len(p) in (k, k + 1) for p in got[1:]) and len(got) == chat.usage.prompt_tokens
+    plain = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=2, temperature=0)
+    assert "prompt_logprobs" not in (plain.choices[0].model_extra or {})
+
+
 def test_chat_logprobs_are_the_engines_whole_and_streamed(client, reference, rng):
     messages = [{"role": "user", "content": random_text(rng)}]
     k = rng.randrange(0, 4)
