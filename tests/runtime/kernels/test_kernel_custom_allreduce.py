@@ -178,8 +178,10 @@ def test_the_gpu_branch_compiles_with_system_scope_signals_and_vector_peer_loads
 
 
 def _abandoned_rank(rank: int, store: str, out: str) -> None:
-    """Rank 0 all-reduces while rank 1 never does (it died, as far as rank 0 can tell); the abort word,
-    raised from another thread a second later, ends rank 0's wait instead of leaving it spinning."""
+    """Rank 0 all-reduces while rank 1 does not (it died, as far as rank 0 can tell); the abort word,
+    raised from another thread a second later, ends rank 0's wait instead of leaving it spinning.
+    Should the abort not work, rank 1 joins the all-reduce after RESCUE_S, so the test fails (waited
+    too long) instead of hanging."""
     import threading
     import time
 
@@ -187,19 +189,31 @@ def _abandoned_rank(rank: int, store: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
         reducer = AllReducer.create(dist.group.WORLD, torch.device("cpu"), AllReducePolicy(MAX_BYTES))
+        x = torch.randn(300).to(torch.bfloat16)
+        returned = Path(out + ".returned")
         if rank == 0:
             timer = threading.Timer(1.0, reducer.abort)
             timer.start()
             start = time.monotonic()
-            reducer.all_reduce(torch.randn(300).to(torch.bfloat16))
+            reducer.all_reduce(x)
             torch.save({"waited": time.monotonic() - start}, out)
+            returned.touch()
             timer.join()
+        else:
+            deadline = time.monotonic() + RESCUE_S
+            while not returned.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if not returned.exists():
+                reducer.all_reduce(x)  # release rank 0: the abort did not
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
+RESCUE_S = 30.0
+
+
 def test_the_abort_word_ends_a_wait_for_a_rank_that_never_comes(tmp_path: Path) -> None:
     mp.spawn(_abandoned_rank, args=(str(tmp_path / "store"), str(tmp_path / "out.pt")), nprocs=2)
     waited = torch.load(tmp_path / "out.pt")["waited"]
-    assert 0.9 < waited < 30, waited
+    assert 0.9 < waited < RESCUE_S / 2, waited
