@@ -11,6 +11,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from qruntime.ops import functional as fn
 from test_kernel_quant import assert_fp8_close
 
 MAX_BYTES = 16 << 10
+WATCHDOG_S = 300.0  # a rank's calls take seconds under the interpreter; past this its waits are aborted
 # one-shot up to 4 KiB, two-shot up to 16 KiB, gloo beyond; blocks of 16 elements in both kernels, so
 # a message of a few thousand elements runs more blocks than programs (each program loops), and the
 # two-shot's runs of blocks end off the programs' grid
@@ -42,6 +44,9 @@ def _rank(rank: int, world: int, store: str, inputs: dict, out: str) -> None:
 
         custom_allreduce.BLOCK = two_shot_allreduce.BLOCK = TEST_BLOCK
         reducer = AllReducer.create(dist.group.WORLD, torch.device("cpu"), POLICY)
+        watchdog = threading.Timer(WATCHDOG_S, reducer.abort)  # a lost signal fails the sums, never hangs CI
+        watchdog.daemon = True
+        watchdog.start()
         results = {"regions": reducer.regions is not None, "sums": [], "took": [], "fused": []}
         for x in inputs["x"]:
             mine = x[rank].clone()
@@ -53,6 +58,8 @@ def _rank(rank: int, world: int, store: str, inputs: dict, out: str) -> None:
             summed = x.float().sum(0).to(x.dtype)
             unfused = add_rmsnorm_quant if quant else add_rmsnorm
             results.setdefault("unfused", []).append(unfused(summed, residual, w, 1e-6))
+        watchdog.cancel()
+        watchdog.join()  # it holds the reducer: gone before the group is destroyed
         torch.save(results, out.format(rank))
     finally:
         dist.destroy_process_group()
@@ -182,7 +189,6 @@ def _abandoned_rank(rank: int, store: str, out: str) -> None:
     raised from another thread a second later, ends rank 0's wait instead of leaving it spinning.
     Should the abort not work, rank 1 joins the all-reduce after RESCUE_S, so the test fails (waited
     too long) instead of hanging."""
-    import threading
     import time
 
     os.environ["TRITON_INTERPRET"] = "1"
