@@ -16,36 +16,17 @@ from typing import Any
 import torch
 
 from qcompile.errors import QCompileError
+from qcompile.tune.gemm import time_us
 
 SIZES = tuple(4096 << i for i in range(11))  # 4 KiB .. 4 MiB
 CALLS, REPLAYS = 20, 20
 
 
 def graph_us(fn, calls: int = CALLS, replays: int = REPLAYS) -> float:
-    """Mean µs of one call of fn, from a CUDA graph of `calls` calls replayed `replays` times (every
-    rank of the group runs the same sequence: the collectives inside pair up)."""
-    import torch.distributed as dist
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * calls)
+    """µs of one call of fn, from a CUDA graph of `calls` back-to-back calls (the tuners' time_us,
+    median of `replays` replays). Every rank of the group runs the same sequence, so the collectives
+    inside pair up; a rank that starts a replay late shows in one replay, not in the median."""
+    return time_us([fn] * calls, replays)
 
 
 def thresholds(timings: list[dict[str, float]]) -> tuple[int, int]:

@@ -217,11 +217,13 @@ def load(
     any rank can hold. Call `engine.close()` (or use `with qruntime.load(...) as engine:`) to stop
     the workers; a finaliser does it when the engine is collected or the interpreter exits. A worker
     that fails (at load or in a step) raises qruntime.WorkerError naming its rank, with its
-    traceback, and closes the engine. custom_all_reduce (tp > 1, triton backend): messages up to 512 KiB
-    (a decode step's) are summed by one kernel that reads every rank's copy through CUDA IPC peer
-    memory, fused with the AddRMSNorm[Quant] that follows (qruntime/comm); larger ones, and all of
-    them when False or when some pair of GPUs has no peer access, go through NCCL. The workers are spawned: a script that loads at tp > 1 must
-    guard its entry point with `if __name__ == "__main__":`. One tp engine per process at a time,
+    traceback, and closes the engine. custom_all_reduce (tp > 1, triton backend): messages up to the
+    limit `qcompile tune` stored (512 KiB without one: a decode step's) are summed by one kernel that
+    reads every rank's copy through CUDA IPC peer memory, fused with the AddRMSNorm[Quant] that
+    follows (qruntime/comm), larger ones by the two-shot kernel where tune found it faster; the rest,
+    and all of them when False or when some pair of GPUs has no peer access, go through NCCL. The
+    workers are spawned: a script that loads at tp > 1 must guard its entry point with
+    `if __name__ == "__main__":`. One tp engine per process at a time,
     in a process without a torch.distributed default group of its own.
     """
     if is_hub_url(path):
