@@ -23,13 +23,16 @@ def sqnr_db(reference: torch.Tensor, other: torch.Tensor) -> float:
     return float(10 * torch.log10(reference.float().pow(2).mean().clamp(min=1e-30) / noise))
 
 
-def measure(engine: Engine, input_len: int, output_len: int, batch: int, seed: int | None = None) -> dict[str, Any]:
-    """Generate `output_len` tokens (EOS ignored) for `batch` random prompts of `input_len` tokens,
-    all submitted at once. TTFT is the slowest request's; TPOT the mean over requests; decode
-    tokens/s = batch / TPOT; output tokens/s counts every token over the whole run."""
+def measure(
+    engine: Engine, input_len: int, output_len: int, batch: int, seed: int | None = None, temperature: float = 0.0
+) -> dict[str, Any]:
+    """Generate `output_len` tokens (EOS ignored; greedy, or sampled at `temperature`) for `batch`
+    random prompts of `input_len` tokens, all submitted at once. TTFT is the slowest request's; TPOT
+    the mean over requests; decode tokens/s = batch / TPOT; output tokens/s counts every token over
+    the whole run."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(engine.vocab_size) for _ in range(input_len)] for _ in range(batch)]
-    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=temperature)
     _sync(engine)
     start = time.perf_counter()
     outputs = engine.generate(prompts, params)

@@ -184,6 +184,7 @@ def load(
     cuda_graphs: bool | None = None,
     prefix_cache: bool = True,
     custom_all_reduce: bool = True,
+    sharded_sampling: bool = True,
 ) -> Engine:
     """Load a qcompile artifact and return an Engine.
 
@@ -221,7 +222,11 @@ def load(
     limit `qcompile tune` stored (512 KiB without one: a decode step's) are summed by one kernel that
     reads every rank's copy through CUDA IPC peer memory, fused with the AddRMSNorm[Quant] that
     follows (qruntime/comm), larger ones by the two-shot kernel where tune found it faster; the rest,
-    and all of them when False or when some pair of GPUs has no peer access, go through NCCL. The
+    and all of them when False or when some pair of GPUs has no peer access, go through NCCL.
+    sharded_sampling (tp > 1, an artifact whose lm_head is split by vocabulary): each rank keeps its
+    columns of the logits and the ranks choose the tokens together, exchanging a few numbers per row
+    (engine/sharded_sampler.py; the same tokens as from gathered rows); a step with top_p, penalties,
+    structured output or logprobs gathers the rows instead, as every step does when False. The
     workers are spawned: a script that loads at tp > 1 must guard its entry point with
     `if __name__ == "__main__":`. One tp engine per process at a time,
     in a process without a torch.distributed default group of its own.
@@ -272,6 +277,7 @@ def load(
         cuda_graphs=cuda_graphs,
         synthetic=is_synthetic(manifest),
         custom_all_reduce=custom_all_reduce,
+        sharded_sampling=sharded_sampling,
     )
     built, workers = _build(config)
     try:
@@ -303,6 +309,8 @@ def load(
         description["tp"] = tp
         if built.all_reduce is not None:
             description["all_reduce"] = built.all_reduce.describe()
+        if built.runner.vocab_shard is not None:
+            description["sampling"] = "from the ranks' vocabulary shards (rows gathered for top_p, penalties, logprobs)"
     if built.graph_buckets is not None:
         description["cuda_graphs"] = list(built.graph_buckets)
     if built.piecewise_buckets is not None:

@@ -26,10 +26,12 @@ from qruntime.comm.all_reduce import AllReducePolicy, AllReducer
 from qruntime.engine.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
 from qruntime.engine.model_runner import ModelRunner
 from qruntime.engine.piecewise_graphs import PiecewiseGraphs, token_buckets, unfit_reason
+from qruntime.engine.sharded_sampler import VocabShard
 from qruntime.engine.warm_up import warm_up_steps
 from qruntime.kernel_configs import KernelTable, load_kernel_table
 from qruntime.kv_cache import KVCache, KVCacheSpec
 from qruntime.ops.base import OpEnv
+from qruntime.ops.collective import AllGather
 from qruntime.ops.registry import reference_ops, triton_ops
 from qruntime.plan import Plan, PlanError
 from qruntime.synthetic import random_initializers
@@ -62,6 +64,7 @@ class RankConfig:
     cuda_graphs: bool | None
     synthetic: bool = False  # random weights made on the device instead of read (qruntime.synthetic)
     custom_all_reduce: bool = True  # tp > 1, triton backend: small messages through peer memory (qruntime.comm)
+    sharded_sampling: bool = True  # tp > 1, vocabulary-parallel head: sample the ranks' shards, not gathered rows
 
     @property
     def tp(self) -> int:
@@ -161,6 +164,15 @@ def _agree(device: torch.device, blocks: int, capturable: bool) -> tuple[int, bo
     return int(values[0]), bool(values[1])
 
 
+def logits_shard(plan: Plan) -> Plan | None:
+    """The plan without its last node when that node gathers the vocabulary-parallel head's logits
+    (then its output is this rank's columns of them, [n, V / tp]); None for any other plan."""
+    last = plan.nodes[-1] if plan.nodes else None
+    if last is None or not isinstance(last.op, AllGather) or last.outputs != (plan.output,):
+        return None
+    return Plan(plan.nodes[:-1], plan.weights, last.inputs[0])
+
+
 def build_rank(
     config: RankConfig, rank: int = 0, store: dist.Store | None = None, checkpoint: Checkpoint = _no_checkpoint
 ) -> Rank:
@@ -185,6 +197,9 @@ def build_rank(
         plan = Plan.build(graph, weights, env, registry)
     except PlanError as exc:
         raise ArtifactFormatError(f"{graph_path}: {exc}") from exc
+    shard = None
+    if group is not None and config.sharded_sampling and (sharded := logits_shard(plan)) is not None:
+        plan, shard = sharded, VocabShard(rank, config.tp, group)
     blocks, capturable = _local_blocks(config, device), plan.capturable
     checkpoint("planned")
     if group is not None:
@@ -213,7 +228,7 @@ def build_rank(
         if unfit_reason(plan) is None:
             tokens = token_buckets(config.max_num_batched_tokens)
             piecewise = PiecewiseGraphs(plan, kv_cache, tokens, blocks, max_model_len)
-    runner = ModelRunner(plan, kv_cache, device, max_model_len, graphs, piecewise)
+    runner = ModelRunner(plan, kv_cache, device, max_model_len, graphs, piecewise, shard)
     if cuda_graphs:  # every rank runs them (their collectives pair up): the kernels of mixed steps build now
         for chunks in warm_up_steps(
             spec.block_size, blocks, config.max_num_batched_tokens, max_model_len, config.max_num_seqs

@@ -108,3 +108,34 @@ def test_tuning_finds_where_the_custom_kernel_wins() -> None:
     assert all(r["one_shot_us"] > 0 and r["two_shot_us"] > 0 and r["nccl_us"] > 0 for r in rows.values())
     # measured on H200s (bench/results/allreduce_bench_h200x4.json): about 0.3x NCCL's time at 8-64 KB
     assert bucket["max_one_shot_bytes"] >= 64 << 10, bucket
+
+
+def test_tp2_sharded_sampling_equals_gathered_rows(gpu_artifact_tp2, cuda) -> None:
+    """The ranks' vocabulary shards choose the tokens rank 0 chooses from gathered rows: greedy and
+    seeded sampling (temperature, top_k, min_p, logit_bias), decode graphs and piecewise steps."""
+    import qruntime
+
+    rng = random.Random()
+    seed = rng.randrange(1 << 30)
+    print(f"seed {seed}")
+    prompts = [[rng.randrange(1, 500) for _ in range(rng.randrange(3, 90))] for _ in range(6)]
+    params = [
+        qruntime.SamplingParams(max_tokens=16, ignore_eos=True),
+        *(
+            qruntime.SamplingParams(
+                max_tokens=16, ignore_eos=True, temperature=t, top_k=k, min_p=m, seed=seed + i, logit_bias={5: 2.0}
+            )
+            for i, (t, k, m) in enumerate([(1.0, 0, 0.0), (0.7, 40, 0.0), (1.3, 0, 0.05), (1.0, 300, 0.0)])
+        ),
+        qruntime.SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.9),  # unseeded: the engine's stream
+    ]
+    outputs = {}
+    for sharded in (True, False):
+        with qruntime.load(
+            gpu_artifact_tp2, device=cuda, tp=2, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+            kv_cache_memory=64 << 20, sharded_sampling=sharded,
+        ) as engine:  # fmt: skip
+            assert (engine.runner.vocab_shard is not None) == sharded
+            outputs[sharded] = [o.token_ids for o in engine.generate(prompts, params)]
+    assert outputs[True][:5] == outputs[False][:5]  # the last row's stream is seeded from os.urandom
+    assert len(set(map(tuple, outputs[True]))) > 1

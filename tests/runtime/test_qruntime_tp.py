@@ -91,20 +91,23 @@ def test_bf16_tp2_equals_tp1_step_by_step(request, fixture, compiled, monkeypatc
     tokens, steps = _generate_recording(tp1, monkeypatch, prompts)
     with qruntime.load(compiled(ckpt, "bf16", "tp=2"), max_num_batched_tokens=32, **FP32) as tp2:
         assert tp2.description["tp"] == 2 and len(multiprocessing.active_children()) == 1
+        shard = tp2.runner.vocab_shard  # rank 0 holds the head's first half of the vocabulary
+        assert shard is not None and "vocabulary shards" in tp2.description["sampling"]
         tp2_tokens, tp2_steps = _generate_recording(tp2, monkeypatch, prompts)
-        assert tp2_tokens == tokens
+        assert tp2_tokens == tokens  # chosen from the ranks' shards, never gathered
         assert len(tp2_steps) == len(steps) > GREEDY.max_tokens  # prefill chunks, then 15 decode steps
         for index, (logits, tp2_logits) in enumerate(zip(steps, tp2_steps, strict=True)):
-            assert _relative_error(logits, tp2_logits) < 1e-5, f"step {index}"
-        # the vocabulary-parallel head's gathered logits sample as tp=1's do: seeded, the same tokens
-        seeded = [
-            SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=rng.randrange(1 << 30), ignore_eos=True)
-            for _ in prompts
-        ]
-        sampled = [o.token_ids for o in tp1.generate(prompts, seeded)]
-        assert [o.token_ids for o in tp2.generate(prompts, seeded)] == sampled
-        assert len({tuple(t) for t in sampled}) > 1
-        # the engine keeps serving: a scored sequence (one prefill over all its tokens) agrees too
+            assert tp2_logits.shape[1] * 2 == logits.shape[1] == tp2.vocab_size
+            assert _relative_error(logits[:, : tp2_logits.shape[1]], tp2_logits) < 1e-5, f"step {index}"
+        # seeded sampling as tp=1's: temperature / top_k / min_p / logit_bias from the shards, and
+        # top_p (which needs whole rows) from gathered logits
+        seeds = [rng.randrange(1 << 30) for _ in prompts]
+        for extra in ({"top_k": 20, "min_p": 0.02, "logit_bias": {7: 2.5, 300: -1.0}}, {"top_p": 0.95}):
+            seeded = [SamplingParams(max_tokens=12, temperature=1.0, seed=s, ignore_eos=True, **extra) for s in seeds]
+            sampled = [o.token_ids for o in tp1.generate(prompts, seeded)]
+            assert [o.token_ids for o in tp2.generate(prompts, seeded)] == sampled, extra
+            assert len({tuple(t) for t in sampled}) > 1
+        # the engine keeps serving: a scored sequence (one prefill over all its tokens, gathered) agrees too
         ids = prompts[2] + list(tokens[2])
         assert _relative_error(tp1.score(ids), tp2.score(ids)) < 1e-5
     assert _no_workers_left()
@@ -128,6 +131,7 @@ def test_ptpc_fp8_tp2_within_fp8_rounding_of_tp1(tiny_ckpt, compiled, monkeypatc
     differ = [i for i in range(GREEDY.max_tokens) if any(a[i] != b[i] for a, b in zip(tokens, tp2_tokens, strict=True))]
     compared = len(steps) if not differ else differ[0] + 1
     for index, (logits, tp2_logits) in enumerate(zip(steps[:compared], tp2_steps[:compared], strict=True)):
+        logits = logits[:, : tp2_logits.shape[1]]  # rank 0's shard of the vocabulary-parallel head
         assert sqnr_db(logits, tp2_logits) > 25, f"step {index}"
         assert not torch.allclose(logits, tp2_logits, atol=1e-5)  # another rounding indeed
     assert sqnr_db(scored, tp2_scored) > 25

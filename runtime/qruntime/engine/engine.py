@@ -37,9 +37,10 @@ from qruntime.engine.outputs import InvalidRequest, RequestOutput, StreamDelta, 
 from qruntime.engine.prefix_cache import PrefixCacheStats
 from qruntime.engine.request import Request
 from qruntime.engine.sampled_tokens import SampledTokens
-from qruntime.engine.sampler import Forced, History, sample_on_device
+from qruntime.engine.sampler import Forced, History, apply_forced, sample_on_device
 from qruntime.engine.sampling_params import SamplingParams, as_list
 from qruntime.engine.scheduler import Scheduler, SchedulerOutput
+from qruntime.engine.sharded_sampler import ShardedSampling, shardable
 from qruntime.engine.step_chunk import StepChunk
 from qruntime.engine.structured import Grammars, StructuredOutput, StructuredOutputError
 from qruntime.engine.thinking import ThinkingState
@@ -227,40 +228,59 @@ class Engine:
             sampled = previous.tokens.ids if pending_rows and any(c.token_ids[-1] < 0 for c in chunks) else None
             scored = tuple(map(self._scores_prompt, output.chunks)) if self._scoring else ()
             scoring = any(scored)
-            logits = self._execute(chunks, all_logits=scored if scoring else False, sampled=sampled)
-            prompt_logprobs = None
-            if scoring:  # the scored chunks' rows came back too: score them, keep each chunk's last
-                ends = list(itertools.accumulate(c.num_tokens if s else 1 for c, s in zip(chunks, scored, strict=True)))
-                prompt_logprobs = self._prompt_logprobs(logits, output.chunks, scored, ends)
-                logits = logits[device_tensor([ends[i] - 1 for i in rows], torch.int64, logits.device)]
-            elif len(rows) != len(chunks):
-                logits = logits[device_tensor(rows, torch.int64, logits.device)]
             banned = [self._banned(t) for t in tracked]
-            histories = None
-            if any(t.params.penalized for t in tracked):  # an output still in flight is read on the device
-                histories = [
-                    History(
-                        t.request.prompt_token_ids, t.request.output_token_ids, pending_rows.get(t.request.request_id)
+            forced = self._forced(tracked, pending_rows) if self._capped else None
+            in_flight = previous.tokens.ids if previous is not None else None
+            if self._samples_shards(tracked, scoring):  # tp > 1: the ranks sample their vocabulary shards
+                generators = [t.generator for t in tracked]
+                sampling = ShardedSampling.of(
+                    None if len(rows) == len(chunks) else rows,
+                    [t.params for t in tracked],
+                    generators,
+                    banned if any(banned) else None,
+                )
+                ids, peaks = self._execute(chunks, sampling=sampling, generators=generators)
+                if forced is not None:
+                    ids = apply_forced(ids, forced, in_flight)
+                tokens, logprobs, prompt_logprobs = SampledTokens(ids, peaks), None, None
+            else:  # whole rows: tp = 1, or a step the ranks cannot sample from their shards
+                logits = self._execute(chunks, all_logits=scored if scoring else False, sampled=sampled)
+                prompt_logprobs = None
+                if scoring:  # the scored chunks' rows came back too: score them, keep each chunk's last
+                    ends = list(
+                        itertools.accumulate(c.num_tokens if s else 1 for c, s in zip(chunks, scored, strict=True))
                     )
-                    if t.params.penalized
-                    else None
-                    for t in tracked
-                ]
-            tokens = sample_on_device(
-                logits,
-                [t.params for t in tracked],
-                [t.generator for t in tracked],
-                banned if any(banned) else None,
-                histories,
-                previous.tokens.ids if previous is not None else None,
-                self._forced(tracked, pending_rows) if self._capped else None,
-                self._allowed(tracked, logits.device) if self._guided else None,
-            )
-            logprobs = None
-            if wanted := [row for row, t in enumerate(tracked) if t.params.logprobs is not None]:
-                k = max(tracked[row].params.logprobs for row in wanted)
-                chosen = tokens.ids[device_tensor(wanted, torch.int64, logits.device)]
-                logprobs = (wanted, DeviceLogprobs(logits, wanted, chosen, k))
+                    prompt_logprobs = self._prompt_logprobs(logits, output.chunks, scored, ends)
+                    logits = logits[device_tensor([ends[i] - 1 for i in rows], torch.int64, logits.device)]
+                elif len(rows) != len(chunks):
+                    logits = logits[device_tensor(rows, torch.int64, logits.device)]
+                histories = None
+                if any(t.params.penalized for t in tracked):  # an output still in flight is read on the device
+                    histories = [
+                        History(
+                            t.request.prompt_token_ids,
+                            t.request.output_token_ids,
+                            pending_rows.get(t.request.request_id),
+                        )
+                        if t.params.penalized
+                        else None
+                        for t in tracked
+                    ]
+                tokens = sample_on_device(
+                    logits,
+                    [t.params for t in tracked],
+                    [t.generator for t in tracked],
+                    banned if any(banned) else None,
+                    histories,
+                    in_flight,
+                    forced,
+                    self._allowed(tracked, logits.device) if self._guided else None,
+                )
+                logprobs = None
+                if wanted := [row for row, t in enumerate(tracked) if t.params.logprobs is not None]:
+                    k = max(tracked[row].params.logprobs for row in wanted)
+                    chosen = tokens.ids[device_tensor(wanted, torch.int64, logits.device)]
+                    logprobs = (wanted, DeviceLogprobs(logits, wanted, chosen, k))
         except Exception as exc:
             if self._is_fatal(exc):
                 raise
@@ -508,13 +528,27 @@ class Engine:
 
     # --- internals ---------------------------------------------------------------------------------
     def _execute(
-        self, chunks: list[StepChunk], all_logits: bool = False, sampled: torch.Tensor | None = None
-    ) -> torch.Tensor:
+        self,
+        chunks: list[StepChunk],
+        all_logits: bool | Sequence[bool] = False,
+        sampled: torch.Tensor | None = None,
+        sampling: ShardedSampling | None = None,
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> Any:
+        """The step's logits, whole rows; or at tp > 1 with `sampling`, its (token ids, row maxima)."""
         if self._closed:
             raise RuntimeError("the engine is closed")
         if self.workers is not None:
-            return self.workers.step(self.runner, chunks, all_logits)
+            return self.workers.step(self.runner, chunks, all_logits, sampling, generators)
         return self.runner.execute(chunks, all_logits, sampled=sampled)
+
+    def _samples_shards(self, tracked: list[_Tracked], scoring: bool) -> bool:
+        """Whether this step's tokens are sampled from the ranks' vocabulary shards (sharded_sampler)."""
+        return (
+            self.runner.vocab_shard is not None
+            and not scoring
+            and all(t.matcher is None and shardable(t.params) for t in tracked)
+        )
 
     def _is_fatal(self, exc: BaseException) -> bool:
         """Whether a failed step means no later step can run: a CUDA error (torch.AcceleratorError;

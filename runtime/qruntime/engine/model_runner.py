@@ -20,6 +20,7 @@ import torch
 from qruntime.engine.cuda_graphs import DecodeGraphs
 from qruntime.engine.piecewise_graphs import PiecewiseGraphs
 from qruntime.engine.sampled_tokens import resolve_pending
+from qruntime.engine.sharded_sampler import VocabShard
 from qruntime.engine.step_chunk import StepChunk
 from qruntime.engine.transfer import pack
 from qruntime.kv_cache import KVCache
@@ -36,6 +37,7 @@ class ModelRunner:
         max_context_len: int,
         decode_graphs: DecodeGraphs | None = None,
         piecewise_graphs: PiecewiseGraphs | None = None,
+        vocab_shard: VocabShard | None = None,
     ) -> None:
         self.plan = plan
         self.kv_cache = kv_cache
@@ -44,6 +46,9 @@ class ModelRunner:
         self.max_context_len = max_context_len
         self.decode_graphs = decode_graphs
         self.piecewise_graphs = piecewise_graphs
+        # tp > 1 with a vocabulary-parallel head: `execute` returns this rank's columns of the logits,
+        # which engine/sharded_sampler.py samples or gathers with the other ranks
+        self.vocab_shard = vocab_shard
 
     def drop_graphs(self) -> None:
         """Forget the captured graphs, decode and piecewise, once the device has finished with them
@@ -114,7 +119,7 @@ class ModelRunner:
         `prepare` says). With captured graphs, decode steps replay a decode graph, and other steps
         that fit a token bucket the piecewise graphs (whose logits tail runs eagerly, on any rows).
         `sampled`: the previous step's sampled ids on the device, which the chunks' pending ids
-        (step_chunk.pending) name by row."""
+        (step_chunk.pending) name by row. With a vocab_shard, the logits are this rank's columns."""
         every = all_logits if isinstance(all_logits, bool) else any(all_logits)
         if self.decode_graphs is not None and not every and self.decode_graphs.fits(chunks, sampled):
             return self.decode_graphs.run(chunks, sampled)

@@ -16,7 +16,10 @@ token ids before min_tokens) set to -inf, for the rows that have any, in two bat
 fp32 copy of the logits.
 
 The draw is the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with probability
-p_i (the Gumbel-max trick), so sampled rows need no multinomial per row.
+p_i (the Gumbel-max trick), so sampled rows need no multinomial per row. p is taken unnormalised
+(exp of the tempered logits, the row's maximum at 0): the argmax is the same, and a rank of a
+tensor-parallel engine that holds some of the vocabulary's columns computes its share of the race
+alone (engine/sharded_sampler.py).
 """
 
 from __future__ import annotations
@@ -38,9 +41,26 @@ MAX_TEMPERATURE = 1e30
 MIN_TOP_P = 1e-30
 
 
-def _distributions(logits: torch.Tensor, best: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Probabilities [n, V] fp32 of the rows' tempered, cut distributions; `best` [n]: each row's maximum."""
-    device, vocab = logits.device, logits.shape[1]
+def top_k_values(scaled: torch.Tensor, k: int) -> torch.Tensor:
+    """The k largest values of each row of scaled [n, V], descending (tp > 1 merges the ranks' own)."""
+    return torch.topk(scaled, k, dim=-1).values
+
+
+def log_weights(
+    logits: torch.Tensor,
+    best: torch.Tensor,
+    params: Sequence[SamplingParams],
+    vocab: int | None = None,
+    top_values=top_k_values,
+) -> torch.Tensor:
+    """The rows' tempered, cut log-weights [n, V] fp32: (logit - best) / temperature, where the row's
+    maximum is 0 and a cut token is -inf (min_p, top_k, top_p). exp() of them are the row's
+    probabilities times a constant of the row, which the race (argmax of weight / E) does not need.
+
+    `best` [n]: each row's maximum over the whole vocabulary; `vocab`: its size when `logits` holds
+    only some of its columns (a rank's shard: then `top_values` merges the ranks' largest values, and
+    top_p, which needs the whole sorted row, is not taken)."""
+    device, vocab = logits.device, vocab or logits.shape[1]
     temperature = device_tensor([min(p.temperature, MAX_TEMPERATURE) for p in params], torch.float32, device)
     finite = torch.isfinite(best)
     shift = torch.where(finite, best.float(), torch.zeros_like(best, dtype=torch.float32))
@@ -52,22 +72,32 @@ def _distributions(logits: torch.Tensor, best: torch.Tensor, params: Sequence[Sa
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(top_k):
         k = device_tensor(top_k, torch.int64, device)
-        values = torch.topk(scaled, max(top_k), dim=-1).values
+        values = top_values(scaled, max(top_k))
         kth = values.gather(1, (k - 1).clamp_(min=0)[:, None])
         scaled = torch.where((k[:, None] > 0) & (scaled < kth), float("-inf"), scaled)
     top_p = [max(p.top_p, MIN_TOP_P) for p in params]
     if any(p < 1.0 for p in top_p):
+        if vocab != logits.shape[1]:
+            raise ValueError("top_p needs each row's whole vocabulary, and these logits are a shard of it")
         ordered, order = torch.sort(scaled, dim=-1, descending=True)
         probs = ordered.softmax(-1)
         # drop a token when the tokens ranked above it already hold top_p of the mass (never the first)
         cut = device_tensor(top_p, torch.float32, device)[:, None]
         drop = ((probs.cumsum(-1) - probs) >= cut) & (cut < 1.0)
         scaled = scaled.scatter(1, order, ordered.masked_fill(drop, float("-inf")))
-    return scaled.softmax(-1)
+    return scaled
 
 
-def _exponentials(shape: tuple[int, int], generators: Sequence[torch.Generator], device: torch.device) -> torch.Tensor:
-    """Exp(1) draws [n, V]: rows that share a generator draw together, in row order (one op each)."""
+def race(weights: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """exp(weights) / draws [n, V], in weights' memory (draws: Exp(1)): its argmax is the row's sampled
+    token. The weights are at most 0, so exp() never overflows, and the draws are at least fp32's tiny."""
+    return weights.exp_().div_(draws)
+
+
+def exponentials(shape: tuple[int, int], generators: Sequence[torch.Generator], device: torch.device) -> torch.Tensor:
+    """Exp(1) draws [n, V]: rows that share a generator draw together, in row order (one op each).
+    A rank of a tensor-parallel engine draws the whole rows too and keeps its columns: the same
+    numbers as tp=1 (sharded_sampler)."""
     groups: dict[int, list[int]] = {}
     for row, generator in enumerate(generators):
         groups.setdefault(id(generator), []).append(row)
@@ -201,7 +231,7 @@ class Forced:
     when_token: int = -1
 
 
-def _forced(index: torch.Tensor, forced: Forced, in_flight: torch.Tensor | None) -> torch.Tensor:
+def apply_forced(index: torch.Tensor, forced: Forced, in_flight: torch.Tensor | None) -> torch.Tensor:
     """index with the forced rows' token put in (Forced says which), on the device."""
     device = index.device
     rows = [*forced.always, *(r for r, _ in forced.unless), *(r for r, _ in forced.when)]
@@ -242,12 +272,12 @@ def sample_on_device(
     if sampled:
         rows = device_tensor(sampled, torch.int64, logits.device) if len(sampled) < len(params) else None
         picked = logits if rows is None else logits[rows]
-        probs = _distributions(picked, best if rows is None else best[rows], [params[i] for i in sampled])
-        race = probs.div_(_exponentials(tuple(probs.shape), [generators[i] for i in sampled], logits.device))
-        drawn = race.argmax(-1)
+        weights = log_weights(picked, best if rows is None else best[rows], [params[i] for i in sampled])
+        draws = exponentials(tuple(weights.shape), [generators[i] for i in sampled], logits.device)
+        drawn = race(weights, draws).argmax(-1)
         index = drawn if rows is None else index.index_copy(0, rows, drawn)
     if forced is not None:
-        index = _forced(index, forced, in_flight)
+        index = apply_forced(index, forced, in_flight)
     return SampledTokens(index, best)
 
 

@@ -3,8 +3,9 @@
 Messages, over the worker's pipe to rank 0 (engine/workers.py has rank 0's side):
   worker -> rank 0: `(tag, None)` at each build checkpoint ("loaded", "planned", "ready");
                     `("error", Report)` when it raises, then it exits.
-  rank 0 -> worker: `("step", chunks, all_logits)` (StepChunk tuples, pickled once by rank 0 for
-                    every worker), `("close",)`; end of file means rank 0 is gone.
+  rank 0 -> worker: `("step", chunks, all_logits, sampling)` (StepChunk tuples, pickled once by
+                    rank 0 for every worker; sampling: ShardedSampling or None, for a rank that
+                    holds a vocabulary shard), `("close",)`; end of file means rank 0 is gone.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from qruntime.engine.model_runner import ModelRunner
+from qruntime.engine.sharded_sampler import finish_step
 from qruntime.rank import GROUP_TIMEOUT, RankConfig, build_rank
 
 MAX_REPORT = 16384  # characters of a traceback sent: a small pipe write never blocks a dying worker
@@ -55,8 +57,11 @@ def _serve(conn: Connection, runner: ModelRunner) -> None:
             return
         if message[0] == "close":
             return
-        _, chunks, all_logits = message
-        runner.execute(chunks, all_logits)  # rank 0 samples; every rank computes the same logits
+        _, chunks, all_logits, sampling = message
+        logits = runner.execute(chunks, all_logits)
+        # rank 0 keeps the result: the tokens (sharded sampling), else the logits, which it gathers
+        # from the vocabulary shards or already has (a replicated head computes them on every rank)
+        finish_step(runner.vocab_shard, logits, sampling)
 
 
 def worker_main(rank: int, config: RankConfig, port: int, conn: Connection) -> None:

@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from qruntime.artifact import ArtifactFormatError
+from qruntime.engine.sharded_sampler import ShardedSampling, finish_step
 from qruntime.engine.worker_process import Report, worker_main
 from qruntime.rank import RankConfig
 
@@ -269,25 +270,35 @@ class Workers:
         """Call `release` (from the watcher thread, on CUDA) as soon as a worker process dies."""
         self._state.on_death.append(release)
 
-    def step(self, runner: ModelRunner, chunks: Sequence[StepChunk], all_logits: bool | Sequence[bool]) -> torch.Tensor:
-        """Send the step to every worker, then run it on rank 0's runner: rank 0's logits."""
+    def step(
+        self,
+        runner: ModelRunner,
+        chunks: Sequence[StepChunk],
+        all_logits: bool | Sequence[bool],
+        sampling: ShardedSampling | None = None,
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Send the step to every worker, then run it on rank 0's runner: rank 0's logits, whole rows
+        (gathered from the ranks when each holds a vocabulary shard); or with `sampling` (sharded
+        sampling, `generators` rank 0's), the sampled token ids and row maxima."""
         if self.closed:
             raise RuntimeError(f"the tensor-parallel engine is closed{f' ({self.failure})' if self.failure else ''}")
         try:
             if wait([p.sentinel for p in self._state.processes], 0):
                 raise self._find_failure(FAILURE_GRACE_S) or RuntimeError("a worker process ended")
-            message = pickle.dumps(("step", tuple(chunks), all_logits), pickle.HIGHEST_PROTOCOL)
+            message = pickle.dumps(("step", tuple(chunks), all_logits, sampling), pickle.HIGHEST_PROTOCOL)
             for rank, _, conn in self._ranks():
                 try:
                     conn.send_bytes(message)
                 except OSError:
                     raise self._find_failure(FAILURE_GRACE_S) or WorkerError(rank, "its pipe is closed") from None
             logits = runner.execute(chunks, all_logits)
+            result = finish_step(runner.vocab_shard, logits, sampling, generators)
             if logits.is_cuda:  # a failed collective surfaces here, inside this try, not in the sampler
                 torch.cuda.current_stream(logits.device).synchronize()
                 if wait([p.sentinel for p in self._state.processes], 0):  # released, not finished, by on_death
                     raise self._find_failure(FAILURE_GRACE_S) or RuntimeError("a worker process ended")
-            return logits
+            return result
         except BaseException as exc:
             error = self.abandon(exc)
             if error is exc:

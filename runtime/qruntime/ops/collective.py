@@ -65,15 +65,21 @@ class AllReduceAddRMSNormQuant(quant.AddRMSNormQuant):
         return super().__call__(step, all_reduce(x, self.env.tp_group), residual, w)
 
 
-def all_gather_columns(x: torch.Tensor, group) -> torch.Tensor:
-    """[B, n] of every rank -> [B, tp * n], rank 0's columns first: one all_gather_into_tensor of the
-    rows stacked by rank, then the ranks' blocks side by side (one copy)."""
+def all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """[world, *x.shape]: every rank's x (the same shape and dtype on each) stacked in rank order."""
     world = dist.get_world_size(group)
-    rows, cols = x.shape
-    stacked = torch.empty((world * rows, cols), dtype=x.dtype, device=x.device)
+    stacked = torch.empty((world, *x.shape), dtype=x.dtype, device=x.device)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name torch >= 2.13 keeps
-    gather(stacked, x.contiguous(), group=group)
-    return stacked.view(world, rows, cols).permute(1, 0, 2).reshape(rows, world * cols)
+    gather(stacked.view(world * x.shape[0], *x.shape[1:]), x.contiguous(), group=group)
+    return stacked
+
+
+def all_gather_columns(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, n] of every rank -> [B, tp * n], rank 0's columns first: one all-gather of the rows
+    stacked by rank, then the ranks' blocks side by side (one copy)."""
+    stacked = all_gather_rows(x, group)
+    world, rows, cols = stacked.shape
+    return stacked.permute(1, 0, 2).reshape(rows, world * cols)
 
 
 class AllGather(Op):

@@ -1,0 +1,127 @@
+"""Sampling from vocabulary shards (qruntime/engine/sharded_sampler.py) against tp=1's sampler on the
+whole rows: on 2 and 3 gloo ranks, each holding its columns of the same random logits, the tokens
+chosen together are tp=1's, greedy and seeded, step after step (rank 0's generators advance as
+tp=1's do; the other ranks draw from the states rank 0 sends, pickled as a step is). The logits are
+rounded to a coarse grid so that rows hold ties, some across the shards' boundary."""
+
+from __future__ import annotations
+
+import pickle
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from qruntime import SamplingParams
+from qruntime.engine.sampled_tokens import SampledTokens
+from qruntime.engine.sampler import sample_on_device
+from qruntime.engine.sharded_sampler import ShardedSampling, VocabShard, sample_shard, shardable
+
+COLS = 40  # each rank's columns
+
+
+def _case(seed: int, world: int, step: int) -> dict:
+    """A step's logits, rows and rules, the same from the same (seed, world, step) in every process."""
+    rng = random.Random(seed * 1000 + world * 100 + step)
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    vocab, n = COLS * world, rng.randrange(8, 16)
+    logits = (torch.randn(n, vocab, generator=gen) * rng.choice([0.5, 2.0, 8.0]) * 4).round() / 4  # ties
+    if rng.random() < 0.5:
+        logits = logits.to(torch.bfloat16)
+    params, banned = [], []
+    for row in range(n):
+        kind = "greedy" if row < 2 else rng.choice(["greedy", "plain", "top_k", "wide_k", "min_p", "seeded"])
+        p = {"temperature": 0.0 if kind == "greedy" else rng.choice([0.3, 1.0, 1.7])}
+        p["top_k"] = {"top_k": rng.randrange(1, 6), "wide_k": COLS + rng.randrange(1, COLS)}.get(kind, 0)
+        p["min_p"] = 0.05 if kind == "min_p" else 0.0
+        p["seed"] = rng.randrange(1 << 30) if kind == "seeded" else None
+        if row >= 2 and rng.random() < 0.3:
+            p["logit_bias"] = {rng.randrange(vocab): rng.choice([-100.0, 3.0, 0.5]) for _ in range(3)}
+        params.append(SamplingParams(max_tokens=4, **p))
+        banned.append(tuple(rng.sample(range(vocab), rng.randrange(0, 4))) if row >= 2 else ())
+    for row in (0, 1):  # greedy rows whose best logit is in two shards: the lower id wins, as tp=1's argmax
+        logits[row, [rng.randrange(COLS), rng.randrange(COLS, vocab)]] = logits[row].max() + 1
+    faulty = rng.sample(range(2, n), 3)  # a model fault: tp=1 flags these rows (None), so must the shards
+    logits[faulty[0], rng.choice([t for t in range(vocab) if t not in banned[faulty[0]]])] = float("nan")
+    logits[faulty[1]] = float("-inf")
+    logits[faulty[2], rng.choice([t for t in range(vocab) if t not in banned[faulty[2]]])] = float("inf")
+    kept = [r for r in range(n) if r not in faulty]
+    rows = sorted(faulty + rng.sample(kept, len(kept) - 2)) if rng.random() < 0.5 else None
+    return {"logits": logits, "params": params, "banned": banned, "rows": rows}
+
+
+class Streams:
+    """The engine's generators: one shared by the unseeded rows, one per seed (kept across steps)."""
+
+    def __init__(self, seed: int) -> None:
+        self.shared, self.seeded = torch.Generator().manual_seed(seed), {}
+
+    def of(self, params) -> list[torch.Generator | None]:
+        """Per row: None (greedy), its seed's generator, or the shared one."""
+        for p in params:
+            if not p.greedy and p.seed is not None and p.seed not in self.seeded:
+                self.seeded[p.seed] = torch.Generator().manual_seed(p.seed)
+        return [None if p.greedy else self.shared if p.seed is None else self.seeded[p.seed] for p in params]
+
+
+def _selected(case: dict) -> tuple[torch.Tensor, list, list]:
+    rows = case["rows"] if case["rows"] is not None else range(len(case["params"]))
+    return case["logits"][list(rows)], [case["params"][r] for r in rows], [case["banned"][r] for r in rows]
+
+
+def _rank(rank: int, world: int, store: str, seed: int, steps: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        shard = VocabShard(rank, world, dist.group.WORLD)
+        cases = [_case(seed, world, step) for step in range(steps)]
+        streams = Streams(seed)
+        results = []
+        for case in cases:
+            _, params, banned = _selected(case)
+            message, generators = [None], None
+            if rank == 0:
+                generators = streams.of(
+                    params
+                )  # what rank 0 sends with the step, through pickle as the engine's pipes do
+                sampling = ShardedSampling.of(case["rows"], params, generators, banned)
+                message = [pickle.dumps(sampling)]
+            dist.broadcast_object_list(message, src=0)
+            local = case["logits"][:, rank * COLS : (rank + 1) * COLS]
+            ids, peaks = sample_shard(local, pickle.loads(message[0]), shard, generators)
+            results.append(SampledTokens(ids, peaks).tolist())
+        torch.save(results, out.format(rank))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shards_choose_the_tokens_tp1_chooses(world: int, tmp_path: Path, rng) -> None:
+    seed, steps = rng.randrange(1 << 30), 3
+    mp.spawn(_rank, args=(world, str(tmp_path / "store"), seed, steps, str(tmp_path / "rank{}.pt")), nprocs=world)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    assert all(g == got[0] for g in got)  # every rank knows the tokens
+    cases = [_case(seed, world, step) for step in range(steps)]
+    streams = Streams(seed)
+    varied = 0
+    for step, case in enumerate(cases):
+        logits, params, banned = _selected(case)
+        want = sample_on_device(logits, params, streams.of(params), banned).tolist()
+        assert got[0][step] == want, f"step {step}"
+        assert want.count(None) == 3  # the NaN / +inf / all -inf rows are flagged, not sampled
+        varied += sum(not p.greedy for p in params)
+    assert varied > 0
+
+
+def test_what_shards_cannot_sample_gathers_instead() -> None:
+    assert shardable(SamplingParams(temperature=0.8, top_k=5, min_p=0.1, logit_bias={3: 1.0}))
+    assert shardable(SamplingParams(temperature=0.0, top_p=0.5))  # greedy ignores top_p
+    for params in (
+        SamplingParams(temperature=0.8, top_p=0.9),
+        SamplingParams(presence_penalty=0.5),
+        SamplingParams(logprobs=2),
+    ):
+        assert not shardable(params)
+        with pytest.raises(ValueError, match="cannot be sampled from vocabulary shards"):
+            ShardedSampling.of(None, [params], [torch.Generator()])
