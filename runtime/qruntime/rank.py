@@ -199,7 +199,7 @@ def build_rank(
         raise ArtifactFormatError(f"{graph_path}: {exc}") from exc
     shard = None
     if group is not None and config.sharded_sampling and (sharded := logits_shard(plan)) is not None:
-        plan, shard = sharded, VocabShard(rank, config.tp, group)
+        plan, shard = sharded, VocabShard(rank, config.tp, group, reducer)
     blocks, capturable = _local_blocks(config, device), plan.capturable
     checkpoint("planned")
     if group is not None:

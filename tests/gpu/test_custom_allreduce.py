@@ -139,3 +139,30 @@ def test_tp2_sharded_sampling_equals_gathered_rows(gpu_artifact_tp2, cuda) -> No
             outputs[sharded] = [o.token_ids for o in engine.generate(prompts, params)]
     assert outputs[True][:5] == outputs[False][:5]  # the last row's stream is seeded from os.urandom
     assert len(set(map(tuple, outputs[True]))) > 1
+
+
+def test_a_worker_killed_mid_generation_is_an_error_within_seconds(gpu_artifact_tp2, cuda) -> None:
+    """With the custom all-reduce (the default where the GPUs have peer access) a decode step holds no
+    NCCL call: its all-reduces and the sampler's exchanges take the one-shot kernel, which the watcher's
+    abort word releases when the worker dies, so rank 0 raises WorkerError within seconds. (Without
+    it, rank 0 can stay blocked in NCCL: docs/multi-gpu.md.)"""
+    import multiprocessing
+    import signal
+    import threading
+    import time
+
+    import qruntime
+
+    engine = qruntime.load(
+        gpu_artifact_tp2, device=cuda, tp=2, max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=256,
+        kv_cache_memory=256 << 20,
+    )  # fmt: skip
+    assert engine.description["all_reduce"].startswith("custom") and engine.runner.vocab_shard is not None
+    (worker,) = multiprocessing.active_children()
+    engine.generate([[1, 2, 3]], qruntime.SamplingParams(max_tokens=4))  # compiled, captured, warm
+    threading.Timer(0.5, os.kill, (worker.pid, signal.SIGKILL)).start()
+    start = time.monotonic()
+    with pytest.raises(qruntime.WorkerError, match=rf"rank 1 failed: its process {worker.pid} died"):
+        engine.generate([[4, 5, 6]], qruntime.SamplingParams(max_tokens=3500, ignore_eos=True))
+    assert time.monotonic() - start < 30
+    assert not multiprocessing.active_children()

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from qruntime import SamplingParams
+from qruntime.comm.all_reduce import AllReducer
 from qruntime.engine.sampled_tokens import SampledTokens
 from qruntime.engine.sampler import sample_on_device
 from qruntime.engine.sharded_sampler import ShardedSampling, VocabShard, sample_shard, shardable
@@ -71,10 +72,12 @@ def _selected(case: dict) -> tuple[torch.Tensor, list, list]:
     return case["logits"][list(rows)], [case["params"][r] for r in rows], [case["banned"][r] for r in rows]
 
 
-def _rank(rank: int, world: int, store: str, seed: int, steps: int, out: str) -> None:
+def _rank(rank: int, world: int, store: str, seed: int, steps: int, out: str, peer: bool) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        shard = VocabShard(rank, world, dist.group.WORLD)
+        reducer = AllReducer.create(dist.group.WORLD, torch.device("cpu")) if peer else None
+        assert not peer or reducer.regions is not None
+        shard = VocabShard(rank, world, dist.group.WORLD, reducer)
         cases = [_case(seed, world, step) for step in range(steps)]
         streams = Streams(seed)
         results = []
@@ -96,10 +99,13 @@ def _rank(rank: int, world: int, store: str, seed: int, steps: int, out: str) ->
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_shards_choose_the_tokens_tp1_chooses(world: int, tmp_path: Path, rng) -> None:
+@pytest.mark.parametrize(("world", "peer"), [(2, False), (3, False), (2, True)], ids=["2-gloo", "3-gloo", "2-peer"])
+def test_shards_choose_the_tokens_tp1_chooses(world: int, peer: bool, tmp_path: Path, rng) -> None:
+    """Exchanged by all-gather (gloo), or by the custom all-reduce's one-shot kernel over peer memory
+    (shared files on the CPU, the kernel under Triton's interpreter), as a GPU engine does."""
     seed, steps = rng.randrange(1 << 30), 3
-    mp.spawn(_rank, args=(world, str(tmp_path / "store"), seed, steps, str(tmp_path / "rank{}.pt")), nprocs=world)
+    args = (world, str(tmp_path / "store"), seed, steps, str(tmp_path / "rank{}.pt"), peer)
+    mp.spawn(_rank, args=args, nprocs=world)
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     assert all(g == got[0] for g in got)  # every rank knows the tokens
     cases = [_case(seed, world, step) for step in range(steps)]

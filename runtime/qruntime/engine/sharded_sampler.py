@@ -17,8 +17,9 @@ top_p (its cut needs the whole sorted row), penalties, structured output, logpro
 logprobs are not sharded: a step with any of them gathers the logits (`gather_logits`) and rank 0
 samples them as tp=1 does.
 
-Exchanges per step: one all-gather of each rank's (value, index) per row; with sampled rows, one of
-the rows' maxima first; with top_k, one of the rows' k largest values.
+Exchanges per step (VocabShard.exchange: the custom all-reduce's one-shot kernel where the engine
+has peer memory, else an NCCL / gloo all-gather): each rank's (value, index) per row; with sampled
+rows, the rows' maxima first; with top_k, the rows' k largest values.
 """
 
 from __future__ import annotations
@@ -40,11 +41,24 @@ MAX_SHARDED_VOCAB = 1 << 24  # token ids travel as fp32 beside their values: exa
 @dataclass(frozen=True)
 class VocabShard:
     """This rank's share of the vocabulary: columns [rank * n, (rank + 1) * n) of every logits row,
-    n = V / world; `group` is the tensor-parallel process group."""
+    n = V / world; `group` is the tensor-parallel process group, `reducer` its all-reduce over peer
+    memory when the engine has one (qruntime.comm: the exchanges then take its one-shot kernel,
+    which also stops waiting when a worker dies, where an NCCL call can leave rank 0 blocked)."""
 
     rank: int
     world: int
     group: Any
+    reducer: Any = None
+
+    def exchange(self, x: torch.Tensor) -> torch.Tensor:
+        """[world, *x.shape]: every rank's x (fp32, the same shape on each) in rank order. Through the
+        reducer, a sum of [world, ...] buffers that are zero but for each rank's own row: exact."""
+        if self.reducer is not None:
+            stacked = torch.zeros((self.world, *x.shape), dtype=x.dtype, device=x.device)
+            if self.reducer.kernel(stacked) is not None:
+                stacked[self.rank] = x
+                return self.reducer.all_reduce(stacked)
+        return all_gather_rows(x, self.group)
 
 
 class Rule(NamedTuple):
@@ -151,7 +165,7 @@ def _merged_top(shard: VocabShard) -> Callable[[torch.Tensor, int], torch.Tensor
         local = torch.topk(scaled, min(k, scaled.shape[1]), dim=-1).values
         if local.shape[1] < k:  # a shard narrower than k: pad, every rank alike
             local = torch.nn.functional.pad(local, (0, k - local.shape[1]), value=float("-inf"))
-        everyone = all_gather_rows(local.contiguous(), shard.group)  # [world, n, k]
+        everyone = shard.exchange(local.contiguous())  # [world, n, k]
         return torch.topk(everyone.permute(1, 0, 2).reshape(local.shape[0], -1), k, dim=-1).values
 
     return top_values
@@ -179,7 +193,7 @@ def sample_shard(
     sampled = [row for row, rule in enumerate(sampling.rules) if rule is not None]
     peaks = None
     if sampled:
-        peaks = all_gather_rows(value[:, None].contiguous(), shard.group).amax(0)[:, 0]  # each row's maximum
+        peaks = shard.exchange(value[:, None].contiguous()).amax(0)[:, 0]  # each row's maximum
         at = device_tensor(sampled, torch.int64, device) if len(sampled) < len(sampling.rules) else None
         rules = [sampling.rules[row] for row in sampled]
         weights = log_weights(
@@ -198,7 +212,7 @@ def sample_shard(
         else:
             value, index = value.index_copy(0, at, won), index.index_copy(0, at, where)
     pairs = torch.stack([value, (index + start).float()], dim=1)  # [n, 2]: the rank's best and its id
-    everyone = all_gather_rows(pairs, shard.group)  # [world, n, 2]
+    everyone = shard.exchange(pairs)  # [world, n, 2]
     winner = everyone[:, :, 0].argmax(0)  # the first rank of the best: the lowest id among equals
     rows = torch.arange(pairs.shape[0], device=device)
     ids = everyone[winner, rows, 1].long()
