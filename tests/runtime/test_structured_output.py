@@ -126,3 +126,47 @@ def test_a_constraint_that_does_not_compile_is_refused(engine):
         StructuredOutput("choice", ())
     with pytest.raises(StructuredOutputError, match="kind"):
         StructuredOutput("xml", "<a/>")
+
+
+def test_masks_follow_the_token_in_flight_as_a_synchronous_engine_does(tiny_ckpt, compiled, rng, monkeypatch):
+    """With async scheduling the next step's forward is queued before the step in flight is read,
+    and its masks made and sampling queued after: seeded structured requests beside free ones (some
+    ending early, so the batch changes while constrained rows are in flight) give the synchronous
+    engine's tokens."""
+    from qruntime.engine import engine as engine_module
+
+    schemas = [_object(rng) for _ in range(4)]
+    prompts = [[rng.randrange(10, 400) for _ in range(rng.randrange(2, 30))] for _ in range(7)]
+    params = [_sampled(rng, structured=StructuredOutput("json_schema", json.dumps(s))) for s in schemas]
+    params += [SamplingParams(max_tokens=rng.randrange(1, 12), ignore_eos=True) for _ in range(3)]
+    outputs, order = {}, []
+    sample = engine_module.sample_on_device
+
+    def recording_sample(logits, params, *args, **kw):
+        order.append("masked sample" if args[-1] is not None else "sample")
+        return sample(logits, params, *args, **kw)
+
+    monkeypatch.setattr(engine_module, "sample_on_device", recording_sample)
+    for async_scheduling in (False, True):
+        engine = qruntime.load(compiled(tiny_ckpt, "bf16"), device="cpu", dtype="float32", max_model_len=512)
+        engine.async_scheduling = async_scheduling
+        execute, complete = engine.runner.execute, engine._complete
+
+        def recording_execute(*args, execute=execute, **kw):
+            order.append("forward")
+            return execute(*args, **kw)
+
+        def recording_complete(launched, complete=complete):
+            order.append("read")
+            return complete(launched)
+
+        engine.runner.execute, engine._complete = recording_execute, recording_complete
+        order.clear()
+        outputs[async_scheduling] = [(o.token_ids, o.text) for o in engine.generate(prompts, params)]
+    assert outputs[True] == outputs[False]
+    for (_, text), schema in zip(outputs[True], schemas, strict=False):
+        assert _valid(json.loads(text), schema), text
+    # async: every masked sampling after the first step comes after a forward and the read it overlaps
+    masked = [i for i, event in enumerate(order) if event == "masked sample"]
+    assert len(masked) > 10 and order[: masked[0] + 1] == ["forward", "masked sample"]
+    assert all(order[i - 2 : i] == ["forward", "read"] for i in masked[1:]), order

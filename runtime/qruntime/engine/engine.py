@@ -13,7 +13,9 @@ runs while the device computes. The launched step's decodes read the tokens the 
 on the device (scheduler.py: pending tokens). A request that stops on a token its next step has
 already been launched for gets no more from that step (its one extra token is dropped); requests
 that end by max_tokens or the model length are not scheduled past it. Sampling, greedy or not, is
-queued on the device with the step (engine/sampler.py).
+queued on the device with the step (engine/sampler.py). While a request with structured output is
+unfinished, the step before is read between queuing the next step's forward and its sampling: the
+grammar masks follow the token in flight, and the device still does not wait (engine/structured.py).
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ class Engine:
         self._in_flight: _Launched | None = None  # the step launched last, not read yet (async scheduling)
         self._scoring: set[str] = set()  # unfinished requests that asked for prompt logprobs (usually none)
         self._capped: set[str] = set()  # unfinished requests with a thinking cap (usually none)
-        self._guided: set[str] = set()  # unfinished requests with structured output: steps run synchronously
+        self._guided: set[str] = set()  # unfinished requests with structured output: masks follow the token in flight
         self._grammars: Grammars | None = None  # built with the first structured request
         # the random stream of sampled requests without a seed (each seeded one has its own)
         self._generator = torch.Generator(device=runner.device).manual_seed(int.from_bytes(os.urandom(8)) >> 1)
@@ -205,21 +207,38 @@ class Engine:
         model step that raises fails the requests of its batch. The engine runs on for the others;
         only a device error (the GPU is gone, every later step would fail too) is raised."""
         previous, self._in_flight = self._in_flight, None
-        if not self.async_scheduling or self._guided:  # a matcher must see a token before it masks the next
+        if not self.async_scheduling:
             done = self._complete(previous) if previous is not None else []
             launched, deltas = self._launch(None)
             return done + deltas + (self._complete(launched) if launched is not None else [])
-        launched, deltas = self._launch(previous)
+        # a structured row's mask needs the token in flight, which the forward does not: the step's
+        # forward is queued first, the token read while it runs, then the masks made and the sampling queued
+        read_previous = bool(self._guided) and previous is not None
+        launched, deltas = self._launch(previous, read_previous)
         self._in_flight = launched
+        if read_previous:
+            return deltas
         return deltas + (self._complete(previous) if previous is not None else [])
 
-    def _launch(self, previous: _Launched | None) -> tuple[_Launched | None, list[StreamDelta]]:
+    def _launch(
+        self, previous: _Launched | None, read_previous: bool = False
+    ) -> tuple[_Launched | None, list[StreamDelta]]:
         """Schedule a step and queue it on the device, sampling included; `previous`: the step still
         in flight, whose sampled tokens this one's pending ids name. Returns the step (None when
-        nothing was scheduled or it failed) and the deltas of requests it failed."""
+        nothing was scheduled or it failed) and the deltas of requests it failed. read_previous:
+        `previous` is also read (`_complete`, its deltas first) once this step's forward is queued
+        and before its sampling, so that the structured rows' masks follow its tokens."""
+        done: list[StreamDelta] = []
+
+        def read() -> None:  # `previous`'s tokens, once
+            nonlocal done, read_previous
+            if read_previous and previous is not None:
+                read_previous, done = False, self._complete(previous)
+
         output = self.scheduler.schedule()
         if not output.chunks:
-            return None, []
+            read()
+            return None, done
         rows = [i for i, chunk in enumerate(output.chunks) if chunk.samples]
         tracked = [self._tracked[output.chunks[i].request.request_id] for i in rows]
         try:
@@ -240,11 +259,13 @@ class Engine:
                     banned if any(banned) else None,
                 )
                 ids, peaks = self._execute(chunks, sampling=sampling, generators=generators)
+                read()
                 if forced is not None:
                     ids = apply_forced(ids, forced, in_flight)
                 tokens, logprobs, prompt_logprobs = SampledTokens(ids, peaks), None, None
             else:  # whole rows: tp = 1, or a step the ranks cannot sample from their shards
                 logits = self._execute(chunks, all_logits=scored if scoring else False, sampled=sampled)
+                read()  # while the forward runs
                 prompt_logprobs = None
                 if scoring:  # the scored chunks' rows came back too: score them, keep each chunk's last
                     ends = list(
@@ -284,10 +305,11 @@ class Engine:
         except Exception as exc:
             if self._is_fatal(exc):
                 raise
-            batch = [self._tracked[c.request.request_id] for c in output.chunks]
-            return None, self._fail(batch, "the model step running this request failed", exc)
+            read()
+            batch = [t for c in output.chunks if (t := self._tracked.get(c.request.request_id)) is not None]
+            return None, done + self._fail(batch, "the model step running this request failed", exc)
         ids = {t.request.request_id: row for row, t in enumerate(tracked)}
-        return _Launched(output, tracked, tokens, ids, logprobs, prompt_logprobs), []
+        return _Launched(output, tracked, tokens, ids, logprobs, prompt_logprobs), done
 
     def _matcher(self, constraint: StructuredOutput) -> Any:
         """A new request's grammar matcher (InvalidRequest when its constraint does not compile)."""
@@ -302,8 +324,14 @@ class Engine:
             raise InvalidRequest(f"structured output: {exc}") from None
 
     def _allowed(self, tracked: list[_Tracked], device: torch.device) -> tuple[list[int], torch.Tensor] | None:
-        """The structured rows of a step and their masks of allowed tokens, on the device."""
-        rows = [row for row, t in enumerate(tracked) if t.matcher is not None]
+        """The structured rows of a step and their masks of allowed tokens, on the device. A row whose
+        request finished since the step was scheduled (its grammar complete, say) is left free: its
+        token is dropped."""
+        rows = [
+            row
+            for row, t in enumerate(tracked)
+            if t.matcher is not None and self._tracked.get(t.request.request_id) is t and not t.matcher.is_stopped()
+        ]
         if not rows:
             return None
         masks = self._grammars.masks([tracked[row].matcher for row in rows])

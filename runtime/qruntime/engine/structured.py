@@ -7,10 +7,13 @@ JSON schemas, regexes and Lark grammars lazily (on this project's CPU, a 10-fiel
 and its matcher was built in ~1 ms; a mask of the 544-token test vocabulary took ~0.1 ms). It was
 not measured against xgrammar; the per-token cost on the GPU is issue 18's bench, still to run.
 
-A request's Matcher follows the tokens it generates; before each step the engine asks every
+A request's Matcher follows the tokens it generates; at each step the engine asks every
 constrained row for its mask of allowed tokens (a bitmask of 32 tokens a word, as llguidance fills
 it), the sampler puts -inf on the others. A matcher must have seen the token before the one it
-masks, so a batch with a constrained request runs without async scheduling (engine.Engine.step).
+masks, which async scheduling has not read yet when the next step is launched: so the engine queues
+that step's forward first, reads the token in flight while the forward runs, then makes the masks
+and queues the sampling (engine.Engine.step), and the device does not wait for the host as long as
+reading and masking take less than a forward.
 JSON is compact (no free whitespace between tokens: a model could otherwise wander in blanks).
 """
 
