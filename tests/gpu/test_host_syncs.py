@@ -1,16 +1,18 @@
 """An engine step is queued on the GPU without the host waiting for the device: every kind of step
 (decode graphs, piecewise prefill and mixed steps, chunks after a cached prefix, chunks that do not
-sample) and every sampling option, logprobs and the thinking cap included. A blocking
+sample) and every sampling option, logprobs, the thinking cap and structured output included. A blocking
 host-to-device copy (torch.tensor(..., device=cuda), t.to(cuda), indexing with a list) waits for the step in flight, which undoes async scheduling: mixed
 steps used to make nine such copies each."""
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
 import qruntime
 import torch
+from qruntime.engine.structured import StructuredOutput
 
 pytestmark = pytest.mark.gpu
 
@@ -39,9 +41,9 @@ def _guard_launches(engine) -> list[tuple[str, list[str]]]:
         kinds.append("decode" if decodes == len(chunks) else f"{len(chunks) - decodes} prefill + {decodes} decode")
         return execute(chunks, all_logits=all_logits, sampled=sampled)
 
-    def guarded(previous):
+    def guarded(previous, *args):
         kinds.clear()
-        result, syncs = _syncs_of(lambda: launch(previous))
+        result, syncs = _syncs_of(lambda: launch(previous, *args))
         if kinds:
             launches.append((kinds[0], syncs))
         return result
@@ -87,6 +89,10 @@ def test_steps_are_launched_without_a_host_sync(gpu_artifact, cuda, rng):
         ),
         qruntime.SamplingParams(max_tokens=24, logit_bias={11: 5.0, 12: -100.0}, min_tokens=8, ignore_eos=False),
         qruntime.SamplingParams(max_tokens=24, logprobs=3, prompt_logprobs=2, ignore_eos=True),
+        qruntime.SamplingParams(  # its masks are made after the forward is queued, from the token in flight
+            max_tokens=24,
+            structured=StructuredOutput("json_schema", json.dumps({"type": "array", "items": {"type": "integer"}})),
+        ),
     ]
     ids = [engine.add_request(prompt(rng.randrange(5, 40)), p) for p in sampled]
     think = engine.tokenizer.backend.token_to_id("<think>")  # a block the cap closes, on the device or not
