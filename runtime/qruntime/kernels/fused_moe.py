@@ -1,9 +1,9 @@
 """The fused FP8 MoE (the `MoE` op with linear PTPCLinear, group_size 0): the router GEMM, then
-five Triton launches:
+five Triton launches (four for a single token, whose routing launch lays out its pairs too):
 
     logits = x · router_wᵀ (torch)
     moe_route_quant   softmax / top-k / renormalise, and x -> (xq, xs)      [T programs]
-    moe_align         pairs grouped by expert, padded to BLOCK_M            [1 program]
+    moe_align         pairs grouped by expert, padded to BLOCK_M            [1 program; none at T = 1]
     moe_up_silu       grouped w13 GEMM + SiLU-mul -> act, row amax          [max_blocks x I / BLOCK_N]
     moe_down          act quantized on load, grouped w2 GEMM, x weight      [max_blocks x H / BLOCK_N]
     moe_combine       each token's k rows added in slot order               [T x H / 1024]
@@ -27,7 +27,7 @@ from qruntime.kernels.dynamic_quant import check_model_dtype
 from qruntime.kernels.moe_align import moe_align
 from qruntime.kernels.moe_combine import moe_combine
 from qruntime.kernels.moe_gemm import PairBlocks, moe_down, moe_up_silu
-from qruntime.kernels.moe_routing import moe_route_quant
+from qruntime.kernels.moe_routing import moe_route_quant, moe_route_quant_one
 
 _NUM_SMS_H100 = 132  # the heuristic's target; the tuner replaces it per device
 _GEMMS = ("w13", "w2")
@@ -201,8 +201,12 @@ def fused_moe(
     if tokens == 0:
         return torch.zeros_like(x)
     cfg = config or default_config(tokens, num_experts, inter, hidden, top_k)
-    weights, ids, xq, xs = moe_route_quant(router_logits, x, top_k, norm_topk_prob)
-    sorted_ids, block_expert, num_padded, amax = moe_align(ids, num_experts, cfg.block_m)
+    if tokens == 1:  # batch-1 decode: the routing launch lays out the k pairs itself
+        (weights, ids, xq, xs), layout = moe_route_quant_one(router_logits, x, top_k, norm_topk_prob, cfg.block_m)
+        sorted_ids, block_expert, num_padded, amax = layout
+    else:
+        weights, ids, xq, xs = moe_route_quant(router_logits, x, top_k, norm_topk_prob)
+        sorted_ids, block_expert, num_padded, amax = moe_align(ids, num_experts, cfg.block_m)
     blocks = PairBlocks(sorted_ids, block_expert, num_padded, amax, cfg.block_m, top_k, tokens * top_k)
     act = moe_up_silu(xq, xs, w13, w13_scale, blocks, x.dtype, **_launch(cfg.w13))
     out_pairs = moe_down(act, w2, w2_scale, weights, blocks, **_launch(cfg.w2))

@@ -17,7 +17,7 @@ from qruntime.kernels.fused_moe import MoEConfig, TileConfig, default_config, fu
 from qruntime.kernels.moe_align import expert_load, moe_align, padded_size
 from qruntime.kernels.moe_combine import moe_combine
 from qruntime.kernels.moe_gemm import PairBlocks, moe_down, moe_up_silu
-from qruntime.kernels.moe_routing import moe_route_quant
+from qruntime.kernels.moe_routing import moe_route_quant, moe_route_quant_one
 from qruntime.kv_cache import KVCacheSpec
 from qruntime.ops import functional as fn
 from qruntime.ops import moe, triton_ops
@@ -171,6 +171,52 @@ def test_align_groups_every_pair_once_by_expert(tokens, num_experts, top_k, bloc
         assert counts[only] == tokens and int((counts > 0).sum()) == top_k
 
 
+@pytest.mark.parametrize(("num_experts", "top_k", "block_m"), [(128, 8, 16), (10, 3, 32), (6, 6, 16), (5, 1, 64)])
+def test_one_token_is_laid_out_by_its_routing_launch(num_experts, top_k, block_m, monkeypatch):
+    """Batch-1 decode: the routing launch also writes the pair list, a block per slot, and the
+    fused MoE launches no align; the grouped GEMMs then give align's results bit for bit."""
+    hidden, inter = 72, 40
+    x = torch.randn(1, hidden, device=DEVICE).to(torch.bfloat16)
+    logits = torch.randn(1, num_experts, device=DEVICE)
+    (weights, ids, xq, xs), layout = moe_route_quant_one(logits, x, top_k, True, block_m)
+    for got, want in zip((weights, ids, xq, xs), moe_route_quant(logits, x, top_k, True), strict=True):
+        assert torch.equal(
+            got.view(torch.uint8) if got.dtype == xq.dtype else got,
+            want.view(torch.uint8) if want.dtype == xq.dtype else want,
+        )
+    sorted_ids, block_expert, num_padded, amax = (t.cpu() for t in layout)
+    assert sorted_ids.numel() == padded_size(top_k, num_experts, block_m) == top_k * block_m
+    assert block_expert.tolist() == ids.cpu()[0].tolist() and int(num_padded) == top_k * block_m
+    firsts = torch.arange(top_k) * block_m
+    assert sorted_ids[firsts].tolist() == list(range(top_k))
+    rest = torch.ones(sorted_ids.numel(), dtype=torch.bool)
+    rest[firsts] = False
+    assert torch.all(sorted_ids[rest] == top_k) and torch.all(amax == 0)
+    # the GEMMs over this list and over align's give the same bits (rows do not depend on position)
+    w13, s13, w2, s2 = experts(num_experts, inter, hidden)
+    outs = []
+    for blocks in (PairBlocks(*layout, block_m, top_k, top_k), _blocks(ids, num_experts, block_m)):
+        act = moe_up_silu(xq, xs, w13, s13, blocks, x.dtype, block_n=32, block_k=32, num_warps=4, num_stages=2)
+        outs.append(
+            moe_combine(
+                moe_down(act, w2, s2, weights, blocks, block_n=32, block_k=32, num_warps=4, num_stages=2), top_k
+            )
+        )
+    assert torch.equal(outs[0], outs[1])
+    from qruntime.kernels import fused_moe as fused
+
+    def no_align(*args):
+        raise AssertionError("moe_align launched for one token")
+
+    monkeypatch.setattr(fused, "moe_align", no_align)
+    y = fused_moe(x, logits.to(x.dtype), w13, s13, w2, s2, top_k, True, SMALL)
+    assert y.shape == (1, hidden) and torch.isfinite(y.float()).all()
+    with pytest.raises(AssertionError, match="moe_align launched"):  # two tokens: align groups them
+        fused_moe(x.repeat(2, 1), logits.to(x.dtype).repeat(2, 1), w13, s13, w2, s2, top_k, True, SMALL)
+    with pytest.raises(ValueError, match="one token"):
+        moe_route_quant_one(logits.repeat(2, 1), x.repeat(2, 1), top_k, True, block_m)
+
+
 def test_align_checks_its_inputs():
     with pytest.raises(ValueError, match="int32"):
         moe_align(torch.zeros(2, 2, dtype=torch.int64, device=DEVICE), 4, 16)
@@ -266,6 +312,7 @@ def _ops(num_experts: int, top_k: int, dtype: torch.dtype, kernels: KernelTable 
 
 CASES = [  # tokens, E, k, I, H, norm, all tokens on one expert set
     (1, 8, 2, 48, 64, True, False),
+    (1, 10, 3, 40, 48, False, False),  # one token: laid out by its routing launch, no align
     (27, 6, 3, 80, 72, False, False),  # T, I, H off the tiles; E not a power of two
     (20, 8, 8, 32, 64, True, False),  # k = E: every expert gets every token
     (23, 10, 1, 40, 48, True, False),  # k = 1: some experts get none
