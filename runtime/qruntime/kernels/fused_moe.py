@@ -1,5 +1,6 @@
 """The fused FP8 MoE (the `MoE` op with linear PTPCLinear, group_size 0): the router GEMM, then
-five Triton launches (four for a single token, whose routing launch lays out its pairs too):
+five Triton launches; for a single token (batch-1 decode) four in all, the router GEMV, routing,
+quantization and the pairs' layout being one launch (moe_routing.moe_router_one):
 
     logits = x · router_wᵀ (torch)
     moe_route_quant   softmax / top-k / renormalise, and x -> (xq, xs)      [T programs]
@@ -27,7 +28,7 @@ from qruntime.kernels.dynamic_quant import check_model_dtype
 from qruntime.kernels.moe_align import moe_align
 from qruntime.kernels.moe_combine import moe_combine
 from qruntime.kernels.moe_gemm import PairBlocks, moe_down, moe_up_silu
-from qruntime.kernels.moe_routing import moe_route_quant, moe_route_quant_one
+from qruntime.kernels.moe_routing import moe_route_quant, moe_route_quant_one, moe_router_one
 
 _NUM_SMS_H100 = 132  # the heuristic's target; the tuner replaces it per device
 _GEMMS = ("w13", "w2")
@@ -175,7 +176,7 @@ def kernel_runs_on(device: torch.device) -> bool:
 
 def fused_moe(
     x: torch.Tensor,
-    router_logits: torch.Tensor,
+    router_logits: torch.Tensor | None,
     w13: torch.Tensor,
     w13_scale: torch.Tensor,
     w2: torch.Tensor,
@@ -183,25 +184,35 @@ def fused_moe(
     top_k: int,
     norm_topk_prob: bool,
     config: MoEConfig | None = None,
+    router: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The MoE op (PTPC FP8 experts, per-token FP8 activations): x [T, H] bf16 | fp16 | fp32,
     router_logits [T, E] = x · router_wᵀ, w13 [E, 2I, H] fp8 (gate rows then up rows), w13_scale
     [E, 2I, 1], w2 [E, H, I] fp8, w2_scale [E, H, 1] -> y [T, H] in x's dtype.
-    config: default_config(T, E, I, H, k) when None. Raises ValueError / TypeError on bad inputs."""
+    config: default_config(T, E, I, H, k) when None. router: (router_w [E, H], a zero int32
+    counter), for a single token the router GEMV then runs in its routing launch (router_logits may
+    be None then; moe_routing.moe_router_one). Raises ValueError / TypeError on bad inputs."""
     check_model_dtype("x", x)
     if w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"w13 [E, 2I, H] and w2 [E, H, I] must be 3-D, got {tuple(w13.shape)}, {tuple(w2.shape)}")
     tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
-    if tuple(router_logits.shape) != (tokens, num_experts) or w2.shape[0] != num_experts:
+    fused_router = router is not None and tokens == 1
+    if router_logits is None and not fused_router:
+        raise ValueError("router_logits are needed unless a single token's router runs fused (router=...)")
+    logits_shape = (tokens, num_experts) if router_logits is None else tuple(router_logits.shape)
+    if logits_shape != (tokens, num_experts) or w2.shape[0] != num_experts:
         raise ValueError(
-            f"router_logits {tuple(router_logits.shape)}, w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} "
+            f"router_logits {logits_shape}, w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} "
             f"disagree with x {tuple(x.shape)} on T or E"
         )
     if tokens == 0:
         return torch.zeros_like(x)
     cfg = config or default_config(tokens, num_experts, inter, hidden, top_k)
-    if tokens == 1:  # batch-1 decode: the routing launch lays out the k pairs itself
+    if fused_router:  # batch-1 decode: router GEMV, routing, quant and the pairs' layout in one launch
+        (weights, ids, xq, xs), layout = moe_router_one(x, router[0], top_k, norm_topk_prob, cfg.block_m, router[1])
+        sorted_ids, block_expert, num_padded, amax = layout
+    elif tokens == 1:  # the routing launch lays out the k pairs itself
         (weights, ids, xq, xs), layout = moe_route_quant_one(router_logits, x, top_k, norm_topk_prob, cfg.block_m)
         sorted_ids, block_expert, num_padded, amax = layout
     else:

@@ -29,6 +29,7 @@ from qruntime.kernels.dynamic_quant import (
     MIN_SCALE,
     check_model_dtype,
     quantize_row,
+    round_to,
     row_config,
     rows_of,
     use_hw_casts,
@@ -66,9 +67,33 @@ def _moe_route_quant_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
 
-    # ---- routing: fp32 softmax, top-k by repeated arg-max, optional renormalisation
     experts = tl.arange(0, BLOCK_E)
     logits = tl.load(logits_ptr + row * stride_l + experts, mask=experts < E, other=float("-inf")).to(tl.float32)
+    _route(logits, row, E, weights_ptr, ids_ptr, TOP_K, NORM, BLOCK_E, BLOCK_TOPK)
+    if LAYOUT:  # row 0 is the only token
+        _lay_out_one(
+            ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, amax_ptr, TOP_K, BLOCK_TOPK, BLOCK_M, BLOCK_PAIRS
+        )
+    # ---- per-token FP8 quantization of x (as _dynamic_quant_kernel)
+    scale = quantize_row(x_ptr + row * stride_x, xq_ptr + row * H, H, BLOCK, NUM_CHUNKS, HW)
+    tl.store(xs_ptr + row, scale)
+
+
+@triton.jit
+def _route(
+    logits,
+    row,
+    E,
+    weights_ptr,
+    ids_ptr,
+    TOP_K: tl.constexpr,
+    NORM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr,
+):
+    """Routing of one token from its fp32 logits [BLOCK_E] (-inf past E): fp32 softmax, top-k by
+    repeated arg-max, optional renormalisation; stores its k weights and expert ids."""
+    experts = tl.arange(0, BLOCK_E)
     num = tl.exp(logits - tl.max(logits, axis=0))  # 0 past E
     probs = tl.math.div_rn(num, tl.sum(num, axis=0))
     cand = tl.where(experts < E, probs, -1.0)  # -1: below every probability, never picked
@@ -86,36 +111,117 @@ def _moe_route_quant_kernel(
         top_w = tl.math.div_rn(top_w, tl.zeros_like(top_w) + total)
     tl.store(weights_ptr + row * TOP_K + slots, top_w, mask=slots < TOP_K)
     tl.store(ids_ptr + row * TOP_K + slots, top_i, mask=slots < TOP_K)
-    if LAYOUT:  # row 0 is the only token: pair s = slot s, in block s of expert top_i[s]
-        tl.store(block_expert_ptr + slots, top_i, mask=slots < TOP_K)
-        pos = tl.arange(0, BLOCK_PAIRS)
-        used = pos < TOP_K * BLOCK_M
-        tl.store(sorted_ptr + pos, tl.where(pos % BLOCK_M == 0, pos // BLOCK_M, TOP_K).to(tl.int32), mask=used)
-        tl.store(amax_ptr + pos, tl.zeros([BLOCK_PAIRS], dtype=tl.float32), mask=used)
-        tl.store(num_padded_ptr, TOP_K * BLOCK_M)
 
-    # ---- per-token FP8 quantization of x (as _dynamic_quant_kernel)
-    scale = quantize_row(x_ptr + row * stride_x, xq_ptr + row * H, H, BLOCK, NUM_CHUNKS, HW)
-    tl.store(xs_ptr + row, scale)
+
+@triton.jit
+def _lay_out_one(
+    ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, amax_ptr,
+    TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_PAIRS: tl.constexpr,
+):  # fmt: skip
+    """The pair list of a single token: pair s = slot s in the first row of block s (expert ids[s])."""
+    tl.debug_barrier()  # the ids just stored, read back by every thread
+    slots = tl.arange(0, BLOCK_TOPK)
+    tl.store(block_expert_ptr + slots, tl.load(ids_ptr + slots, mask=slots < TOP_K), mask=slots < TOP_K)
+    pos = tl.arange(0, BLOCK_PAIRS)
+    used = pos < TOP_K * BLOCK_M
+    tl.store(sorted_ptr + pos, tl.where(pos % BLOCK_M == 0, pos // BLOCK_M, TOP_K).to(tl.int32), mask=used)
+    tl.store(amax_ptr + pos, tl.zeros([BLOCK_PAIRS], dtype=tl.float32), mask=used)
+    tl.store(num_padded_ptr, TOP_K * BLOCK_M)
+
+
+@triton.jit
+def _router_one_kernel(
+    x_ptr,  # [1, H] model dtype
+    w_ptr,  # [E, H] router rows, model dtype, unit column stride
+    logits_ptr,  # [E] fp32 scratch: the logits, rounded to the model dtype
+    counter_ptr,  # [1] int32, zero between launches (the last program puts it back)
+    weights_ptr,
+    ids_ptr,
+    xq_ptr,
+    xs_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    amax_ptr,
+    E,
+    H,
+    stride_w,
+    TOP_K: tl.constexpr,
+    NORM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    HW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_PAIRS: tl.constexpr,
+    EXPERTS: tl.constexpr,  # router rows per program
+    BLOCK_H: tl.constexpr,
+):
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty  # the model dtype, which F.linear's logits are in
+    # ---- logits of this program's experts: fp32 dot products over H, rounded as F.linear's output
+    pid = tl.program_id(0)
+    rows = pid * EXPERTS + tl.arange(0, EXPERTS)
+    cols = tl.arange(0, BLOCK_H)
+    acc = tl.zeros([EXPERTS], dtype=tl.float32)
+    for start in range(0, H, BLOCK_H):
+        mask = start + cols < H
+        x = tl.load(x_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + (start + cols)[None, :],
+                    mask=(rows[:, None] < E) & mask[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        acc += tl.sum(w * x[None, :], axis=1)
+    tl.store(logits_ptr + rows, round_to(acc, DTYPE, HW), mask=rows < E)
+    # ---- the program that finishes last routes: every other program's logits are stored by then
+    tl.debug_barrier()  # this program's stores, before its release
+    done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        tl.store(counter_ptr, 0)  # for the next launch (a captured graph replays this one)
+        experts = tl.arange(0, BLOCK_E)
+        logits = tl.load(logits_ptr + experts, mask=experts < E, other=float("-inf"), volatile=True)
+        _route(logits, 0, E, weights_ptr, ids_ptr, TOP_K, NORM, BLOCK_E, BLOCK_TOPK)
+        _lay_out_one(
+            ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, amax_ptr, TOP_K, BLOCK_TOPK, BLOCK_M, BLOCK_PAIRS
+        )
+        scale = quantize_row(x_ptr, xq_ptr, H, BLOCK, NUM_CHUNKS, HW)
+        tl.store(xs_ptr, scale)
+
+
+def _check_routing(x: torch.Tensor, num_experts: int, top_k: int) -> torch.Tensor:
+    """x as rows, after the checks every routing launch makes (x's dtype and columns, E and k)."""
+    check_model_dtype("x", x)
+    x = rows_of("x", x)
+    if not 1 <= num_experts <= MAX_EXPERTS:
+        raise ValueError(f"the number of experts must be in 1..{MAX_EXPERTS}, got {num_experts}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in 1..{num_experts} (the number of experts), got {top_k}")
+    if x.shape[1] == 0:
+        raise ValueError("x has no columns (H = 0)")
+    return x
 
 
 def _checked(logits: torch.Tensor, x: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     check_model_dtype("x", x)
     if not logits.is_floating_point():
         raise TypeError(f"router logits must be floating point, got {logits.dtype}")
-    logits, x = rows_of("logits", logits), rows_of("x", x)
-    (tokens, num_experts), hidden = logits.shape, x.shape[1]
-    if x.shape[0] != tokens:
+    logits = rows_of("logits", logits)
+    x = _check_routing(x, logits.shape[1], top_k)
+    if x.shape[0] != logits.shape[0]:
         raise ValueError(f"logits [T, E] {tuple(logits.shape)} and x [T, H] {tuple(x.shape)} disagree on T")
-    if not 1 <= num_experts <= MAX_EXPERTS:
-        raise ValueError(f"the number of experts must be in 1..{MAX_EXPERTS}, got {num_experts}")
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k must be in 1..{num_experts} (the number of experts), got {top_k}")
-    if hidden == 0:
-        raise ValueError("x has no columns (H = 0)")
     if logits.device != x.device:
         raise ValueError(f"logits and x must be on one device, got {logits.device} and {x.device}")
     return logits, x
+
+
+def _one_token_layout(top_k: int, block_m: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
+    """moe_align's buffers for one token's k pairs (moe_route_quant_one's layout)."""
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
+    return (
+        torch.empty(top_k * block_m, dtype=torch.int32, device=dev),
+        torch.empty(top_k, dtype=torch.int32, device=dev),
+        torch.empty(1, dtype=torch.int32, device=dev),
+        torch.empty(top_k * block_m, dtype=torch.float32, device=dev),
+    )
 
 
 def _outputs(tokens: int, hidden: int, top_k: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
@@ -188,19 +294,60 @@ def moe_route_quant_one(
     logits, x = _checked(logits, x, top_k)
     if x.shape[0] != 1:
         raise ValueError(f"moe_route_quant_one routes one token, got {x.shape[0]}")
-    if block_m < 16 or block_m & (block_m - 1):
-        raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
-    dev, positions = x.device, top_k * block_m
-    outputs = _outputs(1, x.shape[1], top_k, dev)
-    layout = (
-        torch.empty(positions, dtype=torch.int32, device=dev),
-        torch.empty(top_k, dtype=torch.int32, device=dev),
-        torch.empty(1, dtype=torch.int32, device=dev),
-        torch.empty(positions, dtype=torch.float32, device=dev),
-    )
+    layout = _one_token_layout(top_k, block_m, x.device)
+    outputs = _outputs(1, x.shape[1], top_k, x.device)
+    positions = top_k * block_m
     _launch(
         logits, x, outputs, top_k, norm_topk_prob, max_block,
         sorted_ptr=layout[0], block_expert_ptr=layout[1], num_padded_ptr=layout[2], amax_ptr=layout[3],
         LAYOUT=True, BLOCK_M=block_m, BLOCK_PAIRS=triton.next_power_of_2(positions),
     )  # fmt: skip
     return outputs, layout
+
+
+def router_one_programs(num_experts: int) -> tuple[int, int]:
+    """(router rows per program, programs) of moe_router_one: about 32 programs stream the router."""
+    per = max(1, triton.next_power_of_2(triton.cdiv(num_experts, 32)))
+    return per, triton.cdiv(num_experts, per)
+
+
+def moe_router_one(
+    x: torch.Tensor,
+    router_w: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool,
+    block_m: int,
+    counter: torch.Tensor,
+    *,
+    max_block: int = MAX_BLOCK,
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """moe_route_quant_one(x · router_wᵀ, x, ...) with the router GEMV in the same launch: x [1, H],
+    router_w [E, H] in x's dtype; the logits are fp32 sums of the products rounded to x's dtype (as
+    F.linear's output is; its summation order may differ in the last bit). Programs of a few router
+    rows each; the one that finishes last (an atomic count in `counter`, an int32 [1] of zero that
+    it puts back) routes, quantizes x and lays out the pairs. Returns what moe_route_quant_one does."""
+    if router_w.dtype != x.dtype or router_w.dim() != 2 or router_w.shape[1] != x.shape[-1]:
+        raise ValueError(f"router_w must be [E, {x.shape[-1]}] {x.dtype}, got {tuple(router_w.shape)} {router_w.dtype}")
+    if counter.dtype != torch.int32 or counter.numel() != 1 or counter.device != x.device:
+        raise ValueError("counter must be one int32 on x's device")
+    num_experts = router_w.shape[0]
+    x = _check_routing(x, num_experts, top_k)
+    if x.shape[0] != 1:
+        raise ValueError(f"moe_router_one routes one token, got {x.shape[0]}")
+    router_w = rows_of("router_w", router_w)
+    layout = _one_token_layout(top_k, block_m, x.device)
+    dev, positions, hidden = x.device, top_k * block_m, x.shape[1]
+    weights, ids, xq, xs = _outputs(1, hidden, top_k, dev)
+    logits = torch.empty(num_experts, dtype=torch.float32, device=dev)
+    block, chunks, num_warps = row_config(hidden, max_block)
+    per, programs = router_one_programs(num_experts)
+    _router_one_kernel[(programs,)](
+        x, router_w, logits, counter, weights, ids, xq.view(torch.uint8), xs, *layout,
+        num_experts, hidden, router_w.stride(0),
+        TOP_K=top_k, NORM=bool(norm_topk_prob), BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK=block, NUM_CHUNKS=chunks, HW=use_hw_casts(x),
+        BLOCK_M=block_m, BLOCK_PAIRS=triton.next_power_of_2(positions), EXPERTS=per,
+        BLOCK_H=min(triton.next_power_of_2(hidden), max(64, 4096 // per)),
+        num_warps=num_warps,
+    )  # fmt: skip
+    return (weights, ids, xq, xs), layout

@@ -111,18 +111,21 @@ class PTPCLinear(quant.PTPCLinear):
 class MoE(moe.MoE):
     """PTPC FP8 experts with per-token activations (linear PTPCLinear, group_size 0) on a device
     Triton runs on: the fused Triton MoE (kernels/fused_moe.py) with the config tuned for
-    (E, 2I, H, k) at the step's token count, else its heuristic. Its shapes depend on T only and it
-    never syncs with the host, so the op is capturable then. Anything else (Gemm, BlockFP8Linear,
+    (E, 2I, H, k) at the step's token count, else its heuristic; a single token's router GEMV runs
+    inside its routing launch. Its shapes depend on T only and it never syncs with the host, so the
+    op is capturable then. Anything else (Gemm, BlockFP8Linear,
     group_size != 0, a CPU device without Triton's interpreter) runs the reference op."""
 
     def __init__(self, attrs, env, consts=()) -> None:
         super().__init__(attrs, env, consts)
         from qruntime.kernels import fused_moe
 
-        self.kernel = None
+        self.kernel = self.counter = None
         if self.a["linear"] == "PTPCLinear" and self.a["group_size"] == 0 and fused_moe.kernel_runs_on(env.device):
             self.kernel = fused_moe.fused_moe
             self.capturable = True  # the reference's routing-dependent host loop is gone
+            # a single token's router runs in its routing launch, whose last program counts here
+            self.counter = torch.zeros(1, dtype=torch.int32, device=env.device)
         self.config_from, self.default, self.table_key = (
             fused_moe.MoEConfig.from_dict,
             fused_moe.default_config,
@@ -146,11 +149,14 @@ class MoE(moe.MoE):
         if self.kernel is None:
             return super().__call__(step, x, router_w, w13, w13_scale, w2, w2_scale)
         top_k, norm = self.a["top_k"], bool(self.a["norm_topk_prob"])
+        config = self._config(x.shape[0], w13)
+        if x.shape[0] == 1 and self.expert_counts is None and router_w.dtype == x.dtype:
+            return self.kernel(x, None, w13, w13_scale, w2, w2_scale, top_k, norm, config, (router_w, self.counter))
         logits = F.linear(x, router_w)  # [T, E]
         if self.expert_counts is not None:  # the expert load report: same routing, counted (eager steps only)
             _, ids = fn.moe_routing(logits, top_k, norm)
             self.expert_counts += torch.bincount(ids.flatten(), minlength=self.expert_counts.numel())
-        return self.kernel(x, logits, w13, w13_scale, w2, w2_scale, top_k, norm, self._config(x.shape[0], w13))
+        return self.kernel(x, logits, w13, w13_scale, w2, w2_scale, top_k, norm, config)
 
 
 class QKNormRoPEKVWrite(attention.QKNormRoPEKVWrite):

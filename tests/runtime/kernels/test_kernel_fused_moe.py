@@ -17,7 +17,7 @@ from qruntime.kernels.fused_moe import MoEConfig, TileConfig, default_config, fu
 from qruntime.kernels.moe_align import expert_load, moe_align, padded_size
 from qruntime.kernels.moe_combine import moe_combine
 from qruntime.kernels.moe_gemm import PairBlocks, moe_down, moe_up_silu
-from qruntime.kernels.moe_routing import moe_route_quant, moe_route_quant_one
+from qruntime.kernels.moe_routing import moe_route_quant, moe_route_quant_one, moe_router_one, router_one_programs
 from qruntime.kv_cache import KVCacheSpec
 from qruntime.ops import functional as fn
 from qruntime.ops import moe, triton_ops
@@ -215,6 +215,32 @@ def test_one_token_is_laid_out_by_its_routing_launch(num_experts, top_k, block_m
         fused_moe(x.repeat(2, 1), logits.to(x.dtype).repeat(2, 1), w13, s13, w2, s2, top_k, True, SMALL)
     with pytest.raises(ValueError, match="one token"):
         moe_route_quant_one(logits.repeat(2, 1), x.repeat(2, 1), top_k, True, block_m)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("num_experts", "top_k", "hidden"), [(128, 8, 200), (10, 3, 72), (5, 1, 48), (40, 4, 64)])
+def test_one_tokens_router_runs_in_its_routing_launch(num_experts, top_k, hidden, dtype):
+    """moe_router_one: the router GEMV over ~32 programs, the last to finish routing, quantizing and
+    laying out: what F.linear + moe_route_quant_one give (the logits' sums in another order: the same
+    experts, weights to fp32 rounding), for three routers in a row (its counter goes back to zero;
+    a program that routed early would read the logits another router left in the scratch)."""
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    assert router_one_programs(num_experts)[1] > 1 or num_experts < 2
+    for _ in range(3):
+        x = torch.randn(1, hidden).to(dtype)
+        router_w = untied_router(x, num_experts, top_k)
+        x, router_w = x.to(DEVICE), router_w.to(DEVICE)
+        want, want_layout = moe_route_quant_one(F.linear(x, router_w), x, top_k, True, 16)
+        (weights, ids, xq, xs), layout = moe_router_one(x, router_w, top_k, True, 16, counter)
+        assert int(counter.item()) == 0
+        assert torch.equal(ids, want[1]) and torch.allclose(weights, want[0], rtol=1e-5, atol=0)
+        assert torch.equal(xq.view(torch.uint8), want[2].view(torch.uint8)) and torch.equal(xs, want[3])
+        for got, expected in zip(layout, want_layout, strict=True):
+            assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="router_w must be"):
+        moe_router_one(x, router_w.T.contiguous(), top_k, True, 16, counter)
+    with pytest.raises(ValueError, match="counter"):
+        moe_router_one(x, router_w, top_k, True, 16, counter.long())
 
 
 def test_align_checks_its_inputs():
