@@ -27,6 +27,7 @@ from qruntime.engine.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
 from qruntime.engine.model_runner import ModelRunner
 from qruntime.engine.piecewise_graphs import PiecewiseGraphs, token_buckets, unfit_reason
 from qruntime.engine.sharded_sampler import VocabShard
+from qruntime.engine.sharded_sampler import warm_up as warm_up_sampling
 from qruntime.engine.warm_up import warm_up_steps
 from qruntime.kernel_configs import KernelTable, load_kernel_table
 from qruntime.kv_cache import KVCache, KVCacheSpec
@@ -233,8 +234,10 @@ def build_rank(
         for chunks in warm_up_steps(
             spec.block_size, blocks, config.max_num_batched_tokens, max_model_len, config.max_num_seqs
         ):
-            runner.execute(chunks)
+            columns = runner.execute(chunks).shape[1]
         torch.cuda.synchronize(device)
+        if shard is not None:  # every rank, together: the sharded sampler's kernels build now too
+            warm_up_sampling(shard, columns, config.dtype, device)
     checkpoint("ready")
     return Rank(
         runner,

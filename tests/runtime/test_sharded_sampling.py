@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from qruntime import SamplingParams
 from qruntime.comm.all_reduce import AllReducer
+from qruntime.engine import sharded_sampler
 from qruntime.engine.sampled_tokens import SampledTokens
 from qruntime.engine.sampler import sample_on_device
 from qruntime.engine.sharded_sampler import ShardedSampling, VocabShard, sample_shard, shardable
@@ -33,19 +34,22 @@ def _case(seed: int, world: int, step: int) -> dict:
         logits = logits.to(torch.bfloat16)
     params, banned = [], []
     for row in range(n):
-        kind = "greedy" if row < 2 else rng.choice(["greedy", "plain", "top_k", "wide_k", "min_p", "seeded"])
+        kinds = ["greedy", "plain", "top_k", "wide_k", "min_p", "seeded"] if step else ["greedy"]  # 0: greedy alone
+        kind = "greedy" if row < 3 else rng.choice(kinds)
         p = {"temperature": 0.0 if kind == "greedy" else rng.choice([0.3, 1.0, 1.7])}
         p["top_k"] = {"top_k": rng.randrange(1, 6), "wide_k": COLS + rng.randrange(1, COLS)}.get(kind, 0)
         p["min_p"] = 0.05 if kind == "min_p" else 0.0
         p["seed"] = rng.randrange(1 << 30) if kind == "seeded" else None
-        if row >= 2 and rng.random() < 0.3:
+        if row >= 3 and rng.random() < 0.3:
             p["logit_bias"] = {rng.randrange(vocab): rng.choice([-100.0, 3.0, 0.5]) for _ in range(3)}
         params.append(SamplingParams(max_tokens=4, **p))
-        banned.append(tuple(rng.sample(range(vocab), rng.randrange(0, 4))) if row >= 2 else ())
+        banned.append(tuple(rng.sample(range(vocab), rng.randrange(0, 4))) if row >= 3 else ())
     for row in (0, 1):  # greedy rows whose best logit is in two shards: the lower id wins, as tp=1's argmax
         logits[row, [rng.randrange(COLS), rng.randrange(COLS, vocab)]] = logits[row].max() + 1
-    faulty = rng.sample(range(2, n), 3)  # a model fault: tp=1 flags these rows (None), so must the shards
-    logits[faulty[0], rng.choice([t for t in range(vocab) if t not in banned[faulty[0]]])] = float("nan")
+    # a model fault: tp=1 flags these rows (None), so must the shards. Row 2 (greedy) has a NaN in a
+    # shard after the first: the rank holding it must win over the first's finite maximum
+    faulty = [2, *rng.sample(range(3, n), 2)]
+    logits[2, rng.randrange(COLS, vocab)] = float("nan")
     logits[faulty[1]] = float("-inf")
     logits[faulty[2], rng.choice([t for t in range(vocab) if t not in banned[faulty[2]]])] = float("inf")
     kept = [r for r in range(n) if r not in faulty]
@@ -72,7 +76,9 @@ def _selected(case: dict) -> tuple[torch.Tensor, list, list]:
     return case["logits"][list(rows)], [case["params"][r] for r in rows], [case["banned"][r] for r in rows]
 
 
-def _rank(rank: int, world: int, store: str, seed: int, steps: int, out: str, peer: bool) -> None:
+def _rank(rank: int, world: int, store: str, seed: int, steps: int, out: str, peer: bool, kernels: bool) -> None:
+    if not kernels:  # the torch ops a CPU engine without Triton's interpreter takes
+        sharded_sampler.kernel_runs_on = lambda device: False
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         reducer = AllReducer.create(dist.group.WORLD, torch.device("cpu")) if peer else None
@@ -99,12 +105,17 @@ def _rank(rank: int, world: int, store: str, seed: int, steps: int, out: str, pe
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(("world", "peer"), [(2, False), (3, False), (2, True)], ids=["2-gloo", "3-gloo", "2-peer"])
-def test_shards_choose_the_tokens_tp1_chooses(world: int, peer: bool, tmp_path: Path, rng) -> None:
+@pytest.mark.parametrize(
+    ("world", "peer", "kernels"),
+    [(2, False, True), (3, False, True), (2, True, True), (2, False, False), (3, False, False)],
+    ids=["2-gloo", "3-gloo", "2-peer", "2-gloo-torch", "3-gloo-torch"],
+)
+def test_shards_choose_the_tokens_tp1_chooses(world: int, peer: bool, kernels: bool, tmp_path: Path, rng) -> None:
     """Exchanged by all-gather (gloo), or by the custom all-reduce's one-shot kernel over peer memory
-    (shared files on the CPU, the kernel under Triton's interpreter), as a GPU engine does."""
+    (shared files on the CPU, the kernel under Triton's interpreter), as a GPU engine does; the
+    candidates packed and picked by the shard_pick kernels (interpreted), or by torch ops."""
     seed, steps = rng.randrange(1 << 30), 3
-    args = (world, str(tmp_path / "store"), seed, steps, str(tmp_path / "rank{}.pt"), peer)
+    args = (world, str(tmp_path / "store"), seed, steps, str(tmp_path / "rank{}.pt"), peer, kernels)
     mp.spawn(_rank, args=args, nprocs=world)
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     assert all(g == got[0] for g in got)  # every rank knows the tokens

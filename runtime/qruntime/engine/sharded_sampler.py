@@ -24,6 +24,7 @@ rows, the rows' maxima first; with top_k, the rows' k largest values.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -34,6 +35,36 @@ from qruntime.engine.sampler import exponentials, log_weights, race
 from qruntime.engine.sampling_params import SamplingParams
 from qruntime.engine.transfer import device_tensor
 from qruntime.ops.collective import all_gather_columns, all_gather_rows
+
+
+def kernel_runs_on(device: torch.device) -> bool:
+    """Whether the pack / pick kernels run here: a GPU, or any device under Triton's interpreter."""
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def pack_candidates(value: torch.Tensor, index: torch.Tensor, rank: int, world: int, start: int) -> torch.Tensor:
+    """kernels/shard_pick.py's (imported here: the reference path never imports triton)."""
+    from qruntime.kernels import shard_pick
+
+    return shard_pick.pack_candidates(value, index, rank, world, start)
+
+
+def pick_best(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels/shard_pick.py's."""
+    from qruntime.kernels import shard_pick
+
+    return shard_pick.pick_best(stacked)
+
+
+def warm_up(shard: VocabShard, columns: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Sample a greedy and a seeded row from zero logits of this rank's shard, on every rank together
+    (a collective: build_rank calls it on each), so that the first step builds no kernel."""
+    logits = torch.zeros(1, columns, dtype=dtype, device=device)
+    for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=0)):
+        generator = torch.Generator(device=device).manual_seed(0)
+        sampling = ShardedSampling.of(None, [params], [generator])
+        sample_shard(logits, sampling, shard, sampling.generators(device))
+
 
 MAX_SHARDED_VOCAB = 1 << 24  # token ids travel as fp32 beside their values: exact below 2^24
 
@@ -49,6 +80,13 @@ class VocabShard:
     world: int
     group: Any
     reducer: Any = None
+
+    def exchange_stacked(self, stacked: torch.Tensor) -> torch.Tensor:
+        """Every rank's row of `stacked` [world, ...] (its own row filled, zeros elsewhere), in rank
+        order: summed in place by the reducer, else all-gathered."""
+        if self.reducer is not None and self.reducer.kernel(stacked) is not None:
+            return self.reducer.all_reduce(stacked)
+        return all_gather_rows(stacked[self.rank], self.group)
 
     def exchange(self, x: torch.Tensor) -> torch.Tensor:
         """[world, *x.shape]: every rank's x (fp32, the same shape on each) in rank order. Through the
@@ -189,10 +227,10 @@ def sample_shard(
         raise ValueError(f"{logits.shape[0]} logits rows for {len(sampling.rules)} rules")
     logits = _adjusted(logits, sampling, start)
     value, index = logits.max(-1)
-    value = _comparable(value)
     sampled = [row for row, rule in enumerate(sampling.rules) if rule is not None]
     peaks = None
     if sampled:
+        value = _comparable(value)
         peaks = shard.exchange(value[:, None].contiguous()).amax(0)[:, 0]  # each row's maximum
         at = device_tensor(sampled, torch.int64, device) if len(sampled) < len(sampling.rules) else None
         rules = [sampling.rules[row] for row in sampled]
@@ -211,12 +249,15 @@ def sample_shard(
             value, index = won, where
         else:
             value, index = value.index_copy(0, at, won), index.index_copy(0, at, where)
-    pairs = torch.stack([value, (index + start).float()], dim=1)  # [n, 2]: the rank's best and its id
-    everyone = shard.exchange(pairs)  # [world, n, 2]
-    winner = everyone[:, :, 0].argmax(0)  # the first rank of the best: the lowest id among equals
-    rows = torch.arange(pairs.shape[0], device=device)
-    ids = everyone[winner, rows, 1].long()
-    return ids, peaks if peaks is not None else everyone[:, :, 0].amax(0)
+    if kernel_runs_on(device):  # one launch to pack, the exchange, one to pick
+        ids, best = pick_best(shard.exchange_stacked(pack_candidates(value, index, shard.rank, shard.world, start)))
+    else:
+        pairs = torch.stack([_comparable(value), (index + start).float()], dim=1)  # the rank's best and its id
+        everyone = shard.exchange(pairs)  # [world, n, 2]
+        winner = everyone[:, :, 0].argmax(0)  # the first rank of the best: the lowest id among equals
+        ids = everyone[winner, torch.arange(pairs.shape[0], device=device), 1].long()
+        best = everyone[:, :, 0].amax(0)
+    return ids, peaks if peaks is not None else best
 
 
 def finish_step(
