@@ -3,7 +3,7 @@ logits, on the GPUs of one host, on a SYNTHETIC artifact (`qcompile synth PRESET
 
 For each mode (`sharded`: each rank keeps its V/tp columns and the ranks exchange a few numbers per
 row, engine/sharded_sampler.py; `gathered`: the graph's AllGather puts every row together and
-rank 0 samples it) the same artifact is loaded with tp=TP and decodes --output-len tokens after
+rank 0 samples it) the same artifact is loaded (--repeats times, the modes alternated) with tp=TP and decodes --output-len tokens after
 --input-len random prompt tokens, at each batch of --batches, greedy and sampled (temperature 1):
 TPOT (mean over requests). Greedy tokens are checked equal across the modes.
 
@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1, help="loads of each mode, alternated (load-to-load noise)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/qsharded"))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -57,7 +58,7 @@ def main() -> None:
     report["machine"]["gpu"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
     report.update(weights=SYNTHETIC, preset=args.preset, tp=args.tp, rows=[])
     tokens = {}
-    for mode in ("sharded", "gathered"):
+    for mode in ("sharded", "gathered") * args.repeats:
         start = time.perf_counter()
         with qruntime.load(
             art, device="cuda", tp=args.tp, max_model_len=args.input_len + args.output_len + 64,
