@@ -81,6 +81,14 @@ def test_custom_sums_equal_nccl_eager_and_in_graphs(tmp_path: Path) -> None:
         assert all(all(f) for f in report["fused"]), report["fused"]
 
 
+def _tp2(artifact, cuda, **options):
+    """A small tp=2 engine of the test artifact; options override the sizes."""
+    import qruntime
+
+    sizes = {"max_model_len": 256, "max_num_seqs": 8, "max_num_batched_tokens": 256, "kv_cache_memory": 64 << 20}
+    return qruntime.load(artifact, device=cuda, tp=2, **(sizes | options))
+
+
 def test_tp2_engine_with_custom_all_reduce_equals_nccl(gpu_artifact_tp2, cuda) -> None:
     import qruntime
 
@@ -90,10 +98,7 @@ def test_tp2_engine_with_custom_all_reduce_equals_nccl(gpu_artifact_tp2, cuda) -
     greedy = qruntime.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     outputs = {}
     for custom in (True, False):
-        with qruntime.load(
-            artifact, device=cuda, tp=2, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256,
-            kv_cache_memory=64 << 20, custom_all_reduce=custom,
-        ) as engine:  # fmt: skip
+        with _tp2(artifact, cuda, custom_all_reduce=custom) as engine:
             assert engine.description["all_reduce"].startswith("custom" if custom else "nccl")
             outputs[custom] = [o.token_ids for o in engine.generate(prompts, greedy)]
     assert outputs[True] == outputs[False]
@@ -131,10 +136,7 @@ def test_tp2_sharded_sampling_equals_gathered_rows(gpu_artifact_tp2, cuda) -> No
     ]
     outputs = {}
     for sharded in (True, False):
-        with qruntime.load(
-            gpu_artifact_tp2, device=cuda, tp=2, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
-            kv_cache_memory=64 << 20, sharded_sampling=sharded,
-        ) as engine:  # fmt: skip
+        with _tp2(gpu_artifact_tp2, cuda, max_num_batched_tokens=64, sharded_sampling=sharded) as engine:
             assert (engine.runner.vocab_shard is not None) == sharded
             outputs[sharded] = [o.token_ids for o in engine.generate(prompts, params)]
     assert outputs[True][:5] == outputs[False][:5]  # the last row's stream is seeded from os.urandom
@@ -153,10 +155,7 @@ def test_a_worker_killed_mid_generation_is_an_error_within_seconds(gpu_artifact_
 
     import qruntime
 
-    engine = qruntime.load(
-        gpu_artifact_tp2, device=cuda, tp=2, max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=256,
-        kv_cache_memory=256 << 20,
-    )  # fmt: skip
+    engine = _tp2(gpu_artifact_tp2, cuda, max_model_len=4096, max_num_seqs=4, kv_cache_memory=256 << 20)
     assert engine.description["all_reduce"].startswith("custom") and engine.runner.vocab_shard is not None
     (worker,) = multiprocessing.active_children()
     engine.generate([[1, 2, 3]], qruntime.SamplingParams(max_tokens=4))  # compiled, captured, warm

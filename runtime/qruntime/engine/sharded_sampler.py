@@ -24,7 +24,6 @@ rows, the rows' maxima first; with top_k, the rows' k largest values.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -34,12 +33,8 @@ import torch
 from qruntime.engine.sampler import exponentials, log_weights, race
 from qruntime.engine.sampling_params import SamplingParams
 from qruntime.engine.transfer import device_tensor
+from qruntime.kernels import kernel_runs_on
 from qruntime.ops.collective import all_gather_columns, all_gather_rows
-
-
-def kernel_runs_on(device: torch.device) -> bool:
-    """Whether the pack / pick kernels run here: a GPU, or any device under Triton's interpreter."""
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def pack_candidates(value: torch.Tensor, index: torch.Tensor, rank: int, world: int, start: int) -> torch.Tensor:

@@ -17,7 +17,6 @@ key table_key(...)); default_config is the heuristic used where nothing was tune
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,12 +165,6 @@ def sweep_configs(tokens: int, num_experts: int, inter: int, hidden: int, top_k:
         ):
             cands.append(MoEConfig(bm, TileConfig(bn13, 128, warps, stages), TileConfig(bn2, 128, warps, stages)))
     return list(dict.fromkeys(cands))
-
-
-def kernel_runs_on(device: torch.device) -> bool:
-    """Whether the kernels can run on tensors of `device`: a GPU, or any device under Triton's
-    interpreter (how CI runs them on CPU tensors)."""
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def fused_moe(

@@ -118,10 +118,10 @@ class MoE(moe.MoE):
 
     def __init__(self, attrs, env, consts=()) -> None:
         super().__init__(attrs, env, consts)
-        from qruntime.kernels import fused_moe
+        from qruntime.kernels import fused_moe, kernel_runs_on
 
         self.kernel = self.counter = None
-        if self.a["linear"] == "PTPCLinear" and self.a["group_size"] == 0 and fused_moe.kernel_runs_on(env.device):
+        if self.a["linear"] == "PTPCLinear" and self.a["group_size"] == 0 and kernel_runs_on(env.device):
             self.kernel = fused_moe.fused_moe
             self.capturable = True  # the reference's routing-dependent host loop is gone
             # a single token's router runs in its routing launch, whose last program counts here
