@@ -36,31 +36,6 @@ from qruntime.engine.transfer import device_tensor
 from qruntime.kernels import kernel_runs_on
 from qruntime.ops.collective import all_gather_columns, all_gather_rows
 
-
-def pack_candidates(value: torch.Tensor, index: torch.Tensor, rank: int, world: int, start: int) -> torch.Tensor:
-    """kernels/shard_pick.py's (imported here: the reference path never imports triton)."""
-    from qruntime.kernels import shard_pick
-
-    return shard_pick.pack_candidates(value, index, rank, world, start)
-
-
-def pick_best(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """kernels/shard_pick.py's."""
-    from qruntime.kernels import shard_pick
-
-    return shard_pick.pick_best(stacked)
-
-
-def warm_up(shard: VocabShard, columns: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Sample a greedy and a seeded row from zero logits of this rank's shard, on every rank together
-    (a collective: build_rank calls it on each), so that the first step builds no kernel."""
-    logits = torch.zeros(1, columns, dtype=dtype, device=device)
-    for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=0)):
-        generator = torch.Generator(device=device).manual_seed(0)
-        sampling = ShardedSampling.of(None, [params], [generator])
-        sample_shard(logits, sampling, shard, sampling.generators(device))
-
-
 MAX_SHARDED_VOCAB = 1 << 24  # token ids travel as fp32 beside their values: exact below 2^24
 
 
@@ -86,12 +61,11 @@ class VocabShard:
     def exchange(self, x: torch.Tensor) -> torch.Tensor:
         """[world, *x.shape]: every rank's x (fp32, the same shape on each) in rank order. Through the
         reducer, a sum of [world, ...] buffers that are zero but for each rank's own row: exact."""
-        if self.reducer is not None:
-            stacked = torch.zeros((self.world, *x.shape), dtype=x.dtype, device=x.device)
-            if self.reducer.kernel(stacked) is not None:
-                stacked[self.rank] = x
-                return self.reducer.all_reduce(stacked)
-        return all_gather_rows(x, self.group)
+        if self.reducer is None:
+            return all_gather_rows(x, self.group)
+        stacked = torch.zeros((self.world, *x.shape), dtype=x.dtype, device=x.device)
+        stacked[self.rank] = x
+        return self.exchange_stacked(stacked)
 
 
 class Rule(NamedTuple):
@@ -204,6 +178,20 @@ def _merged_top(shard: VocabShard) -> Callable[[torch.Tensor, int], torch.Tensor
     return top_values
 
 
+def pack_candidates(value: torch.Tensor, index: torch.Tensor, rank: int, world: int, start: int) -> torch.Tensor:
+    """kernels/shard_pick.py's (imported here: the reference path never imports triton)."""
+    from qruntime.kernels import shard_pick
+
+    return shard_pick.pack_candidates(value, index, rank, world, start)
+
+
+def pick_best(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels/shard_pick.py's."""
+    from qruntime.kernels import shard_pick
+
+    return shard_pick.pick_best(stacked)
+
+
 def sample_shard(
     local: torch.Tensor,
     sampling: ShardedSampling,
@@ -270,3 +258,13 @@ def finish_step(
     if sampling is None:
         return gather_logits(logits, shard)
     return sample_shard(logits, sampling, shard, generators)
+
+
+def warm_up(shard: VocabShard, columns: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Sample a greedy and a seeded row from zero logits of this rank's shard, on every rank together
+    (a collective: build_rank calls it on each), so that the first step builds no kernel."""
+    logits = torch.zeros(1, columns, dtype=dtype, device=device)
+    for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=0)):
+        generator = torch.Generator(device=device).manual_seed(0)
+        sampling = ShardedSampling.of(None, [params], [generator])
+        sample_shard(logits, sampling, shard, sampling.generators(device))
