@@ -191,9 +191,9 @@ def simulate_ahead(config: SchedulerConfig, requests: list[Request], msg: str = 
             prev_out, prev_sampled = previous
             sched.update(prev_out, prev_sampled)
             for rid in prev_sampled:
-                if rid in live and live[rid].status is not RequestStatus.FINISHED:
-                    if len(live[rid].output_token_ids) == live[rid].max_tokens:
-                        sched.finish(rid)
+                finished = rid in live and live[rid].status is RequestStatus.FINISHED
+                if rid in live and not finished and len(live[rid].output_token_ids) == live[rid].max_tokens:
+                    sched.finish(rid)
         previous = (out, sampled) if out is not None and out.chunks else None
         stats.max_running = max(stats.max_running, sched.num_running)
     assert bm.num_used_blocks == 0, msg
@@ -208,9 +208,15 @@ def random_requests(
     rng: random.Random, n: int, max_model_len: int, leading: list[tuple[int, int]], shared: bool = False
 ) -> list[Request]:
     """leading (prompt length, max_tokens) shapes, then random ones up to n requests. shared: the
-    random ones start with one of three common prefixes (whole prompts repeat too), for cache hits."""
+    random ones start with one of three common prefixes (whole prompts repeat too), for cache hits,
+    and the last two are one prompt of max_model_len - 1 tokens twice: in a pool of one request's
+    blocks (random_config's tight one) each needs every block, so the second runs after the first
+    and takes its full blocks from the cache, whatever the random ones before them did (without
+    them, ~0.5% of tight workloads had no hit at all: their cached blocks were all evicted)."""
     prefixes = [[rng.randrange(50_000) for _ in range(max_model_len)] for _ in range(3)]
     requests = [Request(f"r{i}", [rng.randrange(50_000) for _ in range(p)], m) for i, (p, m) in enumerate(leading)]
+    if shared:
+        n -= 2
     while len(requests) < n:
         plen = rng.randint(1, max_model_len - 1)
         ids = [rng.randrange(50_000) for _ in range(plen)]
@@ -219,6 +225,9 @@ def random_requests(
             ids = common[:plen] if rng.random() < 0.3 else common[: rng.randint(0, plen)] + ids
             ids = ids[:plen]
         requests.append(Request(f"r{len(requests)}", ids, rng.randint(1, max_model_len - plen)))
+    if shared:
+        last = [rng.randrange(50_000) for _ in range(max_model_len - 1)]
+        requests += [Request(f"r{len(requests) + i}", list(last), 1) for i in range(2)]
     return requests
 
 
