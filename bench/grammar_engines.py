@@ -150,6 +150,8 @@ def main() -> None:
     by_id = {i: t for t, i in tokenizer.get_vocab(with_added_tokens=True).items()}
     vocab_list = [by_id.get(i, "") for i in range(vocab)]
     report = report_header("grammar_engines")
+    if torch.cuda.is_available():  # a CPU measurement; the machine's GPU says which host it was
+        report["machine"]["gpu"] = torch.cuda.get_device_name()
     report.update(
         preset=args.preset, vocab_size=vocab, tokenizer_tokens=tokenizer.get_vocab_size(), schema=SCHEMA,
         document_tokens=len(tokens), rows=[],
