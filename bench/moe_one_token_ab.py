@@ -41,7 +41,7 @@ def align_one(logits, x, top_k, norm, block_m, **kw):
     return out, moe_align(out[1], logits.shape[1], block_m)
 
 
-def unfused_router(x, router_w, top_k, norm, block_m, counter):
+def unfused_router(x, router_w, top_k, norm, block_m, counter, **kw):
     return fm.moe_route_quant_one(F.linear(x, router_w), x, top_k, norm, block_m)
 
 

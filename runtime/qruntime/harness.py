@@ -38,7 +38,7 @@ from qruntime.engine.sampling_params import SamplingParams
 
 DEFAULT_MAX_GEN_TOKS = 256
 LOAD_INTS = ("tp", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory")
-LOAD_BOOLS = ("verify", "cuda_graphs", "prefix_cache", "custom_all_reduce", "sharded_sampling")
+LOAD_BOOLS = ("verify", "cuda_graphs", "prefix_cache", "custom_all_reduce", "sharded_sampling", "pdl")
 
 
 def _load_kwargs(args: dict[str, Any]) -> dict[str, Any]:

@@ -102,6 +102,19 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> s
     return backend
 
 
+def resolve_pdl(pdl: bool | None, device: torch.device, backend: str) -> bool:
+    """None -> whether the triton backend's GPU has programmatic dependent launch; True is checked."""
+    from qruntime.kernels import pdl_supported
+
+    supported = backend == "triton" and pdl_supported(device)
+    if pdl and not supported:
+        raise ValueError(
+            f"pdl=True needs the triton backend on an NVIDIA GPU of compute capability 9.0 or later "
+            f"(backend {backend!r} on {device})"
+        )
+    return supported if pdl is None else bool(pdl)
+
+
 def _check_tp(tp: int | None, manifest: dict, root: Path) -> int:
     """The artifact's tp; a different `tp` asked for is a ValueError naming both."""
     sharded = manifest.get("tp", 1)  # a power of two up to manifest_schema.MAX_TP, checked on read
@@ -185,6 +198,7 @@ def load(
     prefix_cache: bool = True,
     custom_all_reduce: bool = True,
     sharded_sampling: bool = True,
+    pdl: bool | None = None,
 ) -> Engine:
     """Load a qcompile artifact and return an Engine.
 
@@ -227,6 +241,9 @@ def load(
     columns of the logits and the ranks choose the tokens together, exchanging a few numbers per row
     (engine/sharded_sampler.py; the same tokens as from gathered rows); a step with top_p, penalties,
     structured output or logprobs gathers the rows instead, as every step does when False. The
+    pdl (triton backend): launch the kernels with programmatic dependent launch, so that each starts
+    while the one before it finishes (kernels/pdl.py); default on where the GPU has it (Hopper and
+    later), True where it does not is a ValueError. The
     workers are spawned: a script that loads at tp > 1 must guard its entry point with
     `if __name__ == "__main__":`. One tp engine per process at a time,
     in a process without a torch.distributed default group of its own.
@@ -244,6 +261,7 @@ def load(
     _check_tp_device(device, tp)
     compute_dtype = _resolve_dtype(dtype, manifest)
     backend = resolve_backend(backend, device, compute_dtype)
+    pdl = resolve_pdl(pdl, device, backend)
     _check_files(root, manifest, verify)
     try:
         kv_spec = KVCacheSpec.from_manifest(manifest["kv_cache"])
@@ -278,6 +296,7 @@ def load(
         synthetic=is_synthetic(manifest),
         custom_all_reduce=custom_all_reduce,
         sharded_sampling=sharded_sampling,
+        pdl=pdl,
     )
     built, workers = _build(config)
     try:
@@ -316,6 +335,8 @@ def load(
     if built.piecewise_buckets is not None:
         description["piecewise_graphs"] = list(built.piecewise_buckets)
     description["backend"] = backend
+    if backend == "triton":
+        description["pdl"] = pdl
     if config.synthetic:
         description["weights"] = "SYNTHETIC: random values made on the device (qcompile synth --artifact)"
     return Engine(

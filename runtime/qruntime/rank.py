@@ -66,6 +66,7 @@ class RankConfig:
     synthetic: bool = False  # random weights made on the device instead of read (qruntime.synthetic)
     custom_all_reduce: bool = True  # tp > 1, triton backend: small messages through peer memory (qruntime.comm)
     sharded_sampling: bool = True  # tp > 1, vocabulary-parallel head: sample the ranks' shards, not gathered rows
+    pdl: bool = False  # triton backend: programmatic dependent launch (kernels/pdl.py), resolved by load
 
     @property
     def tp(self) -> int:
@@ -193,7 +194,7 @@ def build_rank(
     if group is not None and config.backend == "triton":
         reducer = AllReducer.create(group, device, _all_reduce_policy(config, kernels))
     registry = triton_ops() if config.backend == "triton" else reference_ops()
-    env = OpEnv(config.dtype, device, config.kv_spec, kernels, tp_group=group, all_reduce=reducer)
+    env = OpEnv(config.dtype, device, config.kv_spec, kernels, tp_group=group, all_reduce=reducer, pdl=config.pdl)
     try:
         plan = Plan.build(graph, weights, env, registry)
     except PlanError as exc:

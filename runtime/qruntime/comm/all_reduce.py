@@ -116,22 +116,30 @@ class AllReducer:
             return None
         return self.policy.kernel(x.numel() * x.element_size())
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum over the ranks of x, reduced in place (x is the rank's partial sum, read by nothing else)."""
+    def all_reduce(self, x: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
+        """The sum over the ranks of x, reduced in place (x is the rank's partial sum, read by nothing
+        else); pdl: the custom kernels with programmatic dependent launch (kernels/pdl.py)."""
         kernel = self.kernel(x)
         if kernel == "one_shot":
             from qruntime.kernels.custom_allreduce import one_shot_all_reduce
 
-            return one_shot_all_reduce(x, self.peers(x.dtype), out=x)
+            return one_shot_all_reduce(x, self.peers(x.dtype), out=x, pdl=pdl)
         if kernel == "two_shot":
             from qruntime.kernels.two_shot_allreduce import two_shot_all_reduce
 
-            return two_shot_all_reduce(x, self.peers(x.dtype), out=x)
+            return two_shot_all_reduce(x, self.peers(x.dtype), out=x, pdl=pdl)
         dist.all_reduce(x, group=self.group)
         return x
 
     def all_reduce_add_rmsnorm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float, quant: bool
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        w: torch.Tensor,
+        eps: float,
+        quant: bool,
+        *,
+        pdl: bool = False,
     ) -> tuple[torch.Tensor, ...] | None:
         """AddRMSNorm[Quant] of the sum over the ranks of x in one kernel, or None when the message
         does not take the custom path (the caller all-reduces and normalizes itself)."""
@@ -142,7 +150,7 @@ class AllReducer:
         peers = self.peers(x.dtype)
         if not fits_fused(x, peers) or (residual is not None and residual.stride(1) != 1):
             return None
-        return all_reduce_add_rmsnorm(x, residual, w, eps, quant, peers)
+        return all_reduce_add_rmsnorm(x, residual, w, eps, quant, peers, pdl=pdl)
 
 
 def _layout():

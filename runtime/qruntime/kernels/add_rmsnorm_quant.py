@@ -38,6 +38,7 @@ from qruntime.kernels.dynamic_quant import (
     rows_of,
     use_hw_casts,
 )
+from qruntime.kernels.pdl import launch_options, wait_for_inputs
 
 
 @triton.jit
@@ -91,7 +92,9 @@ def _add_rmsnorm_kernel(
     BLOCK: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
     HW: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_inputs(PDL)
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
@@ -154,7 +157,7 @@ def _check(x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor) -> t
     return x, residual
 
 
-def _launch(x, residual, w, eps, residual_out, y, ys, quant: bool, max_block: int) -> None:
+def _launch(x, residual, w, eps, residual_out, y, ys, quant: bool, max_block: int, pdl: bool) -> None:
     tokens, hidden = x.shape
     if tokens == 0:
         return
@@ -177,11 +180,18 @@ def _launch(x, residual, w, eps, residual_out, y, ys, quant: bool, max_block: in
         NUM_CHUNKS=chunks,
         HW=use_hw_casts(x),
         num_warps=num_warps,
+        **launch_options(pdl),
     )
 
 
 def add_rmsnorm_quant(
-    x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float, *, max_block: int = MAX_BLOCK
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    w: torch.Tensor,
+    eps: float,
+    *,
+    max_block: int = MAX_BLOCK,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused residual add, RMSNorm and per-token FP8 quantization.
 
@@ -189,18 +199,25 @@ def add_rmsnorm_quant(
     (yq [T, H] fp8 e4m3, ys [T, 1] fp32, residual_out [T, H]): residual_out = x + residual rounded to
     the model dtype (x itself when residual is None), y = rms_norm(residual_out, w, eps), then
     qruntime.ops.functional.dynamic_quant(y, 0). `max_block` (a power of two) caps the register
-    tile; wider rows take the chunked three-pass path (tests force it at small H)."""
+    tile; wider rows take the chunked three-pass path (tests force it at small H). pdl: launch with
+    programmatic dependent launch (kernels/pdl.py; Hopper GPUs only)."""
     x, residual = _check(x, residual, w)
     tokens, hidden = x.shape
     yq = torch.empty(tokens, hidden, dtype=FP8, device=x.device)
     ys = torch.empty(tokens, 1, dtype=torch.float32, device=x.device)
     residual_out = x if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
-    _launch(x, residual, w, eps, residual_out, yq.view(torch.uint8), ys, True, max_block)
+    _launch(x, residual, w, eps, residual_out, yq.view(torch.uint8), ys, True, max_block, pdl)
     return yq, ys, residual_out
 
 
 def add_rmsnorm(
-    x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float, *, max_block: int = MAX_BLOCK
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    w: torch.Tensor,
+    eps: float,
+    *,
+    max_block: int = MAX_BLOCK,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused residual add and RMSNorm, unquantized (the final norm before lm_head).
 
@@ -211,5 +228,5 @@ def add_rmsnorm(
     tokens, hidden = x.shape
     y = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     residual_out = x if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
-    _launch(x, residual, w, eps, residual_out, y, None, False, max_block)
+    _launch(x, residual, w, eps, residual_out, y, None, False, max_block, pdl)
     return y, residual_out

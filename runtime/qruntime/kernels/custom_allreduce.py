@@ -23,6 +23,7 @@ import triton.language as tl
 
 from qruntime.kernels.add_rmsnorm_quant import normalize_row
 from qruntime.kernels.dynamic_quant import FP8, MAX_BLOCK, check_model_dtype, round_to, row_config, use_hw_casts
+from qruntime.kernels.pdl import launch_options, wait_for_inputs
 from qruntime.kernels.peer_sync import Peers, barrier, call_counts, data_half, grid_of
 
 BLOCK = 2048  # elements a program moves at once in the plain all-reduce
@@ -44,7 +45,9 @@ def _one_shot_kernel(
     WORLD: tl.constexpr,
     BLOCK: tl.constexpr,
     HW: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_inputs(PDL)
     DT: tl.constexpr = x_ptr.dtype.element_ty
     slot = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK
@@ -92,7 +95,9 @@ def _fused_kernel(
     QUANT: tl.constexpr,
     BLOCK: tl.constexpr,
     HW: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_inputs(PDL)
     DT: tl.constexpr = x_ptr.dtype.element_ty
     slot = tl.program_id(0)
     grid = tl.num_programs(0)
@@ -115,7 +120,9 @@ def _fused_kernel(
         normalize_row(h, w_ptr, cols, mask, y_ptr + row * H, s_ptr + row, H, eps, QUANT, DT, HW)
 
 
-def one_shot_all_reduce(x: torch.Tensor, peers: Peers, out: torch.Tensor | None = None) -> torch.Tensor:
+def one_shot_all_reduce(
+    x: torch.Tensor, peers: Peers, out: torch.Tensor | None = None, *, pdl: bool = False
+) -> torch.Tensor:
     """The sum over the ranks of their x (contiguous, the peers' dtype, at most a data half) into
     `out` (a new tensor by default; x itself is allowed). Every rank calls it with the same shape."""
     check_model_dtype("x", x)
@@ -126,6 +133,7 @@ def one_shot_all_reduce(x: torch.Tensor, peers: Peers, out: torch.Tensor | None 
         _one_shot_kernel[(grid_of(triton.cdiv(n, BLOCK)),)](
             x, out, n, peers.data, peers.deltas, peers.half, peers.bases, peers.counters, peers.timeout_ns,
             peers.abort.data_ptr(), RANK=peers.rank, WORLD=peers.world, BLOCK=BLOCK, HW=use_hw_casts(x), num_warps=8,
+            **launch_options(pdl),
         )  # fmt: skip
     return out
 
@@ -137,7 +145,14 @@ def fits_fused(x: torch.Tensor, peers: Peers) -> bool:
 
 
 def all_reduce_add_rmsnorm(
-    x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float, quant: bool, peers: Peers
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    w: torch.Tensor,
+    eps: float,
+    quant: bool,
+    peers: Peers,
+    *,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """AddRMSNorm[Quant] (add_rmsnorm_quant.py) of the sum over the ranks of their x [T, H]:
     quant -> (yq fp8 [T, H], ys fp32 [T, 1], residual_out [T, H]); else (y [T, H], residual_out)."""
@@ -168,5 +183,6 @@ def all_reduce_add_rmsnorm(
             peers.data, peers.deltas, peers.half, peers.bases, peers.counters, peers.timeout_ns,
             peers.abort.data_ptr(), RANK=peers.rank, WORLD=peers.world, HAS_RES=has_res, QUANT=quant, BLOCK=block, HW=use_hw_casts(x),
             num_warps=num_warps,
+            **launch_options(pdl),
         )  # fmt: skip
     return (y, ys, residual_out) if quant else (y, residual_out)

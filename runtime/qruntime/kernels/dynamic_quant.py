@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qruntime.kernels.pdl import launch_options, wait_for_inputs
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_SCALE = 1e-12
@@ -166,17 +168,22 @@ def _dynamic_quant_kernel(
     BLOCK: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
     HW: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     scale = quantize_row(x_ptr + row * stride_x, q_ptr + row * K, K, BLOCK, NUM_CHUNKS, HW)
     tl.store(s_ptr + row, scale)
 
 
-def dynamic_quant(x: torch.Tensor, *, max_block: int = MAX_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def dynamic_quant(
+    x: torch.Tensor, *, max_block: int = MAX_BLOCK, pdl: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token FP8 quantization: x [T, K] bf16 | fp16 | fp32 -> (xq [T, K] fp8 e4m3, xs [T, 1] fp32).
 
     Bit-identical to qruntime.ops.functional.dynamic_quant(x, 0). `max_block` (a power of two)
-    caps the register tile; rows wider than it take the two-pass chunked path (tests force it)."""
+    caps the register tile; rows wider than it take the two-pass chunked path (tests force it).
+    pdl: programmatic dependent launch (kernels/pdl.py)."""
     check_model_dtype("x", x)
     x = rows_of("x", x)
     tokens, k = x.shape
@@ -196,5 +203,6 @@ def dynamic_quant(x: torch.Tensor, *, max_block: int = MAX_BLOCK) -> tuple[torch
         NUM_CHUNKS=chunks,
         HW=use_hw_casts(x),
         num_warps=num_warps,
+        **launch_options(pdl),
     )
     return xq, xs

@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qruntime.kernels.pdl import launch_options, prefetch_l2, wait_for_inputs
+
 _SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _NUM_SMS_H100 = 132  # the heuristic's target; a tuner replaces it per device
@@ -156,6 +158,8 @@ def _ptpc_fp8_gemm_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks
     ACC_PROMOTE_K: tl.constexpr,  # <= BLOCK_K
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
+    PREFETCH_K: tl.constexpr,  # with PDL: bytes of each of its weight rows a program asks L2 for before the wait
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -178,6 +182,10 @@ def _ptpc_fp8_gemm_kernel(
 
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    if PDL and PREFETCH_K > 0:  # the weights do not depend on the previous kernel: start reading them
+        lines = k_start + tl.arange(0, PREFETCH_K // 128) * 128  # 128-byte L2 lines
+        prefetch_l2(b_ptr + rn[:, None] * stride_bn + tl.minimum(lines, k_end - 1)[None, :])
+    wait_for_inputs(PDL)
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + (k_start + offs_k)[None, :]  # [BLOCK_M, BLOCK_K]
     b_ptrs = b_ptr + rn[None, :] * stride_bn + (k_start + offs_k)[:, None]  # [BLOCK_K, BLOCK_N], K-major
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -216,7 +224,9 @@ def _splitk_reduce_kernel(
     stride_bs,
     SPLIT_K: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_inputs(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # flat index into [M, N]
     mask = offs < M * N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -258,15 +268,22 @@ def ptpc_fp8_gemm(
     ws: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
     config: GemmConfig | None = None,
+    *,
+    pdl: bool = False,
+    prefetch_k: int = 0,
 ) -> torch.Tensor:
     """PTPC FP8 linear: [M,K] x [N,K] -> [M,N], y = (xq · wᵀ in fp32) * xs * wsᵀ, cast to out_dtype.
 
     xq: [M,K] float8_e4m3fn, rows contiguous; xs: [M,1] float32 per-token scales;
     w: [N,K] float8_e4m3fn, rows contiguous; ws: [N,1] bf16/fp16/fp32 per-channel scales.
     config: tile sizes, split-K and launch parameters; default_config(M, N, K) when None.
+    pdl: programmatic dependent launch (kernels/pdl.py); with it, each program first asks L2 for
+    the first `prefetch_k` bytes (a multiple of 128; 0: none) of its weight rows, before the wait.
     Raises ValueError on a dtype, shape, stride or device mismatch.
     """
     _check(xq, xs, w, ws, out_dtype)
+    if prefetch_k < 0 or prefetch_k % 128 or prefetch_k & (prefetch_k - 1):
+        raise ValueError(f"prefetch_k must be 0 or a power of two multiple of 128 bytes, got {prefetch_k}")
     (m, k), n = xq.shape, w.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
     if m == 0 or n == 0:
@@ -305,10 +322,23 @@ def ptpc_fp8_gemm(
         ACC_PROMOTE_K=min(_ACC_PROMOTE_K, cfg.block_k),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        PREFETCH_K=prefetch_k if pdl else 0,
+        **launch_options(pdl),
     )
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-            part, xs, ws, out, m, n, xs.stride(0), ws.stride(0), SPLIT_K=split, BLOCK=block, num_warps=4
+            part,
+            xs,
+            ws,
+            out,
+            m,
+            n,
+            xs.stride(0),
+            ws.stride(0),
+            SPLIT_K=split,
+            BLOCK=block,
+            num_warps=4,
+            **launch_options(pdl),
         )
     return out

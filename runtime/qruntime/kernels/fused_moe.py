@@ -178,13 +178,16 @@ def fused_moe(
     norm_topk_prob: bool,
     config: MoEConfig | None = None,
     router: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """The MoE op (PTPC FP8 experts, per-token FP8 activations): x [T, H] bf16 | fp16 | fp32,
     router_logits [T, E] = x · router_wᵀ, w13 [E, 2I, H] fp8 (gate rows then up rows), w13_scale
     [E, 2I, 1], w2 [E, H, I] fp8, w2_scale [E, H, 1] -> y [T, H] in x's dtype.
     config: default_config(T, E, I, H, k) when None. router: (router_w [E, H], a zero int32
     counter), for a single token the router GEMV then runs in its routing launch (router_logits may
-    be None then; moe_routing.moe_router_one). Raises ValueError / TypeError on bad inputs."""
+    be None then; moe_routing.moe_router_one). pdl: every launch with programmatic dependent launch
+    (kernels/pdl.py). Raises ValueError / TypeError on bad inputs."""
     check_model_dtype("x", x)
     if w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"w13 [E, 2I, H] and w2 [E, H, I] must be 3-D, got {tuple(w13.shape)}, {tuple(w2.shape)}")
@@ -203,18 +206,22 @@ def fused_moe(
         return torch.zeros_like(x)
     cfg = config or default_config(tokens, num_experts, inter, hidden, top_k)
     if fused_router:  # batch-1 decode: router GEMV, routing, quant and the pairs' layout in one launch
-        (weights, ids, xq, xs), layout = moe_router_one(x, router[0], top_k, norm_topk_prob, cfg.block_m, router[1])
+        (weights, ids, xq, xs), layout = moe_router_one(
+            x, router[0], top_k, norm_topk_prob, cfg.block_m, router[1], pdl=pdl
+        )
         sorted_ids, block_expert, num_padded, amax = layout
     elif tokens == 1:  # the routing launch lays out the k pairs itself
-        (weights, ids, xq, xs), layout = moe_route_quant_one(router_logits, x, top_k, norm_topk_prob, cfg.block_m)
+        (weights, ids, xq, xs), layout = moe_route_quant_one(
+            router_logits, x, top_k, norm_topk_prob, cfg.block_m, pdl=pdl
+        )
         sorted_ids, block_expert, num_padded, amax = layout
     else:
-        weights, ids, xq, xs = moe_route_quant(router_logits, x, top_k, norm_topk_prob)
-        sorted_ids, block_expert, num_padded, amax = moe_align(ids, num_experts, cfg.block_m)
+        weights, ids, xq, xs = moe_route_quant(router_logits, x, top_k, norm_topk_prob, pdl=pdl)
+        sorted_ids, block_expert, num_padded, amax = moe_align(ids, num_experts, cfg.block_m, pdl=pdl)
     blocks = PairBlocks(sorted_ids, block_expert, num_padded, amax, cfg.block_m, top_k, tokens * top_k)
-    act = moe_up_silu(xq, xs, w13, w13_scale, blocks, x.dtype, **_launch(cfg.w13))
-    out_pairs = moe_down(act, w2, w2_scale, weights, blocks, **_launch(cfg.w2))
-    return moe_combine(out_pairs, top_k)
+    act = moe_up_silu(xq, xs, w13, w13_scale, blocks, x.dtype, **_launch(cfg.w13), pdl=pdl)
+    out_pairs = moe_down(act, w2, w2_scale, weights, blocks, **_launch(cfg.w2), pdl=pdl)
+    return moe_combine(out_pairs, top_k, pdl=pdl)
 
 
 def _launch(tile: TileConfig) -> dict[str, int]:

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qruntime.kernels.pdl import launch_options, wait_for_inputs
+
 CHUNK = 1024  # ids per histogram / scatter step
 BLOCKS_PER_STEP = 64  # block_expert entries per step
 PAD_STEP = 16  # padding positions per expert per step
@@ -58,7 +60,9 @@ def _moe_align_kernel(
     BLOCKS_PER_STEP: tl.constexpr,
     PAD_STEP: tl.constexpr,
     SPLIT: tl.constexpr,  # phases 1 and 3 run in the grid kernels below; counts come in cursor_ptr
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_inputs(PDL)
     lanes = tl.arange(0, CHUNK)
     bins = tl.arange(0, NUM_BINS)
 
@@ -110,8 +114,9 @@ def _moe_align_kernel(
 
 
 @triton.jit
-def _moe_count_kernel(ids_ptr, counts_ptr, num_pairs, NUM_BINS: tl.constexpr, CHUNK: tl.constexpr):
+def _moe_count_kernel(ids_ptr, counts_ptr, num_pairs, NUM_BINS: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Phase 1 over a grid: each program adds its chunk's histogram to counts (zeroed before)."""
+    wait_for_inputs(PDL)
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=0)
     counts = tl.histogram(ids, NUM_BINS)
@@ -123,10 +128,19 @@ def _moe_count_kernel(ids_ptr, counts_ptr, num_pairs, NUM_BINS: tl.constexpr, CH
 
 @triton.jit
 def _moe_scatter_kernel(
-    ids_ptr, sorted_ptr, cursor_ptr, amax_ptr, num_pairs, max_padded, AMAX_PER_PROGRAM, CHUNK: tl.constexpr
+    ids_ptr,
+    sorted_ptr,
+    cursor_ptr,
+    amax_ptr,
+    num_pairs,
+    max_padded,
+    AMAX_PER_PROGRAM,
+    CHUNK: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     """Phase 3 over a grid: each program places its chunk's pairs (cursor atomics) and zeroes its
     share of the row-amax buffer."""
+    wait_for_inputs(PDL)
     pid = tl.program_id(0)
     offs = pid * CHUNK + tl.arange(0, CHUNK)
     mask = offs < num_pairs
@@ -139,12 +153,13 @@ def _moe_scatter_kernel(
 
 
 def moe_align(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, *, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] int32 -> (sorted_pair_ids [max_padded] int32, block_expert [max_blocks]
     int32, num_padded [1] int32, row_amax [max_padded] fp32 zeros), max_padded =
     padded_size(T*k, E, block_m). Entries past num_padded are unspecified. The ids must lie in
-    [0, num_experts) (the routing kernel's do); they are not checked on the device."""
+    [0, num_experts) (the routing kernel's do); they are not checked on the device. pdl: programmatic
+    dependent launch (kernels/pdl.py)."""
     if topk_ids.dtype != torch.int32 or topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be int32 [T, k], got {topk_ids.dtype} {tuple(topk_ids.shape)}")
     if num_experts < 1:
@@ -167,7 +182,9 @@ def moe_align(
     split = chunks >= SPLIT_CHUNKS
     cursor = (torch.zeros if split else torch.empty)(bins, dtype=torch.int32, device=dev)
     if split:
-        _moe_count_kernel[(chunks,)](topk_ids, cursor, pairs, NUM_BINS=bins, CHUNK=chunk, num_warps=4)
+        _moe_count_kernel[(chunks,)](
+            topk_ids, cursor, pairs, NUM_BINS=bins, CHUNK=chunk, num_warps=4, **launch_options(pdl)
+        )
     _moe_align_kernel[(1,)](
         topk_ids,
         sorted_ids,
@@ -185,11 +202,21 @@ def moe_align(
         PAD_STEP=min(PAD_STEP, block_m),
         SPLIT=split,
         num_warps=8 if chunk >= 512 else 4,
+        **launch_options(pdl),
     )
     if split:
         per_program = triton.cdiv(triton.cdiv(max_padded, chunks), chunk) * chunk
         _moe_scatter_kernel[(chunks,)](
-            topk_ids, sorted_ids, cursor, amax, pairs, max_padded, per_program, CHUNK=chunk, num_warps=4
+            topk_ids,
+            sorted_ids,
+            cursor,
+            amax,
+            pairs,
+            max_padded,
+            per_program,
+            CHUNK=chunk,
+            num_warps=4,
+            **launch_options(pdl),
         )
     return sorted_ids, block_expert, num_padded, amax
 

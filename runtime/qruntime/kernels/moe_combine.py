@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from qruntime.kernels.dynamic_quant import round_to, use_hw_casts
+from qruntime.kernels.pdl import launch_options, wait_for_inputs
 
 COLS = 1024  # columns per program
 
@@ -25,7 +26,9 @@ def _moe_combine_kernel(
     TOP_K: tl.constexpr,
     BLOCK: tl.constexpr,
     HW: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_inputs(PDL)
     DTYPE: tl.constexpr = out_ptr.dtype.element_ty
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -36,7 +39,7 @@ def _moe_combine_kernel(
     tl.store(out_ptr + token * H + cols, round_to(acc, DTYPE, HW).to(DTYPE), mask=mask)
 
 
-def moe_combine(out_pairs: torch.Tensor, top_k: int) -> torch.Tensor:
+def moe_combine(out_pairs: torch.Tensor, top_k: int, *, pdl: bool = False) -> torch.Tensor:
     """[T*k, H] -> [T, H]: each token's k rows added in slot order in fp32, cast to their dtype."""
     pairs, hidden = out_pairs.shape
     if pairs % top_k or not out_pairs.is_contiguous():
@@ -48,6 +51,13 @@ def moe_combine(out_pairs: torch.Tensor, top_k: int) -> torch.Tensor:
     if tokens:
         block = min(COLS, triton.next_power_of_2(hidden))
         _moe_combine_kernel[(tokens, triton.cdiv(hidden, block))](
-            out_pairs, out, hidden, TOP_K=top_k, BLOCK=block, HW=use_hw_casts(out_pairs), num_warps=4
+            out_pairs,
+            out,
+            hidden,
+            TOP_K=top_k,
+            BLOCK=block,
+            HW=use_hw_casts(out_pairs),
+            num_warps=4,
+            **launch_options(pdl),
         )
     return out

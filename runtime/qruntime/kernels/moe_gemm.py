@@ -29,6 +29,7 @@ import triton.language as tl
 
 from qruntime.kernels.dynamic_quant import fp8_e4m3_code, quant_scale, round_to, use_hw_casts
 from qruntime.kernels.fp8_gemm import _ACC_PROMOTE_K
+from qruntime.kernels.pdl import launch_options, wait_for_inputs
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,9 @@ def _moe_up_silu_kernel(
     EVEN_K: tl.constexpr,
     ACC_PROMOTE_K: tl.constexpr,
     HW: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_inputs(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -151,7 +154,9 @@ def _moe_down_kernel(
     EVEN_K: tl.constexpr,
     ACC_PROMOTE_K: tl.constexpr,
     HW: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_inputs(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -217,6 +222,7 @@ def moe_up_silu(
     block_k: int,
     num_warps: int,
     num_stages: int,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """act [max_padded, I] (out_dtype; rows of padding positions unspecified) = silu_mul of each
     pair's PTPC up projection xq[t] · w13[e]ᵀ, and blocks.row_amax[row] = max |act[row]|.
@@ -261,6 +267,7 @@ def moe_up_silu(
         HW=use_hw_casts(xq),
         num_warps=num_warps,
         num_stages=num_stages,
+        **launch_options(pdl),
     )
     return act
 
@@ -276,6 +283,7 @@ def moe_down(
     block_k: int,
     num_warps: int,
     num_stages: int,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """out_pairs [T*k, H] (act's dtype): row p = D(D(down projection of pair p) * D(weight of p)),
     the down projection being PTPC on act's row quantized per token (scale from blocks.row_amax).
@@ -315,5 +323,6 @@ def moe_down(
         HW=use_hw_casts(act),
         num_warps=num_warps,
         num_stages=num_stages,
+        **launch_options(pdl),
     )
     return out

@@ -34,6 +34,7 @@ from qruntime.kernels.dynamic_quant import (
     rows_of,
     use_hw_casts,
 )
+from qruntime.kernels.pdl import launch_options, wait_for_inputs
 
 MAX_EXPERTS = 4096  # the router row is one register tile
 
@@ -64,7 +65,9 @@ def _moe_route_quant_kernel(
     LAYOUT: tl.constexpr = False,  # one token: also lay out its pairs, a block per slot
     BLOCK_M: tl.constexpr = 16,
     BLOCK_PAIRS: tl.constexpr = 16,  # next power of two of TOP_K * BLOCK_M
+    PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
 
     experts = tl.arange(0, BLOCK_E)
@@ -157,7 +160,9 @@ def _router_one_kernel(
     BLOCK_PAIRS: tl.constexpr,
     EXPERTS: tl.constexpr,  # router rows per program
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_inputs(PDL)
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty  # the model dtype, which F.linear's logits are in
     # ---- logits of this program's experts: fp32 dot products over H, rounded as F.linear's output
     pid = tl.program_id(0)
@@ -233,7 +238,7 @@ def _outputs(tokens: int, hidden: int, top_k: int, dev: torch.device) -> tuple[t
     )
 
 
-def _launch(logits, x, outputs, top_k: int, norm_topk_prob: bool, max_block: int, **layout) -> None:
+def _launch(logits, x, outputs, top_k: int, norm_topk_prob: bool, max_block: int, pdl: bool, **layout) -> None:
     weights, ids, xq, xs = outputs
     block, chunks, num_warps = row_config(x.shape[1], max_block)
     _moe_route_quant_kernel[(x.shape[0],)](
@@ -256,11 +261,18 @@ def _launch(logits, x, outputs, top_k: int, norm_topk_prob: bool, max_block: int
         HW=use_hw_casts(x),
         num_warps=num_warps,
         **layout,
+        **launch_options(pdl),
     )
 
 
 def moe_route_quant(
-    logits: torch.Tensor, x: torch.Tensor, top_k: int, norm_topk_prob: bool, *, max_block: int = MAX_BLOCK
+    logits: torch.Tensor,
+    x: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool,
+    *,
+    max_block: int = MAX_BLOCK,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Routing and FP8 quantization of the MoE input in one launch.
 
@@ -268,13 +280,14 @@ def moe_route_quant(
     (topk_weights [T, k] fp32, topk_ids [T, k] int32, xq [T, H] fp8 e4m3, xs [T, 1] fp32), i.e.
     functional.moe_routing(logits, k, norm) (weights before the cast to the logits' dtype) and
     functional.dynamic_quant(x, 0). `max_block` caps x's register tile (tests force the chunked path).
+    pdl: programmatic dependent launch (kernels/pdl.py).
     Raises ValueError on mismatched shapes or an unsupported E / k, TypeError on a dtype."""
     logits, x = _checked(logits, x, top_k)
     outputs = _outputs(x.shape[0], x.shape[1], top_k, x.device)
     if x.shape[0] == 0:
         outputs[3].fill_(MIN_SCALE)
         return outputs
-    _launch(logits, x, outputs, top_k, norm_topk_prob, max_block)
+    _launch(logits, x, outputs, top_k, norm_topk_prob, max_block, pdl)
     return outputs
 
 
@@ -286,6 +299,7 @@ def moe_route_quant_one(
     block_m: int,
     *,
     max_block: int = MAX_BLOCK,
+    pdl: bool = False,
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """moe_route_quant of a single token (logits [1, E], x [1, H]), plus its pairs laid out as
     moe_align(topk_ids, E, block_m) lays them out up to the blocks' order, from the same launch:
@@ -298,7 +312,7 @@ def moe_route_quant_one(
     outputs = _outputs(1, x.shape[1], top_k, x.device)
     positions = top_k * block_m
     _launch(
-        logits, x, outputs, top_k, norm_topk_prob, max_block,
+        logits, x, outputs, top_k, norm_topk_prob, max_block, pdl,
         sorted_ptr=layout[0], block_expert_ptr=layout[1], num_padded_ptr=layout[2], amax_ptr=layout[3],
         LAYOUT=True, BLOCK_M=block_m, BLOCK_PAIRS=triton.next_power_of_2(positions),
     )  # fmt: skip
@@ -320,6 +334,7 @@ def moe_router_one(
     counter: torch.Tensor,
     *,
     max_block: int = MAX_BLOCK,
+    pdl: bool = False,
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """moe_route_quant_one(x · router_wᵀ, x, ...) with the router GEMV in the same launch: x [1, H],
     router_w [E, H] in x's dtype; the logits are fp32 sums of the products rounded to x's dtype (as
@@ -349,5 +364,6 @@ def moe_router_one(
         BLOCK_M=block_m, BLOCK_PAIRS=triton.next_power_of_2(positions), EXPERTS=per,
         BLOCK_H=min(triton.next_power_of_2(hidden), max(64, 4096 // per)),
         num_warps=num_warps,
+        **launch_options(pdl),
     )  # fmt: skip
     return (weights, ids, xq, xs), layout

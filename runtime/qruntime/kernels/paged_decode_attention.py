@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from qruntime.kernels.kv_addressing import PoolAddressing, pool_addressing, pool_offsets
+from qruntime.kernels.pdl import launch_options, wait_for_inputs
 from qruntime.kv_layout import KV_LAYOUTS, KVLayout
 
 FP8 = torch.float8_e4m3fn
@@ -325,7 +326,9 @@ def _decode_partition_kernel(
     DIRECT: tl.constexpr,
     VARLEN: tl.constexpr,
     SCAN: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_inputs(PDL)
     idx = tl.program_id(0)  # the idx-th decode of the step
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -393,7 +396,9 @@ def _decode_reduce_kernel(
     BLOCK_S: tl.constexpr,
     VARLEN: tl.constexpr,
     SCAN: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_inputs(PDL)
     idx = tl.program_id(0)
     head = tl.program_id(1)
     if VARLEN:
@@ -481,6 +486,7 @@ def paged_decode_attention(
     num_decodes: int | None = None,
     out: torch.Tensor | None = None,
     kv: PagedKV | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Decode-step paged attention: o [B, nh*d] for q [B, nh, d], one query per sequence at position
     context_lens[b] - 1 (it sees the whole cached context).
@@ -499,7 +505,7 @@ def paged_decode_attention(
     into its query's row of o [T, nh*d]; the other rows are left as they are.
     out: the output to write (o's shape, q's dtype); allocated when None.
     kv: paged_kv(...) of these pools, q's dtype and heads and these scales, when the caller keeps it;
-    None computes it.
+    None computes it. pdl: programmatic dependent launch (kernels/pdl.py).
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, nh, d], got {tuple(q.shape)}")
@@ -557,11 +563,13 @@ def paged_decode_attention(
         BLOCK_N=block_n, BLOCK_SIZE=block_size, **kv.splits(), SPLIT_P=q.dtype != torch.float32,
         UPCAST=q.device.type != "cuda", DIRECT=direct, VARLEN=varlen, SCAN=SCAN_BLOCK,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **launch_options(pdl),
     )  # fmt: skip
     if not direct:
         _decode_reduce_kernel[(batch, nh)](
             partial, lse, context_lens, qsl, out, seqs, min_partition, num_splits, kv.v_scale,
             STEP=block_n, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=REDUCE_BLOCK_S,
             VARLEN=varlen, SCAN=SCAN_BLOCK, num_warps=4,
+            **launch_options(pdl),
         )  # fmt: skip
     return out

@@ -36,6 +36,7 @@ from qruntime.kernels.paged_decode_attention import (
     nth_sequence,
     paged_kv,
 )
+from qruntime.kernels.pdl import launch_options, wait_for_inputs
 from qruntime.kv_layout import KVLayout
 
 
@@ -93,7 +94,9 @@ def _prefill_kernel(
     UPCAST: tl.constexpr,
     SKIP_DECODES: tl.constexpr,
     SCAN: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_inputs(PDL)
     head = tl.program_id(0)
     tile = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest tiles first
     n = tl.program_id(2)
@@ -164,6 +167,7 @@ def paged_prefill_attention(
     config: PrefillConfig | None = None,
     num_prefills: int | None = None,
     kv: PagedKV | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Varlen causal paged attention: o [T, nh*d] for q [T, nh, d] of B sequences laid end to end.
 
@@ -177,7 +181,7 @@ def paged_prefill_attention(
     q_len is not 1: only those are computed and the rows of the q_len 1 sequences are left
     unwritten, for paged_decode_attention(..., query_start_loc=...) to fill.
     kv: paged_kv(...) of these pools, q's dtype and heads and these scales, when the caller keeps it;
-    None computes it.
+    None computes it. pdl: programmatic dependent launch (kernels/pdl.py).
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [T, nh, d], got {tuple(q.shape)}")
@@ -215,5 +219,6 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size, **kv.splits(), SPLIT_P=q.dtype != torch.float32,
         UPCAST=q.device.type != "cuda", SKIP_DECODES=num_prefills is not None, SCAN=SCAN_BLOCK,
         num_warps=num_warps, num_stages=cfg.num_stages,
+        **launch_options(pdl),
     )  # fmt: skip
     return out

@@ -40,6 +40,7 @@ import triton.language as tl
 
 from qruntime.kernels.dynamic_quant import fp8_e4m3_code, round_to, use_hw_casts
 from qruntime.kernels.kv_addressing import PoolAddressing, pool_addressing, pool_offsets
+from qruntime.kernels.pdl import launch_options, wait_for_inputs
 from qruntime.kv_layout import KVLayout
 
 _MODEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -119,7 +120,9 @@ def _qknorm_rope_kvwrite_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     FP8: tl.constexpr,
     HW: tl.constexpr,  # hardware fp32 -> bf16 / e4m3 conversions (not under the interpreter)
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     h0 = tl.program_id(1) * HEADS  # first head of the program: q heads 0..NH-1, then k heads
     HALF: tl.constexpr = D // 2
@@ -213,6 +216,7 @@ def qknorm_rope_kvwrite(
     v_scale: float,
     heads_per_program: int | None = None,
     num_warps: int | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Per-head RMSNorm + RoPE of q and k, k and v written to one layer's cache; returns q.
 
@@ -225,7 +229,8 @@ def qknorm_rope_kvwrite(
     in the model dtype. One launch, no host synchronisation.
 
     heads_per_program / num_warps override the launch configuration (None: by T, _launch_config);
-    heads_per_program must be a power of two dividing num_heads and num_kv_heads.
+    heads_per_program must be a power of two dividing num_heads and num_kv_heads. pdl: programmatic
+    dependent launch (kernels/pdl.py).
     """
     nh, kvh, d = num_heads, num_kv_heads, head_dim
     if qkv.dim() != 2 or qkv.shape[1] != (nh + 2 * kvh) * d:
@@ -276,5 +281,6 @@ def qknorm_rope_kvwrite(
         K_TOK_SPLIT=ka.tok_split, K_DIM_SPLIT=ka.dim_split, V_TOK_SPLIT=va.tok_split, V_DIM_SPLIT=va.dim_split,
         NH=nh, KVH=kvh, D=d, HALF_PAD=triton.next_power_of_2(d // 2), HEADS=heads,
         BLOCK_SIZE=block_size, FP8=fp8, HW=use_hw_casts(qkv), num_warps=warps,
+        **launch_options(pdl),
     )  # fmt: skip
     return q

@@ -37,6 +37,7 @@ from qruntime.kernels.dynamic_quant import (
     rows_of,
     use_hw_casts,
 )
+from qruntime.kernels.pdl import launch_options, wait_for_inputs
 
 MAX_REG_CHUNKS = tl.constexpr(4)  # chunks of y a program keeps in registers (one pass); beyond: two passes
 
@@ -65,7 +66,9 @@ def _silu_mul_quant_kernel(
     BLOCK: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
     HW: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_inputs(PDL)
     DTYPE: tl.constexpr = gu_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     g_row = gu_ptr + row * stride_gu
@@ -117,13 +120,16 @@ def silu_config(inter: int, max_block: int = CHUNK) -> tuple[int, int, int]:
     return block, triton.cdiv(inter, block), num_warps
 
 
-def silu_mul_quant(gate_up: torch.Tensor, *, max_block: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_mul_quant(
+    gate_up: torch.Tensor, *, max_block: int = CHUNK, pdl: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused SiLU-mul and per-token FP8 quantization.
 
     gate_up [T, 2I] bf16 | fp16 | fp32 (gate columns then up columns) -> (yq [T, I] fp8 e4m3,
     ys [T, 1] fp32), i.e. qruntime.ops.functional.dynamic_quant(silu_mul(gate_up), 0).
     `max_block` (a power of two) is the chunk width: I up to 4 chunks is done in one pass from
-    registers, wider rows in two passes (tests force both at small I)."""
+    registers, wider rows in two passes (tests force both at small I). pdl: programmatic dependent
+    launch (kernels/pdl.py)."""
     check_model_dtype("gate_up", gate_up)
     gate_up = rows_of("gate_up", gate_up)
     tokens, width = gate_up.shape
@@ -145,5 +151,6 @@ def silu_mul_quant(gate_up: torch.Tensor, *, max_block: int = CHUNK) -> tuple[to
         NUM_CHUNKS=chunks,
         HW=use_hw_casts(gate_up),
         num_warps=num_warps,
+        **launch_options(pdl),
     )
     return yq, ys

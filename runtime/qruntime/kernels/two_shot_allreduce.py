@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from qruntime.kernels.dynamic_quant import check_model_dtype, round_to, use_hw_casts
+from qruntime.kernels.pdl import launch_options, wait_for_inputs
 from qruntime.kernels.peer_sync import Peers, barrier, call_counts, data_half, grid_of
 
 BLOCK = 2048
@@ -43,7 +44,9 @@ def _two_shot_kernel(
     WORLD: tl.constexpr,
     BLOCK: tl.constexpr,
     HW: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_inputs(PDL)
     DT: tl.constexpr = x_ptr.dtype.element_ty
     slot = tl.program_id(0)
     grid = tl.num_programs(0)
@@ -74,7 +77,9 @@ def _two_shot_kernel(
         tl.store(out_ptr + idx, tl.load(owner + idx, mask=mask, cache_modifier=".cv"), mask=mask)
 
 
-def two_shot_all_reduce(x: torch.Tensor, peers: Peers, out: torch.Tensor | None = None) -> torch.Tensor:
+def two_shot_all_reduce(
+    x: torch.Tensor, peers: Peers, out: torch.Tensor | None = None, *, pdl: bool = False
+) -> torch.Tensor:
     """The sum over the ranks of their x (contiguous, the peers' dtype, at most a data half) into
     `out` (a new tensor by default; x itself is allowed). Every rank calls it with the same shape."""
     check_model_dtype("x", x)
@@ -87,5 +92,6 @@ def two_shot_all_reduce(x: torch.Tensor, peers: Peers, out: torch.Tensor | None 
             x, out, n, triton.cdiv(blocks, peers.world), peers.data, peers.deltas, peers.half, peers.bases,
             peers.counters, peers.timeout_ns, peers.abort.data_ptr(),
             RANK=peers.rank, WORLD=peers.world, BLOCK=BLOCK, HW=use_hw_casts(x), num_warps=8,
+            **launch_options(pdl),
         )  # fmt: skip
     return out

@@ -26,6 +26,7 @@ class OpEnv:
     kernels: KernelTable | None = None  # tuned kernel configs for this GPU (fast path only)
     tp_group: Any = None  # the torch.distributed process group of a tp > 1 artifact's ranks (None: tp=1)
     all_reduce: Any = None  # the group's qruntime.comm.all_reduce.AllReducer (fast path; None: torch.distributed)
+    pdl: bool = False  # launch the fast path's kernels with programmatic dependent launch (kernels/pdl.py)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ class DynamicQuant(quant.DynamicQuant):
         self.kernel = dynamic_quant if self.a["group_size"] == 0 else None
 
     def __call__(self, step, x):
-        return self.kernel(x) if self.kernel is not None else super().__call__(step, x)
+        return self.kernel(x, pdl=self.env.pdl) if self.kernel is not None else super().__call__(step, x)
 
 
 class AddRMSNorm(quant.AddRMSNorm):
@@ -46,7 +46,7 @@ class AddRMSNorm(quant.AddRMSNorm):
         self.kernel = add_rmsnorm
 
     def __call__(self, step, x, residual, w):
-        return self.kernel(x, residual, w, self.a["epsilon"])
+        return self.kernel(x, residual, w, self.a["epsilon"], pdl=self.env.pdl)
 
 
 class AddRMSNormQuant(quant.AddRMSNormQuant):
@@ -59,7 +59,7 @@ class AddRMSNormQuant(quant.AddRMSNormQuant):
     def __call__(self, step, x, residual, w):
         if self.kernel is None:
             return super().__call__(step, x, residual, w)
-        return self.kernel(x, residual, w, self.a["epsilon"])
+        return self.kernel(x, residual, w, self.a["epsilon"], pdl=self.env.pdl)
 
 
 class SiluMulQuant(quant.SiluMulQuant):
@@ -70,12 +70,14 @@ class SiluMulQuant(quant.SiluMulQuant):
         self.kernel = silu_mul_quant if self.a["group_size"] == 0 else None
 
     def __call__(self, step, gate_up):
-        return self.kernel(gate_up) if self.kernel is not None else super().__call__(step, gate_up)
+        return self.kernel(gate_up, pdl=self.env.pdl) if self.kernel is not None else super().__call__(step, gate_up)
 
 
 class PTPCLinear(quant.PTPCLinear):
     """FP8 GEMM by the backend tuned for (N, K) at the step's token count: our Triton kernel
     (with its tuned block/split config) or torch._scaled_mm (cuBLASLt)."""
+
+    prefetch_k = 0  # with PDL: bytes of each weight row a Triton GEMM program asks L2 for before its wait
 
     def __init__(self, attrs, env, consts=()) -> None:
         super().__init__(attrs, env, consts)
@@ -105,7 +107,9 @@ class PTPCLinear(quant.PTPCLinear):
         backend, config = self._plan(xq.shape[0])
         if backend == "cublaslt":
             return torch._scaled_mm(xq, w.T, scale_a=xs, scale_b=self.ws_row, out_dtype=self.env.dtype)
-        return self.gemm(xq, xs, w, ws, out_dtype=self.env.dtype, config=config)
+        return self.gemm(
+            xq, xs, w, ws, out_dtype=self.env.dtype, config=config, pdl=self.env.pdl, prefetch_k=self.prefetch_k
+        )
 
 
 class MoE(moe.MoE):
@@ -151,12 +155,14 @@ class MoE(moe.MoE):
         top_k, norm = self.a["top_k"], bool(self.a["norm_topk_prob"])
         config = self._config(x.shape[0], w13)
         if x.shape[0] == 1 and self.expert_counts is None and router_w.dtype == x.dtype:
-            return self.kernel(x, None, w13, w13_scale, w2, w2_scale, top_k, norm, config, (router_w, self.counter))
+            return self.kernel(
+                x, None, w13, w13_scale, w2, w2_scale, top_k, norm, config, (router_w, self.counter), pdl=self.env.pdl
+            )
         logits = F.linear(x, router_w)  # [T, E]
         if self.expert_counts is not None:  # the expert load report: same routing, counted (eager steps only)
             _, ids = fn.moe_routing(logits, top_k, norm)
             self.expert_counts += torch.bincount(ids.flatten(), minlength=self.expert_counts.numel())
-        return self.kernel(x, logits, w13, w13_scale, w2, w2_scale, top_k, norm, config)
+        return self.kernel(x, logits, w13, w13_scale, w2, w2_scale, top_k, norm, config, pdl=self.env.pdl)
 
 
 class QKNormRoPEKVWrite(attention.QKNormRoPEKVWrite):
@@ -185,6 +191,7 @@ class QKNormRoPEKVWrite(attention.QKNormRoPEKVWrite):
             block_size=a["block_size"],
             k_scale=a["k_scale"],
             v_scale=a["v_scale"],
+            pdl=self.env.pdl,
         )
         return q, qkv.new_empty(0, dtype=torch.uint8)
 
@@ -222,11 +229,12 @@ class PagedAttention(attention.PagedAttention):
             v_scale=a["v_scale"],
             num_kv_heads=a["num_kv_heads"],
         )
+        pdl = self.env.pdl
         pools = (cache.k[a["layer"]], cache.v[a["layer"]])
         if meta.decode_only:
             kv = self._pools_checked(q, pools, common)
             return self.decode(
-                q, *pools, block_tables, context_lens, max_context_len=meta.max_context_len, kv=kv, **common
+                q, *pools, block_tables, context_lens, max_context_len=meta.max_context_len, kv=kv, pdl=pdl, **common
             )
         q_lens = list(map(operator.sub, meta.query_start[1:], meta.query_start[:-1]))
         num_decodes = q_lens.count(1)  # host ints only: no sync, no index tensor (the kernels scan)
@@ -237,12 +245,12 @@ class PagedAttention(attention.PagedAttention):
             num_prefills = len(q_lens) - num_decodes if num_decodes else None  # None: no decode rows to skip
             args = (q, *pools, block_tables, context_lens, query_start_loc)
             kv = self._pools_checked(q, pools, common)
-            out = self.prefill(*args, max_q_len=longest, num_prefills=num_prefills, kv=kv, **common)
+            out = self.prefill(*args, max_q_len=longest, num_prefills=num_prefills, kv=kv, pdl=pdl, **common)
         if num_decodes:
             args = (q, *pools, block_tables, context_lens)
             kwargs = dict(query_start_loc=query_start_loc, num_decodes=num_decodes, out=out, **common)
             kv = self._pools_checked(q, pools, common)
-            self.decode(*args, max_context_len=meta.max_context_len, kv=kv, **kwargs)
+            self.decode(*args, max_context_len=meta.max_context_len, kv=kv, pdl=pdl, **kwargs)
         return out
 
     def _pools_checked(self, q, pools, common):
@@ -299,7 +307,7 @@ class AllReduce(collective.AllReduce):
 
     def __call__(self, step, x):
         if self.env.all_reduce is not None:
-            return self.env.all_reduce.all_reduce(x)
+            return self.env.all_reduce.all_reduce(x, pdl=self.env.pdl)
         torch.distributed.all_reduce(x, group=self.env.tp_group)
         return x
 
@@ -308,7 +316,7 @@ def _fused_all_reduce(env, x, residual, w, eps: float, quant: bool):
     """The one-kernel all-reduce + AddRMSNorm[Quant], or None when the message takes NCCL."""
     if env.all_reduce is None:
         return None
-    return env.all_reduce.all_reduce_add_rmsnorm(x, residual, w, eps, quant)
+    return env.all_reduce.all_reduce_add_rmsnorm(x, residual, w, eps, quant, pdl=env.pdl)
 
 
 class AllReduceAddRMSNorm(AddRMSNorm):

@@ -6,11 +6,8 @@ changing sizes (both data halves, counts moving on per slot), beside messages th
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -18,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from hopper_ptx import hopper_ptx
 from qruntime.comm.all_reduce import AllReducePolicy, AllReducer
 from qruntime.kernels.add_rmsnorm_quant import add_rmsnorm, add_rmsnorm_quant
 from qruntime.ops import functional as fn
@@ -117,35 +115,6 @@ def test_ranks_sum_through_peer_memory(tmp_path: Path, world: int) -> None:
             assert torch.equal(a, b)
 
 
-_COMPILE = """
-import inspect, json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import importlib
-
-module, kernel, types, constexprs, num_warps = json.loads(sys.argv[1])
-kernel = getattr(importlib.import_module(module), kernel)
-names = list(inspect.signature(kernel.fn).parameters)
-signature = {n: types.get(n, "constexpr") for n in names}
-aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in types and n not in ("timeout_ns", "abort")}
-source = ASTSource(kernel, signature, constexprs=constexprs, attrs=aligned)
-print(triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"])
-"""
-
-
-def _hopper_ptx(
-    kernel: str, types: dict, constexprs: dict, num_warps: int, module: str = "qruntime.kernels.custom_allreduce"
-) -> str:
-    """The kernel compiled for an H100 (sm_90) as a launch on aligned tensors would compile it, in a
-    process without the interpreter; no GPU needed (Triton's own ptxas)."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    arg = json.dumps([module, kernel, types, constexprs, num_warps])
-    done = subprocess.run([sys.executable, "-c", _COMPILE, arg], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
-
-
 def test_the_gpu_branch_compiles_with_system_scope_signals_and_vector_peer_loads():
     """What the interpreter cannot show: the HW branch compiles (a global a kernel reads must be a
     constexpr, inline asm must assemble), signals are one system-scope fence then relaxed system-scope
@@ -155,26 +124,32 @@ def test_the_gpu_branch_compiles_with_system_scope_signals_and_vector_peer_loads
 
     common = {"n": "i32", "data": "*bf16", "deltas": "*i64", "half": "i32", "bases": "*i64", "counters": "*i64"}
     common |= {"timeout_ns": "i64", "abort": "i64"}
-    one_shot = _hopper_ptx(
+    unaligned = ("timeout_ns", "abort")
+    one_shot = hopper_ptx(
+        "qruntime.kernels.custom_allreduce",
         "_one_shot_kernel",
         {"x_ptr": "*bf16", "out_ptr": "*bf16", **common},
-        {"RANK": 1, "WORLD": 4, "BLOCK": car.BLOCK, "HW": True},
+        {"RANK": 1, "WORLD": 4, "BLOCK": car.BLOCK, "HW": True, "PDL": False},
         8,
+        unaligned,
     )
     fused_types = {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "ro_ptr": "*bf16", "y_ptr": "*u8"}
     fused_types |= {"s_ptr": "*fp32", "T": "i32", "H": "i32", "stride_x": "i32", "stride_r": "i32", **common}
-    fused = _hopper_ptx(
+    fused = hopper_ptx(
+        "qruntime.kernels.custom_allreduce",
         "_fused_kernel",
         fused_types | {"eps": "fp32"},
-        {"RANK": 0, "WORLD": 2, "HAS_RES": True, "QUANT": True, "BLOCK": 4096, "HW": True},
+        {"RANK": 0, "WORLD": 2, "HAS_RES": True, "QUANT": True, "BLOCK": 4096, "HW": True, "PDL": False},
         16,
+        unaligned,
     )
-    two_shot = _hopper_ptx(
+    two_shot = hopper_ptx(
+        "qruntime.kernels.two_shot_allreduce",
         "_two_shot_kernel",
         {"x_ptr": "*bf16", "out_ptr": "*bf16", "run": "i32", **common},
-        {"RANK": 2, "WORLD": 4, "BLOCK": 2048, "HW": True},
+        {"RANK": 2, "WORLD": 4, "BLOCK": 2048, "HW": True, "PDL": False},
         8,
-        module="qruntime.kernels.two_shot_allreduce",
+        unaligned,
     )
     for ptx, world, barriers in ((one_shot, 4, 1), (fused, 2, 1), (two_shot, 4, 2)):
         assert ptx.count("fence.acq_rel.sys;") >= barriers

@@ -205,7 +205,7 @@ def test_one_token_is_laid_out_by_its_routing_launch(num_experts, top_k, block_m
     assert torch.equal(outs[0], outs[1])
     from qruntime.kernels import fused_moe as fused
 
-    def no_align(*args):
+    def no_align(*args, **kwargs):
         raise AssertionError("moe_align launched for one token")
 
     monkeypatch.setattr(fused, "moe_align", no_align)

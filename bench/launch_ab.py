@@ -1,0 +1,135 @@
+"""Issue-17 A/B of how the decode step's kernels are launched, in one process on one GPU, on a
+SYNTHETIC tuned artifact per preset (`qcompile synth PRESET --artifact`, tuned at the measured
+batch sizes):
+
+  plain     every kernel waits for the one before it to finish before it launches
+  pdl       programmatic dependent launch (kernels/pdl.py): each kernel launches while the one
+            before it runs, and waits for its inputs on the GPU
+  prefetch  pdl, and each Triton GEMM program asks L2 for the first --prefetch-k bytes of its
+            weight rows before it waits
+
+Modes are loaded in turn, twice each (graphs are captured at load, so a mode is a fresh engine).
+Each load reports: the engine's TPOT at each batch (128 prompt tokens, 128 generated; the prompts
+run once before, so the timed run's prefill hits the prefix cache and TPOT is decode alone), the
+batch-1 decode graph replayed back to back (no host work between), the kernels in that graph, and
+whether its greedy tokens equal the first mode's (same logits expected: PDL only moves launches).
+
+    python bench/launch_ab.py --presets qwen3-8b,qwen3-30b-a3b --out bench/results/launch_ab_h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import qruntime
+import qruntime.ops.triton_ops as triton_ops
+import torch
+from qruntime.benchmark import measure
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from compile_bench import gpu_report_header
+
+from qcompile.recipe.schema import load_recipe
+from qcompile.synth.artifact import write_synthetic_artifact
+
+MODES = ("plain", "pdl", "prefetch")
+
+
+def replay_ms(engine, batch: int, iters: int = 200) -> float:
+    """ms per replay of the decode graph of `batch`, replayed back to back."""
+    graph, _ = engine.runner.decode_graphs.graphs[batch]
+    for _ in range(20):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def graph_kernels(engine, batch: int, layers: int) -> dict:
+    """Kernels per replay of the decode graph of `batch` and per decoder layer (profiler count)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph, _ = engine.runner.decode_graphs.graphs[batch]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize()
+    launches = sum(e.count for e in prof.key_averages() if e.device_time_total > 0) / 5
+    return {"kernels_per_step": launches, "kernels_per_layer": round(launches / layers, 2)}
+
+
+def greedy_tokens(engine) -> list[list[int]]:
+    prompts = [[(7 * i + 3 * j) % 5000 + 10 for j in range(40)] for i in range(3)]
+    outs = engine.generate(prompts, qruntime.SamplingParams(max_tokens=24, ignore_eos=True))
+    return [o.token_ids for o in outs]
+
+
+def run_mode(art: Path, mode: str, args, layers: int, reference: list | None) -> dict:
+    triton_ops.PTPCLinear.prefetch_k = args.prefetch_k if mode == "prefetch" else 0
+    load_kw = dict(device="cuda", max_model_len=1024, max_num_seqs=max(args.batches), kv_cache_memory=8 << 30)
+    with qruntime.load(art, pdl=mode != "plain", **load_kw) as engine:
+        row: dict = {"mode": mode, "pdl": engine.description.get("pdl")}
+        tokens = greedy_tokens(engine)
+        row["greedy_equal_to_first"] = None if reference is None else tokens == reference
+        for batch in args.batches:
+            measure(engine, 128, 8, batch, seed=batch)  # the prompts' KV into the prefix cache
+            row[f"tpot_ms_b{batch}"] = round(measure(engine, 128, 128, batch, seed=batch)["tpot_ms"], 3)
+        row["replay_ms_b1"] = round(replay_ms(engine, 1), 3)
+        row.update(graph_kernels(engine, 1, layers))
+    triton_ops.PTPCLinear.prefetch_k = 0
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row, tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", default="qwen3-8b")
+    parser.add_argument("--batches", default="1,64", help="comma-separated batch sizes (1 is always measured)")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--prefetch-k", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/qlaunch"))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    args.batches = sorted({1, *(int(b) for b in args.batches.split(",") if b)})
+    modes = [m for m in args.modes.split(",") if m]
+    from qcompile.synth.presets import get_preset
+    from qcompile.tune.artifact import tune_artifact
+
+    report = gpu_report_header("launch_ab", synthetic=True)
+    report.update(prefetch_k=args.prefetch_k, batches=args.batches, rows=[])
+    for preset in args.presets.split(","):
+        art = args.workdir / preset
+        shutil.rmtree(art, ignore_errors=True)
+        write_synthetic_artifact(preset, art, load_recipe("ptpc-fp8"), progress=False)
+        tune_artifact(art, buckets=tuple(args.batches))
+        layers = get_preset(preset).config()["num_hidden_layers"]
+        gc.collect()
+        torch.cuda.empty_cache()
+        reference = None
+        for _ in range(args.repeats):
+            for mode in modes:
+                row, tokens = run_mode(art, mode, args, layers, reference)
+                reference = tokens if reference is None else reference
+                row["preset"] = preset
+                report["rows"].append(row)
+                print(json.dumps(row), flush=True)
+        shutil.rmtree(art, ignore_errors=True)
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
