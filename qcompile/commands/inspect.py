@@ -18,6 +18,7 @@ from qcompile.units import human_bytes, human_count
 def summarize(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """The facts `inspect` shows, as plain data."""
     from qcompile.io.safetensors_stream import DTYPES  # imports torch: only once the manifest has been read
+    from qcompile.quant import get_scheme
 
     spec, recipe, kv = manifest["spec"], manifest["recipe"], manifest["kv_cache"]
     tensors, tp = manifest["tensors"], manifest.get("tp", 1)
@@ -27,8 +28,8 @@ def summarize(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
         count = math.prod(info["shape"])  # the whole tensor's (at tp > 1 too)
         stored = [count] if tp == 1 else [math.prod(rank["shape"]) for rank in info["ranks"]]
         by_dtype[info["dtype"]] += sum(stored) * DTYPES[info["dtype"]].itemsize
-        if info["role"] != "scale":
-            params += count
+        if info["role"] != "scale":  # packed int4 holds 8 parameters a word
+            params += math.prod(get_scheme(info["scheme"]).logical_shape(tuple(info["shape"])))
     quantized = sorted({name.rsplit(".", 1)[0] for name, info in tensors.items() if info["role"] == "scale"})
     # the tables the manifest lists (the runtime reads no other): named, not opened
     tuned = sorted(Path(rel).stem for rel in manifest["files"] if rel.startswith("kernels/") and rel.endswith(".json"))

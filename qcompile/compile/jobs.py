@@ -20,7 +20,8 @@ Layout = list[list[tuple[str, int, int]]]  # per slice: (source, first row, end 
 
 @dataclass(frozen=True)
 class WeightJob:
-    """Artifact tensor `{name}.weight` (and `{name}.weight_scale` when quantized).
+    """Artifact tensor `{name}.weight` (and `{name}.weight_scale` when quantized; packed int4 is
+    `{name}.weight_packed`, as compressed-tensors names it).
 
     `sources[s]` lists the source tensors whose rows are concatenated (in order) to make slice `s`;
     with `stacked` the slices are stacked along a new first axis ([E, rows, cols], experts), without
@@ -47,7 +48,7 @@ class WeightJob:
 
     @property
     def weight_name(self) -> str:
-        return f"{self.name}.weight"
+        return f"{self.name}.{self.quant.weight_key}"
 
     @property
     def scale_name(self) -> str | None:
@@ -69,6 +70,8 @@ class WeightJob:
         return layout
 
     def weight_shape(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
+        """The logical shape of the weight (the sources' rows and columns); the stored tensor's is
+        `quant.stored_shape` of it (packed int4: 8 columns per int32)."""
         first = shapes[self.sources[0][0]]
         if len(first) == 1:
             if len(self.sources[0]) != 1 or self.stacked:
@@ -83,7 +86,8 @@ class WeightJob:
     def outputs(self, shapes: Mapping[str, tuple[int, ...]], model_dtype: torch.dtype) -> list[OutputTensor]:
         """The tensors this job writes, with their dtypes and shapes."""
         shape = self.weight_shape(shapes)
-        out = [OutputTensor(self.weight_name, self.quant.weight_dtype(model_dtype), shape)]
+        stored = self.quant.stored_shape(shape)
+        out = [OutputTensor(self.weight_name, self.quant.weight_dtype(model_dtype), stored)]
         if self.scale_name is not None:
             scale = self.quant.scale_shape(shape[-2:])
             assert scale is not None

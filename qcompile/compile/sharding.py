@@ -14,7 +14,9 @@ A rank's tensor is always an exact slice of the tp=1 tensor, spans concatenated 
 fused tensors concatenate their parts' spans in part order (a qkv_proj rank holds its q rows, then
 its k rows, then its v rows). Per-channel and per-tensor scales belong to output rows: they follow a
 row split and stay whole under a column split (each row keeps the scale of its whole row). Block
-scales follow either split, which must then fall on the block grid.
+scales follow either split, which must then fall on the block grid. Packed int4 weights (w4a16) follow
+a row split as they are, scales with them; a column split must keep whole groups on every rank, and
+cuts the packed words (8 columns each) and the group scales at the same places.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import torch
 from qcompile.compile.jobs import WeightJob
 from qcompile.errors import PlanError
 from qcompile.quant import QuantScheme
-from qcompile.quant.schemes import PerBlock
+from qcompile.quant.int4 import PER_INT32
+from qcompile.quant.schemes import PerBlock, PerGroupInt4
 from qcompile.source import model as hf
 from qcompile.source.spec import ModelSpec
 
@@ -166,12 +169,13 @@ class Sharding:
         self._vocab = Split(tp, 0, _even(spec.vocab_size, tp)) if vocab_parallel(spec, tp) else None
 
     def splits(self, job: WeightJob, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Split]:
-        """{tensor name: Split} of the weight (and scale) `job` writes.
+        """{tensor name: Split} of the weight (and scale) `job` writes, in the stored tensors' units
+        (packed int4: words of 8 columns, groups for the scale).
 
-        Raises PlanError when a block-scaled tensor would be cut off its block grid, or when the
-        parts of a fused tensor are split along different axes."""
-        weight = self._weight_split(job, shapes)
-        out = {job.weight_name: weight}
+        Raises PlanError when a block-scaled tensor would be cut off its block grid, an int4 tensor
+        inside a group, or when the parts of a fused tensor are split along different axes."""
+        weight = self._weight_split(job, shapes)  # in the logical weight's rows and columns
+        out = {job.weight_name: _packed_split(job, weight, job.weight_shape(shapes))}
         if job.scale_name is not None:
             out[job.scale_name] = _scale_split(job, weight, job.weight_shape(shapes))
         return out
@@ -210,29 +214,61 @@ class Sharding:
         return Split(self.tp, int(job.stacked), layouts.pop())
 
 
+def _packed_split(job: WeightJob, weight: Split, weight_shape: tuple[int, ...]) -> Split:
+    """The split of the stored weight: the logical one, but for a column split of packed int4, whose
+    columns are int32 words of 8 (the cuts fall on whole groups: `_scale_split` checks them)."""
+    if weight.axis is None or job.quant.int4 is None or weight.axis != len(weight_shape) - 1:
+        return weight
+    _check_grid(job, weight, weight_shape, job.quant.int4.group_size)
+    return _divided(weight, PER_INT32)
+
+
 def _scale_split(job: WeightJob, weight: Split, weight_shape: tuple[int, ...]) -> Split:
     """The split of `job`'s scale that keeps every rank's scale the slice belonging to its weight slice."""
     if weight.axis is None:
         return weight
     scheme: QuantScheme = job.quant
     row_axis = len(weight_shape) - 2
+    if isinstance(scheme.weights, PerGroupInt4):  # one scale per row and group of columns
+        if weight.axis == row_axis:
+            return weight
+        _check_grid(job, weight, weight_shape, scheme.weights.group_size)
+        return _divided(weight, scheme.weights.group_size)
     if not isinstance(scheme.weights, PerBlock):
         return weight if weight.axis == row_axis else Split(weight.tp)  # per-row scales: whole rows kept
     block = scheme.weights.block_n if weight.axis == row_axis else scheme.weights.block_k
+    _check_grid(job, weight, weight_shape, block)
+    return _divided(weight, block)
+
+
+def _divided(split: Split, size: int) -> Split:
+    """`split` in units of `size` (a last partial unit counts whole)."""
+    return Split(split.tp, split.axis, tuple(tuple((b // size, -(-e // size)) for b, e in s) for s in split.ranks))
+
+
+def _check_grid(job: WeightJob, weight: Split, weight_shape: tuple[int, ...], block: int) -> None:
+    """PlanError unless every cut of `weight` falls on a multiple of `block` (or the tensor's end)."""
+    scheme: QuantScheme = job.quant
     size = weight_shape[weight.axis]
-    what = "rows" if weight.axis == row_axis else "columns"
+    what = "rows" if weight.axis == len(weight_shape) - 2 else "columns"
     for spans in weight.ranks:
         for index, (begin, end) in enumerate(spans):
             last = index == len(spans) - 1 and end == size
             cut = begin if begin % block else end if end % block and not last else None
-            if cut is not None:
+            if cut is None:
+                continue
+            if scheme.int4:
+                local = sum(e - b for b, e in spans)
+                first = job.sources[0][0].removesuffix(".weight")
+                also = " and the modules fused or stacked with it" if job.stacked or len(job.sources[0]) > 1 else ""
                 raise PlanError(
-                    f"tp={weight.tp}: {job.weight_name} would be split between {what} {cut - 1} and {cut}, inside a "
-                    f"{block}-wide weight block of scheme {scheme.name!r}: block-scaled weights split only on "
-                    f"multiples of {block}. Choose a smaller tp, or a per-channel scheme such as ptpc-fp8"
+                    f"tp={weight.tp}: {job.weight_name} would be split between columns {cut - 1} and {cut}, inside "
+                    f"a {block}-column int4 group of scheme {scheme.name!r}: each rank holds {local} of its "
+                    f"{size} input columns, not a whole number of groups. Choose a tp that leaves each rank a "
+                    f"multiple of {block} columns, or keep {first!r}{also} unquantized (quantization.ignore)"
                 )
-    return Split(
-        weight.tp,
-        weight.axis,
-        tuple(tuple((b // block, -(-e // block)) for b, e in spans) for spans in weight.ranks),
-    )
+            raise PlanError(
+                f"tp={weight.tp}: {job.weight_name} would be split between {what} {cut - 1} and {cut}, inside a "
+                f"{block}-wide weight block of scheme {scheme.name!r}: block-scaled weights split only on "
+                f"multiples of {block}. Choose a smaller tp, or a per-channel scheme such as ptpc-fp8"
+            )

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 
 import numpy as np
 import torch
 
 from qcompile.compile.jobs import WeightJob
 from qcompile.compile.kvcache import KVScales
+from qcompile.errors import PlanError
 from qcompile.graph.ir import AttrValue, Dim, Graph, Node, TensorType, check_graph, constant_name
 from qcompile.graph.ops import OP_DOMAINS
 from qcompile.quant import QuantScheme, get_scheme
 from qcompile.quant.fp8 import FP8_DTYPE
+from qcompile.quant.int4 import check_groups
 from qcompile.recipe.schema import Recipe
+from qcompile.source.model import expected_tensors
 from qcompile.source.spec import ModelSpec
 
 Output = tuple[str, TensorType]
@@ -111,11 +115,20 @@ class GraphBuilder:
         rows = self.shape(x)[0]
         if not scheme.quantized:
             return self.gemm(x, job.weight_name, out_features, out, name=module)
+        assert job.scale_name is not None
+        if scheme.int4 is not None:  # weight-only: x stays in the model dtype
+            self._check_groups(job, scheme, int(self.shape(x)[1]))
+            return self.node(
+                scheme.linear_op,
+                [x, job.weight_name, job.scale_name],
+                [self.act(out, (rows, out_features))],
+                {"group_size": scheme.int4.group_size},
+                name=module,
+            )[0]
         xq, xs = self.quantize(x, scheme.activation_group)
         attrs: dict[str, AttrValue] = {}
         if scheme.row_align > 1:
             attrs = {"block_n": scheme.weights.block_n, "block_k": scheme.weights.block_k}  # type: ignore[union-attr]
-        assert job.scale_name is not None
         return self.node(
             scheme.linear_op,
             [xq, xs, job.weight_name, job.scale_name],
@@ -123,6 +136,29 @@ class GraphBuilder:
             attrs,
             name=module,
         )[0]
+
+    @cached_property
+    def _source_shapes(self) -> dict[str, tuple[int, ...]]:
+        return expected_tensors(self.spec)
+
+    def _check_groups(self, job: WeightJob, scheme: QuantScheme, local_cols: int) -> None:
+        """PlanError naming the source tensor when its input columns (or, at tp > 1, a rank's share of
+        them, `local_cols`) are not whole int4 groups."""
+        assert scheme.int4 is not None
+        group = scheme.int4.group_size
+        (source,) = job.sources[0]
+        shape = self._source_shapes[source]
+        try:
+            check_groups(shape, group, source)
+        except ValueError as exc:
+            raise PlanError(f"recipe {self.recipe.name!r}: {exc}") from None
+        if local_cols % group:
+            raise PlanError(
+                f"recipe {self.recipe.name!r}: tp={self.tp} gives each rank {local_cols} of the {shape[1]} input "
+                f"columns of {source}, not a whole number of {group}-column int4 groups (scheme {scheme.name!r}); "
+                f"choose a tp that leaves each rank a multiple of {group} columns, or keep "
+                f"{job.name!r} unquantized (quantization.ignore)"
+            )
 
     def gemm(self, x: str, weight: str, out_features: int, out: str, name: str) -> str:
         """An unquantized linear reading tensor `weight` [out_features, K]."""

@@ -13,9 +13,9 @@ DOMAIN_VERSION = 1
 
 STANDARD_OPS = frozenset({"Gather", "RMSNormalization", "Add", "Mul", "Sigmoid", "Split", "Reshape", "Gemm"})
 
-# element types of op parameters: T = the model dtype, W = a weight (model dtype or fp8)
+# element types of op parameters: T = the model dtype, W = a weight (model dtype, fp8, or packed int4 in int32)
 TYPE_PARAMS = MappingProxyType(
-    {"T": ("bfloat16", "float16", "float"), "W": ("bfloat16", "float16", "float", "float8e4m3fn")}
+    {"T": ("bfloat16", "float16", "float"), "W": ("bfloat16", "float16", "float", "float8e4m3fn", "int32")}
 )
 FIXED_TYPES = MappingProxyType({"F8": "float8e4m3fn", "F32": "float", "I64": "int64", "I32": "int32", "U8": "uint8"})
 
@@ -52,6 +52,8 @@ SIGNATURES: Mapping[str, OpSignature] = MappingProxyType(
         "BlockFP8Linear": OpSignature(
             (("xq", "F8"), ("xs", "F32"), ("w", "F8"), ("ws", "T")), (("y", "T"),), {"block_n": int, "block_k": int}
         ),
+        # int4 weights packed 8 to an int32 along K, one scale per row and group_size columns (w4a16)
+        "W4A16Linear": OpSignature((("x", "T"), ("w", "I32"), ("ws", "T")), (("y", "T"),), {"group_size": int}),
         "RoPE": OpSignature((("x", "T"), ("positions", "I64")), (("y", "T"),), {"theta": float, "head_dim": int}),
         "KVCacheWrite": OpSignature((("k", "T"), ("v", "T"), ("slot_mapping", "I64")), (("kv_ready", "U8"),), _KV),
         "PagedAttention": OpSignature(
@@ -134,7 +136,7 @@ COLLECTIVE_OPS = frozenset({"AllReduce", "AllReduceAddRMSNorm", "AllReduceAddRMS
 OP_DOMAINS = MappingProxyType({**{op: "" for op in STANDARD_OPS}, **{op: DOMAIN for op in SIGNATURES}})
 
 # the linear op of each weight layout, and where its weight sits among its inputs
-LINEAR_OPS = MappingProxyType({"Gemm": 1, "PTPCLinear": 2, "BlockFP8Linear": 2})
+LINEAR_OPS = MappingProxyType({"Gemm": 1, "PTPCLinear": 2, "BlockFP8Linear": 2, "W4A16Linear": 1})
 
 
 def check_signature(

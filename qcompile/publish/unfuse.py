@@ -4,7 +4,9 @@ Fused and stacked weights record their parts in the manifest; splitting only sli
 source tensor comes back with exactly the bytes (and scale) it was quantized to. This is what
 `qcompile export` builds on, and how tests compare us with llm-compressor byte for byte. Scales come
 back as compressed-tensors stores them: per-tensor scales, which the artifact repeats on each row
-of their source's part, as the one value of shape [1].
+of their source's part, as the one value of shape [1]. Packed int4 weights (w4a16) come back packed,
+their rows of int32 words; `compressed_names` gives the names compressed-tensors stores them under
+(`weight_packed`, `weight_scale` and the logical `weight_shape`).
 """
 
 from __future__ import annotations
@@ -19,15 +21,21 @@ from safetensors import SafetensorError, safe_open
 
 from qcompile.compile.jobs import split_rows
 from qcompile.errors import ArtifactError
-from qcompile.quant import get_scheme
+from qcompile.quant import QuantScheme, get_scheme
 
 
 def split_to_sources(root: str | Path) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
     """Yield (source tensor name, weight, scale or None) for every weight of the artifact.
 
     An FP8 lm_head made from tied embeddings is reported as `lm_head.weight`, beside the
-    embedding table itself.
+    embedding table itself. A packed int4 weight comes as its packed rows (int32 [rows, cols / 8]).
     """
+    for name, weight, scale, _ in split_with_schemes(root):
+        yield name, weight, scale
+
+
+def split_with_schemes(root: str | Path) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None, QuantScheme]]:
+    """`split_to_sources`, each source with the scheme its weight was stored in."""
     root = Path(root)
     manifest = read_manifest(root)
     if manifest.get("tp", 1) != 1:
@@ -60,14 +68,29 @@ def split_to_sources(root: str | Path) -> Iterator[tuple[str, torch.Tensor, torc
     for name, info in tensors.items():
         if info["role"] == "scale":
             continue
-        scale_name = name + "_scale"
+        scale_name = scale_of(name)
         scale = load(scale_name) if scale_name in tensors else None
         layout = [[tuple(part) for part in group] for group in info["parts"]]
         scheme = get_scheme(info["scheme"])
         for source, (weight, srows) in split_rows(layout, info["stacked"], scheme.row_align, load(name), scale).items():
             if scheme.per_tensor and srows is not None:
                 srows = _one_value(srows, scale_name, source)
-            yield ("lm_head.weight" if info["role"] == "lm_head" else source), weight, srows
+            yield ("lm_head.weight" if info["role"] == "lm_head" else source), weight, srows, scheme
+
+
+def scale_of(weight: str) -> str:
+    """The artifact's name of the scale of weight tensor `weight` (`X.weight` or `X.weight_packed`)."""
+    return weight.rpartition(".")[0] + ".weight_scale"
+
+
+def compressed_names(source: str, scheme: QuantScheme) -> tuple[str, str, str | None]:
+    """(weight, scale, shape) names that compressed-tensors gives source tensor `source` (`X.weight`)
+    under `scheme`: `X.weight`, `X.weight_scale`, no shape tensor; packed int4 `X.weight_packed`,
+    `X.weight_scale` and `X.weight_shape` (the int64 [rows, columns] of the unpacked weight)."""
+    module = source.removesuffix(".weight")
+    if scheme.weight_key == "weight":
+        return source, f"{module}.weight_scale", None
+    return f"{module}.{scheme.weight_key}", f"{module}.weight_scale", f"{module}.weight_shape"
 
 
 def _one_value(rows: torch.Tensor, scale_name: str, source: str) -> torch.Tensor:

@@ -8,7 +8,7 @@ from types import MappingProxyType
 
 import torch
 
-from qcompile.quant import fp8
+from qcompile.quant import fp8, int4
 
 
 @dataclass(frozen=True)
@@ -35,23 +35,48 @@ class PerBlock:
 
 
 @dataclass(frozen=True)
+class PerGroupInt4:
+    """Symmetric int4 weights, one scale per `group_size` consecutive input columns of a row, packed
+    eight to an int32 along the row (compressed-tensors' `pack-quantized`; qcompile.quant.int4)."""
+
+    group_size: int = 128
+
+
+@dataclass(frozen=True)
 class QuantScheme:
     """How a linear layer's weight is stored and which graph op consumes it.
 
     `weights` is None for an unquantized scheme. `activation_group` is the runtime's dynamic
     activation quantization: 0 = one scale per token, n = one scale per n consecutive channels,
-    -1 = one scale for the whole [T, K] activation of a step (per-tensor).
+    -1 = one scale for the whole [T, K] activation of a step (per-tensor), None = activations stay
+    in the model dtype (weight-only schemes such as w4a16).
     """
 
     name: str
-    weights: PerChannel | PerTensor | PerBlock | None
-    activation_group: int
+    weights: PerChannel | PerTensor | PerBlock | PerGroupInt4 | None
+    activation_group: int | None
     linear_op: str
     llmcompressor_scheme: str | None  # the preset it is byte-compatible with, when any
 
     @property
     def quantized(self) -> bool:
         return self.weights is not None
+
+    @property
+    def quantizes_activations(self) -> bool:
+        """Whether the linear op reads activations quantized at run time (a DynamicQuant before it)."""
+        return self.quantized and self.activation_group is not None
+
+    @property
+    def int4(self) -> PerGroupInt4 | None:
+        """The int4 group layout of a w4a16-style scheme, else None."""
+        return self.weights if isinstance(self.weights, PerGroupInt4) else None
+
+    @property
+    def weight_key(self) -> str:
+        """The last component of the weight's tensor name: `weight`, or `weight_packed` for packed
+        int4 (as compressed-tensors names it); the scale is `weight_scale` either way."""
+        return "weight_packed" if self.int4 else "weight"
 
     @property
     def per_tensor(self) -> bool:
@@ -65,20 +90,38 @@ class QuantScheme:
         return self.weights.block_n if isinstance(self.weights, PerBlock) else 1
 
     def weight_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        if self.int4:
+            return torch.int32
         return fp8.FP8_DTYPE if self.quantized else model_dtype
 
+    def stored_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The stored weight's shape for a weight of logical `shape` (rows and columns of the source,
+        experts first when stacked): packed int4 holds 8 columns per int32, the others are as is."""
+        if self.int4:
+            return (*shape[:-1], shape[-1] // int4.PER_INT32)
+        return tuple(shape)
+
+    def logical_shape(self, stored: tuple[int, ...]) -> tuple[int, ...]:
+        """`stored_shape`'s inverse: the source rows and columns a stored weight of shape `stored` holds."""
+        if self.int4:
+            return (*stored[:-1], stored[-1] * int4.PER_INT32)
+        return tuple(stored)
+
     def scale_shape(self, shape: tuple[int, int]) -> tuple[int, int] | None:
-        """Shape of the scale of a [rows, cols] weight, or None when unquantized."""
+        """Shape of the scale of a [rows, cols] weight (logical columns), or None when unquantized."""
         rows, cols = shape
         if isinstance(self.weights, PerChannel | PerTensor):
             return (rows, 1)
+        if isinstance(self.weights, PerGroupInt4):
+            return (rows, cols // self.weights.group_size)
         if isinstance(self.weights, PerBlock):
             return (math.ceil(rows / self.weights.block_n), math.ceil(cols / self.weights.block_k))
         return None
 
     def quantize(self, w: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize a [rows, cols] chunk of one source tensor whose first row is a multiple of
-        `row_align`; returns (fp8 [rows, cols], scale in the artifact's layout).
+        `row_align`; returns (fp8 [rows, cols], scale in the artifact's layout), or for int4
+        (packed int32 [rows, cols / 8], scale [rows, cols / group_size]).
 
         Per-tensor schemes need `amax`, the `fp8.tensor_amax` of the whole source tensor the chunk
         belongs to; without it the chunk is taken to be the whole tensor. Their scale comes back as
@@ -91,6 +134,8 @@ class QuantScheme:
             return q, scale.expand(w.shape[0], 1)
         if isinstance(self.weights, PerBlock):
             return fp8.quantize_per_block(w, (self.weights.block_n, self.weights.block_k))
+        if isinstance(self.weights, PerGroupInt4):
+            return int4.quantize_int4(w, self.weights.group_size)
         raise TypeError(f"scheme {self.name!r} does not quantize")
 
 
@@ -102,6 +147,8 @@ SCHEMES = MappingProxyType(
         # parts'); no compressed-tensors preset is this (its FP8 has static activation scales)
         "tensor-fp8": QuantScheme("tensor-fp8", PerTensor(), -1, "PTPCLinear", None),
         "block-fp8": QuantScheme("block-fp8", PerBlock(128, 128), 128, "BlockFP8Linear", "FP8_BLOCK"),
+        # int4 weights in groups of 128 along K, activations in the model dtype (weight-only)
+        "w4a16": QuantScheme("w4a16", PerGroupInt4(128), None, "W4A16Linear", "W4A16"),
         "none": QuantScheme("none", None, 0, "Gemm", None),
     }
 )

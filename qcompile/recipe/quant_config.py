@@ -9,25 +9,32 @@ from __future__ import annotations
 
 from typing import Any
 
-from qcompile.quant.schemes import PerBlock, PerChannel, PerTensor, QuantScheme
+from qcompile.quant.schemes import PerBlock, PerChannel, PerGroupInt4, PerTensor, QuantScheme
 from qcompile.recipe.schema import Recipe
 
 COMPRESSED_TENSORS_VERSION = "0.19.0"  # the format version we write (compressed-tensors' own numbering)
 
 
-def _args(strategy: str, dynamic: bool, block: list[int] | None = None, group: int | None = None) -> dict[str, Any]:
+def _args(
+    strategy: str,
+    dynamic: bool,
+    block: list[int] | None = None,
+    group: int | None = None,
+    num_bits: int = 8,
+    kind: str = "float",
+) -> dict[str, Any]:
     return {
         "actorder": None,
         "block_structure": block,
         "dynamic": dynamic,
         "group_size": group,
-        "num_bits": 8,
+        "num_bits": num_bits,
         "observer": None,
         "observer_kwargs": {},
         "scale_dtype": None,
         "strategy": strategy,
         "symmetric": True,
-        "type": "float",
+        "type": kind,
         "zp_dtype": None,
     }
 
@@ -47,18 +54,22 @@ def quantization_config(
     elif isinstance(scheme.weights, PerBlock):
         weights = _args("block", dynamic=False, block=[scheme.weights.block_n, scheme.weights.block_k])
         activations = _args("group", dynamic=True, group=scheme.activation_group)
+    elif isinstance(scheme.weights, PerGroupInt4):  # W4A16: int weights packed, activations as they are
+        weights = _args("group", dynamic=False, group=scheme.weights.group_size, num_bits=4, kind="int")
+        activations = None
     elif kv_cache_scheme is None:
         return None
     else:  # unquantized weights, quantized KV cache: no config groups, as llm-compressor writes it
         return _config({}, "dense", [], kv_cache_scheme)
+    fmt = "pack-quantized" if isinstance(scheme.weights, PerGroupInt4) else "float-quantized"
     group = {
-        "format": "float-quantized",
+        "format": fmt,
         "input_activations": activations,
         "output_activations": None,
         "targets": ["Linear"],
         "weights": weights,
     }
-    return _config({"group_0": group}, "float-quantized", list(recipe.quantization.ignore), kv_cache_scheme)
+    return _config({"group_0": group}, fmt, list(recipe.quantization.ignore), kv_cache_scheme)
 
 
 def fp8_kv_cache_scheme() -> dict[str, Any]:

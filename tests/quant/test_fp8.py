@@ -112,7 +112,13 @@ def test_per_tensor_chunks_with_the_prepass_amax_equal_whole_tensor():
 
 
 def test_registry():
-    assert set(SCHEMES) == {"ptpc-fp8", "tensor-fp8", "block-fp8", "none"}
+    assert set(SCHEMES) == {"ptpc-fp8", "tensor-fp8", "block-fp8", "w4a16", "none"}
+    int4 = get_scheme("w4a16")  # weight-only: packed int32 words of 8 columns, one scale per 128 columns
+    assert int4.quantized and not int4.quantizes_activations and int4.linear_op == "W4A16Linear"
+    assert int4.weight_key == "weight_packed" and int4.weight_dtype(torch.bfloat16) == torch.int32
+    assert int4.stored_shape((10, 256)) == (10, 32) and int4.logical_shape((10, 32)) == (10, 256)
+    assert int4.scale_shape((10, 256)) == (10, 2) and int4.row_align == 1 and not int4.per_tensor
+    assert get_scheme("ptpc-fp8").weight_key == "weight" and get_scheme("ptpc-fp8").stored_shape((3, 4)) == (3, 4)
     tensor = get_scheme("tensor-fp8")
     assert tensor.per_tensor and tensor.row_align == 1 and tensor.activation_group == -1
     assert tensor.linear_op == "PTPCLinear" and tensor.scale_shape((10, 20)) == (10, 1)

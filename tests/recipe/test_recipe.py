@@ -106,12 +106,14 @@ def test_llmcompressor_recipe_translates(tmp_path):
     assert recipe.passes == DEFAULT_PASSES and recipe.name == "llmc"
     path.write_text(LLMC.replace("scheme: FP8_DYNAMIC", "scheme: {FP8_BLOCK: [Linear]}"))
     assert load_recipe(str(path)).quantization.scheme == "block-fp8"
+    path.write_text(LLMC.replace("scheme: FP8_DYNAMIC", "scheme: W4A16"))  # its RTN is ours byte for byte
+    assert load_recipe(str(path)).quantization.scheme == "w4a16"
 
 
 @pytest.mark.parametrize(
     "text, message",
     [
-        (LLMC.replace("FP8_DYNAMIC", "W4A16"), "scheme 'W4A16' is not supported"),
+        (LLMC.replace("FP8_DYNAMIC", "W8A8"), "scheme 'W8A8' is not supported"),
         (LLMC.replace("QuantizationModifier", "GPTQModifier"), "GPTQModifier is not supported"),
         (LLMC.replace("targets: [Linear]", "targets: [Embedding]"), "targets must be"),
         (LLMC + "      kv_cache_scheme: {num_bits: 8}\n", "kv_cache_scheme is not supported"),

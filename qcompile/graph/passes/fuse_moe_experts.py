@@ -11,6 +11,7 @@ from qcompile.graph.ops import COLLECTIVE_OPS, DOMAIN
 from qcompile.graph.passes._fusion import check_fusable, linear_reading, linear_weight
 from qcompile.graph.passes.base import GraphPass
 from qcompile.graph.rewrite import Rewrite
+from qcompile.quant import QuantScheme
 from qcompile.source import model as hf
 
 NAME = "fuse_moe_experts"
@@ -65,7 +66,7 @@ def fuse_moe_experts(graph: Graph) -> Graph:
             "top_k": routing.attrs["top_k"],
             "norm_topk_prob": routing.attrs["norm_topk_prob"],
             "linear": scheme.linear_op,
-            "group_size": scheme.activation_group if scheme.quantized else 0,
+            "group_size": _group_size(scheme),
         }
         if scheme.row_align > 1:
             attrs.update(block_n=scheme.weights.block_n, block_k=scheme.weights.block_k)  # type: ignore[union-attr]
@@ -74,6 +75,14 @@ def fuse_moe_experts(graph: Graph) -> Graph:
         rw.insert(min(members), Node("MoE", DOMAIN, inputs, (output,), attrs, f"{hf.layer_prefix(i)}.mlp"))
         rw.replace_jobs([job.name for job in jobs], w13, w2)
     return rw.apply() if rw.changed else graph
+
+
+def _group_size(scheme: QuantScheme) -> int:
+    """The MoE op's group_size: the activation groups of an FP8 linear (DynamicQuant's), the weight
+    groups along K of W4A16Linear (whose activations are not quantized), 0 for Gemm."""
+    if scheme.int4 is not None:
+        return scheme.int4.group_size
+    return scheme.activation_group if scheme.quantizes_activations else 0  # type: ignore[return-value]
 
 
 def _subgraph(rw: Rewrite, x: str, layer: int, static: set[str]) -> tuple[list[int], str]:

@@ -70,6 +70,28 @@ def block_fp8_linear(
     return y.to(out_dtype)
 
 
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [..., K/8] -> int4 values [..., K] in [-8, 7] (int8): column j of a row is bits 4 (j mod 8)
+    of word j // 8, stored as value + 8 (compressed-tensors' `pack-quantized`)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    codes = (packed[..., None] >> shifts) & 0xF  # the arithmetic shift's sign bits are masked off
+    return (codes.reshape(*packed.shape[:-1], -1) - 8).to(torch.int8)
+
+
+def dequantize_int4(w: torch.Tensor, ws: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Packed int4 w [N, K/8] and scales ws [N, K/group_size] -> q * scale [N, K] in ws's dtype."""
+    q = unpack_int4(w)
+    n, k = q.shape
+    return (q.reshape(n, k // group_size, group_size).to(ws.dtype) * ws[..., None]).reshape(n, k)
+
+
+def w4a16_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x [T, K] (model dtype) times the dequantized int4 weight [N, K], transposed -> [T, N], a Gemm
+    in x's dtype: the weight's values q * scale rounded to that dtype, as compressed-tensors
+    dequantizes them."""
+    return torch.nn.functional.linear(x, dequantize_int4(w, ws.to(x.dtype), group_size))
+
+
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, head_dim: int) -> torch.Tensor:
     """Rotate-half (NeoX) RoPE on x [T, heads, d], cos/sin in fp32."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=x.device) / head_dim))

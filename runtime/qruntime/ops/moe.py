@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from qruntime.ops import functional as fn
 from qruntime.ops.base import Op, OpBindError
 
-LINEARS = ("Gemm", "PTPCLinear", "BlockFP8Linear")
+LINEARS = ("Gemm", "PTPCLinear", "BlockFP8Linear", "W4A16Linear")
+UNQUANTIZED_INPUT = ("Gemm", "W4A16Linear")  # the linears that read activations in the model dtype
 
 
 class MoERouting(Op):
@@ -49,11 +50,15 @@ class MoE(Op):
             raise OpBindError(f"MoE linear {self.a['linear']!r} is not one of {LINEARS}")
 
     def _quant(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(xq, xs) for a quantized linear, (x, None) for Gemm."""
-        return (x, None) if self.a["linear"] == "Gemm" else fn.dynamic_quant(x, self.a["group_size"])
+        """(xq, xs) for an FP8 linear, (x, None) for Gemm and W4A16Linear (weight-only)."""
+        if self.a["linear"] in UNQUANTIZED_INPUT:
+            return x, None
+        return fn.dynamic_quant(x, self.a["group_size"])
 
     def _linear(self, xq: torch.Tensor, xs: torch.Tensor | None, w: torch.Tensor, ws: torch.Tensor | None):
         a = self.a
+        if a["linear"] == "W4A16Linear":  # group_size is the weight's int4 groups here
+            return fn.w4a16_linear(xq, w, ws, a["group_size"])
         if xs is None:
             return F.linear(xq, w)
         if a["linear"] == "PTPCLinear":

@@ -1,9 +1,12 @@
-"""FP8 linears, dynamic activation quantization, and the norm / activation ops fused with it."""
+"""Quantized linears (FP8, int4 weight-only), dynamic activation quantization, and the norm /
+activation ops fused with it."""
 
 from __future__ import annotations
 
+import torch
+
 from qruntime.ops import functional as fn
-from qruntime.ops.base import Op
+from qruntime.ops.base import Op, OpBindError
 
 
 class DynamicQuant(Op):
@@ -25,6 +28,33 @@ class BlockFP8Linear(Op):
 
     def __call__(self, step, xq, xs, w, ws):
         return fn.block_fp8_linear(xq, xs, w, ws, self.a["block_n"], self.a["block_k"], self.env.dtype)
+
+
+class W4A16Linear(Op):
+    """int4 weights packed 8 to an int32 along K with one scale per row and `group_size` columns;
+    activations in the model dtype: y = x · dequant(w)ᵀ."""
+
+    attrs = ("group_size",)
+
+    def __init__(self, attrs, env, consts=()) -> None:
+        super().__init__(attrs, env, consts)
+        group = self.a["group_size"]
+        if group <= 0 or group % 8:
+            raise OpBindError(f"group_size {group} is not a positive multiple of 8 (int4 values per int32)")
+        w, ws = (consts + (None, None, None))[1:3]
+        if w is not None and ws is not None:
+            if w.dtype != torch.int32 or w.dim() != 2 or ws.dim() != 2:
+                raise OpBindError(
+                    f"w must be int32 [N, K/8] and ws [N, K/group_size], got {w.dtype} "
+                    f"{list(w.shape)} and {list(ws.shape)}"
+                )
+            if ws.shape[0] != w.shape[0] or ws.shape[1] * group != w.shape[1] * 8:
+                raise OpBindError(
+                    f"w {list(w.shape)} (K = {w.shape[1] * 8}) and ws {list(ws.shape)} do not fit group_size {group}"
+                )
+
+    def __call__(self, step, x, w, ws):
+        return fn.w4a16_linear(x, w, ws, self.a["group_size"])
 
 
 class AddRMSNorm(Op):

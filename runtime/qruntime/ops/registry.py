@@ -19,7 +19,7 @@ def reference_ops() -> Mapping[tuple[str, str], type[Op]]:
     """(domain, op_type) -> Op class, for every op the compiler emits."""
     standard_ops = [standard.Gather, standard.RMSNormalization, standard.Add, standard.Mul, standard.Sigmoid]
     standard_ops += [standard.Split, standard.Reshape, standard.Gemm]
-    qcompile_ops = [quant.DynamicQuant, quant.PTPCLinear, quant.BlockFP8Linear, quant.AddRMSNorm]
+    qcompile_ops = [quant.DynamicQuant, quant.PTPCLinear, quant.BlockFP8Linear, quant.W4A16Linear, quant.AddRMSNorm]
     qcompile_ops += [quant.AddRMSNormQuant, quant.SiluMul, quant.SiluMulQuant]
     qcompile_ops += [attention.RoPE, attention.KVCacheWrite, attention.PagedAttention, attention.QKNormRoPEKVWrite]
     qcompile_ops += [moe.MoERouting, moe.ExpertWeight, moe.MoE]
