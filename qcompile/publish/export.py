@@ -13,7 +13,8 @@ same checkpoint and scheme:
 Tensors carry the source checkpoint's names again: fused and stacked weights split back by
 `split_to_sources` (losslessly: fusing only moves rows), FP8 `<linear>.weight` with its
 `<linear>.weight_scale` (model dtype: [out, 1] per channel, [1] per tensor, [ceil(out/128),
-ceil(in/128)] per block), everything unquantized as it was. An FP8 lm_head of a tied model is its
+ceil(in/128)] per block), int4 (`w4a16`, `pack-quantized`) `<linear>.weight_packed` int32 [out, in/8]
+with `weight_scale` [out, in/128] and `weight_shape` (int64 [out, in]), everything unquantized as it was. An FP8 lm_head of a tied model is its
 own `lm_head.weight` and config.json says `tie_word_embeddings: false` (as llm-compressor unties
 it). An FP8 KV cache adds `model.layers.{i}.self_attn.k_scale` / `v_scale` ([1], model dtype) and
 the `kv_cache_scheme`.
@@ -46,7 +47,7 @@ from qcompile.io.atomic import atomic_output_dir, check_free_space, check_target
 from qcompile.io.safetensors_stream import DTYPES, OutputTensor, StreamingWriter
 from qcompile.progress import progress_bar
 from qcompile.publish.model_card import base_model_name, describe_scheme
-from qcompile.publish.unfuse import split_to_sources
+from qcompile.publish.unfuse import compressed_names, scale_of, split_with_schemes
 from qcompile.quant import get_scheme
 from qcompile.recipe.quant_config import fp8_kv_cache_scheme, quantization_config
 from qcompile.recipe.schema import recipe_from_dict
@@ -95,7 +96,7 @@ def export_compressed_tensors(
             weight_map = {t.name: file for file, shard in shards.items() for t in shard}
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-        lm_head = any(t.name == "lm_head.weight" for g in groups for t in g)
+        lm_head = any(t.name.startswith("lm_head.") for g in groups for t in g)
         config = _config(root, manifest, lm_head)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         for rel in manifest["files"]:
@@ -130,16 +131,20 @@ def _layout(manifest: dict[str, Any]) -> tuple[list[Group], dict[str, torch.Tens
         if info["role"] == "scale":
             continue
         _check_parts(name, info)
-        scheme, scale = get_scheme(info["scheme"]), tensors.get(name + "_scale")
+        scheme, scale = get_scheme(info["scheme"]), tensors.get(scale_of(name))
         shape = info["shape"][1:] if info["stacked"] else info["shape"]
         for parts in info["parts"]:
             for source, begin, end in parts:
-                out = "lm_head.weight" if info["role"] == "lm_head" else source
-                part = (end - begin, *shape[1:])
-                group = [OutputTensor(out, DTYPES[info["dtype"]], part)]
+                weight_name, scale_name, shape_name = compressed_names(
+                    "lm_head.weight" if info["role"] == "lm_head" else source, scheme
+                )
+                part = (end - begin, *shape[1:])  # as stored (packed int4: words of 8 columns)
+                group = [OutputTensor(weight_name, DTYPES[info["dtype"]], part)]
                 if scale is not None:
-                    scale_shape = (1,) if scheme.per_tensor else scheme.scale_shape(part)
-                    group.append(OutputTensor(out + "_scale", DTYPES[scale["dtype"]], tuple(scale_shape)))
+                    scale_shape = (1,) if scheme.per_tensor else scheme.scale_shape(scheme.logical_shape(part))
+                    group.append(OutputTensor(scale_name, DTYPES[scale["dtype"]], tuple(scale_shape)))
+                if shape_name is not None:
+                    group.append(OutputTensor(shape_name, torch.int64, (2,)))
                 groups.append(tuple(group))
     kv = manifest["kv_cache"]
     values: dict[str, torch.Tensor] = {}
@@ -193,10 +198,13 @@ def _shards(groups: list[Group], max_bytes: int) -> dict[str, Group]:
 
 
 def _sources(root: Path, kv_values: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, weight, scale in split_to_sources(root):
-        yield name, weight
+    for name, weight, scale, scheme in split_with_schemes(root):
+        weight_name, scale_name, shape_name = compressed_names(name, scheme)
+        yield weight_name, weight
         if scale is not None:
-            yield name + "_scale", scale
+            yield scale_name, scale
+        if shape_name is not None:  # compressed-tensors' record of the unpacked [rows, columns]
+            yield shape_name, torch.tensor(scheme.logical_shape(tuple(weight.shape)), dtype=torch.int64)
     yield from kv_values.items()
 
 
@@ -259,7 +267,9 @@ def _readme(manifest: dict[str, Any], config: dict[str, Any]) -> str:
     base = base_model_name(source["path"], config)
     meta: dict[str, Any] = {"base_model": base}
     meta |= {k: source[k] for k in ("license", "license_name", "license_link") if source.get(k)}
-    tags = ["compressed-tensors", "qcompile", "qwen3"] + (["fp8"] if "quantization_config" in config else [])
+    int4 = get_scheme(scheme).int4 is not None
+    fp8 = "quantization_config" in config and (not int4 or kv["dtype"] != "bf16")
+    tags = ["compressed-tensors", "qcompile", "qwen3"] + (["int4"] if int4 else []) + (["fp8"] if fp8 else [])
     meta |= {"library_name": "transformers", "pipeline_tag": "text-generation", "tags": tags}
     kept = ""
     if get_scheme(scheme).quantized:

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from qcompile.publish.reports import Report, render_reports
-from qcompile.quant.schemes import PerBlock, PerChannel, PerTensor, QuantScheme, get_scheme
+from qcompile.quant.schemes import PerBlock, PerChannel, PerGroupInt4, PerTensor, QuantScheme, get_scheme
 from qcompile.units import human_bytes, human_count
 
 LIBRARY_NAME = "qruntime"
@@ -84,7 +84,7 @@ def _front_matter(inputs: CardInputs) -> str:
     if m["spec"].get("moe"):
         tags.append("moe")
     if quantized:
-        tags += ["fp8", m["recipe"]["quantization"]["scheme"]]
+        tags += ["int4" if scheme is not None and scheme.int4 else "fp8", m["recipe"]["quantization"]["scheme"]]
     if m["kv_cache"]["dtype"] != "bf16":
         tags.append("fp8-kv-cache")
     meta["tags"] = tags
@@ -139,6 +139,14 @@ def describe_scheme(name: str) -> str:
     if not scheme.quantized:
         return f"`{name}`: not quantized, weights in the model dtype"
     w = scheme.weights
+    if isinstance(w, PerGroupInt4):
+        text = (
+            f"`{name}`: int4 weights (symmetric, round to nearest), one scale per {w.group_size} input columns "
+            "of a row; activations in the model dtype"
+        )
+        if scheme.llmcompressor_scheme:
+            text += f"; the weights are byte-identical to llm-compressor's `{scheme.llmcompressor_scheme}`"
+        return text
     if isinstance(w, PerChannel):
         weights = "one scale per output channel"
     elif isinstance(w, PerTensor):
@@ -155,6 +163,11 @@ def describe_scheme(name: str) -> str:
     return text
 
 
+def _logical(name: str, shape: list[int]) -> tuple[int, ...]:
+    scheme = _scheme(name)
+    return tuple(shape) if scheme is None else scheme.logical_shape(tuple(shape))
+
+
 def _kept(manifest: dict[str, Any]) -> str:
     """The linear weights kept unquantized, layer indices folded: `lm_head`, `model.layers.*.mlp.gate` ×48."""
     kept: Counter[str] = Counter()
@@ -162,7 +175,8 @@ def _kept(manifest: dict[str, Any]) -> str:
         if info["role"] in ("linear", "lm_head", "router") and info["scheme"] == "none":
             kept[re.sub(r"\.layers\.\d+\.", ".layers.*.", tensor.removesuffix(".weight"))] += 1
     names = [f"`{k}`" + (f" ×{n}" if n > 1 else "") for k, n in sorted(kept.items())]
-    if manifest["spec"].get("tie_word_embeddings") and "lm_head.weight" not in manifest["tensors"]:
+    own_head = any(name.startswith("lm_head.") for name in manifest["tensors"])  # `weight` or `weight_packed`
+    if manifest["spec"].get("tie_word_embeddings") and not own_head:
         names.append("`lm_head` (tied: it reads the embedding table)")
     return ", ".join(names) or "none"
 
@@ -199,7 +213,9 @@ def _tp(manifest: dict[str, Any]) -> str:
 def _inside(inputs: CardInputs) -> str:
     m = inputs.manifest
     spec, recipe, tensors = m["spec"], m["recipe"], m["tensors"]
-    params = sum(math.prod(t["shape"]) for t in tensors.values() if t["role"] != "scale")
+    params = sum(
+        math.prod(_logical(t["scheme"], t["shape"])) for t in tensors.values() if t["role"] != "scale"
+    )  # packed int4 weights count their 8 values a word
     quantized = sum(1 for t in tensors.values() if t["role"] == "scale")
     moe = spec.get("moe") or {}
     model = (

@@ -62,11 +62,10 @@ def decode_step_bytes(manifest: dict[str, Any], batch: int = 1, context_len: int
     `batch` rows, unless it is also the lm_head) plus the KV cache of `batch` contexts."""
     spec, kv = manifest["spec"], manifest["kv_cache"]
     total = 0
+    own_head = any(name.startswith("lm_head.") for name in manifest["tensors"])  # `weight` or packed int4
     for info in manifest["tensors"].values():
         size = math.prod(info["shape"]) * DTYPE_BYTES[info["dtype"]]
-        if info["role"] == "embedding" and not (
-            spec["tie_word_embeddings"] and "lm_head.weight" not in manifest["tensors"]
-        ):
+        if info["role"] == "embedding" and not (spec["tie_word_embeddings"] and not own_head):
             size = batch * info["shape"][-1] * DTYPE_BYTES[info["dtype"]]
         total += size
     kv_elem = 1 if kv["dtype"] == "fp8_e4m3" else 2
