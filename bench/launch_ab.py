@@ -6,7 +6,10 @@ batch sizes):
   pdl       programmatic dependent launch (kernels/pdl.py): each kernel launches while the one
             before it runs, and waits for its inputs on the GPU
   prefetch  pdl, and each Triton GEMM program asks L2 for the first --prefetch-k bytes of its
-            weight rows before it waits
+            weight rows before it waits (what the runtime does)
+  unfolded  prefetch, but every split-K GEMM launches its own reduction instead of handing its
+            partials to the next kernel (ops/triton_ops.fold_split_k_reductions)
+All modes but `unfolded` fold the reductions.
 
 Modes are loaded in turn, twice each (graphs are captured at load, so a mode is a fresh engine).
 Each load reports: the engine's TPOT at each batch (128 prompt tokens, 128 generated; the prompts
@@ -38,7 +41,7 @@ from compile_bench import gpu_report_header
 from qcompile.recipe.schema import load_recipe
 from qcompile.synth.artifact import write_synthetic_artifact
 
-MODES = ("plain", "pdl", "prefetch")
+MODES = ("plain", "pdl", "prefetch", "unfolded")
 
 
 def replay_ms(engine, batch: int, iters: int = 200) -> float:
@@ -76,7 +79,10 @@ def greedy_tokens(engine) -> list[list[int]]:
 
 
 def run_mode(art: Path, mode: str, args, layers: int, reference: list | None) -> dict:
-    triton_ops.PTPCLinear.prefetch_k = args.prefetch_k if mode == "prefetch" else 0
+    default_prefetch, fold = triton_ops.PTPCLinear.prefetch_k, triton_ops.fold_split_k_reductions
+    triton_ops.PTPCLinear.prefetch_k = args.prefetch_k if mode in ("prefetch", "unfolded") else 0
+    if mode == "unfolded":
+        triton_ops.fold_split_k_reductions = lambda plan: 0
     load_kw = dict(device="cuda", max_model_len=1024, max_num_seqs=max(args.batches), kv_cache_memory=8 << 30)
     with qruntime.load(art, pdl=mode != "plain", **load_kw) as engine:
         row: dict = {"mode": mode, "pdl": engine.description.get("pdl")}
@@ -87,7 +93,7 @@ def run_mode(art: Path, mode: str, args, layers: int, reference: list | None) ->
             row[f"tpot_ms_b{batch}"] = round(measure(engine, 128, 128, batch, seed=batch)["tpot_ms"], 3)
         row["replay_ms_b1"] = round(replay_ms(engine, 1), 3)
         row.update(graph_kernels(engine, 1, layers))
-    triton_ops.PTPCLinear.prefetch_k = 0
+    triton_ops.PTPCLinear.prefetch_k, triton_ops.fold_split_k_reductions = default_prefetch, fold
     gc.collect()
     torch.cuda.empty_cache()
     return row, tokens

@@ -202,6 +202,10 @@ def build_rank(
     shard = None
     if group is not None and config.sharded_sampling and (sharded := logits_shard(plan)) is not None:
         plan, shard = sharded, VocabShard(rank, config.tp, group, reducer)
+    if config.backend == "triton":
+        from qruntime.ops.triton_ops import fold_split_k_reductions
+
+        fold_split_k_reductions(plan)
     blocks, capturable = _local_blocks(config, device), plan.capturable
     checkpoint("planned")
     if group is not None:

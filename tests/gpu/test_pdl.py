@@ -6,6 +6,8 @@ inputs before the wait would race the kernel that writes them and differ here, s
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import qruntime
 import qruntime.ops.triton_ops as triton_ops
@@ -16,6 +18,7 @@ MOE_MODEL = {"hidden_size": 256, "head_dim": 128, "num_attention_heads": 4, "num
 
 
 def _run(artifact, pdl: bool, prompts, prefetch_k: int = 0) -> list:
+    default_prefetch = triton_ops.PTPCLinear.prefetch_k
     triton_ops.PTPCLinear.prefetch_k = prefetch_k
     try:
         with qruntime.load(artifact, device="cuda", pdl=pdl, max_num_seqs=8, kv_cache_memory=256 << 20) as engine:
@@ -25,23 +28,24 @@ def _run(artifact, pdl: bool, prompts, prefetch_k: int = 0) -> list:
             outs += engine.generate(prompts[:2], qruntime.SamplingParams(max_tokens=12, ignore_eos=True))
             outs += engine.generate(prompts[3:4], qruntime.SamplingParams(max_tokens=12, ignore_eos=True))
     finally:
-        triton_ops.PTPCLinear.prefetch_k = 0
+        triton_ops.PTPCLinear.prefetch_k = default_prefetch
     return [(o.token_ids, o.logprobs) for o in outs]
 
 
-def _prompts(rng, vocab: int = 1000) -> list[list[int]]:
+def _prompts(rng, artifact) -> list[list[int]]:
+    vocab = json.loads((artifact / "manifest.json").read_text())["spec"]["vocab_size"]
     lengths = (5, 37, 300, 1, 64, 129)  # 300: a piecewise prefill over several chunks' buckets
-    return [[rng.randrange(10, vocab) for _ in range(n)] for n in lengths]
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
 @pytest.mark.parametrize("prefetch_k", [0, 1024])
 def test_pdl_launches_give_the_plain_launches_bits(gpu_artifact, cuda, rng, prefetch_k):
-    prompts = _prompts(rng)
+    prompts = _prompts(rng, gpu_artifact)
     plain = _run(gpu_artifact, False, prompts)
     assert plain == _run(gpu_artifact, True, prompts, prefetch_k)
 
 
 def test_pdl_moe_gives_the_plain_bits(make_ckpt, compiled, cuda, rng):
     artifact = compiled(make_ckpt("tiny-moe", **MOE_MODEL), "ptpc-fp8")
-    prompts = _prompts(rng)
+    prompts = _prompts(rng, artifact)
     assert _run(artifact, False, prompts) == _run(artifact, True, prompts)

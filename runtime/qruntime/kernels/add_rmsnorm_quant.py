@@ -38,6 +38,7 @@ from qruntime.kernels.dynamic_quant import (
     rows_of,
     use_hw_casts,
 )
+from qruntime.kernels.fp8_gemm import SplitKPartials, check_partials, splitk_value
 from qruntime.kernels.pdl import launch_options, wait_for_inputs
 
 
@@ -83,19 +84,25 @@ def _add_rmsnorm_kernel(
     ro_ptr,  # [T, H] residual_out, contiguous (unused without HAS_RES)
     y_ptr,  # [T, H]: uint8 view of the fp8 yq when QUANT, else y in the model dtype; contiguous
     s_ptr,  # [T] fp32 ys (unused without QUANT)
+    xs_ptr,  # SPLIT: x is a split-K GEMM's fp32 partials [SPLIT, T, H]; these its scales xs [T, 1], ws [H, 1]
+    ws_ptr,
+    T,
+    stride_xs,
+    stride_ws,
     H,
     stride_x,
     stride_r,
     eps,
+    SPLIT: tl.constexpr,  # 0: x is [T, H] in the model dtype
     HAS_RES: tl.constexpr,
     QUANT: tl.constexpr,
     BLOCK: tl.constexpr,
-    NUM_CHUNKS: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,  # > 1: SPLIT is 0
     HW: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     wait_for_inputs(PDL)
-    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    DTYPE: tl.constexpr = w_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     r_row = r_ptr + row * stride_r
@@ -104,7 +111,10 @@ def _add_rmsnorm_kernel(
     cols = tl.arange(0, BLOCK)
     if NUM_CHUNKS == 1:
         mask = cols < H
-        h = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        if SPLIT:  # the GEMM's reduction, here instead of in a launch of its own
+            h = splitk_value(x_ptr, xs_ptr, ws_ptr, row, cols, mask, T, H, stride_xs, stride_ws, SPLIT, DTYPE, HW)
+        else:
+            h = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_RES:
             h = round_to(h + tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32), DTYPE, HW)
             tl.store(ro_row + cols, h.to(DTYPE), mask=mask)  # exact: h is a DTYPE value
@@ -142,7 +152,15 @@ def _add_rmsnorm_kernel(
                 tl.store(y_row + offs, y.to(DTYPE), mask=mask)
 
 
-def _check(x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _check(x, residual: torch.Tensor | None, w: torch.Tensor, max_block: int):
+    """(x, residual) ready for the kernel: x a [T, H] tensor, or SplitKPartials the kernel reduces
+    (reduced here first when it cannot: a row wider than one tile, or no residual, whose residual_out
+    is x itself)."""
+    if isinstance(x, SplitKPartials):
+        if residual is not None and row_config(x.shape[1], max_block)[1] == 1:
+            check_partials(x, residual, w)
+            return x, rows_of("residual", residual)
+        x = x.reduce()
     check_model_dtype("x", x)
     x = rows_of("x", x)
     if residual is not None:
@@ -163,22 +181,30 @@ def _launch(x, residual, w, eps, residual_out, y, ys, quant: bool, max_block: in
         return
     block, chunks, num_warps = row_config(hidden, max_block)
     has_res = residual is not None
+    split = isinstance(x, SplitKPartials)
+    part, xs, ws, _, stride_xs, stride_ws = x.kernel_args() if split else (x, x, x, tokens, 0, 0)
     _add_rmsnorm_kernel[(tokens,)](
-        x,
+        part,
         residual if has_res else x,
         w.contiguous(),
         residual_out if has_res else x,
         y,
-        ys if quant else x,
+        ys if quant else w,
+        xs,
+        ws,
+        tokens,
+        stride_xs,
+        stride_ws,
         hidden,
-        x.stride(0),
+        0 if split else x.stride(0),
         residual.stride(0) if has_res else 0,
         float(eps),
+        SPLIT=x.split if split else 0,
         HAS_RES=has_res,
         QUANT=quant,
         BLOCK=block,
         NUM_CHUNKS=chunks,
-        HW=use_hw_casts(x),
+        HW=use_hw_casts(w),
         num_warps=num_warps,
         **launch_options(pdl),
     )
@@ -200,12 +226,13 @@ def add_rmsnorm_quant(
     the model dtype (x itself when residual is None), y = rms_norm(residual_out, w, eps), then
     qruntime.ops.functional.dynamic_quant(y, 0). `max_block` (a power of two) caps the register
     tile; wider rows take the chunked three-pass path (tests force it at small H). pdl: launch with
-    programmatic dependent launch (kernels/pdl.py; Hopper GPUs only)."""
-    x, residual = _check(x, residual, w)
+    programmatic dependent launch (kernels/pdl.py; Hopper GPUs only). x may be a split-K GEMM's
+    SplitKPartials (fp8_gemm.py), reduced in this launch."""
+    x, residual = _check(x, residual, w, max_block)
     tokens, hidden = x.shape
     yq = torch.empty(tokens, hidden, dtype=FP8, device=x.device)
     ys = torch.empty(tokens, 1, dtype=torch.float32, device=x.device)
-    residual_out = x if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    residual_out = x if residual is None else torch.empty_like(residual, memory_format=torch.contiguous_format)
     _launch(x, residual, w, eps, residual_out, yq.view(torch.uint8), ys, True, max_block, pdl)
     return yq, ys, residual_out
 
@@ -223,10 +250,10 @@ def add_rmsnorm(
 
     x, residual [T, H] (same model dtype), w [H], eps -> (y [T, H] model dtype, residual_out [T, H]),
     y = qruntime.ops.functional.rms_norm(residual_out, w, eps) with residual_out = x + residual (x
-    itself when residual is None)."""
-    x, residual = _check(x, residual, w)
+    itself when residual is None; x may be SplitKPartials, as in add_rmsnorm_quant)."""
+    x, residual = _check(x, residual, w, max_block)
     tokens, hidden = x.shape
-    y = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
-    residual_out = x if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    y = torch.empty(tokens, hidden, dtype=w.dtype, device=x.device)
+    residual_out = x if residual is None else torch.empty_like(residual, memory_format=torch.contiguous_format)
     _launch(x, residual, w, eps, residual_out, y, None, False, max_block, pdl)
     return y, residual_out

@@ -26,6 +26,7 @@ hardware path when run on a GPU.
 from __future__ import annotations
 
 import os
+from types import MappingProxyType
 
 import torch
 import triton
@@ -38,6 +39,8 @@ FP8_MAX = 448.0
 MIN_SCALE = 1e-12
 MAX_BLOCK = 8192  # widest row kept in registers as one tile; longer rows loop over chunks of CHUNK
 CHUNK = 4096
+# the model dtypes the kernels compute in, as Triton's constexpr dtypes
+TL_DTYPES = MappingProxyType({torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32})
 _MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 

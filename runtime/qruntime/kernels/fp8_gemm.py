@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qruntime.kernels.dynamic_quant import round_to, use_hw_casts
 from qruntime.kernels.pdl import launch_options, prefetch_l2, wait_for_inputs
 
 _SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -224,6 +225,7 @@ def _splitk_reduce_kernel(
     stride_bs,
     SPLIT_K: tl.constexpr,
     BLOCK: tl.constexpr,
+    HW: tl.constexpr,  # hardware rounding (the interpreter's fp32 -> bf16 cast truncates)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     wait_for_inputs(PDL)
@@ -236,7 +238,96 @@ def _splitk_reduce_kernel(
     col = offs % N
     xs = tl.load(as_ptr + row * stride_as, mask=mask, other=0.0)
     ws = tl.load(bs_ptr + col * stride_bs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(c_ptr + offs, (acc * xs * ws).to(c_ptr.dtype.element_ty), mask=mask)
+    y = round_to(acc * xs * ws, c_ptr.dtype.element_ty, HW)  # exact in the output dtype
+    tl.store(c_ptr + offs, y.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def splitk_value(
+    part_ptr, as_ptr, bs_ptr, row, cols, mask, M, N, stride_as, stride_bs,
+    SPLIT: tl.constexpr, DTYPE: tl.constexpr, HW: tl.constexpr,
+):  # fmt: skip
+    """Elements (row, cols) of a split-K GEMM's output read from its fp32 partials [SPLIT, M, N]: the
+    sum in split order from zero, times xs[row] then ws[cols], rounded to DTYPE; the bits
+    _splitk_reduce_kernel stores, as fp32 (0 where masked). cols may have any shape."""
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(part_ptr + (s * M + row) * N + cols, mask=mask, other=0.0)
+    xs = tl.load(as_ptr + row * stride_as)
+    ws = tl.load(bs_ptr + cols * stride_bs, mask=mask, other=0.0).to(tl.float32)
+    return round_to(acc * xs * ws, DTYPE, HW)
+
+
+@dataclass(frozen=True)
+class SplitKPartials:
+    """A split-K PTPC GEMM's output before its reduction launch: partials [S, M, N] fp32 (the sum
+    over K range s), the scales xs [M, 1] fp32 and ws [N, 1], and the output dtype. The row kernels
+    that read a linear's output (add_rmsnorm_quant, silu_mul_quant, qknorm_rope_kvwrite) take it in
+    place of the [M, N] tensor and compute each element as the reduction would (splitk_value), so a
+    decode step saves that launch; `reduce()` runs it for any other reader."""
+
+    partials: torch.Tensor
+    xs: torch.Tensor
+    ws: torch.Tensor
+    dtype: torch.dtype
+    pdl: bool = False
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.partials.shape[1], self.partials.shape[2])
+
+    @property
+    def device(self) -> torch.device:
+        return self.partials.device
+
+    @property
+    def split(self) -> int:
+        return self.partials.shape[0]
+
+    def kernel_args(self) -> tuple:
+        """(partials, xs, ws, M, stride of xs, stride of ws): what a reading kernel passes to splitk_value."""
+        return (self.partials, self.xs, self.ws, self.shape[0], self.xs.stride(0), self.ws.stride(0))
+
+    def reduce(self) -> torch.Tensor:
+        """The [M, N] output (the reduction launch)."""
+        m, n = self.shape
+        out = torch.empty((m, n), dtype=self.dtype, device=self.device)
+        if m * n:
+            _reduce(self.partials, self.xs, self.ws, out, self.pdl)
+        return out
+
+
+def check_partials(x: SplitKPartials, like: torch.Tensor | None, w: torch.Tensor) -> None:
+    """ValueError unless x's output would be a [T, N] tensor of w's dtype and device, shaped as `like`
+    (when given): what a kernel reading it in place of that tensor needs."""
+    if (
+        x.dtype != w.dtype
+        or x.device != w.device
+        or (like is not None and (tuple(like.shape), like.dtype) != (x.shape, x.dtype))
+    ):
+        raise ValueError(
+            f"split-K partials of {x.shape} {x.dtype} on {x.device} do not match "
+            f"{'' if like is None else f'{tuple(like.shape)} '}{w.dtype} on {w.device}"
+        )
+
+
+def _reduce(part: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor, out: torch.Tensor, pdl: bool) -> None:
+    (split, m, n), block = part.shape, 1024
+    _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+        part,
+        xs,
+        ws,
+        out,
+        m,
+        n,
+        xs.stride(0),
+        ws.stride(0),
+        SPLIT_K=split,
+        BLOCK=block,
+        HW=use_hw_casts(out),
+        num_warps=4,
+        **launch_options(pdl),
+    )
 
 
 def _check(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, out_dtype: torch.dtype) -> None:
@@ -271,7 +362,8 @@ def ptpc_fp8_gemm(
     *,
     pdl: bool = False,
     prefetch_k: int = 0,
-) -> torch.Tensor:
+    defer_reduce: bool = False,
+) -> torch.Tensor | SplitKPartials:
     """PTPC FP8 linear: [M,K] x [N,K] -> [M,N], y = (xq · wᵀ in fp32) * xs * wsᵀ, cast to out_dtype.
 
     xq: [M,K] float8_e4m3fn, rows contiguous; xs: [M,1] float32 per-token scales;
@@ -279,6 +371,7 @@ def ptpc_fp8_gemm(
     config: tile sizes, split-K and launch parameters; default_config(M, N, K) when None.
     pdl: programmatic dependent launch (kernels/pdl.py); with it, each program first asks L2 for
     the first `prefetch_k` bytes (a multiple of 128; 0: none) of its weight rows, before the wait.
+    defer_reduce: when the config splits K, return the SplitKPartials without the reduction launch.
     Raises ValueError on a dtype, shape, stride or device mismatch.
     """
     _check(xq, xs, w, ws, out_dtype)
@@ -326,19 +419,7 @@ def ptpc_fp8_gemm(
         **launch_options(pdl),
     )
     if split > 1:
-        block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-            part,
-            xs,
-            ws,
-            out,
-            m,
-            n,
-            xs.stride(0),
-            ws.stride(0),
-            SPLIT_K=split,
-            BLOCK=block,
-            num_warps=4,
-            **launch_options(pdl),
-        )
+        if defer_reduce:
+            return SplitKPartials(part, xs, ws, out_dtype, pdl)
+        _reduce(part, xs, ws, out, pdl)
     return out

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from qruntime.kernels.dynamic_quant import fp8_e4m3_code, round_to, use_hw_casts
+from qruntime.kernels.fp8_gemm import SplitKPartials, check_partials, splitk_value
 from qruntime.kernels.kv_addressing import PoolAddressing, pool_addressing, pool_offsets
 from qruntime.kernels.pdl import launch_options, wait_for_inputs
 from qruntime.kv_layout import KVLayout
@@ -59,12 +60,27 @@ def _store_kv(pool_ptr, offsets, x, mask, scale, FP8: tl.constexpr, HW: tl.const
 
 
 @triton.jit
-def _norm_rope(head_ptr, w_ptr, dim, partner, sign, mask, cos, sin, eps, D: tl.constexpr, HW: tl.constexpr):
-    """RMSNorm then rotate-half RoPE of heads [HEADS, 2, HALF_PAD] at head_ptr [HEADS, 1, 1]:
-    fp32 values rounded to the model dtype."""
-    x = tl.load(head_ptr + dim, mask=mask, other=0.0)
-    a = x.to(tl.float32)
-    ap = tl.load(head_ptr + partner, mask=mask, other=0.0).to(tl.float32)
+def _qkv(
+    row_ptr, cols, mask, xs_ptr, ws_ptr, t, T, stride_xs, stride_ws,
+    WIDTH: tl.constexpr, SPLIT: tl.constexpr, DTYPE: tl.constexpr, HW: tl.constexpr,
+):  # fmt: skip
+    """Elements `cols` of token t's qkv row, fp32: loaded from row_ptr, or (SPLIT > 0) from the
+    split-K qkv GEMM's partials at row_ptr (their base then), reduced here with its scales."""
+    if SPLIT == 0:
+        return tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    else:
+        return splitk_value(row_ptr, xs_ptr, ws_ptr, t, cols, mask, T, WIDTH, stride_xs, stride_ws, SPLIT, DTYPE, HW)
+
+
+@triton.jit
+def _norm_rope(
+    row_ptr, col0, w_ptr, dim, partner, sign, mask, cos, sin, eps, xs_ptr, ws_ptr, t, T, stride_xs, stride_ws,
+    D: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr, DTYPE: tl.constexpr, HW: tl.constexpr,
+):  # fmt: skip
+    """RMSNorm then rotate-half RoPE of heads [HEADS, 2, HALF_PAD] whose columns of token t's qkv
+    row start at col0 [HEADS, 1, 1] (read as _qkv reads them): fp32 values rounded to the model dtype."""
+    a = _qkv(row_ptr, col0 + dim, mask, xs_ptr, ws_ptr, t, T, stride_xs, stride_ws, WIDTH, SPLIT, DTYPE, HW)
+    ap = _qkv(row_ptr, col0 + partner, mask, xs_ptr, ws_ptr, t, T, stride_xs, stride_ws, WIDTH, SPLIT, DTYPE, HW)
     w = tl.load(w_ptr + dim, mask=mask, other=0.0).to(tl.float32)
     wp = tl.load(w_ptr + partner, mask=mask, other=0.0).to(tl.float32)
     # torch: rsqrt(x.pow(2).mean(-1) + eps) on fp32 = 1 / sqrt(sum / d + eps), IEEE division and sqrt
@@ -72,14 +88,14 @@ def _norm_rope(head_ptr, w_ptr, dim, partner, sign, mask, cos, sin, eps, D: tl.c
     ms = tl.math.div_rn(ss, tl.full(ss.shape, D, tl.float32)) + eps
     r = tl.math.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.sqrt_rn(ms))
     # weight * normed.to(dtype): the product of two bf16/fp16 values is exact in fp32, then rounded once
-    y = round_to(round_to(a * r, x.dtype, HW) * w, x.dtype, HW)
-    yp = round_to(round_to(ap * r, x.dtype, HW) * wp, x.dtype, HW)
-    return round_to(y * cos + (sign * yp) * sin, x.dtype, HW)  # x * cos + rotate_half(x) * sin
+    y = round_to(round_to(a * r, DTYPE, HW) * w, DTYPE, HW)
+    yp = round_to(round_to(ap * r, DTYPE, HW) * wp, DTYPE, HW)
+    return round_to(y * cos + (sign * yp) * sin, DTYPE, HW)  # x * cos + rotate_half(x) * sin
 
 
 @triton.jit
 def _qknorm_rope_kvwrite_kernel(
-    qkv_ptr,  # [T, (NH + 2 KVH) * D] model dtype, unit last stride
+    qkv_ptr,  # [T, (NH + 2 KVH) * D] model dtype, unit last stride; SPLIT: the qkv GEMM's fp32 partials
     q_norm_w_ptr,  # [D]
     k_norm_w_ptr,  # [D]
     pos_ptr,  # [T] int
@@ -94,6 +110,11 @@ def _qknorm_rope_kvwrite_kernel(
     theta,
     k_scale,
     v_scale,
+    xs_ptr,  # SPLIT: the qkv GEMM's scales xs [T, 1], ws [(NH + 2 KVH) * D, 1]
+    ws_ptr,
+    T,
+    stride_xs,
+    stride_ws,
     # K pool addressing (kv_addressing.PoolAddressing; the splits are constexpr below)
     k_s_block,
     k_s_head,
@@ -120,6 +141,7 @@ def _qknorm_rope_kvwrite_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     FP8: tl.constexpr,
     HW: tl.constexpr,  # hardware fp32 -> bf16 / e4m3 conversions (not under the interpreter)
+    SPLIT: tl.constexpr,  # 0: qkv_ptr is qkv itself
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     wait_for_inputs(PDL)
@@ -146,16 +168,26 @@ def _qknorm_rope_kvwrite_kernel(
     cos = tl.cos(angle)
     sin = tl.sin(angle)
 
-    row = qkv_ptr + t * qkv_stride
+    DTYPE: tl.constexpr = q_norm_w_ptr.dtype.element_ty
+    WIDTH: tl.constexpr = (NH + 2 * KVH) * D
+    row = qkv_ptr + t * qkv_stride  # qkv_stride 0 with SPLIT: the partials' base
     if h0 < NH:
         h = h0 + hh
-        out = _norm_rope(row + h * D, q_norm_w_ptr, dim, partner, sign, mask, cos, sin, eps, D, HW)
+        out = _norm_rope(
+            row, h * D, q_norm_w_ptr, dim, partner, sign, mask, cos, sin, eps,
+            xs_ptr, ws_ptr, t, T, stride_xs, stride_ws, D, WIDTH, SPLIT, DTYPE, HW,
+        )  # fmt: skip
         tl.store(q_ptr + (t * NH + h) * D + dim, out.to(q_ptr.dtype.element_ty), mask=mask)
     else:
         hk = h0 - NH + hh  # kv heads
         slot = tl.load(slot_ptr + t * slot_stride).to(tl.int64)
-        v = tl.load(row + (NH + KVH + hk) * D + dim, mask=mask, other=0.0).to(tl.float32)
-        out = _norm_rope(row + (NH + hk) * D, k_norm_w_ptr, dim, partner, sign, mask, cos, sin, eps, D, HW)
+        v = _qkv(
+            row, (NH + KVH + hk) * D + dim, mask, xs_ptr, ws_ptr, t, T, stride_xs, stride_ws, WIDTH, SPLIT, DTYPE, HW
+        )
+        out = _norm_rope(
+            row, (NH + hk) * D, k_norm_w_ptr, dim, partner, sign, mask, cos, sin, eps,
+            xs_ptr, ws_ptr, t, T, stride_xs, stride_ws, D, WIDTH, SPLIT, DTYPE, HW,
+        )  # fmt: skip
         if slot >= 0:  # a negative slot (padding) writes nothing
             block = slot // BLOCK_SIZE
             tok = slot % BLOCK_SIZE
@@ -230,14 +262,18 @@ def qknorm_rope_kvwrite(
 
     heads_per_program / num_warps override the launch configuration (None: by T, _launch_config);
     heads_per_program must be a power of two dividing num_heads and num_kv_heads. pdl: programmatic
-    dependent launch (kernels/pdl.py).
+    dependent launch (kernels/pdl.py). qkv may be the qkv GEMM's SplitKPartials (fp8_gemm.py),
+    reduced in this launch.
     """
     nh, kvh, d = num_heads, num_kv_heads, head_dim
-    if qkv.dim() != 2 or qkv.shape[1] != (nh + 2 * kvh) * d:
+    split = isinstance(qkv, SplitKPartials)
+    if split:
+        check_partials(qkv, None, q_norm_w)
+    if len(qkv.shape) != 2 or qkv.shape[1] != (nh + 2 * kvh) * d:
         raise ValueError(f"qkv must be [T, {(nh + 2 * kvh) * d}] for {nh}+2x{kvh} heads of {d}, got {tuple(qkv.shape)}")
     if qkv.dtype not in _MODEL_DTYPES:
         raise ValueError(f"qkv dtype must be bf16 or fp16, got {qkv.dtype}")
-    if qkv.stride(1) != 1:
+    if not split and qkv.stride(1) != 1:
         raise ValueError("qkv must have a unit last stride")
     if d < 2 or d % 2:
         raise ValueError(f"head_dim must be even, got {d}")
@@ -272,15 +308,16 @@ def qknorm_rope_kvwrite(
     ka = _addressing(layout.k_dims, k_shape, tuple(k_pool.stride()), block_size, d)
     va = _addressing(layout.v_dims, v_shape, tuple(v_pool.stride()), block_size, d)
     pools = (k_pool.view(torch.uint8), v_pool.view(torch.uint8)) if fp8 else (k_pool, v_pool)
+    part, xs, ws, _, stride_xs, stride_ws = qkv.kernel_args() if split else (qkv, q, q, t, 0, 0)
     _qknorm_rope_kvwrite_kernel[(t, (nh + kvh) // heads)](
-        qkv, q_norm_w, k_norm_w, positions, slot_mapping, q, *pools,
-        qkv.stride(0), positions.stride(0), slot_mapping.stride(0),
-        eps, theta, k_scale, v_scale,
+        part, q_norm_w, k_norm_w, positions, slot_mapping, q, *pools,
+        0 if split else qkv.stride(0), positions.stride(0), slot_mapping.stride(0),
+        eps, theta, k_scale, v_scale, xs, ws, t, stride_xs, stride_ws,
         ka.block, ka.head, ka.tok_outer, ka.tok_inner, ka.dim_outer, ka.dim_inner,
         va.block, va.head, va.tok_outer, va.tok_inner, va.dim_outer, va.dim_inner,
         K_TOK_SPLIT=ka.tok_split, K_DIM_SPLIT=ka.dim_split, V_TOK_SPLIT=va.tok_split, V_DIM_SPLIT=va.dim_split,
         NH=nh, KVH=kvh, D=d, HALF_PAD=triton.next_power_of_2(d // 2), HEADS=heads,
-        BLOCK_SIZE=block_size, FP8=fp8, HW=use_hw_casts(qkv), num_warps=warps,
+        BLOCK_SIZE=block_size, FP8=fp8, HW=use_hw_casts(q), SPLIT=qkv.split if split else 0, num_warps=warps,
         **launch_options(pdl),
     )  # fmt: skip
     return q

@@ -29,6 +29,7 @@ import triton.language as tl
 from qruntime.kernels.dynamic_quant import (
     CHUNK,
     FP8,
+    TL_DTYPES,
     check_model_dtype,
     fp8_e4m3_code,
     quant_scale,
@@ -37,16 +38,28 @@ from qruntime.kernels.dynamic_quant import (
     rows_of,
     use_hw_casts,
 )
+from qruntime.kernels.fp8_gemm import SplitKPartials, splitk_value
 from qruntime.kernels.pdl import launch_options, wait_for_inputs
 
 MAX_REG_CHUNKS = tl.constexpr(4)  # chunks of y a program keeps in registers (one pass); beyond: two passes
 
 
 @triton.jit
-def _silu_mul(g_row, offs, mask, inter, DTYPE: tl.constexpr, HW: tl.constexpr):
-    """D(D(gate * D(sigmoid(gate))) * up) of one chunk, in fp32; 0 past inter."""
-    g = tl.load(g_row + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(g_row + inter + offs, mask=mask, other=0.0).to(tl.float32)
+def _silu_mul(
+    g_row, offs, mask, inter, xs_ptr, ws_ptr, row, T, stride_xs, stride_ws,
+    SPLIT: tl.constexpr, DTYPE: tl.constexpr, HW: tl.constexpr,
+):  # fmt: skip
+    """D(D(gate * D(sigmoid(gate))) * up) of one chunk, in fp32; 0 past inter. SPLIT > 0: gate_up is
+    read from the split-K GEMM's partials at g_row (their base then), reduced here with its scales."""
+    if SPLIT == 0:
+        g = tl.load(g_row + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(g_row + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        width = 2 * inter
+        g = splitk_value(g_row, xs_ptr, ws_ptr, row, offs, mask, T, width, stride_xs, stride_ws, SPLIT, DTYPE, HW)
+        u = splitk_value(
+            g_row, xs_ptr, ws_ptr, row, inter + offs, mask, T, width, stride_xs, stride_ws, SPLIT, DTYPE, HW
+        )
     sg = round_to(1.0 / (1.0 + tl.exp(-g)), DTYPE, HW)
     return round_to(round_to(g * sg, DTYPE, HW) * u, DTYPE, HW)
 
@@ -58,20 +71,26 @@ def _quant_store(q_row, offs, mask, y, scale, inv_scale, HW: tl.constexpr):
 
 @triton.jit
 def _silu_mul_quant_kernel(
-    gu_ptr,  # [T, 2I] model dtype, unit column stride
+    gu_ptr,  # [T, 2I] model dtype, unit column stride; SPLIT: a split-K GEMM's fp32 partials [SPLIT, T, 2I]
     q_ptr,  # [T, I] uint8 view of the fp8 output, contiguous
     s_ptr,  # [T] fp32
+    xs_ptr,  # SPLIT: the GEMM's scales xs [T, 1] and ws [2I, 1]
+    ws_ptr,
+    T,
+    stride_xs,
+    stride_ws,
     inter,
     stride_gu,
+    SPLIT: tl.constexpr,  # 0: gu_ptr is gate_up itself
+    DTYPE: tl.constexpr,  # the model dtype
     BLOCK: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
     HW: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     wait_for_inputs(PDL)
-    DTYPE: tl.constexpr = gu_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
-    g_row = gu_ptr + row * stride_gu
+    g_row = gu_ptr + row * stride_gu  # stride_gu 0 with SPLIT: the partials' base
     q_row = q_ptr + row * inter
     c0 = tl.arange(0, BLOCK)
     if NUM_CHUNKS <= MAX_REG_CHUNKS:
@@ -79,16 +98,16 @@ def _silu_mul_quant_kernel(
         c1 = c0 + BLOCK
         c2 = c1 + BLOCK
         c3 = c2 + BLOCK
-        y0 = _silu_mul(g_row, c0, c0 < inter, inter, DTYPE, HW)
+        y0 = _silu_mul(g_row, c0, c0 < inter, inter, xs_ptr, ws_ptr, row, T, stride_xs, stride_ws, SPLIT, DTYPE, HW)
         amax = tl.max(tl.abs(y0), axis=0)
         if NUM_CHUNKS > 1:
-            y1 = _silu_mul(g_row, c1, c1 < inter, inter, DTYPE, HW)
+            y1 = _silu_mul(g_row, c1, c1 < inter, inter, xs_ptr, ws_ptr, row, T, stride_xs, stride_ws, SPLIT, DTYPE, HW)
             amax = tl.maximum(amax, tl.max(tl.abs(y1), axis=0))
         if NUM_CHUNKS > 2:
-            y2 = _silu_mul(g_row, c2, c2 < inter, inter, DTYPE, HW)
+            y2 = _silu_mul(g_row, c2, c2 < inter, inter, xs_ptr, ws_ptr, row, T, stride_xs, stride_ws, SPLIT, DTYPE, HW)
             amax = tl.maximum(amax, tl.max(tl.abs(y2), axis=0))
         if NUM_CHUNKS > 3:
-            y3 = _silu_mul(g_row, c3, c3 < inter, inter, DTYPE, HW)
+            y3 = _silu_mul(g_row, c3, c3 < inter, inter, xs_ptr, ws_ptr, row, T, stride_xs, stride_ws, SPLIT, DTYPE, HW)
             amax = tl.maximum(amax, tl.max(tl.abs(y3), axis=0))
         scale = quant_scale(amax)
         inv_scale = tl.math.div_rn(1.0, scale)
@@ -104,13 +123,28 @@ def _silu_mul_quant_kernel(
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for c in range(NUM_CHUNKS):
             offs = c * BLOCK + c0
-            acc = tl.maximum(acc, tl.abs(_silu_mul(g_row, offs, offs < inter, inter, DTYPE, HW)))
+            acc = tl.maximum(
+                acc,
+                tl.abs(
+                    _silu_mul(
+                        g_row, offs, offs < inter, inter, xs_ptr, ws_ptr, row, T, stride_xs, stride_ws, SPLIT, DTYPE, HW
+                    )
+                ),
+            )
         scale = quant_scale(tl.max(acc, axis=0))
         inv_scale = tl.math.div_rn(1.0, scale)
         for c in range(NUM_CHUNKS):
             offs = c * BLOCK + c0
             mask = offs < inter
-            _quant_store(q_row, offs, mask, _silu_mul(g_row, offs, mask, inter, DTYPE, HW), scale, inv_scale, HW)
+            _quant_store(
+                q_row,
+                offs,
+                mask,
+                _silu_mul(g_row, offs, mask, inter, xs_ptr, ws_ptr, row, T, stride_xs, stride_ws, SPLIT, DTYPE, HW),
+                scale,
+                inv_scale,
+                HW,
+            )
     tl.store(s_ptr + row, scale)
 
 
@@ -129,9 +163,14 @@ def silu_mul_quant(
     ys [T, 1] fp32), i.e. qruntime.ops.functional.dynamic_quant(silu_mul(gate_up), 0).
     `max_block` (a power of two) is the chunk width: I up to 4 chunks is done in one pass from
     registers, wider rows in two passes (tests force both at small I). pdl: programmatic dependent
-    launch (kernels/pdl.py)."""
-    check_model_dtype("gate_up", gate_up)
-    gate_up = rows_of("gate_up", gate_up)
+    launch (kernels/pdl.py). gate_up may be a split-K GEMM's SplitKPartials (fp8_gemm.py), reduced
+    in this launch."""
+    split = isinstance(gate_up, SplitKPartials)
+    if not split:
+        check_model_dtype("gate_up", gate_up)
+        gate_up = rows_of("gate_up", gate_up)
+    elif gate_up.dtype not in TL_DTYPES:
+        raise ValueError(f"gate_up's partials would give {gate_up.dtype}, not a model dtype")
     tokens, width = gate_up.shape
     if width % 2:
         raise ValueError(f"gate_up must have an even number of columns [T, 2I], got {width}")
@@ -141,15 +180,23 @@ def silu_mul_quant(
     if tokens == 0:
         return yq, ys
     block, chunks, num_warps = silu_config(inter, max_block)
+    part, xs, ws, _, stride_xs, stride_ws = gate_up.kernel_args() if split else (gate_up, ys, ys, tokens, 0, 0)
     _silu_mul_quant_kernel[(tokens,)](
-        gate_up,
+        part,
         yq.view(torch.uint8),
         ys,
+        xs,
+        ws,
+        tokens,
+        stride_xs,
+        stride_ws,
         inter,
-        gate_up.stride(0),
+        0 if split else gate_up.stride(0),
+        SPLIT=gate_up.split if split else 0,
+        DTYPE=TL_DTYPES[gate_up.dtype],
         BLOCK=block,
         NUM_CHUNKS=chunks,
-        HW=use_hw_casts(gate_up),
+        HW=use_hw_casts(part),
         num_warps=num_warps,
         **launch_options(pdl),
     )

@@ -77,7 +77,9 @@ class PTPCLinear(quant.PTPCLinear):
     """FP8 GEMM by the backend tuned for (N, K) at the step's token count: our Triton kernel
     (with its tuned block/split config) or torch._scaled_mm (cuBLASLt)."""
 
-    prefetch_k = 0  # with PDL: bytes of each weight row a Triton GEMM program asks L2 for before its wait
+    # with PDL: bytes of each weight row a Triton GEMM program asks L2 for before its wait (H100,
+    # qwen3-8b batch-1 graph: 3.87 -> 3.82 ms; bench/results/launch_ab_qwen3-8b_h100.json)
+    prefetch_k = 1024
 
     def __init__(self, attrs, env, consts=()) -> None:
         super().__init__(attrs, env, consts)
@@ -91,6 +93,8 @@ class PTPCLinear(quant.PTPCLinear):
         self.key = f"PTPCLinear:{self.n}x{self.k}"
         self.ws_row = ws.float().reshape(1, -1).contiguous()  # [1, N] for cuBLASLt's rowwise scaling
         self.plans: dict[int, tuple[str, object]] = {}  # tokens -> (backend, config), filled on first use
+        # the node after this one reads its output as split-K partials (fold_split_k_reductions)
+        self.defer_reduce = False
 
     def _plan(self, m: int) -> tuple[str, object]:
         if m not in self.plans:
@@ -108,7 +112,15 @@ class PTPCLinear(quant.PTPCLinear):
         if backend == "cublaslt":
             return torch._scaled_mm(xq, w.T, scale_a=xs, scale_b=self.ws_row, out_dtype=self.env.dtype)
         return self.gemm(
-            xq, xs, w, ws, out_dtype=self.env.dtype, config=config, pdl=self.env.pdl, prefetch_k=self.prefetch_k
+            xq,
+            xs,
+            w,
+            ws,
+            out_dtype=self.env.dtype,
+            config=config,
+            pdl=self.env.pdl,
+            prefetch_k=self.prefetch_k,
+            defer_reduce=self.defer_reduce,
         )
 
 
@@ -193,7 +205,7 @@ class QKNormRoPEKVWrite(attention.QKNormRoPEKVWrite):
             v_scale=a["v_scale"],
             pdl=self.env.pdl,
         )
-        return q, qkv.new_empty(0, dtype=torch.uint8)
+        return q, q.new_empty(0, dtype=torch.uint8)
 
 
 class PagedAttention(attention.PagedAttention):
@@ -287,6 +299,35 @@ class PagedAttention(attention.PagedAttention):
                 )  # [1, nh, T, d]
             out[start:end] = o[0].transpose(0, 1).reshape(end - start, -1)
         return out
+
+
+SPLIT_K_READERS = (AddRMSNorm, AddRMSNormQuant, SiluMulQuant, QKNormRoPEKVWrite)
+
+
+def fold_split_k_reductions(plan) -> int:
+    """Let each Triton GEMM whose output only the next node reads, a kernel that can read split-K
+    partials (SPLIT_K_READERS, as bound: not their all-reduce forms), hand it the partials of a
+    split-K launch (fp8_gemm.SplitKPartials) instead of launching the reduction: that kernel sums
+    them as the reduction would, to the same bits, so a decode step drops the launch. The two nodes
+    are adjacent, so no piecewise-graph boundary falls between them. Returns the GEMMs changed."""
+    readers: dict[str, list[int]] = {}
+    for index, node in enumerate(plan.nodes):
+        for name in node.inputs:
+            readers.setdefault(name, []).append(index)
+    folded = 0
+    for index, (node, reader) in enumerate(zip(plan.nodes, plan.nodes[1:], strict=False)):
+        out = node.outputs[0]
+        if (
+            type(node.op) is PTPCLinear
+            and type(reader.op) in SPLIT_K_READERS
+            and getattr(reader.op, "kernel", None) is not None
+            and reader.inputs[0] == out
+            and readers.get(out) == [index + 1]
+            and out != plan.output
+        ):
+            node.op.defer_reduce = True
+            folded += 1
+    return folded
 
 
 FAST_OPS = (

@@ -97,3 +97,47 @@ def test_fast_plan_matches_the_reference_plan(tiny_ckpt, compiled, recipe, layou
         logits = plans["fast"].run(StepContext(caches["fast"], meta), feeds).float()
         noise = (logits - env[plans["ref"].output].float()).pow(2).mean() / logits.pow(2).mean()
         assert float(noise) < 10**-2.5
+
+
+def test_split_k_reductions_fold_into_the_next_kernel_to_the_same_bits(tiny_ckpt, compiled):
+    """Each GEMM whose only reader is the next node's row kernel (qkv -> QK-norm/RoPE/KV write, o and
+    down -> AddRMSNorm[Quant], gate_up -> SiLU-mul-quant) hands it split-K partials; with every GEMM
+    forced to split K, a prefill and a decode step give the unfolded plan's logits and cache bits."""
+    from qruntime.kernels.fp8_gemm import GemmConfig
+    from qruntime.ops.triton_ops import PTPCLinear, fold_split_k_reductions
+
+    artifact = compiled(tiny_ckpt, "ptpc-fp8")
+    graph = onnx.load(str(artifact / "graph.onnx"), load_external_data=False).graph
+    spec = KVCacheSpec.from_manifest(read_manifest(artifact)["kv_cache"])
+    weights = load_initializers(artifact, graph, torch.device("cpu"), torch.bfloat16)
+    env = OpEnv(torch.bfloat16, torch.device("cpu"), spec)
+    plans = [Plan.build(graph, weights, env, triton_ops()) for _ in range(2)]
+    assert fold_split_k_reductions(plans[1]) == 4 * spec.num_layers
+    deferred = [
+        type(n.op).__name__
+        for n, m in zip(plans[1].nodes, plans[1].nodes[1:], strict=False)
+        if getattr(n.op, "defer_reduce", 0)
+    ]
+    assert len(deferred) == 4 * spec.num_layers and set(deferred) == {"PTPCLinear"}
+    readers = {
+        type(m.op).__name__
+        for n, m in zip(plans[1].nodes, plans[1].nodes[1:], strict=False)
+        if getattr(n.op, "defer_reduce", 0)
+    }
+    assert readers == {"QKNormRoPEKVWrite", "AddRMSNormQuant", "AddRMSNorm", "SiluMulQuant"}
+    vocab = int(read_manifest(artifact)["spec"]["vocab_size"])
+    prompts = [torch.randint(0, vocab, (n,)).tolist() for n in (19, 4)]
+    tables = [[3, 6], [1]]
+    steps = [_step([(prompts[0], 0), (prompts[1], 0)], tables, 64), _step([([7], 19), ([9], 4)], tables, 64)]
+    caches = [KVCache(spec, 8, torch.bfloat16, torch.device("cpu")) for _ in plans]
+    for feeds, meta in steps:
+        tokens = len(feeds["input_ids"])
+        for plan in plans:
+            for node in plan.nodes:
+                if isinstance(node.op, PTPCLinear):
+                    node.op.plans[tokens] = ("triton", GemmConfig(16, 32, 32, 4, 4, 2))
+        logits = [plan.run(StepContext(cache, meta), feeds) for plan, cache in zip(plans, caches, strict=True)]
+        assert torch.equal(logits[0].view(torch.int16), logits[1].view(torch.int16))
+        for layer in range(spec.num_layers):
+            assert torch.equal(caches[0].k[layer].view(torch.int16), caches[1].k[layer].view(torch.int16))
+            assert torch.equal(caches[0].v[layer].view(torch.int16), caches[1].v[layer].view(torch.int16))

@@ -22,8 +22,9 @@ NORM = (
     "qruntime.kernels.add_rmsnorm_quant",
     "_add_rmsnorm_kernel",
     {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "ro_ptr": "*bf16", "y_ptr": "*u8", "s_ptr": "*fp32"}
+    | {"xs_ptr": "*fp32", "ws_ptr": "*bf16", "T": "i32", "stride_xs": "i32", "stride_ws": "i32"}
     | {"H": "i32", "stride_x": "i32", "stride_r": "i32", "eps": "fp32"},
-    {"HAS_RES": True, "QUANT": True, "BLOCK": 4096, "NUM_CHUNKS": 1, "HW": True},
+    {"HAS_RES": True, "QUANT": True, "BLOCK": 4096, "NUM_CHUNKS": 1, "HW": True, "SPLIT": 0},
     8,
 )
 GEMM = (
@@ -40,14 +41,15 @@ REDUCE = (
     "_splitk_reduce_kernel",
     {"part_ptr": "*fp32", "as_ptr": "*fp32", "bs_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32", "N": "i32"}
     | {"stride_as": "i32", "stride_bs": "i32"},
-    {"SPLIT_K": 2, "BLOCK": 1024},
+    {"SPLIT_K": 2, "BLOCK": 1024, "HW": True},
     4,
 )
 SILU = (
     "qruntime.kernels.silu_mul_quant",
     "_silu_mul_quant_kernel",
-    {"gu_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", "inter": "i32", "stride_gu": "i32"},
-    {"BLOCK": 4096, "NUM_CHUNKS": 3, "HW": True},
+    {"gu_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", "xs_ptr": "*fp32", "ws_ptr": "*bf16", "T": "i32"}
+    | {"stride_xs": "i32", "stride_ws": "i32", "inter": "i32", "stride_gu": "i32"},
+    {"BLOCK": 4096, "NUM_CHUNKS": 3, "HW": True, "SPLIT": 0, "DTYPE": "tl.bfloat16"},
     8,
 )
 QUANT = (
@@ -64,7 +66,18 @@ def _ptx(kernel: tuple, **constexprs) -> str:
     return hopper_ptx(module, name, types, fixed | constexprs, warps)
 
 
-@pytest.mark.parametrize("kernel", [NORM, REDUCE, SILU, QUANT], ids=lambda k: k[1])
+def _split(kernel: tuple) -> tuple:
+    """The kernel reading a split-K GEMM's partials (fp32) in place of its input."""
+    module, name, types, fixed, warps = kernel
+    first = next(iter(types))
+    return module, name, types | {first: "*fp32"}, fixed | {"SPLIT": 2}, warps
+
+
+@pytest.mark.parametrize(
+    "kernel",
+    [NORM, _split(NORM), REDUCE, SILU, _split(SILU), QUANT],
+    ids=["norm", "norm-partials", "reduce", "silu", "silu-partials", "quant"],
+)
 def test_with_pdl_a_kernel_waits_before_touching_memory_then_releases_the_next(kernel):
     ptx = _ptx(kernel, PDL=True)
     assert len(WAIT.findall(ptx)) == 1 and len(RELEASE.findall(ptx)) == 1, "one wait, one release"
