@@ -1,0 +1,185 @@
+"""w4a16_gemm against the torch reference w4a16_linear (interpreter on CPU, native on a GPU).
+
+Tolerances: the kernel forms the reference's weight to the bit (q * scale rounded once to the model
+dtype) and multiplies it with x accumulating in fp32, in another order than torch's GEMM. Two fp32
+sums of the same K products, each within (K - 1) u sum|terms| of the exact one (u = 2^-24, recursive
+summation), differ by at most 2 K u sum|terms|: the fp32-output bound. A bf16 / fp16 output rounds
+each of them once (to nearest), so they differ by at most one ulp of the larger plus that bound
+(which matters where the terms cancel: an output 1e-3 of sum|terms| has fp32 sums that differ by
+more than its fp16 ulp)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from qruntime.kernels.w4a16_gemm import W4A16Config, default_config, supports_group, sweep_configs, w4a16_gemm
+from qruntime.ops.functional import dequantize_int4, w4a16_linear
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
+QWEN3_8B = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]  # (N, K): qkv, o, gate_up, down
+
+
+def operands(m: int, n: int, k: int, group: int, dtype: torch.dtype = torch.bfloat16):
+    """Fresh random W4A16 operands: every int32 bit pattern (any nibble is a valid code), positive
+    scales over a decade, activations of varied row norms."""
+    w = torch.randint(-(1 << 31), 1 << 31, (n, k // 8), dtype=torch.int64).to(torch.int32).to(DEVICE)
+    ws = (torch.rand(n, k // group, device=DEVICE) * 0.09 + 0.01).to(dtype)
+    x = (torch.randn(m, k, device=DEVICE) * (torch.rand(m, 1, device=DEVICE) * 4 + 0.1)).to(dtype)
+    return x, w, ws
+
+
+def assert_fp32_close(y: torch.Tensor, x, w, ws, group: int) -> None:
+    weight = dequantize_int4(w, ws.to(x.dtype), group).float()  # the reference's weight, exact in fp32
+    ref = x.float() @ weight.T
+    bound = x.float().abs() @ weight.abs().T  # [M, N] sum of |terms|
+    k = x.shape[1]
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    assert torch.isfinite(y).all()
+    assert ((y - ref).abs() <= 2 * k * 2**-24 * bound + 1e-30).all(), (y - ref).abs().max()
+    assert (y - ref).norm() <= 1e-6 * ref.norm()
+
+
+def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Spacing of `dtype` numbers at |x| (normal range): 2^(exponent - mantissa bits)."""
+    _, e = torch.frexp(x.float().abs())  # |x| = mantissa * 2^e, mantissa in [0.5, 1)
+    return torch.ldexp(torch.ones_like(x, dtype=torch.float32), e - 1 - MANTISSA_BITS[dtype])
+
+
+@pytest.mark.parametrize("block_k", [64, 256])
+@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("split_k", [1, 2, 4])
+@pytest.mark.parametrize("n,k", [(48, 256), (40, 384), (96, 128)])
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_matches_reference_fp32(m: int, n: int, k: int, split_k: int, group: int, block_k: int) -> None:
+    # 16 x 32 tiles: M and N are not multiples of them (masked rows, N=40 a masked column tile);
+    # block_k 64 lies inside a group, 256 holds 2 or 4 whole groups and leaves a K tail at K=384
+    # (and K=128 is half a tile); split_k is clamped to the K tiles
+    x, w, ws = operands(m, n, k, group)
+    y = w4a16_gemm(x, w, ws, group, W4A16Config(16, 32, block_k, split_k, 4, 2), out_dtype=torch.float32)
+    assert_fp32_close(y, x, w, ws, group)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("m,n,k,group", [(1, 96, 256, 128), (17, 48, 512, 64), (5, 256, 128, 128), (64, 80, 384, 128)])
+def test_matches_reference_within_one_ulp(m: int, n: int, k: int, group: int, split_k: int, dtype) -> None:
+    x, w, ws = operands(m, n, k, group, dtype)
+    y = w4a16_gemm(x, w, ws, group, W4A16Config(16, 32, 64, split_k, 4, 2))
+    ref = w4a16_linear(x, w, ws, group)
+    assert y.dtype == dtype and y.shape == ref.shape
+    diff = (y.float() - ref.float()).abs()
+    sums = 2 * k * 2**-24 * (x.float().abs() @ dequantize_int4(w, ws, group).float().abs().T)
+    assert (diff <= ulp(torch.maximum(y.float().abs(), ref.float().abs()), dtype) + sums).all(), diff.max()
+
+
+@pytest.mark.parametrize("group", [64, 128])
+def test_unit_rows_read_back_every_weight_exactly(group: int) -> None:
+    """x = the identity: row j of y is column j of the weight, so each code's nibble and each
+    group's scale are checked one by one (a wrong nibble order or group is off by whole codes)."""
+    k, n = 256, 40
+    _, w, ws = operands(1, n, k, group)
+    x = torch.eye(k, device=DEVICE, dtype=torch.bfloat16)
+    for config in (W4A16Config(16, 32, 64, 1, 4, 2), W4A16Config(32, 16, 256, 2, 4, 2)):
+        y = w4a16_gemm(x, w, ws, group, config)
+        assert torch.equal(y.T, dequantize_int4(w, ws, group))
+
+
+def test_weights_at_the_code_extremes() -> None:
+    """Words of all 0 (every code -8), all 0xF (7) and 0x8 nibbles (0), with an fp32 scale cast to x's dtype."""
+    m, n, k, group = 3, 48, 256, 128
+    x, _, _ = operands(m, n, k, group)
+    w = torch.tensor([0, -1, 0x88888888 - (1 << 32)], dtype=torch.int32, device=DEVICE)[:, None].repeat(
+        16, k // 8
+    )  # rows cycle
+    ws = torch.rand(n, k // group, device=DEVICE) + 0.5
+    y = w4a16_gemm(x, w, ws, group, W4A16Config(16, 16, 128, 2, 4, 2), out_dtype=torch.float32)
+    assert_fp32_close(y, x, w, ws, group)
+    assert (y[:, 2::3] == 0).all()
+
+
+def test_strided_rows_and_default_config_split() -> None:
+    m, n, k, group = 2, 64, 2048, 128
+    cfg = default_config(m, n, k, group)
+    assert cfg.split_k > 1  # two N tiles: the default splits K
+    x, w, ws = operands(m, n, k, group)
+    wide = torch.empty(m, k + 64, device=DEVICE, dtype=x.dtype)
+    wide[:, :k] = x
+    y = w4a16_gemm(wide[:, :k], w, ws, group, out_dtype=torch.float32)  # row stride k + 64
+    assert_fp32_close(y, x, w, ws, group)
+
+
+def test_empty_token_batch() -> None:
+    x, w, ws = operands(0, 32, 128, 128)
+    assert w4a16_gemm(x, w, ws).shape == (0, 32)
+
+
+@pytest.mark.parametrize("group", [128, 64, 32])
+@pytest.mark.parametrize("n,k", QWEN3_8B)
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_default_config_decode_streams_weight_on_all_sms(m: int, n: int, k: int, group: int) -> None:
+    cfg = default_config(m, n, k, group)
+    assert cfg.block_m == 16 and cfg.fits(group)
+    programs = -(-n // cfg.block_n) * cfg.split_k
+    assert programs >= 132, (cfg, programs)  # every H100 SM streams part of the weight
+    assert k % (cfg.block_k * cfg.split_k) == 0  # equal K ranges, no masked K tail
+    if n == 4096:  # o and down: too few N tiles alone
+        assert cfg.split_k > 1
+
+
+@pytest.mark.parametrize("n,k", QWEN3_8B)
+@pytest.mark.parametrize("m", [256, 1024, 4096])
+def test_default_config_prefill_big_tiles(m: int, n: int, k: int) -> None:
+    cfg = default_config(m, n, k)
+    assert cfg.block_m >= 64 and cfg.block_n >= 128 and cfg.split_k == 1
+
+
+@pytest.mark.parametrize("group", [128, 48, 8])
+@pytest.mark.parametrize("m", [1, 8, 16, 33, 64, 256, 1024, 4096])
+def test_sweep_configs(m: int, group: int) -> None:
+    for n, k in QWEN3_8B:
+        cands = sweep_configs(m, n, k, group)
+        assert cands[0] == default_config(m, n, k, group)
+        assert 2 <= len(cands) <= 16 and len(set(cands)) == len(cands)
+        assert all(c.fits(group) for c in cands)
+
+
+def test_config_json_round_trip_and_validation() -> None:
+    cfg = W4A16Config(16, 64, 256, 4, 4, 4)
+    assert W4A16Config.from_dict(cfg.to_dict()) == cfg
+    assert cfg.to_dict() == {
+        "block_m": 16,
+        "block_n": 64,
+        "block_k": 256,
+        "split_k": 4,
+        "num_warps": 4,
+        "num_stages": 4,
+    }
+    with pytest.raises(ValueError, match="block_n"):
+        W4A16Config(16, 48, 64)
+    with pytest.raises(ValueError, match="split_k"):
+        W4A16Config(16, 32, 64, split_k=0)
+    assert supports_group(128) and supports_group(48) and supports_group(8) and not supports_group(24)
+
+
+def test_bad_inputs_raise() -> None:
+    m, n, k, group = 3, 32, 256, 128
+    x, w, ws = operands(m, n, k, group)
+    cases = {
+        "x must be bfloat16 or float16": (x.float(), w, ws, group),
+        "w must be int32": (x, w.view(torch.float32), ws, group),
+        "disagree on K": (x, w[:, :-1], ws, group),
+        "2-D": (x[None], w, ws, group),
+        "ws must be": (x, w, ws[:, :1], group),
+        "group_size must be": (x, w, ws, 24),
+        "contiguous rows": (x, w.T.contiguous().T, ws, group),
+    }
+    for match, args in cases.items():
+        with pytest.raises(ValueError, match=match):
+            w4a16_gemm(*args)
+    with pytest.raises(ValueError, match="out_dtype"):
+        w4a16_gemm(x, w, ws, group, out_dtype=torch.int32)
+    x48, w48, ws48 = operands(m, n, 192, 48)
+    with pytest.raises(ValueError, match="block_k 64 neither divides nor is a multiple of group_size 48"):
+        w4a16_gemm(x48, w48, ws48, 48, W4A16Config(16, 32, 64))
+    assert_fp32_close(w4a16_gemm(x48, w48, ws48, 48, out_dtype=torch.float32), x48, w48, ws48, 48)
