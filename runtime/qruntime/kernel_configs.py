@@ -34,12 +34,15 @@ _TILE = {"block_n": (16, 512), "block_k": (32, 512), "num_warps": (1, 16)}
 POW2_KEYS: Mapping[str, Mapping[str, tuple[int, int]]] = MappingProxyType(
     {
         "PTPCLinear": MappingProxyType(_GEMM),
+        "W4A16Linear": MappingProxyType(_GEMM),
         "MoE": MappingProxyType(
             {"block_m": (16, 512)} | {f"{g}_{k}": r for g in ("w13", "w2") for k, r in _TILE.items()}
         ),
     }
 )
-STAGE_KEYS = MappingProxyType({"PTPCLinear": ("num_stages",), "MoE": ("w13_num_stages", "w2_num_stages")})
+STAGE_KEYS = MappingProxyType(
+    {"PTPCLinear": ("num_stages",), "W4A16Linear": ("num_stages",), "MoE": ("w13_num_stages", "w2_num_stages")}
+)
 # key prefix -> {config key: (least, most)} of the integers it holds
 # (each rank maps two data halves of the larger AllReduce limit)
 INT_KEYS = MappingProxyType(

@@ -124,6 +124,42 @@ class PTPCLinear(quant.PTPCLinear):
         )
 
 
+class W4A16Linear(quant.W4A16Linear):
+    """int4 weight-only GEMM (kernels/w4a16_gemm.py: the weight unpacked in registers, never
+    dequantized in memory) with the config tuned for (N, K) at the step's token count, else its
+    heuristic. The reference op runs where the kernel cannot: a CPU device without Triton's
+    interpreter, a compute dtype other than bf16 / fp16, a weight that is not a graph initializer, or
+    a group size no K tile fits."""
+
+    def __init__(self, attrs, env, consts=()) -> None:
+        super().__init__(attrs, env, consts)
+        from qruntime.kernels import kernel_runs_on
+        from qruntime.kernels.w4a16_gemm import W4A16Config, default_config, supports_group, w4a16_gemm
+
+        self.config_from, self.default = W4A16Config.from_dict, default_config
+        w = (consts + (None, None))[1]
+        group = self.a["group_size"]
+        runs = kernel_runs_on(env.device) and env.dtype in (torch.bfloat16, torch.float16) and supports_group(group)
+        self.kernel = w4a16_gemm if runs and w is not None else None
+        self.n, self.k = (w.shape[0], w.shape[1] * 8) if w is not None else (0, 0)
+        self.key = f"W4A16Linear:{self.n}x{self.k}"
+        self.configs: dict[int, object] = {}  # tokens -> W4A16Config, filled on first use
+
+    def _config(self, m: int):
+        if m not in self.configs:
+            tuned = self.env.kernels.lookup(self.key, m) if self.env.kernels is not None else None
+            config = self.config_from(tuned) if tuned is not None else None
+            if config is None or not config.fits(self.a["group_size"]):
+                config = self.default(m, self.n, self.k, self.a["group_size"])
+            self.configs[m] = config
+        return self.configs[m]
+
+    def __call__(self, step, x, w, ws):
+        if self.kernel is None or x.dtype != self.env.dtype:
+            return super().__call__(step, x, w, ws)
+        return self.kernel(x, w, ws, self.a["group_size"], self._config(x.shape[0]), pdl=self.env.pdl)
+
+
 class MoE(moe.MoE):
     """PTPC FP8 experts with per-token activations (linear PTPCLinear, group_size 0) on a device
     Triton runs on: the fused Triton MoE (kernels/fused_moe.py) with the config tuned for
@@ -336,6 +372,7 @@ FAST_OPS = (
     AddRMSNormQuant,
     SiluMulQuant,
     PTPCLinear,
+    W4A16Linear,
     MoE,
     QKNormRoPEKVWrite,
     PagedAttention,
