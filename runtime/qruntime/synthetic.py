@@ -8,6 +8,10 @@ download. The text it generates is noise; its speed is the real model's.
 
 Values (FP8 codes stay well inside e4m3's range, activations stay bounded through the layers):
 FP8 weights e4m3(N(0, 1) x 32) with scales 0.02/32 x U(0.5, 1.5) (dequantized weights ~ N(0, 0.02)),
+packed int4 weights (int32 words of eight codes) uniform random bits with code -8 made 0, so the
+codes are symmetric (-7..7, 0 twice as often: std sqrt(17.5), mean 0; a code mean of -0.5 would
+add the same multiple of sum(x) to every output, the common part that collapses attention and
+routing, see below) with scales 0.02/sqrt(17.5) x U(0.5, 1.5) (dequantized std ~0.02 as FP8's),
 other matrices N(0, 0.02), 1-D tensors (norms) 1 + N(0, 0.02), except the attention's q/k norms,
 QK_NORM_SCALE x (1 + N(0, 0.02)). Each tensor's values are a function of its name alone, so a tensor
 replicated over tensor-parallel ranks is equal on every rank.
@@ -35,6 +39,8 @@ from qruntime.artifact import ArtifactFormatError
 from qruntime.weights import load_initializers, runtime_dtype
 
 FP8_SPREAD = 32.0  # std of the FP8 codes (e4m3 reaches 448)
+INT4_SPREAD = 17.5**0.5  # std of the symmetric int4 codes (see the module doc)
+INT4_PACKED, INT4_SCALE = "weight_packed", "weight_scale"  # compressed-tensors' names of an int4 weight
 WEIGHT_STD = 0.02
 QK_NORM_SCALE = 6.0  # the attention's q/k RMSNorm weights (see the module doc)
 QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
@@ -65,17 +71,37 @@ def _fill_normal(out: torch.Tensor, mean: float, std: float, generator: torch.Ge
     return out
 
 
-def random_tensor(name: str, shape: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The synthetic value of initializer `name` ([shape] of `dtype`, the compute dtype for floats)."""
+def _fill_int4_words(out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """out (int32) <- words of eight random 4-bit codes, code 0 (the value -8) made 8 (the value 0)."""
+    flat = out.view(-1)
+    for start in range(0, flat.numel(), CHUNK_ELEMENTS):
+        part = flat[start : start + CHUNK_ELEMENTS]
+        words = torch.randint(
+            -(1 << 31), 1 << 31, part.shape, generator=generator, device=out.device, dtype=torch.int32
+        )
+        for shift in range(0, 32, 4):
+            low = ((words >> shift) & 0xF) == 0
+            words |= low.to(torch.int32) << (shift + 3)  # shift 28: bit 31, the sign bit, wraps as intended
+        part.copy_(words)
+    return out
+
+
+def random_tensor(
+    name: str, shape: list[int], dtype: torch.dtype, device: torch.device, int4_scale: bool = False
+) -> torch.Tensor:
+    """The synthetic value of initializer `name` ([shape] of `dtype`, the compute dtype for floats);
+    int4_scale: it is the scale of a packed int4 weight (an FP8 weight's otherwise)."""
     generator = _generator(name, device)
     out = torch.empty(shape, dtype=dtype, device=device)
     if dtype == torch.float8_e4m3fn:
         return _fill_normal(out, 0.0, FP8_SPREAD, generator)
+    if dtype == torch.int32 and name.endswith(INT4_PACKED):
+        return _fill_int4_words(out, generator)
     if not dtype.is_floating_point:
         raise ArtifactFormatError(f"graph.onnx initializer {name!r}: a synthetic artifact has no {dtype} weights")
-    if name.endswith("weight_scale"):
+    if name.endswith(INT4_SCALE):
         scale = torch.rand(shape, generator=generator, device=device, dtype=torch.float32).add_(0.5)
-        return out.copy_(scale.mul_(WEIGHT_STD / FP8_SPREAD))
+        return out.copy_(scale.mul_(WEIGHT_STD / (INT4_SPREAD if int4_scale else FP8_SPREAD)))
     if len(shape) == 1:
         scale = QK_NORM_SCALE if name.endswith(QK_NORMS) else 1.0
         return _fill_normal(out, scale, WEIGHT_STD * scale, generator)
@@ -94,7 +120,13 @@ def random_initializers(
     file could not hold is refused before anything is allocated; small inline constants are read
     as written."""
 
+    packed = [
+        i.name for i in graph.initializer if i.data_type == onnx.TensorProto.INT32 and i.name.endswith(INT4_PACKED)
+    ]
+    int4_scales = {name[: -len(INT4_PACKED)] + INT4_SCALE for name in packed}
+
     def make(init: onnx.TensorProto, dtype: torch.dtype) -> torch.Tensor:
-        return random_tensor(init.name, list(init.dims), runtime_dtype(dtype, compute_dtype), device)
+        dtype = runtime_dtype(dtype, compute_dtype)
+        return random_tensor(init.name, list(init.dims), dtype, device, int4_scale=init.name in int4_scales)
 
     return load_initializers(root, graph, device, compute_dtype, external=make, listed=listed)
