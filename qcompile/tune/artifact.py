@@ -1,9 +1,10 @@
 """`tune_artifact`: tune every GEMM and fused-MoE shape of an artifact on this GPU and record the winners.
 
-For every PTPC-FP8 weight shape the FP8 GEMM (gemm.py), for every stacked-expert shape the fused MoE
-kernel (moe.py), each at every token-count bucket; for a tp = N > 1 artifact on a machine with N GPUs,
-the all-reduce's crossover from the custom kernel to NCCL (allreduce.py; with fewer GPUs it is left
-out and the runtime keeps its default). Writes kernels/<device>.json (docs/ARTIFACT.md)
+For every PTPC-FP8 weight shape the FP8 GEMM (gemm.py), for every packed int4 weight shape the W4A16
+GEMM (w4a16.py), for every stacked-expert shape the fused MoE kernel (moe.py), each at every
+token-count bucket; for a tp = N > 1 artifact on a machine with N GPUs, the all-reduce's crossover
+from the custom kernel to NCCL (allreduce.py; with fewer GPUs it is left out and the runtime keeps
+its default). Writes kernels/<device>.json (docs/ARTIFACT.md)
 and updates the manifest's file table in the same step, so `qcompile verify` still covers every
 file. Needs a GPU.
 """
@@ -25,13 +26,14 @@ from qcompile.errors import QCompileError
 from qcompile.tune.allreduce import tune_all_reduce
 from qcompile.tune.gemm import ROTATE_BYTES, TOKEN_BUCKETS, gemm_shapes, time_us, tune_gemm
 from qcompile.tune.moe import moe_shapes, tune_moe
+from qcompile.tune.w4a16 import table_key, tune_w4a16, w4a16_shapes
 
 
 def tune_artifact(
     root: str | Path, buckets: Iterable[int] = TOKEN_BUCKETS, progress: Callable[[str], None] | None = None
 ) -> Path:
-    """Tune every GEMM and fused-MoE shape of the artifact on the current GPU; returns the
-    kernels/<device>.json written."""
+    """Tune every GEMM (FP8 and W4A16) and fused-MoE shape of the artifact on the current GPU;
+    returns the kernels/<device>.json written."""
     if not torch.cuda.is_available():
         raise QCompileError("tuning needs a CUDA GPU (it times the runtime's kernels on it)")
     import triton
@@ -45,6 +47,10 @@ def tune_artifact(
         entries[f"PTPCLinear:{n}x{k}"] = tune_gemm(n, k, list(buckets), device)
         if progress is not None:
             progress(f"PTPCLinear:{n}x{k}")
+    for n, k, group in w4a16_shapes(manifest):
+        entries[table_key(n, k)] = tune_w4a16(n, k, group, list(buckets), device)
+        if progress is not None:
+            progress(table_key(n, k))
     for shape in moe_shapes(manifest):
         entries[shape.key] = tune_moe(shape, list(buckets), device, time_us, ROTATE_BYTES)
         if progress is not None:
