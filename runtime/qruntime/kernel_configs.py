@@ -101,6 +101,11 @@ def check_config(key: str, cfg: Any, where: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"{where}.backend must be one of {', '.join(BACKENDS)} (got {str(backend)[:40]!r})")
     op = key.split(":", 1)[0]
+    if op == "PTPCLinear" and "folded" in cfg:  # the choice when the reader sums the split-K partials
+        folded = cfg["folded"]
+        if isinstance(folded, dict) and "folded" in folded:
+            raise ValueError(f"{where}.folded must not hold another 'folded'")
+        check_config(key, folded, f"{where}.folded")
     if backend == "cublaslt":
         if op != "PTPCLinear":
             raise ValueError(f"{where}.backend: cublaslt runs PTPCLinear only, not {op[:40]!r}")

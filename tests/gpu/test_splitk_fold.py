@@ -1,6 +1,7 @@
-"""Split-K reductions folded into the next kernel (ops/triton_ops.fold_split_k_reductions) on the
-GPU, in CUDA graphs: with every small-batch GEMM forced to split K, an engine whose GEMMs hand their
-partials to the next kernel generates the bits of one that launches each reduction."""
+"""Split-K reductions and MoE combines folded into the next kernel (ops/triton_ops.
+fold_split_k_reductions) on the GPU, in CUDA graphs: with every small-batch GEMM forced to split K,
+an engine whose GEMMs hand their partials (and whose MoE its expert rows) to the next kernel
+generates the bits of one that launches each reduction and combine."""
 
 from __future__ import annotations
 
@@ -35,3 +36,18 @@ def test_folded_reductions_give_the_launched_reductions_bits(gpu_artifact, cuda,
     assert counts == [4 * layers]  # qkv, o, gate_up and down of every layer
     monkeypatch.setattr(triton_ops, "fold_split_k_reductions", lambda p: 0)
     assert folded == _generate(gpu_artifact, prompts)
+
+
+def test_folded_moe_combines_give_the_launched_combines_bits(make_ckpt, compiled, cuda, rng, monkeypatch):
+    artifact = compiled(
+        make_ckpt("tiny-moe", hidden_size=256, head_dim=128, num_attention_heads=4, num_key_value_heads=2), "ptpc-fp8"
+    )
+    vocab = json.loads((artifact / "manifest.json").read_text())["spec"]["vocab_size"]
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (9, 40, 3, 17)]
+    counts: list[int] = []
+    fold = triton_ops.fold_split_k_reductions
+    monkeypatch.setattr(triton_ops, "fold_split_k_reductions", lambda p: counts.append(fold(p)) or counts[-1])
+    folded = _generate(artifact, prompts)
+    assert counts and counts[0] >= 2  # the combine of each of its two MoE layers at least
+    monkeypatch.setattr(triton_ops, "fold_split_k_reductions", lambda p: 0)
+    assert folded == _generate(artifact, prompts)

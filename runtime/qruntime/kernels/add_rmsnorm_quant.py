@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qruntime.kernels.deferred_sum import deferred_value
 from qruntime.kernels.dynamic_quant import (
     FP8,
     MAX_BLOCK,
@@ -38,7 +39,8 @@ from qruntime.kernels.dynamic_quant import (
     rows_of,
     use_hw_casts,
 )
-from qruntime.kernels.fp8_gemm import SplitKPartials, check_partials, splitk_value
+from qruntime.kernels.fp8_gemm import SplitKPartials, check_partials
+from qruntime.kernels.moe_combine import PairRows
 from qruntime.kernels.pdl import launch_options, wait_for_inputs
 
 
@@ -84,9 +86,10 @@ def _add_rmsnorm_kernel(
     ro_ptr,  # [T, H] residual_out, contiguous (unused without HAS_RES)
     y_ptr,  # [T, H]: uint8 view of the fp8 yq when QUANT, else y in the model dtype; contiguous
     s_ptr,  # [T] fp32 ys (unused without QUANT)
-    xs_ptr,  # SPLIT: x is a split-K GEMM's fp32 partials [SPLIT, T, H]; these its scales xs [T, 1], ws [H, 1]
+    xs_ptr,  # SPLIT: x is SPLIT slices to add (deferred_sum.py); SCALED: their scales xs [T, 1], ws [H, 1]
     ws_ptr,
-    T,
+    slice_stride,
+    row_stride,
     stride_xs,
     stride_ws,
     H,
@@ -94,6 +97,7 @@ def _add_rmsnorm_kernel(
     stride_r,
     eps,
     SPLIT: tl.constexpr,  # 0: x is [T, H] in the model dtype
+    SCALED: tl.constexpr,
     HAS_RES: tl.constexpr,
     QUANT: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -111,8 +115,11 @@ def _add_rmsnorm_kernel(
     cols = tl.arange(0, BLOCK)
     if NUM_CHUNKS == 1:
         mask = cols < H
-        if SPLIT:  # the GEMM's reduction, here instead of in a launch of its own
-            h = splitk_value(x_ptr, xs_ptr, ws_ptr, row, cols, mask, T, H, stride_xs, stride_ws, SPLIT, DTYPE, HW)
+        if SPLIT:  # the split-K reduction or the MoE combine, here instead of in a launch of its own
+            h = deferred_value(
+                x_ptr, xs_ptr, ws_ptr, row, cols, mask, slice_stride, row_stride, stride_xs, stride_ws,
+                SPLIT, SCALED, DTYPE, HW,
+            )  # fmt: skip
         else:
             h = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_RES:
@@ -152,11 +159,14 @@ def _add_rmsnorm_kernel(
                 tl.store(y_row + offs, y.to(DTYPE), mask=mask)
 
 
+DEFERRED = (SplitKPartials, PairRows)  # outputs this kernel adds up itself (deferred_sum.py)
+
+
 def _check(x, residual: torch.Tensor | None, w: torch.Tensor, max_block: int):
     """(x, residual) ready for the kernel: x a [T, H] tensor, or SplitKPartials the kernel reduces
     (reduced here first when it cannot: a row wider than one tile, or no residual, whose residual_out
     is x itself)."""
-    if isinstance(x, SplitKPartials):
+    if isinstance(x, DEFERRED):
         if residual is not None and row_config(x.shape[1], max_block)[1] == 1:
             check_partials(x, residual, w)
             return x, rows_of("residual", residual)
@@ -181,8 +191,8 @@ def _launch(x, residual, w, eps, residual_out, y, ys, quant: bool, max_block: in
         return
     block, chunks, num_warps = row_config(hidden, max_block)
     has_res = residual is not None
-    split = isinstance(x, SplitKPartials)
-    part, xs, ws, _, stride_xs, stride_ws = x.kernel_args() if split else (x, x, x, tokens, 0, 0)
+    split = isinstance(x, DEFERRED)
+    part, xs, ws, slice_stride, row_stride, stride_xs, stride_ws = x.sum_args() if split else (x, x, x, 0, 0, 0, 0)
     _add_rmsnorm_kernel[(tokens,)](
         part,
         residual if has_res else x,
@@ -192,14 +202,16 @@ def _launch(x, residual, w, eps, residual_out, y, ys, quant: bool, max_block: in
         ys if quant else w,
         xs,
         ws,
-        tokens,
+        slice_stride,
+        row_stride,
         stride_xs,
         stride_ws,
         hidden,
         0 if split else x.stride(0),
         residual.stride(0) if has_res else 0,
         float(eps),
-        SPLIT=x.split if split else 0,
+        SPLIT=x.slices if split else 0,
+        SCALED=split and x.scaled,
         HAS_RES=has_res,
         QUANT=quant,
         BLOCK=block,
@@ -227,7 +239,7 @@ def add_rmsnorm_quant(
     qruntime.ops.functional.dynamic_quant(y, 0). `max_block` (a power of two) caps the register
     tile; wider rows take the chunked three-pass path (tests force it at small H). pdl: launch with
     programmatic dependent launch (kernels/pdl.py; Hopper GPUs only). x may be a split-K GEMM's
-    SplitKPartials (fp8_gemm.py), reduced in this launch."""
+    SplitKPartials (fp8_gemm.py) or a fused MoE's PairRows (moe_combine.py), added up in this launch."""
     x, residual = _check(x, residual, w, max_block)
     tokens, hidden = x.shape
     yq = torch.empty(tokens, hidden, dtype=FP8, device=x.device)

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qruntime.kernels.deferred_sum import deferred_value
 from qruntime.kernels.dynamic_quant import round_to, use_hw_casts
 from qruntime.kernels.pdl import launch_options, prefetch_l2, wait_for_inputs
 
@@ -250,12 +251,9 @@ def splitk_value(
     """Elements (row, cols) of a split-K GEMM's output read from its fp32 partials [SPLIT, M, N]: the
     sum in split order from zero, times xs[row] then ws[cols], rounded to DTYPE; the bits
     _splitk_reduce_kernel stores, as fp32 (0 where masked). cols may have any shape."""
-    acc = tl.zeros(cols.shape, dtype=tl.float32)
-    for s in tl.static_range(SPLIT):
-        acc += tl.load(part_ptr + (s * M + row) * N + cols, mask=mask, other=0.0)
-    xs = tl.load(as_ptr + row * stride_as)
-    ws = tl.load(bs_ptr + cols * stride_bs, mask=mask, other=0.0).to(tl.float32)
-    return round_to(acc * xs * ws, DTYPE, HW)
+    return deferred_value(
+        part_ptr, as_ptr, bs_ptr, row, cols, mask, M * N, N, stride_as, stride_bs, SPLIT, True, DTYPE, HW
+    )
 
 
 @dataclass(frozen=True)
@@ -284,9 +282,17 @@ class SplitKPartials:
     def split(self) -> int:
         return self.partials.shape[0]
 
+    slices = split
+    scaled = True
+
     def kernel_args(self) -> tuple:
         """(partials, xs, ws, M, stride of xs, stride of ws): what a reading kernel passes to splitk_value."""
         return (self.partials, self.xs, self.ws, self.shape[0], self.xs.stride(0), self.ws.stride(0))
+
+    def sum_args(self) -> tuple:
+        """(base, xs, ws, slice stride, row stride, stride of xs, stride of ws): deferred_value's."""
+        m, n = self.shape
+        return (self.partials, self.xs, self.ws, m * n, n, self.xs.stride(0), self.ws.stride(0))
 
     def reduce(self) -> torch.Tensor:
         """The [M, N] output (the reduction launch)."""
@@ -306,7 +312,7 @@ def check_partials(x: SplitKPartials, like: torch.Tensor | None, w: torch.Tensor
         or (like is not None and (tuple(like.shape), like.dtype) != (x.shape, x.dtype))
     ):
         raise ValueError(
-            f"split-K partials of {x.shape} {x.dtype} on {x.device} do not match "
+            f"deferred output (split-K partials / MoE pair rows) of {x.shape} {x.dtype} on {x.device} does not match "
             f"{'' if like is None else f'{tuple(like.shape)} '}{w.dtype} on {w.device}"
         )
 

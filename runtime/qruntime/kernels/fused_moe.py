@@ -25,7 +25,7 @@ import triton
 
 from qruntime.kernels.dynamic_quant import check_model_dtype
 from qruntime.kernels.moe_align import moe_align
-from qruntime.kernels.moe_combine import moe_combine
+from qruntime.kernels.moe_combine import PairRows, moe_combine
 from qruntime.kernels.moe_gemm import PairBlocks, moe_down, moe_up_silu
 from qruntime.kernels.moe_routing import moe_route_quant, moe_route_quant_one, moe_router_one
 
@@ -180,14 +180,16 @@ def fused_moe(
     router: tuple[torch.Tensor, torch.Tensor] | None = None,
     *,
     pdl: bool = False,
-) -> torch.Tensor:
+    defer_combine: bool = False,
+) -> torch.Tensor | PairRows:
     """The MoE op (PTPC FP8 experts, per-token FP8 activations): x [T, H] bf16 | fp16 | fp32,
     router_logits [T, E] = x · router_wᵀ, w13 [E, 2I, H] fp8 (gate rows then up rows), w13_scale
     [E, 2I, 1], w2 [E, H, I] fp8, w2_scale [E, H, 1] -> y [T, H] in x's dtype.
     config: default_config(T, E, I, H, k) when None. router: (router_w [E, H], a zero int32
     counter), for a single token the router GEMV then runs in its routing launch (router_logits may
     be None then; moe_routing.moe_router_one). pdl: every launch with programmatic dependent launch
-    (kernels/pdl.py). Raises ValueError / TypeError on bad inputs."""
+    (kernels/pdl.py). defer_combine: with k > 1, return the PairRows without the combine launch, for
+    a kernel that adds them itself. Raises ValueError / TypeError on bad inputs."""
     check_model_dtype("x", x)
     if w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"w13 [E, 2I, H] and w2 [E, H, I] must be 3-D, got {tuple(w13.shape)}, {tuple(w2.shape)}")
@@ -221,6 +223,8 @@ def fused_moe(
     blocks = PairBlocks(sorted_ids, block_expert, num_padded, amax, cfg.block_m, top_k, tokens * top_k)
     act = moe_up_silu(xq, xs, w13, w13_scale, blocks, x.dtype, **_launch(cfg.w13), pdl=pdl)
     out_pairs = moe_down(act, w2, w2_scale, weights, blocks, **_launch(cfg.w2), pdl=pdl)
+    if defer_combine and top_k > 1:
+        return PairRows(out_pairs, top_k, pdl)
     return moe_combine(out_pairs, top_k, pdl=pdl)
 
 

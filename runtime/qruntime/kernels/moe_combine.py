@@ -8,6 +8,8 @@ The order is fixed, so the result is deterministic.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -37,6 +39,45 @@ def _moe_combine_kernel(
     for s in tl.static_range(TOP_K):  # slot order
         acc += tl.load(pairs_ptr + (token * TOP_K + s) * H + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + token * H + cols, round_to(acc, DTYPE, HW).to(DTYPE), mask=mask)
+
+
+@dataclass(frozen=True)
+class PairRows:
+    """The fused MoE's output before its combine launch: out_pairs [T*k, H] (model dtype), each
+    token's k weighted expert rows. add_rmsnorm[_quant] takes it in place of the [T, H] output and
+    adds each token's rows as moe_combine does (deferred_sum.deferred_value), saving the launch;
+    `reduce()` runs moe_combine for any other reader."""
+
+    out_pairs: torch.Tensor
+    top_k: int
+    pdl: bool = False
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_pairs.shape[0] // self.top_k, self.out_pairs.shape[1])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.out_pairs.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.out_pairs.device
+
+    @property
+    def slices(self) -> int:
+        return self.top_k
+
+    scaled = False
+
+    def sum_args(self) -> tuple:
+        """(base, xs, ws, slice stride, row stride, stride of xs, stride of ws): deferred_value's
+        (no scales: xs and ws stand in for them, never read)."""
+        hidden = self.out_pairs.shape[1]
+        return (self.out_pairs, self.out_pairs, self.out_pairs, hidden, self.top_k * hidden, 0, 0)
+
+    def reduce(self) -> torch.Tensor:
+        return moe_combine(self.out_pairs, self.top_k, pdl=self.pdl)
 
 
 def moe_combine(out_pairs: torch.Tensor, top_k: int, *, pdl: bool = False) -> torch.Tensor:

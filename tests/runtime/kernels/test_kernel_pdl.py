@@ -22,9 +22,9 @@ NORM = (
     "qruntime.kernels.add_rmsnorm_quant",
     "_add_rmsnorm_kernel",
     {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "ro_ptr": "*bf16", "y_ptr": "*u8", "s_ptr": "*fp32"}
-    | {"xs_ptr": "*fp32", "ws_ptr": "*bf16", "T": "i32", "stride_xs": "i32", "stride_ws": "i32"}
-    | {"H": "i32", "stride_x": "i32", "stride_r": "i32", "eps": "fp32"},
-    {"HAS_RES": True, "QUANT": True, "BLOCK": 4096, "NUM_CHUNKS": 1, "HW": True, "SPLIT": 0},
+    | {"xs_ptr": "*fp32", "ws_ptr": "*bf16", "slice_stride": "i32", "row_stride": "i32", "stride_xs": "i32"}
+    | {"stride_ws": "i32", "H": "i32", "stride_x": "i32", "stride_r": "i32", "eps": "fp32"},
+    {"HAS_RES": True, "QUANT": True, "BLOCK": 4096, "NUM_CHUNKS": 1, "HW": True, "SPLIT": 0, "SCALED": True},
     8,
 )
 GEMM = (

@@ -1,8 +1,9 @@
-"""A split-K GEMM's reduction folded into the kernel that reads its output (fp8_gemm.SplitKPartials):
-add_rmsnorm[_quant], silu_mul_quant and qknorm_rope_kvwrite given the partials must write the bits
-they write given the reduced output (the partials summed in split order from zero, times xs then
-ws, rounded to nearest even: what _splitk_reduce_kernel computes, made here in torch). Interpreter
-on CPU, native on a GPU."""
+"""Launches folded into the kernel that reads their output (kernels/deferred_sum.py): a split-K GEMM's
+reduction (fp8_gemm.SplitKPartials) into add_rmsnorm[_quant], silu_mul_quant and qknorm_rope_kvwrite,
+and a fused MoE's combine (moe_combine.PairRows) into add_rmsnorm[_quant]. Given the slices, each
+must write the bits it writes given the added-up output (split-K partials summed in split order
+from zero, times xs then ws, rounded to nearest even, made here in torch; the MoE rows by the
+combine kernel). Interpreter on CPU, native on a GPU."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from qruntime.kernels.add_rmsnorm_quant import add_rmsnorm, add_rmsnorm_quant
 from qruntime.kernels.fp8_gemm import GemmConfig, SplitKPartials, ptpc_fp8_gemm
+from qruntime.kernels.moe_combine import PairRows, moe_combine
 from qruntime.kernels.qknorm_rope_kvwrite import qknorm_rope_kvwrite
 from qruntime.kernels.silu_mul_quant import silu_mul_quant
 from qruntime.kv_cache import KVCache, KVCacheSpec
@@ -74,7 +76,7 @@ def test_add_rmsnorm_reduces_first_where_it_cannot_read_the_partials():
     for args, kw in (((None, w, 1e-6), {}), ((residual, w, 1e-6), {"max_block": 64})):  # no residual; chunked rows
         for a, b in zip(add_rmsnorm_quant(x, *args, **kw), add_rmsnorm_quant(reduced, *args, **kw), strict=True):
             _equal(a, b, "reduced first")
-    with pytest.raises(ValueError, match="split-K partials"):
+    with pytest.raises(ValueError, match="deferred output"):
         add_rmsnorm_quant(x, residual[:1], w, 1e-6)
 
 
@@ -106,3 +108,23 @@ def test_qknorm_rope_kvwrite_reads_the_partials(layout):
     _equal(qs[0], qs[1], "q")
     _equal(caches[0].k[0], caches[1].k[0], "k pool")
     _equal(caches[0].v[0], caches[1].v[0], "v pool")
+
+
+@pytest.mark.parametrize("top_k", [2, 8])
+@pytest.mark.parametrize("quant", [True, False])
+def test_add_rmsnorm_adds_a_moe_tokens_expert_rows(top_k, quant):
+    tokens, hidden = 3, 320
+    # weighted expert rows of mixed magnitudes and signs: their fp32 sum rounds once
+    out_pairs = (
+        torch.randn(tokens * top_k, hidden, device=DEVICE) * torch.rand(tokens * top_k, 1, device=DEVICE) * 8
+    ).to(BF16)
+    rows = PairRows(out_pairs, top_k)
+    assert rows.shape == (tokens, hidden)
+    residual = (torch.randn(tokens, hidden, device=DEVICE) * 3).to(BF16)
+    w = (torch.randn(hidden, device=DEVICE) * 0.5 + 1).to(BF16)
+    kernel = add_rmsnorm_quant if quant else add_rmsnorm
+    combined = moe_combine(out_pairs, top_k)
+    _equal(rows.reduce(), combined, "reduce()")
+    ours, ref = kernel(rows, residual, w, 1e-6), kernel(combined, residual, w, 1e-6)
+    for a, b, what in zip(ours, ref, ("y", "ys", "residual_out") if quant else ("y", "residual_out"), strict=True):
+        _equal(a, b, what)
