@@ -10,8 +10,11 @@ more than its fp16 ulp)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+from hopper_ptx import hopper_ptx
 from qruntime.kernels.w4a16_gemm import W4A16Config, default_config, supports_group, sweep_configs, w4a16_gemm
 from qruntime.ops.functional import dequantize_int4, w4a16_linear
 
@@ -183,3 +186,43 @@ def test_bad_inputs_raise() -> None:
     with pytest.raises(ValueError, match="block_k 64 neither divides nor is a multiple of group_size 48"):
         w4a16_gemm(x48, w48, ws48, 48, W4A16Config(16, 32, 64))
     assert_fp32_close(w4a16_gemm(x48, w48, ws48, 48, out_dtype=torch.float32), x48, w48, ws48, 48)
+
+
+# --------------------------------------------------------------- the hardware branch, compiled for sm_90
+
+WAIT, RELEASE = re.compile(r"griddepcontrol\.wait\s*;"), re.compile(r"griddepcontrol\.launch_dependents\s*;")
+MEMORY = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:(?:ld|st|atom|red)\.global|cp\.async)", re.MULTILINE)
+GEMM_TYPES = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "c_ptr": "*bf16", "part_ptr": "*fp32"} | {
+    name: "i32" for name in ("M", "N", "K", "stride_xm", "stride_wn", "stride_sn", "stride_cm", "K_PER_SPLIT")
+}
+
+
+@pytest.mark.parametrize(
+    "tile",
+    [(16, 32, 256, 128, 4, 4), (16, 32, 256, 64, 4, 4), (128, 128, 64, 128, 8, 3)],
+    ids=["decode", "decode-whole-groups", "prefill"],
+)
+def test_hopper_build_waits_for_its_inputs_before_reading(tile):
+    """The GPU branch (hardware casts, bf16 tensor-core dots: mma.sync at 16 rows, wgmma at 128)
+    compiles for an H100 with the Triton here; with PDL it waits before its first global access
+    and releases the next kernel after, without PDL neither is there."""
+    block_m, block_n, block_k, group, warps, stages = tile
+    fixed = {"GROUP": group, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": 2}
+    fixed |= {"GROUP_M": 8, "EVEN_K": True, "HW": True}
+    ptx = hopper_ptx("qruntime.kernels.w4a16_gemm", "_w4a16_gemm_kernel", GEMM_TYPES, fixed | {"PDL": True}, warps)
+    assert len(WAIT.findall(ptx)) == 1 and len(RELEASE.findall(ptx)) == 1
+    wait = WAIT.search(ptx).start()
+    assert wait < RELEASE.search(ptx).start()
+    first_access = MEMORY.search(ptx)
+    assert first_access is not None and first_access.start() > wait, f"memory touched before the wait: {first_access}"
+    assert ("wgmma" in ptx) == (block_m >= 64) and "cvt.rn.bf16x2.f32" in ptx
+    plain = hopper_ptx("qruntime.kernels.w4a16_gemm", "_w4a16_gemm_kernel", GEMM_TYPES, fixed | {"PDL": False}, warps)
+    assert "griddepcontrol" not in plain
+    reduce = hopper_ptx(
+        "qruntime.kernels.w4a16_gemm",
+        "_splitk_sum_kernel",
+        {"part_ptr": "*fp32", "c_ptr": "*bf16", "MN": "i32"},
+        {"SPLIT_K": 2, "BLOCK": 1024, "HW": True, "PDL": True},
+        4,
+    )
+    assert WAIT.search(reduce).start() < MEMORY.search(reduce).start()
