@@ -47,7 +47,8 @@ def test_folded_moe_combines_give_the_launched_combines_bits(make_ckpt, compiled
     counts: list[int] = []
     fold = triton_ops.fold_split_k_reductions
     monkeypatch.setattr(triton_ops, "fold_split_k_reductions", lambda p: counts.append(fold(p)) or counts[-1])
-    folded = _generate(artifact, prompts)
+    monkeypatch.setattr(triton_ops, "PAIR_ROWS_READERS", (triton_ops.AddRMSNorm, triton_ops.AddRMSNormQuant))
+    folded = _generate(artifact, prompts)  # the combine's folding turned on (off by default: slower)
     assert counts and counts[0] >= 2  # the combine of each of its two MoE layers at least
     monkeypatch.setattr(triton_ops, "fold_split_k_reductions", lambda p: 0)
     assert folded == _generate(artifact, prompts)

@@ -347,7 +347,11 @@ class PagedAttention(attention.PagedAttention):
 
 # the kernels that add up a deferred output themselves (kernels/deferred_sum.py), by its maker
 SPLIT_K_READERS = (AddRMSNorm, AddRMSNormQuant, SiluMulQuant, QKNormRoPEKVWrite)
-PAIR_ROWS_READERS = (AddRMSNorm, AddRMSNormQuant)
+# None: the MoE's combine stays a launch of its own. Folded into the next norm it cost a step
+# 0.01-0.02 ms more (H100, qwen3-30b-a3b batch 1, 3.093 -> 3.105-3.113 ms: the norm is one program
+# per token; bench/results/launch_ab_qwen3-30b-a3b_moe_c95e7ce_h100.json). (AddRMSNorm,
+# AddRMSNormQuant) turns it on.
+PAIR_ROWS_READERS: tuple[type, ...] = ()
 
 
 def fold_split_k_reductions(plan) -> int:
