@@ -41,7 +41,8 @@ def _operands(m: int, n: int, k: int, device):
 @pytest.mark.parametrize("n,k", QWEN3_8B)
 def test_kernel_matches_the_reference_at_qwen3_8b_shapes(cuda, m, n, k):
     """fp32 output against the reference's weight (exact in fp32) multiplied in fp32: two fp32 sums of
-    the same K products differ by at most 2 K u sum|terms| (u = 2^-24); the bf16 output is the fp32
+    the same K products differ by at most 2 K u sum|terms| (u = 2^-24), and over the output by about
+    sqrt(K) u |ref| (H100: up to 1.2e-5 relative, at 300 tokens; a wrong weight gives 1e-2); the bf16 output is the fp32
     one rounded once (the same launches, the same sums), and PDL changes no bit."""
     x, w, ws = _operands(m, n, k, cuda)
     weight = dequantize_int4(w, ws, GROUP).float()
@@ -49,7 +50,8 @@ def test_kernel_matches_the_reference_at_qwen3_8b_shapes(cuda, m, n, k):
     bound = x.float().abs() @ weight.abs().T
     y32 = w4a16_gemm(x, w, ws, GROUP, out_dtype=torch.float32)
     assert ((y32 - ref).abs() <= 2 * k * 2**-24 * bound).all(), float(((y32 - ref).abs() / bound).max())
-    assert (y32 - ref).norm() <= 1e-6 * ref.norm()
+    # over the whole output the order's rounding errors add up like a random walk: ~sqrt(K) u |ref|
+    assert (y32 - ref).norm() <= 1e-4 * ref.norm()
     y = w4a16_gemm(x, w, ws, GROUP)
     assert y.dtype == torch.bfloat16 and torch.equal(y, y32.to(torch.bfloat16))
     if pdl_supported(cuda):
