@@ -146,9 +146,18 @@ def test_fused_graph_computes_what_the_unfused_graph_computes(
     got = _run(spec, dataclasses.replace(base, passes=names), sources, prompts, decode)
     for g, w in zip(got, want, strict=True):
         assert torch.isfinite(w.float()).all()
-        # the same math up to the summation order of a wider matmul (bf16 outputs)
-        torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)
-        assert (g.float() - w.float()).abs().mean() < 2e-3 * w.float().abs().mean() + 1e-3
+        # the same math up to the summation order of a wider matmul (bf16 outputs): usually the same
+        # bits, but now and then a reordered sum moves a bf16 hidden value by an ulp, which a few
+        # logits carry further (one full-suite run: 1 logit of 291 off by 0.023 against 0.02; none
+        # in 140 runs alone). So: at most 1% of the logits beyond 2e-2 (+ 2% relative), none beyond
+        # 5e-2, and the mean error small; a wrong fusion moves most logits by far more.
+        err = (g.float() - w.float()).abs()
+        loose = err > 2e-2 + 2e-2 * w.float().abs()
+        assert loose.float().mean() <= 0.01, (
+            f"{int(loose.sum())} of {err.numel()} logits differ, max {float(err.max())}"
+        )
+        assert float(err.max()) <= 5e-2, float(err.max())
+        assert err.mean() < 2e-3 * w.float().abs().mean() + 1e-3
 
 
 def test_fused_moe_per_tensor_agrees_with_the_unfused_graph_to_fp8_rounding() -> None:
