@@ -8,8 +8,9 @@ batch sizes):
   prefetch  pdl, and each Triton GEMM program asks L2 for the first --prefetch-k bytes of its
             weight rows before it waits (what the runtime does)
   unfolded  prefetch, but every split-K GEMM launches its own reduction instead of handing its
-            partials to the next kernel (ops/triton_ops.fold_split_k_reductions)
-All modes but `unfolded` fold the reductions.
+            partials to the next kernel, and every MoE its combine (ops/triton_ops.fold_split_k_reductions)
+  moe-combine  prefetch with the GEMMs' reductions folded but the MoEs' combines launched
+All modes but `unfolded` fold the GEMMs' reductions.
 
 Modes are loaded in turn, twice each (graphs are captured at load, so a mode is a fresh engine).
 Each load reports: the engine's TPOT at each batch (128 prompt tokens, 128 generated; the prompts
@@ -41,7 +42,7 @@ from compile_bench import gpu_report_header
 from qcompile.recipe.schema import load_recipe
 from qcompile.synth.artifact import write_synthetic_artifact
 
-MODES = ("plain", "pdl", "prefetch", "unfolded")
+MODES = ("plain", "pdl", "prefetch", "unfolded", "moe-combine")
 
 
 def replay_ms(engine, batch: int, iters: int = 200) -> float:
@@ -80,9 +81,12 @@ def greedy_tokens(engine) -> list[list[int]]:
 
 def run_mode(art: Path, mode: str, args, layers: int, reference: list | None) -> dict:
     default_prefetch, fold = triton_ops.PTPCLinear.prefetch_k, triton_ops.fold_split_k_reductions
-    triton_ops.PTPCLinear.prefetch_k = args.prefetch_k if mode in ("prefetch", "unfolded") else 0
+    pair_readers = triton_ops.PAIR_ROWS_READERS
+    triton_ops.PTPCLinear.prefetch_k = args.prefetch_k if mode in ("prefetch", "unfolded", "moe-combine") else 0
     if mode == "unfolded":
         triton_ops.fold_split_k_reductions = lambda plan: 0
+    if mode == "moe-combine":
+        triton_ops.PAIR_ROWS_READERS = ()
     load_kw = dict(device="cuda", max_model_len=1024, max_num_seqs=max(args.batches), kv_cache_memory=8 << 30)
     with qruntime.load(art, pdl=mode != "plain", **load_kw) as engine:
         row: dict = {"mode": mode, "pdl": engine.description.get("pdl")}
@@ -94,6 +98,7 @@ def run_mode(art: Path, mode: str, args, layers: int, reference: list | None) ->
         row["replay_ms_b1"] = round(replay_ms(engine, 1), 3)
         row.update(graph_kernels(engine, 1, layers))
     triton_ops.PTPCLinear.prefetch_k, triton_ops.fold_split_k_reductions = default_prefetch, fold
+    triton_ops.PAIR_ROWS_READERS = pair_readers
     gc.collect()
     torch.cuda.empty_cache()
     return row, tokens
