@@ -59,13 +59,13 @@ class GemmConfig:
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
-                raise ValueError(f"GemmConfig.{name} must be a power of two >= 16, got {v}")
+                raise ValueError(f"{type(self).__name__}.{name} must be a power of two >= 16, got {v}")
         if self.split_k < 1:
-            raise ValueError(f"GemmConfig.split_k must be >= 1, got {self.split_k}")
+            raise ValueError(f"{type(self).__name__}.split_k must be >= 1, got {self.split_k}")
         if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"GemmConfig.num_warps must be a power of two <= 16, got {self.num_warps}")
+            raise ValueError(f"{type(self).__name__}.num_warps must be a power of two <= 16, got {self.num_warps}")
         if self.num_stages < 1:
-            raise ValueError(f"GemmConfig.num_stages must be >= 1, got {self.num_stages}")
+            raise ValueError(f"{type(self).__name__}.num_stages must be >= 1, got {self.num_stages}")
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -75,7 +75,7 @@ class GemmConfig:
         return cls(**{k: int(d[k]) for k in ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages")})
 
 
-def _split_for(tiles: int, k: int, block_k: int, target: int) -> int:
+def split_for(tiles: int, k: int, block_k: int, target: int) -> int:
     """Smallest power-of-two split that gives >= target programs, keeping >= 4 K tiles per split."""
     split = 1
     while tiles * split < target and k // (block_k * split * 2) >= 4:
@@ -98,11 +98,11 @@ def default_config(m: int, n: int, k: int) -> GemmConfig:
     - larger: 256x128x128 with 8 warps, or 64x128x128 where its finer tiles waste fewer SM-waves."""
     if m <= 16:
         bn, bk = 32, 256
-        return GemmConfig(16, bn, bk, _split_for(triton.cdiv(n, bn), k, bk, _NUM_SMS_H100), 4, 4)
+        return GemmConfig(16, bn, bk, split_for(triton.cdiv(n, bn), k, bk, _NUM_SMS_H100), 4, 4)
     if m <= 64:
         bn, bk = 64, 128
         tiles = triton.cdiv(m, 64) * triton.cdiv(n, bn)
-        return GemmConfig(64, bn, bk, _split_for(tiles, k, bk, _NUM_SMS_H100 // 2 + 1), 4, 4)
+        return GemmConfig(64, bn, bk, split_for(tiles, k, bk, _NUM_SMS_H100 // 2 + 1), 4, 4)
     # a 256x128 tile is 4 of 64x128, and (measured) ~1.25x more efficient per FLOP than 64x128
     if m <= 512 or 5 * _waves(m, n, 64, 128) < 16 * _waves(m, n, 256, 128):
         return GemmConfig(64, 128, 128, 1, 4, 4)
@@ -116,13 +116,13 @@ def sweep_configs(m: int, n: int, k: int) -> list[GemmConfig]:
         for bn, bk, stages in ((16, 256, 4), (32, 256, 4), (32, 256, 6), (32, 128, 8), (64, 256, 4), (64, 128, 6)):
             tiles = triton.cdiv(n, bn)
             for target in (_NUM_SMS_H100, 2 * _NUM_SMS_H100):
-                cands.append(GemmConfig(16, bn, bk, _split_for(tiles, k, bk, target), 4, stages))
+                cands.append(GemmConfig(16, bn, bk, split_for(tiles, k, bk, target), 4, stages))
     elif m <= 512:
         bm = 32 if m <= 32 else 64
         for bn, bk, warps, stages in ((64, 128, 4, 4), (128, 128, 4, 4), (128, 128, 8, 3)):
             tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
             cands.append(GemmConfig(bm, bn, bk, 1, warps, stages))
-            cands.append(GemmConfig(bm, bn, bk, _split_for(tiles, k, bk, _NUM_SMS_H100), warps, stages))
+            cands.append(GemmConfig(bm, bn, bk, split_for(tiles, k, bk, _NUM_SMS_H100), warps, stages))
         cands.append(GemmConfig(128, 128, 128, 1, 8, 3))
     else:
         for bm, bn, bk, warps, stages in (

@@ -22,14 +22,14 @@ over K range s to a workspace [split_k, M, N]; a second launch adds the partials
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from qruntime.kernels.dynamic_quant import round_to, use_hw_casts
+from qruntime.kernels.fp8_gemm import GemmConfig, split_for
 from qruntime.kernels.pdl import launch_options, wait_for_inputs
 
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -39,38 +39,12 @@ PER_INT32 = 8  # int4 codes per packed word
 
 
 @dataclass(frozen=True)
-class W4A16Config:
-    """Launch configuration of w4a16_gemm (the JSON record of the tuner)."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "block_k"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"W4A16Config.{name} must be a power of two >= 16, got {v}")
-        if self.split_k < 1:
-            raise ValueError(f"W4A16Config.split_k must be >= 1, got {self.split_k}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"W4A16Config.num_warps must be a power of two <= 16, got {self.num_warps}")
-        if self.num_stages < 1:
-            raise ValueError(f"W4A16Config.num_stages must be >= 1, got {self.num_stages}")
+class W4A16Config(GemmConfig):
+    """Launch configuration of w4a16_gemm (the JSON record of the tuner): the FP8 GEMM's fields."""
 
     def fits(self, group_size: int) -> bool:
         """Whether a K tile lies inside one group or holds whole groups."""
         return group_size % self.block_k == 0 or self.block_k % group_size == 0
-
-    def to_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> W4A16Config:
-        return cls(**{k: int(d[k]) for k in ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages")})
 
 
 def supports_group(group_size: int) -> bool:
@@ -85,14 +59,6 @@ def _block_k_for(block_k: int, group_size: int) -> int:
     return block_k
 
 
-def _split_for(tiles: int, k: int, block_k: int, target: int) -> int:
-    """Smallest power-of-two split that gives >= target programs, keeping >= 4 K tiles per split."""
-    split = 1
-    while tiles * split < target and k // (block_k * split * 2) >= 4:
-        split *= 2
-    return split
-
-
 def default_config(m: int, n: int, k: int, group_size: int = 128) -> W4A16Config:
     """Heuristic config per token-count bucket (H100-sized: 132 SMs).
 
@@ -104,11 +70,11 @@ def default_config(m: int, n: int, k: int, group_size: int = 128) -> W4A16Config
       in registers is the same size as the decode tile's, shared by more rows of x."""
     if m <= 16:
         bn, bk = 32, _block_k_for(256, group_size)
-        return W4A16Config(16, bn, bk, _split_for(triton.cdiv(n, bn), k, bk, _NUM_SMS_H100), 4, 4)
+        return W4A16Config(16, bn, bk, split_for(triton.cdiv(n, bn), k, bk, _NUM_SMS_H100), 4, 4)
     if m <= 64:
         bm, bn, bk = (32 if m <= 32 else 64), 64, _block_k_for(128, group_size)
         tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-        return W4A16Config(bm, bn, bk, _split_for(tiles, k, bk, _NUM_SMS_H100 // 2 + 1), 4, 4)
+        return W4A16Config(bm, bn, bk, split_for(tiles, k, bk, _NUM_SMS_H100 // 2 + 1), 4, 4)
     bk = _block_k_for(64, group_size)
     if m <= 512:
         return W4A16Config(64, 128, bk, 1, 4, 4)
@@ -131,14 +97,14 @@ def sweep_configs(m: int, n: int, k: int, group_size: int = 128) -> list[W4A16Co
             bk = _block_k_for(bk, group_size)
             tiles = triton.cdiv(n, bn)
             for target in (_NUM_SMS_H100, 2 * _NUM_SMS_H100):
-                cands.append(W4A16Config(16, bn, bk, _split_for(tiles, k, bk, target), warps, stages))
+                cands.append(W4A16Config(16, bn, bk, split_for(tiles, k, bk, target), warps, stages))
     elif m <= 512:
         bm = 32 if m <= 32 else 64
         for bn, bk, warps, stages in ((64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 8, 3), (64, 64, 4, 5)):
             bk = _block_k_for(bk, group_size)
             tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
             cands.append(W4A16Config(bm, bn, bk, 1, warps, stages))
-            cands.append(W4A16Config(bm, bn, bk, _split_for(tiles, k, bk, _NUM_SMS_H100), warps, stages))
+            cands.append(W4A16Config(bm, bn, bk, split_for(tiles, k, bk, _NUM_SMS_H100), warps, stages))
     else:
         for bm, bn, bk, warps, stages in (
             (128, 128, 64, 8, 3),
