@@ -110,6 +110,6 @@ def test_engine_gives_the_reference_backends_tokens(w4a16_artifact, cuda, rng):
             i = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b), None)
             if i is None:
                 continue
-            logits = ref.score(prompt + theirs[:i])[-1]  # the reference's logits where the two part
+            logits = ref.score([*prompt, *theirs[:i]])[-1]  # the reference's logits where the two part
             gap = float(logits[theirs[i]] - logits[mine[i]])
             assert gap <= 0.02 * float(logits.abs().max()), (i, gap)  # a near-tie, not a wrong GEMM
