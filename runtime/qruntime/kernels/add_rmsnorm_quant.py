@@ -163,9 +163,9 @@ DEFERRED = (SplitKPartials, PairRows)  # outputs this kernel adds up itself (def
 
 
 def _check(x, residual: torch.Tensor | None, w: torch.Tensor, max_block: int):
-    """(x, residual) ready for the kernel: x a [T, H] tensor, or SplitKPartials the kernel reduces
-    (reduced here first when it cannot: a row wider than one tile, or no residual, whose residual_out
-    is x itself)."""
+    """(x, residual) ready for the kernel: x a [T, H] tensor, or a deferred output (SplitKPartials,
+    PairRows) the kernel adds up itself (added up here first when it cannot: a row wider than one
+    tile, or no residual, whose residual_out is x itself)."""
     if isinstance(x, DEFERRED):
         if residual is not None and row_config(x.shape[1], max_block)[1] == 1:
             check_partials(x, residual, w)

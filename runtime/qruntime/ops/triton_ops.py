@@ -186,7 +186,7 @@ class MoE(moe.MoE):
             fused_moe.table_key,
         )
         self.configs: dict[int, object] = {}  # tokens -> MoEConfig, filled on first use
-        # the node after this one adds each token's expert rows itself (fold_deferred_sums)
+        # the node after this one adds each token's expert rows itself (fold_split_k_reductions)
         self.defer_combine = False
         self.expert_counts: torch.Tensor | None = None  # [E] int64: set it to count tokens per expert (benches)
 
