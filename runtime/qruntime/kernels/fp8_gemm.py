@@ -137,6 +137,18 @@ def sweep_configs(m: int, n: int, k: int) -> list[GemmConfig]:
 
 
 @triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program `pid` in grouped order: GROUP_M row tiles run one after
+    another over each column tile, so they share the weight tiles they read while those sit in L2."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group_size = GROUP_M * num_pid_n
+    first_m = (pid // group_size) * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % group_size) % group_m, (pid % group_size) // group_m
+
+
+@triton.jit
 def _ptpc_fp8_gemm_kernel(
     a_ptr,  # [M, K] fp8
     as_ptr,  # [M, 1] fp32
@@ -163,16 +175,8 @@ def _ptpc_fp8_gemm_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
     PREFETCH_K: tl.constexpr,  # with PDL: bytes of each of its weight rows a program asks L2 for before the wait
 ):
-    pid = tl.program_id(0)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    # grouped order: GROUP_M row tiles share the B tiles they read while resident in L2
-    group_size = GROUP_M * num_pid_n
-    first_m = (pid // group_size) * GROUP_M
-    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_size) % group_m
-    pid_n = (pid % group_size) // group_m
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

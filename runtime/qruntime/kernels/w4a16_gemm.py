@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from qruntime.kernels.dynamic_quant import round_to, use_hw_casts
-from qruntime.kernels.fp8_gemm import GemmConfig, split_for
+from qruntime.kernels.fp8_gemm import GemmConfig, grouped_tile, split_for
 from qruntime.kernels.pdl import launch_options, wait_for_inputs
 
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -161,16 +161,8 @@ def _w4a16_gemm_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     wait_for_inputs(PDL)
-    pid = tl.program_id(0)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    # grouped order: GROUP_M row tiles share the weight tiles they read while resident in L2
-    group_size = GROUP_M * num_pid_n
-    first_m = (pid // group_size) * GROUP_M
-    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_size) % group_m
-    pid_n = (pid % group_size) // group_m
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
