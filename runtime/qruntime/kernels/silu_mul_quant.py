@@ -148,6 +148,29 @@ def _silu_mul_quant_kernel(
     tl.store(s_ptr + row, scale)
 
 
+@triton.jit
+def _silu_mul_kernel(
+    gu_ptr,  # [T, 2I] model dtype, unit column stride
+    y_ptr,  # [T, I] model dtype, contiguous
+    inter,
+    stride_gu,
+    DTYPE: tl.constexpr,  # the model dtype
+    BLOCK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    HW: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
+):
+    wait_for_inputs(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    g_row = gu_ptr + row * stride_gu
+    c0 = tl.arange(0, BLOCK)
+    for c in range(NUM_CHUNKS):
+        offs = c * BLOCK + c0
+        mask = offs < inter
+        y = _silu_mul(g_row, offs, mask, inter, gu_ptr, gu_ptr, row, 0, 0, 0, 0, DTYPE, HW)
+        tl.store(y_ptr + row * inter + offs, y.to(DTYPE), mask=mask)
+
+
 def silu_config(inter: int, max_block: int = CHUNK) -> tuple[int, int, int]:
     """(BLOCK, NUM_CHUNKS, num_warps): chunks of min(next_power_of_2(I), max_block) columns."""
     block, _, num_warps = row_config(min(inter, max_block), max_block)
@@ -201,3 +224,35 @@ def silu_mul_quant(
         **launch_options(pdl),
     )
     return yq, ys
+
+
+def silu_mul(gate_up: torch.Tensor, *, max_block: int = CHUNK, pdl: bool = False) -> torch.Tensor:
+    """Fused SiLU-mul, unquantized (the `SiluMul` op: a weight-only recipe's MLP, whose down
+    projection reads model-dtype activations): gate_up [T, 2I] bf16 | fp16 | fp32 -> y [T, I] in its
+    dtype, qruntime.ops.functional.silu_mul rounded as torch rounds it, op by op. One program per
+    row, over chunks of `max_block` columns; pdl: programmatic dependent launch (kernels/pdl.py)."""
+    if isinstance(gate_up, SplitKPartials):
+        gate_up = gate_up.reduce()
+    check_model_dtype("gate_up", gate_up)
+    gate_up = rows_of("gate_up", gate_up)
+    tokens, width = gate_up.shape
+    if width % 2:
+        raise ValueError(f"gate_up must have an even number of columns [T, 2I], got {width}")
+    inter = width // 2
+    y = torch.empty(tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if tokens == 0:
+        return y
+    block, chunks, num_warps = silu_config(inter, max_block)
+    _silu_mul_kernel[(tokens,)](
+        gate_up,
+        y,
+        inter,
+        gate_up.stride(0),
+        DTYPE=TL_DTYPES[gate_up.dtype],
+        BLOCK=block,
+        NUM_CHUNKS=chunks,
+        HW=use_hw_casts(gate_up),
+        num_warps=num_warps,
+        **launch_options(pdl),
+    )
+    return y

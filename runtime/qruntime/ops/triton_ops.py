@@ -73,6 +73,19 @@ class SiluMulQuant(quant.SiluMulQuant):
         return self.kernel(gate_up, pdl=self.env.pdl) if self.kernel is not None else super().__call__(step, gate_up)
 
 
+class SiluMul(quant.SiluMul):
+    """The unquantized SiLU-mul of a weight-only recipe (W4A16) in one launch."""
+
+    def __init__(self, attrs, env, consts=()) -> None:
+        super().__init__(attrs, env, consts)
+        from qruntime.kernels.silu_mul_quant import silu_mul
+
+        self.kernel = silu_mul
+
+    def __call__(self, step, gate_up):
+        return self.kernel(gate_up, pdl=self.env.pdl)
+
+
 class PTPCLinear(quant.PTPCLinear):
     """FP8 GEMM by the backend tuned for (N, K) at the step's token count: our Triton kernel
     (with its tuned block/split config) or torch._scaled_mm (cuBLASLt)."""
@@ -389,6 +402,7 @@ FAST_OPS = (
     DynamicQuant,
     AddRMSNorm,
     AddRMSNormQuant,
+    SiluMul,
     SiluMulQuant,
     PTPCLinear,
     W4A16Linear,

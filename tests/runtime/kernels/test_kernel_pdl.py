@@ -52,6 +52,13 @@ SILU = (
     {"BLOCK": 4096, "NUM_CHUNKS": 3, "HW": True, "SPLIT": 0, "DTYPE": "tl.bfloat16"},
     8,
 )
+SILU_PLAIN = (
+    "qruntime.kernels.silu_mul_quant",
+    "_silu_mul_kernel",
+    {"gu_ptr": "*bf16", "y_ptr": "*bf16", "inter": "i32", "stride_gu": "i32"},
+    {"BLOCK": 4096, "NUM_CHUNKS": 3, "HW": True, "DTYPE": "tl.bfloat16"},
+    8,
+)
 QUANT = (
     "qruntime.kernels.dynamic_quant",
     "_dynamic_quant_kernel",
@@ -75,8 +82,8 @@ def _split(kernel: tuple) -> tuple:
 
 @pytest.mark.parametrize(
     "kernel",
-    [NORM, _split(NORM), REDUCE, SILU, _split(SILU), QUANT],
-    ids=["norm", "norm-partials", "reduce", "silu", "silu-partials", "quant"],
+    [NORM, _split(NORM), REDUCE, SILU, _split(SILU), SILU_PLAIN, QUANT],
+    ids=["norm", "norm-partials", "reduce", "silu", "silu-partials", "silu-plain", "quant"],
 )
 def test_with_pdl_a_kernel_waits_before_touching_memory_then_releases_the_next(kernel):
     ptx = _ptx(kernel, PDL=True)

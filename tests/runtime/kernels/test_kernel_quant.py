@@ -15,7 +15,7 @@ import pytest
 import torch
 from qruntime.kernels.add_rmsnorm_quant import add_rmsnorm, add_rmsnorm_quant
 from qruntime.kernels.dynamic_quant import MIN_SCALE, dynamic_quant
-from qruntime.kernels.silu_mul_quant import silu_mul_quant
+from qruntime.kernels.silu_mul_quant import silu_mul, silu_mul_quant
 from qruntime.ops import functional as fn
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -201,6 +201,27 @@ def test_silu_mul_quant_matches_reference(dtype, tokens, width, max_block):
     assert yq.shape == (tokens, width)
     assert_fp8_close(yq, ref_q, _rare(yq.numel()))
     _check_scales(ys, ref_s, exact=False)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "width", "max_block"), SHAPES)
+def test_silu_mul_matches_reference(dtype, tokens, width, max_block):
+    """Unquantized: each op rounded to the model dtype as torch rounds it; the sigmoid's exp may
+    differ in its last fp32 bit from torch's, moving a rare bf16 value by one ulp (fp32: a few ulps)."""
+    gate_up = torch.cat([_rows(tokens, width, dtype), _rows(tokens, width, dtype)], 1)
+    gate_up[0, :8] = torch.tensor([-200.0, -90.0, -20.0, -1.0, 0.0, 1.0, 20.0, 90.0], dtype=dtype)
+    y = silu_mul(gate_up, max_block=max_block)
+    ref = fn.silu_mul(gate_up.cpu())
+    assert y.dtype == dtype and y.shape == (tokens, width)
+    y = y.cpu()
+    if dtype == torch.float32:  # no rounding to hide the two exps' last-bit differences: a few fp32 ulps
+        torch.testing.assert_close(y, ref, rtol=1e-6, atol=1e-30)
+        return
+    differ = y != ref
+    assert int(differ.sum()) <= _rare(y.numel()), f"{int(differ.sum())} of {y.numel()} differ"
+    ulp = (ref.float().abs() * 2.0**-7).clamp(min=1e-30)  # bf16
+    assert ((y.float() - ref.float()).abs() <= ulp).all()
 
 
 def test_silu_mul_quant_rejects_odd_width():
