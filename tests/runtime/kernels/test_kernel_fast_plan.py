@@ -47,26 +47,37 @@ def _step(chunks: list[tuple[list[int], int]], tables: list[list[int]], max_cont
     return feeds, meta
 
 
-@pytest.mark.parametrize(("recipe", "layout"), [("ptpc-fp8", "nhd"), ("ptpc-fp8", "x-packed"), ("tensor-fp8", "nhd")])
-def test_fast_plan_matches_the_reference_plan(tiny_ckpt, compiled, recipe, layout):
-    artifact = compiled(tiny_ckpt, recipe, f"kv_cache.layout={layout}")
+def load_artifact(artifact):
+    """(graph, KV-cache spec, weights in bf16 on the CPU, op env) of a compiled artifact."""
     graph = onnx.load(str(artifact / "graph.onnx"), load_external_data=False).graph
     spec = KVCacheSpec.from_manifest(read_manifest(artifact)["kv_cache"])
     weights = load_initializers(artifact, graph, torch.device("cpu"), torch.bfloat16)
-    env = OpEnv(torch.bfloat16, torch.device("cpu"), spec)
+    return graph, spec, weights, OpEnv(torch.bfloat16, torch.device("cpu"), spec)
+
+
+def two_steps(artifact, lens: tuple[int, int]) -> list:
+    """A prefill of two fresh random prompts of `lens` tokens (cache blocks [3, 6] and [1]), then a
+    decode step of both: (feeds, metadata) of each."""
+    vocab = int(read_manifest(artifact)["spec"]["vocab_size"])
+    prompts = [torch.randint(0, vocab, (n,)).tolist() for n in lens]
+    tables = [[3, 6], [1]]
+    return [
+        _step([(prompts[0], 0), (prompts[1], 0)], tables, 64),
+        _step([([7], lens[0]), ([9], lens[1])], tables, 64),
+    ]
+
+
+@pytest.mark.parametrize(("recipe", "layout"), [("ptpc-fp8", "nhd"), ("ptpc-fp8", "x-packed"), ("tensor-fp8", "nhd")])
+def test_fast_plan_matches_the_reference_plan(tiny_ckpt, compiled, recipe, layout):
+    artifact = compiled(tiny_ckpt, recipe, f"kv_cache.layout={layout}")
+    graph, spec, weights, env = load_artifact(artifact)
     plans = {
         name: Plan.build(graph, weights, env, table)
         for name, table in (("ref", reference_ops()), ("fast", triton_ops()))
     }
     assert type(plans["fast"].nodes[1].op).__module__ == "qruntime.ops.triton_ops"
     caches = {name: KVCache(spec, 8, torch.bfloat16, torch.device("cpu")) for name in plans}
-    vocab = int(read_manifest(artifact)["spec"]["vocab_size"])
-    prompts = [torch.randint(0, vocab, (n,)).tolist() for n in (21, 5)]
-    tables = [[3, 6], [1]]
-    steps = [
-        _step([(prompts[0], 0), (prompts[1], 0)], tables, 64),  # prefill of both
-        _step([([7], 21), ([9], 5)], tables, 64),  # a decode step
-    ]
+    steps = two_steps(artifact, (21, 5))
     for feeds, meta in steps:
         # node by node, each fast op fed the reference's inputs: the kernels' own error only (under the
         # interpreter their bf16 outputs are truncated, not rounded: ~1 ulp on half the elements)
@@ -107,10 +118,7 @@ def test_split_k_reductions_fold_into_the_next_kernel_to_the_same_bits(tiny_ckpt
     from qruntime.ops.triton_ops import PTPCLinear, fold_split_k_reductions
 
     artifact = compiled(tiny_ckpt, "ptpc-fp8")
-    graph = onnx.load(str(artifact / "graph.onnx"), load_external_data=False).graph
-    spec = KVCacheSpec.from_manifest(read_manifest(artifact)["kv_cache"])
-    weights = load_initializers(artifact, graph, torch.device("cpu"), torch.bfloat16)
-    env = OpEnv(torch.bfloat16, torch.device("cpu"), spec)
+    graph, spec, weights, env = load_artifact(artifact)
     plans = [Plan.build(graph, weights, env, triton_ops()) for _ in range(2)]
     assert fold_split_k_reductions(plans[1]) == 4 * spec.num_layers
     deferred = [
@@ -125,10 +133,7 @@ def test_split_k_reductions_fold_into_the_next_kernel_to_the_same_bits(tiny_ckpt
         if getattr(n.op, "defer_reduce", 0)
     }
     assert readers == {"QKNormRoPEKVWrite", "AddRMSNormQuant", "AddRMSNorm", "SiluMulQuant"}
-    vocab = int(read_manifest(artifact)["spec"]["vocab_size"])
-    prompts = [torch.randint(0, vocab, (n,)).tolist() for n in (19, 4)]
-    tables = [[3, 6], [1]]
-    steps = [_step([(prompts[0], 0), (prompts[1], 0)], tables, 64), _step([([7], 19), ([9], 4)], tables, 64)]
+    steps = two_steps(artifact, (19, 4))
     caches = [KVCache(spec, 8, torch.bfloat16, torch.device("cpu")) for _ in plans]
     for feeds, meta in steps:
         tokens = len(feeds["input_ids"])
@@ -152,10 +157,7 @@ def test_a_moe_combine_folds_into_the_next_norm_to_the_same_bits(tiny_moe_ckpt, 
     from qruntime.ops.triton_ops import MoE, fold_split_k_reductions
 
     artifact = compiled(tiny_moe_ckpt, "ptpc-fp8")
-    graph = onnx.load(str(artifact / "graph.onnx"), load_external_data=False).graph
-    spec = KVCacheSpec.from_manifest(read_manifest(artifact)["kv_cache"])
-    weights = load_initializers(artifact, graph, torch.device("cpu"), torch.bfloat16)
-    env = OpEnv(torch.bfloat16, torch.device("cpu"), spec)
+    graph, spec, weights, env = load_artifact(artifact)
     plans = [Plan.build(graph, weights, env, triton_ops()) for _ in range(3)]
     fold_split_k_reductions(plans[2])  # the default
     assert not any(n.op.defer_combine for n in plans[2].nodes if isinstance(n.op, MoE))
@@ -164,10 +166,7 @@ def test_a_moe_combine_folds_into_the_next_norm_to_the_same_bits(tiny_moe_ckpt, 
     moes = [n.op for n in plans[1].nodes if isinstance(n.op, MoE)]
     assert moes and all(op.defer_combine for op in moes)
     assert not any(getattr(n.op, "defer_combine", False) for n in plans[0].nodes)
-    vocab = int(read_manifest(artifact)["spec"]["vocab_size"])
-    prompts = [torch.randint(0, vocab, (n,)).tolist() for n in (13, 6)]
-    tables = [[3, 6], [1]]
-    steps = [_step([(prompts[0], 0), (prompts[1], 0)], tables, 64), _step([([7], 13), ([9], 6)], tables, 64)]
+    steps = two_steps(artifact, (13, 6))
     caches = [KVCache(spec, 8, torch.bfloat16, torch.device("cpu")) for _ in plans[:2]]
     for feeds, meta in steps:
         logits = [plan.run(StepContext(cache, meta), feeds) for plan, cache in zip(plans[:2], caches, strict=True)]

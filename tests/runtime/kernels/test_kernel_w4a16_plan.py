@@ -5,20 +5,17 @@ cannot run."""
 
 from __future__ import annotations
 
-import onnx
 import pytest
 import torch
-from qruntime.artifact import read_manifest
 from qruntime.kernel_configs import KernelTable
 from qruntime.kernels.w4a16_gemm import W4A16Config, default_config
-from qruntime.kv_cache import KVCache, KVCacheSpec
+from qruntime.kv_cache import KVCache
 from qruntime.ops import triton_ops
 from qruntime.ops.base import OpEnv, StepContext
 from qruntime.ops.registry import reference_ops
 from qruntime.ops.registry import triton_ops as fast_table
 from qruntime.plan import Plan
-from qruntime.weights import load_initializers
-from test_kernel_fast_plan import _step
+from test_kernel_fast_plan import load_artifact, two_steps
 
 # hidden and intermediate sizes multiples of the int4 group (128)
 INT4_SHAPES = {
@@ -37,10 +34,7 @@ def w4a16_artifact(make_ckpt, compiled):
 
 def test_fast_plan_runs_the_w4a16_kernel_and_matches_the_reference_plan(w4a16_artifact):
     artifact = w4a16_artifact
-    graph = onnx.load(str(artifact / "graph.onnx"), load_external_data=False).graph
-    spec = KVCacheSpec.from_manifest(read_manifest(artifact)["kv_cache"])
-    weights = load_initializers(artifact, graph, torch.device("cpu"), torch.bfloat16)
-    env = OpEnv(torch.bfloat16, torch.device("cpu"), spec)
+    graph, spec, weights, env = load_artifact(artifact)
     plans = {
         name: Plan.build(graph, weights, env, table)
         for name, table in (("ref", reference_ops()), ("fast", fast_table()))
@@ -51,13 +45,7 @@ def test_fast_plan_runs_the_w4a16_kernel_and_matches_the_reference_plan(w4a16_ar
     # qkv [(4 + 2 * 2) * 64, 128] and gate_up [2 * 256, 128]; o [128, 4 * 64] and down [128, 256]
     assert {op.key for op in linears} == {"W4A16Linear:512x128", "W4A16Linear:128x256"}
     caches = {name: KVCache(spec, 8, torch.bfloat16, torch.device("cpu")) for name in plans}
-    vocab = int(read_manifest(artifact)["spec"]["vocab_size"])
-    prompts = [torch.randint(0, vocab, (n,)).tolist() for n in (21, 5)]
-    tables = [[3, 6], [1]]
-    steps = [
-        _step([(prompts[0], 0), (prompts[1], 0)], tables, 64),  # prefill of both
-        _step([([7], 21), ([9], 5)], tables, 64),  # a decode step
-    ]
+    steps = two_steps(artifact, (21, 5))  # a prefill of both, then a decode step
     for feeds, meta in steps:
         logits = {name: plan.run(StepContext(caches[name], meta), feeds).float() for name, plan in plans.items()}
         # the GEMMs agree to a bf16 ulp; the other kernels' bf16 outputs are truncated under the
