@@ -171,6 +171,14 @@ def _silu_mul_kernel(
         tl.store(y_ptr + row * inter + offs, y.to(DTYPE), mask=mask)
 
 
+def _token_rows(shape: tuple[int, int]) -> tuple[int, int]:
+    """(T, I) of gate_up [T, 2I]; ValueError for an odd width."""
+    tokens, width = shape
+    if width % 2:
+        raise ValueError(f"gate_up must have an even number of columns [T, 2I], got {width}")
+    return tokens, width // 2
+
+
 def silu_config(inter: int, max_block: int = CHUNK) -> tuple[int, int, int]:
     """(BLOCK, NUM_CHUNKS, num_warps): chunks of min(next_power_of_2(I), max_block) columns."""
     block, _, num_warps = row_config(min(inter, max_block), max_block)
@@ -194,10 +202,7 @@ def silu_mul_quant(
         gate_up = rows_of("gate_up", gate_up)
     elif gate_up.dtype not in TL_DTYPES:
         raise ValueError(f"gate_up's partials would give {gate_up.dtype}, not a model dtype")
-    tokens, width = gate_up.shape
-    if width % 2:
-        raise ValueError(f"gate_up must have an even number of columns [T, 2I], got {width}")
-    inter = width // 2
+    tokens, inter = _token_rows(gate_up.shape)
     yq = torch.empty(tokens, inter, dtype=FP8, device=gate_up.device)
     ys = torch.empty(tokens, 1, dtype=torch.float32, device=gate_up.device)
     if tokens == 0:
@@ -235,10 +240,7 @@ def silu_mul(gate_up: torch.Tensor, *, max_block: int = CHUNK, pdl: bool = False
         gate_up = gate_up.reduce()
     check_model_dtype("gate_up", gate_up)
     gate_up = rows_of("gate_up", gate_up)
-    tokens, width = gate_up.shape
-    if width % 2:
-        raise ValueError(f"gate_up must have an even number of columns [T, 2I], got {width}")
-    inter = width // 2
+    tokens, inter = _token_rows(gate_up.shape)
     y = torch.empty(tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
     if tokens == 0:
         return y
