@@ -146,8 +146,13 @@ def position_sqnr_db(reference: torch.Tensor, other: torch.Tensor) -> torch.Tens
 
 
 # The best position's SQNR against transformers rounding activations alike, in dB (CPU, fp32), measured
-# over 60 random prompts per checkpoint: 133-138 (ptpc-fp8) and 55-139 (tensor-fp8, whose one scale per
-# step can land on the other side of an e4m3 rounding boundary for every token) when right. With every
+# over 300 random prompts per checkpoint: 132-138 (ptpc-fp8) and 35-139 (tensor-fp8) when right. The
+# tensor-fp8 tail is its one activation scale per step: when fp32 summation order moves one element of
+# the token that holds the step's largest |x| across an e4m3 rounding boundary (seen in the dense
+# down_proj of tiny_moe_ckpt, prompt seed 467008227), the next site's scale moves by ~3e-4 and ~0.5% of
+# every token's activations round the other way: 35-45 dB at every position, in 2 of 300 prompts on
+# tiny_moe_ckpt and 0 of 300 on the dense checkpoints. Such a prompt cannot be told from a scale error,
+# so the test below scores up to ALIKE_PROMPTS fresh prompts and needs one to reach ALIKE_DB. With every
 # 10% activation-scale error tried it is at most 37 at every position: the scale x1.1 / x0.9 in
 # qruntime.ops.functional.dynamic_quant (so quantize and dequantize both use it) 26-30 / 22-27 dB at
 # the median position; the returned scale alone 10% off 15-19; 10% off at one site only, o_proj's
@@ -155,6 +160,7 @@ def position_sqnr_db(reference: torch.Tensor, other: torch.Tensor) -> torch.Tens
 # flips the other way (fp32 order at a rounding boundary, an MoE routing near-tie) starts at one
 # position and spreads to later ones through attention; a wrong scale changes every position.
 ALIKE_DB = 45
+ALIKE_PROMPTS = 3
 
 
 @pytest.mark.parametrize("recipe", ["ptpc-fp8", "tensor-fp8"])
@@ -164,16 +170,20 @@ def test_fp8_artifact_matches_transformers_quantizing_activations_alike(
 ):
     """Against transformers on the artifact's dequantized weights *and* its activations rounded through
     FP8 by the contract (fp8_activations), the runtime agrees up to fp32 rounding order: some position
-    of the prompt to better than ALIKE_DB, which no 10% error of an activation scale reaches."""
+    of some prompt (of at most ALIKE_PROMPTS) to better than ALIKE_DB, which no 10% error of an
+    activation scale reaches at any position of any prompt."""
     ckpt = request.getfixturevalue(fixture)
     artifact = compiled(ckpt, recipe)
     reference = hf_model(dequantized_checkpoint(ckpt, artifact, tmp_path / "deq"), torch.float32)
     engine = qruntime.load(artifact, device="cpu", dtype=torch.float32, num_kv_blocks=32)
-    ids = _prompt(rng, engine.vocab_size)
-    with fp8_activations(reference, per_token=recipe == "ptpc-fp8"):
-        ref = hf_logits(reference, ids)
-    got = engine.score(ids)  # one prefill step: a per-tensor scale spans the whole prompt, as above
-    assert float(position_sqnr_db(ref, got).max()) >= ALIKE_DB
+    best = []
+    while len(best) < ALIKE_PROMPTS and (not best or best[-1] < ALIKE_DB):
+        ids = _prompt(rng, engine.vocab_size)
+        with fp8_activations(reference, per_token=recipe == "ptpc-fp8"):
+            ref = hf_logits(reference, ids)
+        got = engine.score(ids)  # one prefill step: a per-tensor scale spans the whole prompt, as above
+        best.append(float(position_sqnr_db(ref, got).max()))
+    assert best[-1] >= ALIKE_DB, f"best position's SQNR per prompt {best} dB"
 
 
 @pytest.mark.parametrize("recipe", ["ptpc-fp8", "tensor-fp8"])
