@@ -22,12 +22,21 @@ def _summary_rows(prepared, output: Path, workers: int) -> list[tuple[str, str]]
     if spec.moe is not None:
         model += f", {spec.moe.num_experts} experts top-{spec.moe.num_experts_per_tok}"
     kv = recipe.kv_cache
+    stored = prepared.checkpoint.quantization
+    source = f"{spec.dtype} weights, quantized by the recipe"
+    if stored is not None:
+        count = len(prepared.checkpoint.stored)
+        source = f"pre-quantized, {stored.describe()}; {count} stored linears copied as they are, not re-quantized"
     return [
         ("checkpoint", str(prepared.checkpoint.path)),
+        ("input", source),
         ("model", model),
         ("recipe", recipe.name),
         ("scheme", recipe.quantization.scheme),
-        ("ignore", ", ".join(recipe.quantization.ignore) or "-"),
+        (
+            "ignore",
+            (", ".join(recipe.quantization.ignore) or "-") + (" (as the checkpoint stores them)" if stored else ""),
+        ),
         ("passes", ", ".join(prepared.graph.applied_passes) or "(none: unfused)"),
         ("kv cache", f"{kv.dtype}, layout {kv.layout}, block {kv.block_size}"),
         ("tp", _tp_row(prepared)),
@@ -60,10 +69,10 @@ def _tp_row(prepared) -> str:
 @click.option(
     "-r",
     "--recipe",
-    default=DEFAULT_RECIPE,
-    show_default=True,
-    help="A shipped recipe name or a YAML file (ours, or an llm-compressor recipe with a "
-    "QuantizationModifier using FP8_DYNAMIC).",
+    default=None,
+    help=f"A shipped recipe name or a YAML file (ours, or an llm-compressor recipe with a "
+    f"QuantizationModifier using FP8_DYNAMIC, FP8_BLOCK or W4A16) [default: {DEFAULT_RECIPE}; for a pre-quantized "
+    "checkpoint the recipe of its stored scheme].",
 )
 @click.option(
     "--set",
@@ -110,13 +119,19 @@ def command(checkpoint, output, recipe, overrides, tp, force, workers, dry_run, 
     appears at OUTPUT only when complete; a failure or Ctrl-C leaves nothing behind.
 
     Shipped recipes (recipes/*.yaml): ptpc-fp8 (default), ptpc-fp8-lmhead, block-fp8, tensor-fp8
-    (vLLM's per-tensor fp8), bf16, ptpc-fp8-unfused, ptpc-fp8-kv8 (fp8 KV cache calibrated on
-    --calib FILE). Example:
+    (vLLM's per-tensor fp8), w4a16 (int4 weights in groups of 128), bf16, ptpc-fp8-unfused,
+    ptpc-fp8-kv8 (fp8 KV cache calibrated on --calib FILE). Example:
 
         qcompile compile ./Qwen3-8B -o ./qwen3-8b-fp8 --set kv_cache.layout=hnd
 
     With --tp N the artifact is pre-sharded for N GPUs: each rank's slice of every weight in
     weights/rank{r}/ and its own graph, graph.rank{r}.onnx (docs/ARTIFACT.md).
+
+    A pre-quantized checkpoint (config.json's quantization_config: llm-compressor's compressed-tensors
+    FP8 per channel, per tensor or in 128x128 blocks, or W4A16 pack-quantized) is transcoded: its
+    quantized weights and scales are copied as they are, never re-quantized, into the artifact of the
+    matching recipe (ptpc-fp8, tensor-fp8, block-fp8, w4a16), taken when --recipe is not given; a
+    recipe of another scheme is refused. Linears it keeps unquantized stay so.
     """
     # the paths the user typed first: what follows imports torch, seconds before any error it could report
     check_checkpoint_dir(checkpoint)
@@ -127,11 +142,13 @@ def command(checkpoint, output, recipe, overrides, tp, force, workers, dry_run, 
         if not torch.cuda.is_available():
             raise QCompileError("--tune needs a CUDA GPU on this machine (run `qcompile tune ART` on one later)")
     from qcompile.compile.pipeline import compile_checkpoint, prepare
+    from qcompile.recipe.prequantized import default_recipe, refuse_ignore_override
 
     workers = workers or max(1, len(os.sched_getaffinity(0)))
     if tp is not None:
         overrides = (*overrides, f"tp={tp}")  # last: the flag wins over the recipe and --set
-    resolved = load_recipe(recipe, overrides)
+    refuse_ignore_override(overrides, checkpoint)
+    resolved = load_recipe(recipe or default_recipe(checkpoint), overrides)
     prepared = prepare(
         checkpoint, resolved, calib, calibrate=not dry_run, progress=not quiet, tokenizer=not no_tokenizer
     )

@@ -1,7 +1,9 @@
 """The compiler, stage by stage (ARCHITECTURE.md's table):
 
     load      checkpoint dir -> ModelSpec + lazy tensors, every shard header checked, config.json's
-              sizes held to the tensors (sizes.py), a tokenizer present (or --no-tokenizer)
+              sizes held to the tensors (sizes.py), a tokenizer present (or --no-tokenizer); a
+              pre-quantized checkpoint's stored linears checked, the recipe's quantization its own
+              (recipe/prequantized.py): they are copied, not quantized again
     plan      spec + recipe  -> graph (built unfused, then the recipe's passes) + tensor plan
     kv layout recipe         -> the KV-cache contract
     quantize / fuse / permute / shard (streamed, row chunk by row chunk)  -> weights/*.safetensors
@@ -38,6 +40,7 @@ from qcompile.io.atomic import atomic_output_dir, check_free_space
 from qcompile.io.safetensors_stream import read_header
 from qcompile.progress import progress_bar
 from qcompile.quant import get_scheme
+from qcompile.recipe.prequantized import recipe_for_stored
 from qcompile.recipe.quant_config import quantization_config
 from qcompile.recipe.schema import Recipe, RecipeError
 from qcompile.source.checkpoint import Checkpoint, fingerprint
@@ -73,6 +76,9 @@ def prepare(
 ) -> Prepared:
     """load + plan + kv layout: validates everything, reads only headers.
 
+    A pre-quantized checkpoint replaces `recipe`'s quantization with its own (its scheme must be the
+    recipe's: qcompile.recipe.prequantized), which `Prepared.recipe` holds.
+
     The checkpoint must hold a tokenizer qruntime can load (tokenizer.json), unless `tokenizer` is
     false (`compile --no-tokenizer`): then none is copied and the manifest says `"tokenizer": false`.
 
@@ -80,6 +86,7 @@ def prepare(
     on it here, layer by layer through the source model (calibrate=False: only check the file is
     there, for a dry run; the plan does not depend on the scales' values)."""
     checkpoint = Checkpoint.open(checkpoint_path)
+    recipe = recipe_for_stored(recipe, checkpoint)  # a pre-quantized checkpoint's scheme and ignore list
     if tokenizer:
         checkpoint.require_tokenizer()
     scales = None
@@ -122,7 +129,8 @@ def compile_checkpoint(
             source_hash, shard_digests = None, write_sparse_weights(tmp, plan)
         else:
             source_hash = _BackgroundHash(checkpoint, progress)
-            with progress_bar(plan.source_bytes, "quantize+write", progress) as bar:
+            label = "transcode+write" if checkpoint.quantization is not None else "quantize+write"
+            with progress_bar(plan.source_bytes, label, progress) as bar:
                 try:
                     shard_digests = write_weights(tmp, checkpoint, plan, workers=workers, progress=bar.update)
                 except OSError as exc:
@@ -143,6 +151,8 @@ def compile_checkpoint(
                 "fingerprint": source_hash.result() if source_hash is not None else SPARSE_DIGEST,
                 "architecture": checkpoint.spec.architecture,
                 **checkpoint.license(),  # from the source's README.md front matter, when it names one
+                # pre-quantized input: how it was stored (its linears copied into the artifact as they are)
+                **({"quantization": checkpoint.quantization.to_dict()} if checkpoint.quantization else {}),
             },
             "spec": checkpoint.spec.to_dict(),
             "recipe": prepared.recipe.to_dict(),

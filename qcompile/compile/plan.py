@@ -47,6 +47,8 @@ class TensorPlan:
     model_dtype: torch.dtype
     tp: int = 1
     splits: Mapping[str, Split] = field(default_factory=dict)  # tensor -> how the ranks slice it (tp > 1)
+    # pre-quantized sources (copied, not quantized): bytes of their stored weights, read instead
+    stored_bytes: Mapping[str, int] = field(default_factory=dict)
 
     def file_of(self, rank: int = 0) -> dict[str, str]:
         """Artifact tensor name -> relative file (of rank `rank`'s copy)."""
@@ -54,9 +56,14 @@ class TensorPlan:
 
     @property
     def source_bytes(self) -> int:
-        """Bytes read from the checkpoint (a source used by two jobs counts twice)."""
+        """Bytes read from the checkpoint (a source used by two jobs counts twice; a stored quantized
+        weight counts its stored bytes, not its scales)."""
         itemsize = self.model_dtype.itemsize
-        return sum(math.prod(self.source_shapes[n]) * itemsize for job in self.jobs for n in job.source_names())
+        return sum(
+            self.stored_bytes.get(n, math.prod(self.source_shapes[n]) * itemsize)
+            for job in self.jobs
+            for n in job.source_names()
+        )
 
     @property
     def output_bytes(self) -> int:
@@ -68,8 +75,9 @@ def make_plan(
 ) -> TensorPlan:
     """Check coverage and lay the jobs' outputs out over shard files of at most `max_shard_bytes`
     (a job's weight and scale always share a file; a single larger job gets a file of its own);
-    at tp > 1, each rank's slices over files of its own."""
-    shapes = {name: entry.shape for name, entry in checkpoint.tensors.items()}
+    at tp > 1, each rank's slices over files of its own. A linear the checkpoint stores quantized
+    (pre-quantized input) must be read by a job of its own scheme: its tensors are copied as they are."""
+    shapes = checkpoint.source_shapes()
     model_dtype = getattr(torch, checkpoint.spec.dtype)
     jobs = tuple(weights.values())
     used: set[str] = set()
@@ -77,6 +85,13 @@ def make_plan(
         for name in job.source_names():
             if name not in shapes:
                 raise PlanError(f"weight {job.weight_name!r} needs source tensor {name!r}, which the checkpoint lacks")
+            stored = checkpoint.stored.get(name)
+            if stored is not None and stored.format.scheme != job.scheme:
+                raise PlanError(
+                    f"weight {job.weight_name!r} is to be {job.scheme!r}, but the checkpoint stores its source "
+                    f"{stored.weight.name!r} as {stored.format.scheme!r} ({stored.format.describe()}); a stored "
+                    "quantized weight is copied, never dequantized or re-quantized"
+                )
             used.add(name)
     leftover = sorted(set(shapes) - used - set(checkpoint.unused))
     if leftover:
@@ -114,7 +129,8 @@ def make_plan(
         for rank in range(tp)
         for i, group in enumerate(groups)
     )
-    return TensorPlan(jobs, shards, shapes, model_dtype, tp, splits)
+    stored_bytes = {name: s.weight.nbytes for name, s in checkpoint.stored.items()}
+    return TensorPlan(jobs, shards, shapes, model_dtype, tp, splits, stored_bytes)
 
 
 def rank_dir(rank: int, tp: int) -> str:

@@ -7,6 +7,10 @@ written with pwrites at the offsets of the fused tensor. A small thread pool kee
 busy (torch and file I/O release the GIL); at most a few chunks are in flight, which bounds memory
 whatever the model's size.
 
+A linear the checkpoint stores quantized (a pre-quantized input: qcompile.source.stored) is not
+quantized again: its chunk's stored weight rows and their scales are read (and checked) and written
+as they are, which is what quantizing the bf16 original gives, byte for byte.
+
 A per-tensor scheme's scale depends on the whole source tensor, so before the first chunk of such
 a source is quantized, a pre-pass reads the source in row chunks of the same size for its amax
 (the pool again, NaN/Inf checked there); its chunks are then quantized with that amax and come out
@@ -110,21 +114,16 @@ def _run_task(
 ) -> int:
     """Quantize (or copy) and write one chunk; `amax` is its whole source's, for per-tensor schemes."""
     job = task.job
-    entry = checkpoint.entry(task.source)
-    chunk = entry.read_rows(task.start, task.stop)
     weight_shape = job.weight_shape(plan.source_shapes)
     fused_rows = weight_shape[1] if job.stacked else weight_shape[0]
-    if job.quant.quantized:
-        if job.quant.per_tensor and amax is None:
-            raise ValueError(f"{task.source}: a per-tensor scheme's chunk needs its source's amax")
-        q, scale = job.quant.quantize(chunk, amax)
-        # amax over each row or block propagates NaN and Inf into the scale: one cheap check
-        if not bool(torch.isfinite(scale).all()):
-            _raise_nonfinite(task.source, task.start, chunk)
+    stored = checkpoint.stored.get(task.source)
+    if stored is not None:  # already quantized: copied, its scales checked
+        q, scale = stored.read_rows(task.start, task.stop)
+        row_bytes = stored.row_bytes
     else:
-        if chunk.numel() and not bool(torch.isfinite(amax_abs(chunk, tuple(range(chunk.dim())))).all()):
-            _raise_nonfinite(task.source, task.start, chunk)  # the amax carries any NaN or Inf: a one-pass check
-        q, scale = chunk, None
+        entry = checkpoint.entry(task.source)
+        q, scale = _quantize_chunk(job, task, entry.read_rows(task.start, task.stop), amax)
+        row_bytes = entry.row_bytes
     row = task.dest_row + task.start
     _write_rows(writers, plan, job.weight_name, job.stacked, task.slice_index, fused_rows, row, q)
     if scale is not None:
@@ -132,7 +131,24 @@ def _run_task(
         align = job.quant.row_align
         scale_rows_total = -(-fused_rows // align)
         _write_rows(writers, plan, job.scale_name, job.stacked, task.slice_index, scale_rows_total, row // align, scale)
-    return entry.row_bytes * (task.stop - task.start)
+    return row_bytes * (task.stop - task.start)
+
+
+def _quantize_chunk(
+    job: WeightJob, task: ChunkTask, chunk: torch.Tensor, amax: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, scale or None) of a chunk read from the source in the model dtype, NaN/Inf refused."""
+    if job.quant.quantized:
+        if job.quant.per_tensor and amax is None:
+            raise ValueError(f"{task.source}: a per-tensor scheme's chunk needs its source's amax")
+        q, scale = job.quant.quantize(chunk, amax)
+        # amax over each row or block propagates NaN and Inf into the scale: one cheap check
+        if not bool(torch.isfinite(scale).all()):
+            _raise_nonfinite(task.source, task.start, chunk)
+        return q, scale
+    if chunk.numel() and not bool(torch.isfinite(amax_abs(chunk, tuple(range(chunk.dim())))).all()):
+        _raise_nonfinite(task.source, task.start, chunk)  # the amax carries any NaN or Inf: a one-pass check
+    return chunk, None
 
 
 def _write_rows(
@@ -237,7 +253,7 @@ def write_weights(
             try:
                 for task in iter_tasks(plan, chunk_bytes):
                     amax = None
-                    if task.job.quant.per_tensor:
+                    if task.job.quant.per_tensor and task.source not in checkpoint.stored:
                         if task.source not in amaxes:
                             amaxes[task.source] = source_amax(task.source)
                         amax = amaxes[task.source]

@@ -3,13 +3,19 @@
 `Checkpoint.open` reads config.json into a ModelSpec, then every shard's header (never the
 tensor data), and checks that each expected tensor is present exactly once with the right shape
 and dtype. Tensors are then read lazily, by row range, through `TensorEntry.read_rows`.
+
+A pre-quantized checkpoint (config.json's quantization_config: qcompile.source.quantized) stores
+its quantized linears as weight + scale tensors; they are checked and grouped into StoredWeights
+(qcompile.source.stored) under the logical names a bf16 checkpoint gives them, with their logical
+shapes, so the rest of the compiler asks `source_shapes()` and finds the same names either way.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,8 +28,10 @@ from qcompile.io import bounded_yaml
 from qcompile.io.safetensors_stream import DTYPE_NAMES, TensorEntry, read_header
 from qcompile.source.directory import check_checkpoint_dir
 from qcompile.source.model import LM_HEAD, count_expected, expected_tensors, iter_expected
+from qcompile.source.quantized import StoredFormat, read_format
 from qcompile.source.sizes import check_sizes
 from qcompile.source.spec import ModelSpec, load_config, read_json
+from qcompile.source.stored import StoredWeight, check_unquantized, collect_stored
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -50,7 +58,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A validated checkpoint: its spec, raw config and where every tensor lives."""
+    """A validated checkpoint: its spec, raw config and where every tensor lives.
+
+    `tensors` holds every tensor of the shards as stored; for a pre-quantized checkpoint `stored`
+    holds its quantized linears by logical name (`{module}.weight`) and `quantization` their format."""
 
     path: Path
     config: dict
@@ -58,16 +69,26 @@ class Checkpoint:
     shards: tuple[Path, ...]
     tensors: dict[str, TensorEntry]
     unused: tuple[str, ...]  # present but deliberately not used (a tied lm_head), logged at open
+    quantization: StoredFormat | None = None
+    stored: Mapping[str, StoredWeight] = field(default_factory=dict)
 
     @classmethod
     def open(cls, path: str | Path) -> Checkpoint:
         root = check_checkpoint_dir(path)
         config = load_config(root / "config.json")
         spec = ModelSpec.from_config(config, source=str(root / "config.json"))
+        quantization = read_format(config, source=str(root / "config.json"))
         shards, index = _shard_files(root)
         tensors = _read_headers(shards, index)
-        check_sizes(spec, tensors, source=str(root / "config.json"))
-        unused = _check_complete(spec, tensors)
+        plain: Mapping[str, TensorEntry | StoredWeight] = tensors
+        stored: dict[str, StoredWeight] = {}
+        if quantization is not None:
+            stored, rest = collect_stored(spec, tensors, quantization)
+            plain = {**rest, **stored}
+        check_sizes(spec, plain, source=str(root / "config.json"))
+        unused = _check_complete(spec, plain, quantized=stored.keys())
+        if quantization is not None:
+            check_unquantized(spec, tensors, stored, quantization)
         for name in unused:
             log.warning(
                 "%s is in the checkpoint but tie_word_embeddings=true: the artifact ties the output "
@@ -75,10 +96,18 @@ class Checkpoint:
                 name,
                 name,
             )
-        return cls(root, config, spec, tuple(shards), tensors, unused)
+        return cls(root, config, spec, tuple(shards), tensors, unused, quantization, stored)
 
     def entry(self, name: str) -> TensorEntry:
         return self.tensors[name]
+
+    def source_shapes(self) -> dict[str, tuple[int, ...]]:
+        """name -> shape of every source tensor the compiler reads: a stored quantized linear once,
+        under its logical name and shape (its scale and other tensors are part of it)."""
+        parts = {e.name for s in self.stored.values() for e in s.entries()}
+        shapes = {name: entry.shape for name, entry in self.tensors.items() if name not in parts}
+        shapes.update({name: s.shape for name, s in self.stored.items()})
+        return shapes
 
     def require_tokenizer(self) -> None:
         """Refuse a checkpoint without the files qruntime needs to turn text into token ids
@@ -195,8 +224,11 @@ def _read_headers(shards: list[Path], index: dict[str, str] | None) -> dict[str,
     return tensors
 
 
-def _check_complete(spec: ModelSpec, tensors: dict[str, TensorEntry]) -> tuple[str, ...]:
+def _check_complete(
+    spec: ModelSpec, tensors: Mapping[str, TensorEntry | StoredWeight], quantized: Collection[str] = ()
+) -> tuple[str, ...]:
     """Every expected tensor present once with the right shape and dtype; nothing unexpected.
+    `quantized` names the stored quantized linears among `tensors` (their dtypes checked already).
 
     Counted before it is listed: when the config implies more tensors than the shards hold, the
     first one missing is found by walking the expected names lazily (at most one past the count held)."""
@@ -215,19 +247,22 @@ def _check_complete(spec: ModelSpec, tensors: dict[str, TensorEntry]) -> tuple[s
         raise CheckpointError(f"tensor {missing[0]!r} is missing from the checkpoint{more}")
     unused: list[str] = []
     for name, entry in tensors.items():
+        # a stored quantized linear is named by its weight tensor; its shape is the logical one it holds
+        stored = isinstance(entry, StoredWeight)
+        shown_name, has = (entry.weight.name, "holds a linear of shape") if stored else (name, "has shape")
         if name not in expected:
             if spec.tie_word_embeddings and name == f"{LM_HEAD}.weight":
                 unused.append(name)
                 continue
             raise CheckpointError(
-                f"{entry.file.name}: unexpected tensor {shown(name)} for {spec.architecture} with this config.json"
+                f"{entry.file.name}: unexpected tensor {shown(shown_name)} for {spec.architecture} with this config.json"
             )
         if entry.shape != expected[name]:
             raise CheckpointError(
-                f"{entry.file.name}: tensor {name!r} has shape {list(entry.shape)}, "
+                f"{entry.file.name}: tensor {shown_name!r} {has} {list(entry.shape)}, "
                 f"config.json implies {list(expected[name])}"
             )
-        if entry.dtype != want_dtype:
+        if name not in quantized and entry.dtype != want_dtype:
             raise CheckpointError(
                 f"{entry.file.name}: tensor {name!r} is {entry.dtype}, config.json says {spec.dtype} ({want_dtype})"
             )

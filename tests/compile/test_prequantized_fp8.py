@@ -1,0 +1,411 @@
+"""Pre-quantized FP8 checkpoints (compressed-tensors float-quantized, as llm-compressor saves them) as
+compiler input (issue 20): transcoded, never re-quantized.
+
+llm-compressor quantizes fresh random checkpoints (the seed printed) with FP8_DYNAMIC (channel
+weights, per-token activations), per-tensor weights with dynamic per-tensor activations, and FP8_BLOCK;
+compiling what it saved must give the artifact that compiling the bf16 original with the matching
+recipe gives — every weight file and graph byte for byte — with the recipe picked from config.json.
+Dense, tied, MoE and odd shapes; oneshot and model_free_ptq outputs; tp=2. The artifact splits back
+into exactly the tensors of the input, and generates. Hostile inputs (tensors missing, of the wrong
+dtype or shape, NaN/Inf/zero/negative scales, FP8 NaN, configs that contradict their tensors or ask
+for what is not supported) are errors naming the file and tensor or key, and leave no output.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import qruntime
+import torch
+from click.testing import CliRunner
+from llmc_reference import BF16, FP8, IGNORE, MODEL_FREE_IGNORE, TENSOR_FP8, assert_identical, read_tensors
+from prequantized_inputs import (
+    assert_same_artifact,
+    compile_to,
+    copy_checkpoint,
+    edit_config,
+    quantize_with_llmcompressor,
+    rewrite_tensors,
+)
+from qruntime.artifact import read_manifest
+
+from qcompile.cli import main
+from qcompile.errors import CheckpointError, PlanError, RecipeError, TensorValueError
+from qcompile.publish.unfuse import split_to_sources
+from qcompile.quant import get_scheme
+from qcompile.recipe.prequantized import default_recipe, refuse_ignore_override
+from qcompile.recipe.quant_config import quantization_config
+from qcompile.recipe.schema import load_recipe
+from qcompile.source.checkpoint import Checkpoint
+from qcompile.source.quantized import SCHEMES, read_format
+
+SIZE128 = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128}
+PRESETS = {
+    "dense": ("tiny", {}),
+    "tied": ("tiny-tied", {}),
+    "moe": ("tiny-moe", {}),
+    "odd": ("tiny-odd", {}),
+    "dense128": ("tiny", {**SIZE128, "intermediate_size": 256}),
+    "moe128": ("tiny-moe", {**SIZE128, "intermediate_size": 256, "moe_intermediate_size": 128}),
+}
+LLMC = {"ptpc-fp8": "FP8_DYNAMIC", "tensor-fp8": TENSOR_FP8, "block-fp8": "FP8_BLOCK"}
+CASES = [
+    ("dense", "ptpc-fp8"),
+    ("tied", "ptpc-fp8"),
+    ("moe", "ptpc-fp8"),
+    ("odd", "ptpc-fp8"),
+    ("dense", "tensor-fp8"),
+    ("moe", "tensor-fp8"),
+    ("odd", "tensor-fp8"),
+    ("dense128", "block-fp8"),
+    ("moe128", "block-fp8"),
+]
+
+
+@pytest.fixture(scope="module")
+def ckpts(make_ckpt: Callable[..., Path]) -> dict[str, Path]:
+    seed = random.randrange(1 << 30)
+    print(f"checkpoint seed {seed}")
+    return {kind: make_ckpt(preset, seed=seed, **shapes) for kind, (preset, shapes) in PRESETS.items()}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("prequantized-fp8")
+
+
+@pytest.fixture(scope="module")
+def quantized(ckpts, workdir) -> Callable[..., Path]:
+    """`quantized(kind, recipe, tool="oneshot")`: llm-compressor's checkpoint of the matching scheme (cached)."""
+    made: dict[tuple, Path] = {}
+
+    def get(kind: str, recipe: str, tool: str = "oneshot") -> Path:
+        key = (kind, recipe, tool)
+        if key not in made:
+            ignore = IGNORE if tool == "oneshot" else MODEL_FREE_IGNORE
+            out = workdir / f"{tool}-{kind}-{recipe}"
+            made[key] = quantize_with_llmcompressor(ckpts[kind], out, LLMC[recipe], ignore, tool)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def compiled(workdir) -> Callable[..., Path]:
+    """`compiled(ckpt, recipe=None, *overrides)`: the artifact (cached)."""
+    made: dict[tuple, Path] = {}
+
+    def get(ckpt: Path, recipe: str | None = None, *overrides: str) -> Path:
+        key = (str(ckpt), recipe, overrides)
+        if key not in made:
+            made[key] = compile_to(ckpt, workdir / f"art-{len(made)}", recipe, overrides)
+        return made[key]
+
+    return get
+
+
+# ------------------------------------------------------------------------------ byte for byte
+
+
+@pytest.mark.parametrize(("kind", "recipe"), CASES)
+def test_transcoded_artifact_equals_compiling_the_bf16_original(kind, recipe, ckpts, quantized, compiled):
+    ckpt = quantized(kind, recipe)
+    assert default_recipe(ckpt) == recipe
+    stored = read_tensors(ckpt)
+    assert any(t.dtype == FP8 for t in stored.values())
+    if recipe == "tensor-fp8":
+        assert stored["model.layers.0.self_attn.q_proj.weight_scale"].shape == (1,)
+    ours = compiled(ckpt)
+    assert_same_artifact(ours, compiled(ckpts[kind], recipe))
+    manifest = read_manifest(ours)
+    assert manifest["recipe"]["quantization"]["scheme"] == recipe
+    assert manifest["source"]["quantization"] == {
+        "method": "compressed-tensors",
+        "format": "float-quantized",
+        "scheme": recipe,
+    }
+    ignored = set(manifest["recipe"]["quantization"]["ignore"])
+    assert "lm_head" in ignored and all(m == "lm_head" or m.endswith(".mlp.gate") for m in ignored)
+
+
+@pytest.mark.parametrize(("kind", "recipe"), [("moe", "ptpc-fp8"), ("odd", "tensor-fp8"), ("dense128", "block-fp8")])
+def test_model_free_ptq_output_transcodes_too(kind, recipe, ckpts, quantized, compiled):
+    """model_free_ptq writes its ignore list as patterns (the embedding named) and quantizes by name."""
+    assert_same_artifact(compiled(quantized(kind, recipe, "model_free")), compiled(ckpts[kind], recipe))
+
+
+@pytest.mark.parametrize(("kind", "recipe"), [("dense", "ptpc-fp8"), ("moe", "tensor-fp8"), ("tied", "ptpc-fp8")])
+def test_the_artifact_splits_back_into_the_input_tensors(kind, recipe, quantized, compiled):
+    """split_to_sources (what `qcompile export` writes) gives back every tensor of the input, bytes
+    and all: the FP8 weights, their scales (per-tensor ones as [1]) and what stayed bf16."""
+    ckpt = quantized(kind, recipe)
+    out: dict[str, torch.Tensor] = {}
+    for name, weight, scale in split_to_sources(compiled(ckpt)):
+        out[name] = weight
+        if scale is not None:
+            out[name + "_scale"] = scale
+    assert_identical(out, read_tensors(ckpt))
+
+
+def test_tp2_transcoded_equals_tp2_compiled(ckpts, quantized, compiled):
+    assert_same_artifact(
+        compiled(quantized("moe", "ptpc-fp8"), None, "tp=2"), compiled(ckpts["moe"], "ptpc-fp8", "tp=2")
+    )
+
+
+@pytest.mark.parametrize(("kind", "recipe"), [("dense", "ptpc-fp8"), ("moe", "tensor-fp8")])
+def test_transcoded_artifact_generates(kind, recipe, ckpts, quantized, compiled):
+    """qruntime loads it on the CPU and generates the tokens of the artifact compiled from bf16."""
+    params = qruntime.SamplingParams(max_tokens=6, temperature=0.0)
+    prompt = [3, 17, 42, 5]
+    tokens = [
+        qruntime.load(art, device="cpu").generate(prompt, params)[0].token_ids
+        for art in (compiled(quantized(kind, recipe)), compiled(ckpts[kind], recipe))
+    ]
+    assert len(tokens[0]) == 6 and tokens[0] == tokens[1]
+
+
+def test_every_scheme_round_trips_through_its_config():
+    """The quantization_config we write for a scheme is read back as that scheme (one table each way)."""
+    for scheme in SCHEMES:
+        config = {"quantization_config": quantization_config(get_scheme(scheme), load_recipe(scheme))}
+        assert read_format(config).scheme == scheme
+    assert read_format({}) is None
+
+
+# ------------------------------------------------------------------------------- recipes
+
+
+def test_a_recipe_of_another_scheme_is_refused_naming_both(quantized, tmp_path):
+    ckpt = quantized("dense", "ptpc-fp8")
+    with pytest.raises(RecipeError, match=r"recipe 'w4a16' quantizes with scheme 'w4a16'.*which is scheme 'ptpc-fp8'"):
+        compile_to(ckpt, tmp_path / "out", "w4a16")
+    with pytest.raises(RecipeError, match=r"recipe 'ptpc-fp8-kv8' calibrates an fp8 KV cache"):
+        compile_to(ckpt, tmp_path / "out", "ptpc-fp8-kv8")
+    with pytest.raises(RecipeError, match=r"--set quantization\.ignore: .* is pre-quantized"):
+        refuse_ignore_override(["quantization.ignore=[]"], ckpt)
+    refuse_ignore_override(["kv_cache.layout=hnd"], ckpt)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_explicit_recipe_of_the_same_scheme_keeps_the_checkpoints_ignore_list(ckpts, quantized, compiled):
+    """`-r ptpc-fp8-lmhead` is of scheme ptpc-fp8: allowed, but lm_head stays as the checkpoint stores it (bf16)."""
+    ckpt = quantized("dense", "ptpc-fp8")
+    ours = compiled(ckpt, "ptpc-fp8-lmhead")
+    assert read_manifest(ours)["recipe"]["quantization"]["ignore"] == ["lm_head"]
+    assert_same_artifact(ours, compiled(ckpts["dense"], "ptpc-fp8-lmhead", "quantization.ignore=[lm_head]"))
+
+
+# ------------------------------------------------------------------------------ hostile inputs
+
+
+@pytest.fixture
+def hostile(quantized, tmp_path) -> Callable[..., Path]:
+    """`hostile(kind="dense", recipe="ptpc-fp8")`: a copy of llm-compressor's checkpoint to break."""
+    return lambda kind="dense", recipe="ptpc-fp8": copy_checkpoint(quantized(kind, recipe), tmp_path / "ckpt")
+
+
+Q = "model.layers.0.self_attn.q_proj"
+DOWN = "model.layers.1.mlp.down_proj"
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.pop(f"{Q}.weight_scale"), rf"tensor '{Q}\.weight_scale' is missing from the checkpoint"),
+        (lambda t: t.pop(f"{Q}.weight"), rf"tensor '{Q}\.weight' is missing from the checkpoint"),
+        (
+            lambda t: t.update({f"{Q}.weight_scale": t[f"{Q}.weight_scale"].float()}),
+            rf"model\.safetensors: tensor '{Q}\.weight_scale' is F32; float-quantized stores it as BF16",
+        ),
+        (
+            lambda t: t.update({f"{Q}.weight_scale": t[f"{Q}.weight_scale"].reshape(-1)}),
+            rf"model\.safetensors: tensor '{Q}\.weight_scale' has shape \[64\]; float-quantized stores it as \[64, 1\]",
+        ),
+        (
+            lambda t: t.update({f"{Q}.weight": t[f"{Q}.weight"].to(BF16)}),
+            rf"model\.safetensors: tensor '{Q}\.weight' is BF16; float-quantized stores it as F8_E4M3",
+        ),
+        (
+            lambda t: t.update({f"{DOWN}.weight": t[f"{DOWN}.weight"][:, :-1].contiguous()}),
+            rf"tensor '{DOWN}\.weight' holds a linear of shape \[64, 127\], config\.json implies \[64, 128\]",
+        ),
+        (
+            lambda t: t.update(
+                {f"{DOWN}.weight_scale": torch.rand(64, 1).to(BF16), f"{DOWN}.weight": t[f"{DOWN}.weight"].to(BF16)}
+            ),
+            rf"tensor '{DOWN}\.weight' is BF16; float-quantized stores it as F8_E4M3",
+        ),
+        (
+            lambda t: t.update({"model.embed_tokens.weight_scale": torch.ones(544, 1, dtype=BF16)}),
+            r"stores 'model\.embed_tokens' quantized, but that is the embedding",
+        ),
+        (
+            lambda t: t.update({"model.layers.0.input_layernorm.weight_scale": torch.ones(1, dtype=BF16)}),
+            r"tensor 'model\.layers\.0\.input_layernorm\.weight' is BF16; float-quantized stores it as F8_E4M3",
+        ),
+        (
+            lambda t: t.update({f"{Q}.input_scale": torch.ones(1, dtype=BF16)}),
+            rf"unexpected tensor '{Q}\.input_scale'",
+        ),
+    ],
+    ids=[
+        "no-scale",
+        "no-weight",
+        "scale-dtype",
+        "scale-shape",
+        "weight-dtype",
+        "weight-shape",
+        "bf16-weight",
+        "embed",
+        "norm",
+        "input-scale",
+    ],
+)
+def test_broken_tensors_are_refused_before_any_work(edit, message, hostile, tmp_path):
+    ckpt = hostile()
+    rewrite_tensors(ckpt, edit)
+    with pytest.raises(CheckpointError, match=message):
+        compile_to(ckpt, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unquantized_linear_not_in_the_ignore_list_is_refused(hostile, tmp_path, ckpts):
+    """A bf16 checkpoint with a quantization_config pasted in claims tensors it does not hold."""
+    ckpt = hostile()
+    bf16 = read_tensors(ckpts["dense"])
+    rewrite_tensors(ckpt, lambda t: (t.clear(), t.update(bf16)))
+    with pytest.raises(
+        CheckpointError, match=r"tensor 'model\.layers\.0\.self_attn\.q_proj\.weight' is BF16 with no .*weight_scale"
+    ):
+        Checkpoint.open(ckpt)
+
+
+@pytest.mark.parametrize(
+    ("value", "recipe"),
+    [
+        (float("nan"), "ptpc-fp8"),
+        (float("inf"), "ptpc-fp8"),
+        (0.0, "ptpc-fp8"),
+        (-0.5, "tensor-fp8"),
+        (float("nan"), "block-fp8"),
+    ],
+)
+def test_bad_scales_are_refused_naming_the_tensor_and_leave_no_output(value, recipe, hostile, tmp_path):
+    kind = "dense128" if recipe == "block-fp8" else "dense"
+    ckpt = hostile(kind, recipe)
+    name = f"{DOWN}.weight_scale"
+
+    def edit(tensors):
+        scale = tensors[name].clone()
+        scale.view(-1)[-1] = value
+        tensors[name] = scale
+
+    rewrite_tensors(ckpt, edit)
+    with pytest.raises(TensorValueError, match=rf"model\.safetensors: tensor '{name}' holds {value}.*finite positive"):
+        compile_to(ckpt, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_fp8_nan_is_refused(hostile, tmp_path):
+    ckpt = hostile()
+    name = f"{Q}.weight"
+
+    def edit(tensors):
+        weight = tensors[name].clone()
+        weight.view(torch.uint8)[5, 7] = 0xFF
+        tensors[name] = weight
+
+    rewrite_tensors(ckpt, edit)
+    with pytest.raises(TensorValueError, match=rf"tensor '{name}' holds an FP8 NaN at index \[5, 7\]"):
+        compile_to(ckpt, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def _group(config: dict) -> dict:
+    return config["quantization_config"]["config_groups"]["group_0"]
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda c: _group(c)["input_activations"].update(dynamic=False),
+            r"static activation scales, input_scale, are not supported",
+        ),
+        (lambda c: _group(c)["weights"].update(strategy="group", group_size=32), r"match no qcompile scheme"),
+        (lambda c: c["quantization_config"].update(quant_method="awq"), r"quant_method 'awq' is not supported"),
+        (lambda c: c["quantization_config"].update(quantization_status="frozen"), r"only 'compressed' checkpoints"),
+        (lambda c: c["quantization_config"].update(kv_cache_scheme={"num_bits": 8}), r"kv_cache_scheme is set"),
+        (lambda c: _group(c).update(targets=["re:.*q_proj"]), r"targets must be \['Linear'\]"),
+        (lambda c: _group(c).update(format="pack-quantized"), r"format is 'pack-quantized'.*'float-quantized'"),
+        (
+            lambda c: c["quantization_config"]["config_groups"].update(group_1=_group(c)),
+            r"config_groups must hold exactly one scheme .* got 2",
+        ),
+        (
+            lambda c: c["quantization_config"].update(ignore=["lm_head", "re:.*q_proj$"]),
+            r"q_proj is stored quantized .* lists it in 'ignore'",
+        ),
+    ],
+    ids=["static-acts", "group-fp8", "awq", "frozen", "kv-cache", "targets", "format", "two-groups", "ignore"],
+)
+def test_configs_we_cannot_honour_are_refused_naming_the_key(edit, message, hostile, tmp_path):
+    ckpt = hostile()
+    edit_config(ckpt, edit)
+    with pytest.raises(CheckpointError, match=message):
+        compile_to(ckpt, tmp_path / "out", "ptpc-fp8")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_job_of_another_scheme_on_a_stored_weight_is_a_plan_error(quantized):
+    """The plan's own check, below the recipe's: a stored weight is copied by a job of its scheme only."""
+    from qcompile.compile.jobs import WeightJob
+    from qcompile.compile.plan import make_plan
+
+    checkpoint = Checkpoint.open(quantized("dense", "ptpc-fp8"))
+    job = WeightJob(Q, ((f"{Q}.weight",),), stacked=False, scheme="none", role="linear")
+    with pytest.raises(PlanError, match=rf"weight '{Q}\.weight' is to be 'none', but the checkpoint stores .* copied"):
+        make_plan(checkpoint, {Q: job}, 1 << 30)
+
+
+def test_stored_bytes_are_copied_not_requantized(hostile, tmp_path):
+    """A row whose codes are all 1.0 (well inside the FP8 range, as no quantizer would leave them)
+    keeps them and its scale: quantizing the dequantized row again would make them 448."""
+    ckpt = hostile()
+    name = f"{Q}.weight"
+
+    def edit(tensors):
+        weight = tensors[name].clone()
+        weight[3] = 1.0
+        tensors[name] = weight
+
+    rewrite_tensors(ckpt, edit)
+    stored = read_tensors(ckpt)
+    out = {n: (w, s) for n, w, s in split_to_sources(compile_to(ckpt, tmp_path / "out"))}
+    weight, scale = out[name]
+    assert bool((weight[3].float() == 1.0).all())
+    assert torch.equal(weight.view(torch.uint8), stored[name].view(torch.uint8))
+    assert torch.equal(scale, stored[f"{Q}.weight_scale"])
+
+
+def test_the_cli_says_the_input_is_pre_quantized_and_refuses_another_scheme(quantized, tmp_path):
+    ckpt = quantized("moe", "tensor-fp8")
+    result = CliRunner().invoke(main, ["compile", str(ckpt), "-o", str(tmp_path / "art"), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert (
+        "input       pre-quantized, compressed-tensors float-quantized: FP8 weights, one scale per tensor"
+        in result.output
+    )
+    assert "recipe      tensor-fp8\n" in result.output
+    assert "(as the checkpoint stores them)" in result.output
+    result = CliRunner().invoke(main, ["compile", str(ckpt), "-o", str(tmp_path / "art"), "-r", "block-fp8"])
+    assert result.exit_code == 1
+    assert "recipe 'block-fp8' quantizes with scheme 'block-fp8'" in result.output
+    assert "which is scheme 'tensor-fp8'" in result.output
+    result = CliRunner().invoke(main, ["compile", "--help"])
+    assert "pre-quantized checkpoint" in result.output
+    assert not (tmp_path / "art").exists()
