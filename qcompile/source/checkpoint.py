@@ -28,10 +28,11 @@ from qcompile.io import bounded_yaml
 from qcompile.io.safetensors_stream import DTYPE_NAMES, TensorEntry, read_header
 from qcompile.source.directory import check_checkpoint_dir
 from qcompile.source.model import LM_HEAD, count_expected, expected_tensors, iter_expected
-from qcompile.source.quantized import StoredFormat, read_format
+from qcompile.source.quantized import read_format
 from qcompile.source.sizes import check_sizes
 from qcompile.source.spec import ModelSpec, load_config, read_json
 from qcompile.source.stored import StoredWeight, check_unquantized, collect_stored
+from qcompile.source.stored_format import StoredFormat
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -11,7 +11,7 @@ and its scales as the artifact stores them, refusing NaN/Inf, zero and negative 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,10 +23,10 @@ from qcompile.io.safetensors_stream import DTYPE_NAMES, TensorEntry
 from qcompile.quant.fp8 import FP8_DTYPE
 from qcompile.recipe.ignore_list import IgnoreList
 from qcompile.source.model import EMBED, LM_HEAD, expected_tensors
-from qcompile.source.quantized import StoredFormat
 from qcompile.source.spec import ModelSpec
+from qcompile.source.stored_format import StoredFormat
 
-_SHAPE_DTYPES = ("I64", "I32")  # compressed-tensors writes weight_shape as int64
+_INDEX_DTYPES = ("I64", "I32")  # compressed-tensors writes weight_shape as int64, weight_g_idx as int32
 _FP8_NAN = 0x7F  # e4m3fn has no Inf; S.1111.111 is its NaN
 
 
@@ -188,18 +188,19 @@ def _stored_weight(
         if entry is None:
             raise CheckpointError(
                 f"tensor {name!r} is missing from the checkpoint: {first.file.name} holds {first.name!r}, and "
-                f"{fmt.describe()} stores every quantized linear as {module}.{fmt.weight_key} + {module}.{fmt.scale_key}"
+                f"{fmt.describe()} stores every quantized linear as "
+                + " + ".join(f"{module}.{k}" for k in (fmt.weight_key, fmt.scale_key, *fmt.aux_keys))
             )
         if entry.dtype not in dtypes:
             raise CheckpointError(
-                f"{entry.file.name}: tensor {name!r} is {entry.dtype}; {fmt.format} stores it as {' or '.join(dtypes)}"
+                f"{entry.file.name}: tensor {name!r} is {entry.dtype}; {fmt.method} {fmt.format} stores it as {' or '.join(dtypes)}"
             )
         return entry
 
     def check_shape(entry: TensorEntry, want: tuple[int, ...]) -> None:
         if entry.shape != tuple(want):
             raise CheckpointError(
-                f"{entry.file.name}: tensor {entry.name!r} has shape {list(entry.shape)}; {fmt.format} stores it as "
+                f"{entry.file.name}: tensor {entry.name!r} has shape {list(entry.shape)}; {fmt.method} {fmt.format} stores it as "
                 f"{list(want)} for a linear of {list(shape)} ({weight.name} is {list(weight.shape)})"
             )
 
@@ -213,8 +214,29 @@ def _stored_weight(
     shape = (shape[0], shape[1])
     scale = need(fmt.scale_key, (model_dtype,))
     check_shape(scale, fmt.scale_shape(shape))
-    aux = tuple(need(key, _SHAPE_DTYPES) for key in fmt.aux_keys)
-    for entry in aux:  # weight_shape: the logical [rows, cols], as compressed-tensors records it
+    aux = tuple(need(key, _INDEX_DTYPES) for key in fmt.aux_keys)
+    for entry in aux:
+        _check_aux(entry, shape, weight, fmt, check_shape)
+    if fmt.weight_key != "weight" and f"{module}.weight" in tensors:
+        raise CheckpointError(
+            f"{tensors[f'{module}.weight'].file.name}: tensor {module + '.weight'!r} is stored beside "
+            f"{weight.name!r}; a quantized linear holds its weight once"
+        )
+    return StoredWeight(f"{module}.weight", shape, weight, scale, fmt, aux)
+
+
+def _check_aux(
+    entry: TensorEntry,
+    shape: tuple[int, int],
+    weight: TensorEntry,
+    fmt: StoredFormat,
+    check_shape: Callable[[TensorEntry, tuple[int, ...]], None],
+) -> None:
+    """A packed int4 linear's other tensors, read (a few bytes each) and checked: `weight_shape`, the
+    logical [rows, cols]; `weight_g_idx` (act-order 'group'), each input column's group, which must
+    be the in-order one (column j in group j // group_size), the only order the int4 layout runs."""
+    key = entry.name.rpartition(".")[2]
+    if key == "weight_shape":
         check_shape(entry, (2,))
         held = [int(v) for v in entry.read()]
         if held != list(shape):
@@ -222,9 +244,21 @@ def _stored_weight(
                 f"{entry.file.name}: tensor {entry.name!r} holds {held}, but {weight.name} {list(weight.shape)} "
                 f"holds a linear of {list(shape)}"
             )
-    if fmt.weight_key != "weight" and f"{module}.weight" in tensors:
-        raise CheckpointError(
-            f"{tensors[f'{module}.weight'].file.name}: tensor {module + '.weight'!r} is stored beside "
-            f"{weight.name!r}; a quantized linear holds its weight once"
-        )
-    return StoredWeight(f"{module}.weight", shape, weight, scale, fmt, aux)
+        return
+    if key == "weight_g_idx":
+        check_shape(entry, (shape[1],))
+        assert fmt.quant.int4 is not None
+        group = fmt.quant.int4.group_size
+        g_idx = entry.read().to(torch.int64)
+        wrong = (g_idx != torch.arange(shape[1]) // group).nonzero()
+        if len(wrong):
+            column = int(wrong[0])
+            raise CheckpointError(
+                f"{entry.file.name}: tensor {entry.name!r} puts input column {column} in group {int(g_idx[column])}, "
+                f"not {column // group}: act-order 'group' orders the groups by activation, and the int4 layout "
+                f"qcompile runs keeps each group's {group} columns together in order (reordering them would need "
+                "the activations reordered too). Quantize with actorder 'weight' (static), stored in order, or "
+                "without act-order"
+            )
+        return
+    raise ValueError(f"{fmt.method}: no check for {key!r}")  # pragma: no cover - a format names only these

@@ -219,15 +219,15 @@ DOWN = "model.layers.1.mlp.down_proj"
         (lambda t: t.pop(f"{Q}.weight"), rf"tensor '{Q}\.weight' is missing from the checkpoint"),
         (
             lambda t: t.update({f"{Q}.weight_scale": t[f"{Q}.weight_scale"].float()}),
-            rf"model\.safetensors: tensor '{Q}\.weight_scale' is F32; float-quantized stores it as BF16",
+            rf"model\.safetensors: tensor '{Q}\.weight_scale' is F32; compressed-tensors float-quantized stores it as BF16",
         ),
         (
             lambda t: t.update({f"{Q}.weight_scale": t[f"{Q}.weight_scale"].reshape(-1)}),
-            rf"model\.safetensors: tensor '{Q}\.weight_scale' has shape \[64\]; float-quantized stores it as \[64, 1\]",
+            rf"model\.safetensors: tensor '{Q}\.weight_scale' has shape \[64\]; compressed-tensors float-quantized stores it as \[64, 1\]",
         ),
         (
             lambda t: t.update({f"{Q}.weight": t[f"{Q}.weight"].to(BF16)}),
-            rf"model\.safetensors: tensor '{Q}\.weight' is BF16; float-quantized stores it as F8_E4M3",
+            rf"model\.safetensors: tensor '{Q}\.weight' is BF16; compressed-tensors float-quantized stores it as F8_E4M3",
         ),
         (
             lambda t: t.update({f"{DOWN}.weight": t[f"{DOWN}.weight"][:, :-1].contiguous()}),
@@ -237,7 +237,7 @@ DOWN = "model.layers.1.mlp.down_proj"
             lambda t: t.update(
                 {f"{DOWN}.weight_scale": torch.rand(64, 1).to(BF16), f"{DOWN}.weight": t[f"{DOWN}.weight"].to(BF16)}
             ),
-            rf"tensor '{DOWN}\.weight' is BF16; float-quantized stores it as F8_E4M3",
+            rf"tensor '{DOWN}\.weight' is BF16; compressed-tensors float-quantized stores it as F8_E4M3",
         ),
         (
             lambda t: t.update({"model.embed_tokens.weight_scale": torch.ones(544, 1, dtype=BF16)}),
@@ -245,7 +245,7 @@ DOWN = "model.layers.1.mlp.down_proj"
         ),
         (
             lambda t: t.update({"model.layers.0.input_layernorm.weight_scale": torch.ones(1, dtype=BF16)}),
-            r"tensor 'model\.layers\.0\.input_layernorm\.weight' is BF16; float-quantized stores it as F8_E4M3",
+            r"tensor 'model\.layers\.0\.input_layernorm\.weight' is BF16; compressed-tensors float-quantized stores it as F8_E4M3",
         ),
         (
             lambda t: t.update({f"{Q}.input_scale": torch.ones(1, dtype=BF16)}),

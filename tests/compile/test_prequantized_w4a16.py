@@ -5,9 +5,11 @@ llm-compressor quantizes fresh random checkpoints (the seed printed; every linea
 whole number of 128-column groups); compiling what it saved must give the `w4a16` artifact of the
 bf16 original — every weight file and graph byte for byte — with the recipe taken from config.json.
 Dense, tied, MoE, three groups a row; oneshot and model_free_ptq outputs; tp=2. The artifact splits
-back into the input's packed weights, scales and shapes, and generates. Broken packed tensors and
-configs we cannot honour (act-order, zero points, other group sizes) are errors naming the tensor
-or key, before any work.
+back into the input's packed weights, scales and shapes, and generates. Act-order 'weight' is
+stored as without act-order; act-order 'group' adds `weight_g_idx` (written here as older
+compressed-tensors wrote it), read when it keeps the groups in order and refused naming the
+column when it does not. Broken packed tensors and configs we cannot honour (zero points, other
+group sizes) are errors naming the tensor or key, before any work.
 """
 
 from __future__ import annotations
@@ -157,11 +159,11 @@ def hostile(quantized, tmp_path) -> Callable[[], Path]:
         ),
         (
             lambda t: t.update({f"{O_PROJ}.weight_packed": t[f"{O_PROJ}.weight_packed"].to(torch.int64)}),
-            rf"tensor '{O_PROJ}\.weight_packed' is I64; pack-quantized stores it as I32",
+            rf"tensor '{O_PROJ}\.weight_packed' is I64; compressed-tensors pack-quantized stores it as I32",
         ),
         (
             lambda t: t.update({f"{O_PROJ}.weight_scale": t[f"{O_PROJ}.weight_scale"][:, :1].contiguous()}),
-            rf"tensor '{O_PROJ}\.weight_scale' has shape \[128, 1\]; pack-quantized stores it as \[128, 2\]",
+            rf"tensor '{O_PROJ}\.weight_scale' has shape \[128, 1\]; compressed-tensors pack-quantized stores it as \[128, 2\]",
         ),
         (
             lambda t: t.update({f"{O_PROJ}.weight_shape": torch.tensor([128, 255])}),
@@ -230,12 +232,16 @@ def _weights(config: dict) -> dict:
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda c: _weights(c).update(actorder="group"), r"act-order weights, with g_idx, are not read yet"),
+        (
+            lambda c: _weights(c).update(actorder="group"),
+            r"tensor '.*\.weight_g_idx' is missing.* \+ .*\.weight_shape \+ .*\.weight_g_idx",
+        ),
+        (lambda c: _weights(c).update(actorder="sideways"), r"weights\.actorder 'sideways' is not read"),
         (lambda c: _weights(c).update(symmetric=False), r"asymmetric int weights, with zero points, are not supported"),
         (lambda c: _weights(c).update(group_size=64), r"match no qcompile scheme.*w4a16: int4 weights"),
         (lambda c: _weights(c).update(num_bits=8), r"match no qcompile scheme"),
     ],
-    ids=["actorder", "asymmetric", "group-64", "int8"],
+    ids=["actorder-no-g-idx", "actorder-unknown", "asymmetric", "group-64", "int8"],
 )
 def test_configs_we_cannot_honour_are_refused(edit, message, hostile, tmp_path):
     ckpt = hostile()
@@ -243,3 +249,62 @@ def test_configs_we_cannot_honour_are_refused(edit, message, hostile, tmp_path):
     with pytest.raises(CheckpointError, match=message):
         compile_to(ckpt, tmp_path / "out", "w4a16")
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------ act-order
+
+
+@pytest.mark.parametrize("actorder", ["weight", "static"])
+def test_act_order_weight_is_stored_in_order_and_transcodes(actorder, hostile, ckpts, compiled):
+    """GPTQ's act-order 'weight' (alias 'static') changes how it calibrates, not what it stores."""
+    ckpt = hostile()
+    edit_config(ckpt, lambda c: _weights(c).update(actorder=actorder))
+    ours = compiled(ckpt)
+    assert_same_artifact(ours, compiled(ckpts["dense"], "w4a16"))
+    assert read_manifest(ours)["source"]["quantization"]["actorder"] == "weight"
+
+
+def _add_g_idx(ckpt: Path, permute: str | None = None) -> None:
+    """act-order 'group' as older compressed-tensors saved it: `weight_g_idx` [cols] int32 beside each
+    packed weight, the group of each input column; in order except for module `permute`, whose g_idx
+    is shuffled (fresh each run) as GPTQ's activation order leaves it."""
+    edit_config(ckpt, lambda c: _weights(c).update(actorder="group"))
+
+    def edit(tensors):
+        for name in [n for n in tensors if n.endswith(".weight_shape")]:
+            module = name.removesuffix(".weight_shape")
+            cols = int(tensors[name][1])
+            g_idx = (torch.arange(cols) // 128).to(torch.int32)
+            if module == permute:
+                g_idx = g_idx[torch.randperm(cols)]
+            tensors[module + ".weight_g_idx"] = g_idx
+
+    rewrite_tensors(ckpt, edit)
+
+
+def test_act_order_group_in_order_transcodes(hostile, ckpts, compiled):
+    ckpt = hostile()
+    _add_g_idx(ckpt)
+    ours = compiled(ckpt)
+    assert_same_artifact(ours, compiled(ckpts["dense"], "w4a16"))
+    assert read_manifest(ours)["source"]["quantization"]["actorder"] == "group"
+
+
+def test_act_order_group_out_of_order_is_refused_naming_the_column(hostile, tmp_path):
+    ckpt = hostile()
+    _add_g_idx(ckpt, permute=O_PROJ)
+    with pytest.raises(
+        CheckpointError,
+        match=rf"tensor '{O_PROJ}\.weight_g_idx' puts input column \d+ in group \d, not \d: act-order 'group'.*"
+        r"actorder 'weight'",
+    ):
+        compile_to(ckpt, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_g_idx_without_act_order_is_unexpected(hostile, tmp_path):
+    ckpt = hostile()
+    _add_g_idx(ckpt)
+    edit_config(ckpt, lambda c: _weights(c).update(actorder=None))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor '.*\.weight_g_idx'"):
+        compile_to(ckpt, tmp_path / "out")
