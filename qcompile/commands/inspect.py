@@ -1,4 +1,8 @@
-"""`qcompile inspect ART`: a readable summary of an artifact (or --json for machines)."""
+"""`qcompile inspect ART`: a readable summary of an artifact (or --json for machines).
+
+Given a checkpoint directory instead (config.json, no manifest.json) it opens and checks it as
+`compile` would and summarises that: the model, its dtype, and whether it is pre-quantized (the
+format, how many linears it stores quantized, the recipe `compile` takes for it)."""
 
 from __future__ import annotations
 
@@ -72,6 +76,73 @@ def summarize(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def summarize_checkpoint(root: Path) -> dict[str, Any]:
+    """The facts `inspect CKPT` shows, as plain data (the checkpoint opened and checked as `compile` does)."""
+    from qcompile.recipe.prequantized import default_recipe
+    from qcompile.source.checkpoint import Checkpoint  # imports torch: only once a checkpoint is asked about
+    from qcompile.source.stored import linear_modules
+
+    checkpoint = Checkpoint.open(root)
+    spec, fmt = checkpoint.spec, checkpoint.quantization
+    quantization = None
+    if fmt is not None:
+        kept = [m for m in linear_modules(spec) if f"{m}.weight" not in checkpoint.stored]
+        quantization = {
+            **fmt.to_dict(),
+            "description": fmt.describe(),
+            "quantized_linears": len(checkpoint.stored),
+            "unquantized_linears": kept,
+        }
+    return {
+        "path": str(root),
+        "model": {
+            "architecture": spec.architecture,
+            "layers": spec.num_hidden_layers,
+            "hidden_size": spec.hidden_size,
+            "heads": spec.num_attention_heads,
+            "kv_heads": spec.num_key_value_heads,
+            "head_dim": spec.head_dim,
+            "vocab_size": spec.vocab_size,
+            "experts": spec.moe.num_experts if spec.moe else None,
+            "tied_embeddings": spec.tie_word_embeddings,
+        },
+        "dtype": spec.dtype,
+        "quantization": quantization,
+        "recipe": default_recipe(root),
+        "tensors": len(checkpoint.tensors),
+        "bytes": sum(shard.stat().st_size for shard in checkpoint.shards),
+        "shards": len(checkpoint.shards),
+        "tokenizer": (root / "tokenizer.json").is_file(),
+    }
+
+
+def _print_checkpoint(info: dict[str, Any]) -> None:
+    m, q = info["model"], info["quantization"]
+    experts = f", {m['experts']} experts" if m["experts"] else ""
+    rows = [
+        ("checkpoint", info["path"]),
+        (
+            "model",
+            f"{m['architecture']}: {m['layers']} layers, hidden {m['hidden_size']}, heads {m['heads']}/{m['kv_heads']} "
+            f"x {m['head_dim']}{experts}, vocab {m['vocab_size']}{', tied embeddings' if m['tied_embeddings'] else ''}",
+        ),
+        ("dtype", info["dtype"]),
+        (
+            "weights",
+            "not quantized"
+            if q is None
+            else f"pre-quantized, {q['description']}; {q['quantized_linears']} linears stored quantized, "
+            f"{len(q['unquantized_linears'])} in {info['dtype']}",
+        ),
+        ("compiles as", f"recipe {info['recipe']}" + (" (its stored weights copied, not re-quantized)" if q else "")),
+        ("files", f"{info['shards']} shard(s), {human_bytes(info['bytes'])}, {info['tensors']} tensors"),
+        ("tokenizer", "tokenizer.json" if info["tokenizer"] else "none (compile with --no-tokenizer)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        click.echo(f"{key:<{width}}  {value}")
+
+
 def _tp(info: dict[str, Any]) -> str:
     tp = info["tp"]
     if tp == 1:
@@ -84,11 +155,29 @@ def _tp(info: dict[str, Any]) -> str:
     )
 
 
+def _stored(info: dict[str, Any]) -> str:
+    """How a pre-quantized source stored its weights (they were copied, not quantized again)."""
+    stored = info["source"].get("quantization")
+    if not isinstance(stored, dict):
+        return ""
+    return f", pre-quantized: {stored.get('method')} {stored.get('format')}, transcoded"
+
+
 @click.command("inspect")
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def command(artifact: Path, as_json: bool) -> None:
-    """Summarise ARTIFACT: model, scheme, sizes, passes, KV layout, tuned devices."""
+    """Summarise ARTIFACT: model, scheme, sizes, passes, KV layout, tuned devices.
+
+    Given a checkpoint directory (config.json, no manifest.json), check it as `compile` would and
+    summarise it: model, dtype, whether it is pre-quantized and how, the recipe it compiles with."""
+    if not (artifact / "manifest.json").exists() and (artifact / "config.json").is_file():
+        checkpoint = summarize_checkpoint(artifact)
+        if as_json:
+            click.echo(json.dumps(checkpoint, indent=1))
+        else:
+            _print_checkpoint(checkpoint)
+        return
     try:
         manifest = read_manifest(artifact)
         require(manifest, artifact, *COMPILED_FIELDS)
@@ -125,7 +214,7 @@ def command(artifact: Path, as_json: bool) -> None:
             + ")",
         ),
         ("tuned for", ", ".join(info["tuned_devices"]) or "none"),
-        ("source", f"{info['source']['path']} (fingerprint {info['source']['fingerprint'][:16]}…)"),
+        ("source", f"{info['source']['path']} (fingerprint {info['source']['fingerprint'][:16]}…)" + _stored(info)),
         ("made with", ", ".join(f"{k} {v}" for k, v in info["toolchain"].items() if v)),
     ]
     width = max(len(k) for k, _ in rows)

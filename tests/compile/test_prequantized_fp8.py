@@ -13,6 +13,7 @@ for what is not supported) are errors naming the file and tensor or key, and lea
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -409,3 +410,30 @@ def test_the_cli_says_the_input_is_pre_quantized_and_refuses_another_scheme(quan
     result = CliRunner().invoke(main, ["compile", "--help"])
     assert "pre-quantized checkpoint" in result.output
     assert not (tmp_path / "art").exists()
+
+
+def test_inspect_says_a_checkpoint_or_its_artifact_is_pre_quantized(ckpts, quantized, compiled, hostile):
+    ckpt = quantized("moe", "ptpc-fp8")
+    result = CliRunner().invoke(main, ["inspect", str(ckpt)])
+    assert result.exit_code == 0, result.output
+    assert (
+        "weights      pre-quantized, compressed-tensors float-quantized: FP8 weights, one scale per output"
+        in result.output
+    )
+    assert "compiles as  recipe ptpc-fp8 (its stored weights copied, not re-quantized)" in result.output
+    info = json.loads(CliRunner().invoke(main, ["inspect", str(ckpt), "--json"]).output)
+    assert info["quantization"]["scheme"] == "ptpc-fp8" and info["recipe"] == "ptpc-fp8"
+    assert info["quantization"]["quantized_linears"] == 3 * 4 + 2 * 8 * 3 + 3  # attention, experts, dense MLP
+    assert info["quantization"]["unquantized_linears"] == [
+        "lm_head",
+        "model.layers.0.mlp.gate",
+        "model.layers.2.mlp.gate",
+    ]
+    plain = CliRunner().invoke(main, ["inspect", str(ckpts["moe"])]).output
+    assert "weights      not quantized" in plain and "compiles as  recipe ptpc-fp8\n" in plain
+    artifact = CliRunner().invoke(main, ["inspect", str(compiled(ckpt))]).output
+    assert "pre-quantized: compressed-tensors float-quantized, transcoded" in artifact
+    broken = hostile()
+    rewrite_tensors(broken, lambda t: t.pop(f"{Q}.weight_scale"))
+    result = CliRunner().invoke(main, ["inspect", str(broken)])
+    assert result.exit_code == 1 and f"tensor '{Q}.weight_scale' is missing" in result.output
