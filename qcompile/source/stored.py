@@ -79,15 +79,20 @@ class StoredWeight:
                 f"{self.scale.file.name}: tensor {self.scale.name!r} holds {value} at index {index}; every scale "
                 "must be a finite positive number (the checkpoint is corrupt)"
             )
-        if weight.dtype == FP8_DTYPE:
+        # e4m3fn's NaN has every exponent and mantissa bit set: the masked bytes' max finds one (a
+        # max is ~20x faster than comparing every byte on a CPU; the index is looked for only then)
+        if (
+            weight.dtype == FP8_DTYPE
+            and weight.numel()
+            and int((weight.view(torch.uint8) & _FP8_NAN).amax()) == _FP8_NAN
+        ):
             nan = (weight.view(torch.uint8) & _FP8_NAN) == _FP8_NAN
-            if bool(nan.any()):
-                index = [int(i) for i in nan.nonzero()[0]]
-                index[0] += start
-                raise TensorValueError(
-                    f"{self.weight.file.name}: tensor {self.weight.name!r} holds an FP8 NaN at index {index} "
-                    "(the checkpoint is corrupt)"
-                )
+            index = [int(i) for i in nan.nonzero()[0]]
+            index[0] += start
+            raise TensorValueError(
+                f"{self.weight.file.name}: tensor {self.weight.name!r} holds an FP8 NaN at index {index} "
+                "(the checkpoint is corrupt)"
+            )
         return weight, scale
 
 
