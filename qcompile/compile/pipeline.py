@@ -31,7 +31,7 @@ from qcompile.compile.kvcache import kv_cache_spec
 from qcompile.compile.manifest import file_table, tensor_table, toolchain, write_manifest
 from qcompile.compile.plan import TensorPlan, make_plan
 from qcompile.compile.writer import SPARSE_DIGEST, write_sparse_weights, write_weights
-from qcompile.errors import ArtifactError
+from qcompile.errors import ArtifactError, PlanError
 from qcompile.graph.build import build_graph
 from qcompile.graph.ir import Graph
 from qcompile.graph.onnx_export import TensorLocation, write_onnx
@@ -102,7 +102,15 @@ def prepare(
                 scales = kv_scales(checkpoint, Path(calib), progress=lambda _: bar.update(1))
     elif calib is not None:
         raise RecipeError(f"--calib {calib}: recipe {recipe.name!r} has no calibrated KV cache (kv_cache.calibrate)")
-    graph = apply_passes(build_graph(checkpoint.spec, recipe, scales), recipe.passes)
+    try:
+        graph = apply_passes(build_graph(checkpoint.spec, recipe, scales), recipe.passes)
+    except PlanError as exc:
+        if checkpoint.quantization is None:
+            raise
+        raise PlanError(
+            f"{exc} ({checkpoint.path} is pre-quantized: which linears are quantized is fixed by its stored "
+            "tensors, so leave the pass out: --set passes=[…])"
+        ) from exc
     plan = make_plan(checkpoint, graph.weights, recipe.max_shard_mb << 20, recipe.tp)
     return Prepared(checkpoint, recipe, graph, plan, kv_cache_spec(checkpoint.spec, recipe, scales), tokenizer)
 

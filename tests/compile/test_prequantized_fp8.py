@@ -34,6 +34,7 @@ from prequantized_inputs import (
 from qruntime.artifact import read_manifest
 
 from qcompile.cli import main
+from qcompile.compile.pipeline import prepare
 from qcompile.errors import CheckpointError, PlanError, RecipeError, TensorValueError
 from qcompile.publish.unfuse import split_to_sources
 from qcompile.quant import get_scheme
@@ -138,7 +139,9 @@ def test_model_free_ptq_output_transcodes_too(kind, recipe, ckpts, quantized, co
     assert_same_artifact(compiled(quantized(kind, recipe, "model_free")), compiled(ckpts[kind], recipe))
 
 
-@pytest.mark.parametrize(("kind", "recipe"), [("dense", "ptpc-fp8"), ("moe", "tensor-fp8"), ("tied", "ptpc-fp8")])
+@pytest.mark.parametrize(
+    ("kind", "recipe"), [("dense", "ptpc-fp8"), ("moe", "tensor-fp8"), ("tied", "ptpc-fp8"), ("moe128", "block-fp8")]
+)
 def test_the_artifact_splits_back_into_the_input_tensors(kind, recipe, quantized, compiled):
     """split_to_sources (what `qcompile export` writes) gives back every tensor of the input, bytes
     and all: the FP8 weights, their scales (per-tensor ones as [1]) and what stayed bf16."""
@@ -149,6 +152,29 @@ def test_the_artifact_splits_back_into_the_input_tensors(kind, recipe, quantized
         if scale is not None:
             out[name + "_scale"] = scale
     assert_identical(out, read_tensors(ckpt))
+
+
+@pytest.mark.parametrize(
+    ("tool", "ignore"),
+    [("model_free", ["lm_head", "model.embed_tokens"]), ("oneshot", ["lm_head", "re:.*k_proj$", "re:.*mlp.gate$"])],
+    ids=["routers-quantized", "k-proj-kept"],
+)
+def test_other_ignore_lists_transcode_as_compiled_with_them(tool, ignore, ckpts, workdir, compiled):
+    """Routers stored quantized (model_free_ptq told only of lm_head and the embedding), or k_proj
+    kept bf16: the fusion that cannot take it is refused naming itself (as for a bf16 checkpoint with
+    that ignore list), and unfused the artifact equals compiling bf16 with that ignore list."""
+    ckpt = quantize_with_llmcompressor(ckpts["moe"], workdir / f"ignore-{tool}", "FP8_DYNAMIC", ignore, tool)
+    stored = read_tensors(ckpt)
+    router, k_proj = "model.layers.0.mlp.gate.weight", "model.layers.0.self_attn.k_proj.weight"
+    assert (stored[router].dtype == FP8) == (tool == "model_free")
+    assert (stored[k_proj].dtype == BF16) == (tool == "oneshot")
+    fusion = "fuse_moe_experts" if tool == "model_free" else "fuse_qkv_proj"
+    with pytest.raises(PlanError, match=rf"pass '{fusion}': layer 0: .*[Rr]emove '{fusion}'.*is pre-quantized"):
+        prepare(ckpt, load_recipe("ptpc-fp8"))
+    kept = [i for i in ignore if i != "model.embed_tokens"]
+    listed = "quantization.ignore=[" + ", ".join(f"'{i}'" for i in kept) + "]"
+    ours = compiled(ckpt, None, "passes=[]")
+    assert_same_artifact(ours, compiled(ckpts["moe"], "ptpc-fp8", listed, "passes=[]"))
 
 
 def test_tp2_transcoded_equals_tp2_compiled(ckpts, quantized, compiled):
