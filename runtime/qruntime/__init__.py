@@ -9,12 +9,22 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "InvalidRequest", "RequestOutput", "SamplingParams", "StreamDelta", "WorkerError", "load"]
+__all__ = [
+    "Engine",
+    "InvalidRequest",
+    "RequestOutput",
+    "SamplingParams",
+    "SpeculativeConfig",
+    "StreamDelta",
+    "WorkerError",
+    "load",
+]
 
 if TYPE_CHECKING:
     from qruntime.engine.engine import Engine
     from qruntime.engine.outputs import InvalidRequest, RequestOutput, StreamDelta
     from qruntime.engine.sampling_params import SamplingParams
+    from qruntime.engine.speculative.config import SpeculativeConfig
     from qruntime.engine.workers import WorkerError
     from qruntime.loader import load
 
@@ -24,6 +34,7 @@ _EXPORTS = {
     "RequestOutput": "qruntime.engine.outputs",
     "StreamDelta": "qruntime.engine.outputs",
     "SamplingParams": "qruntime.engine.sampling_params",
+    "SpeculativeConfig": "qruntime.engine.speculative.config",
     "WorkerError": "qruntime.engine.workers",
     "load": "qruntime.loader",
 }

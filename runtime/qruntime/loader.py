@@ -20,6 +20,7 @@ from qruntime.artifact import (
 from qruntime.engine.engine import Engine
 from qruntime.engine.prefix_cache import kv_salt
 from qruntime.engine.scheduler import Scheduler, SchedulerConfig
+from qruntime.engine.speculative.config import SpeculativeConfig
 from qruntime.engine.workers import Workers
 from qruntime.hub import is_hub_url, pull
 from qruntime.kv_cache import KVCacheSpec
@@ -199,6 +200,7 @@ def load(
     custom_all_reduce: bool = True,
     sharded_sampling: bool = True,
     pdl: bool | None = None,
+    speculative: str | SpeculativeConfig | None = None,
 ) -> Engine:
     """Load a qcompile artifact and return an Engine.
 
@@ -243,11 +245,17 @@ def load(
     structured output or logprobs gathers the rows instead, as every step does when False. The
     pdl (triton backend): launch the kernels with programmatic dependent launch, so that each starts
     while the one before it finishes (kernels/pdl.py); default on where the GPU has it (Hopper and
-    later), True where it does not is a ValueError. The
+    later), True where it does not is a ValueError.
+    speculative: speculative decoding (engine/speculative/), a SpeculativeConfig or its text form
+    ("prompt-lookup", "prompt-lookup:num_tokens=6,prompt_lookup_max=3"): decoding requests draft
+    tokens that one step verifies, keeping the model's output distribution (greedy outputs as
+    without it); engine.speculative_stats counts the acceptance. tp = 1 only. The
     workers are spawned: a script that loads at tp > 1 must guard its entry point with
     `if __name__ == "__main__":`. One tp engine per process at a time,
     in a process without a torch.distributed default group of its own.
     """
+    if isinstance(speculative, str):
+        speculative = SpeculativeConfig.parse(speculative)
     if is_hub_url(path):
         root = pull(path)
         verify = False  # pull has checked every file's sha256
@@ -256,6 +264,8 @@ def load(
     manifest = read_manifest(root)
     require(manifest, root, "kv_cache", "spec.vocab_size", "spec.max_position_embeddings")
     tp = _check_tp(tp, manifest, root)
+    if speculative is not None and tp > 1:
+        raise ValueError(f"speculative decoding runs at tp = 1 only (this artifact is tp = {tp})")
     graph_files = _graph_files(manifest, tp, root)
     device = resolve_device(device)
     _check_tp_device(device, tp)
@@ -335,6 +345,8 @@ def load(
     if built.piecewise_buckets is not None:
         description["piecewise_graphs"] = list(built.piecewise_buckets)
     description["backend"] = backend
+    if speculative is not None:
+        description["speculative"] = f"{speculative.method}, up to {speculative.num_tokens} draft tokens"
     if backend == "triton":
         description["pdl"] = pdl
     if config.synthetic:
@@ -347,4 +359,5 @@ def load(
         max_model_len=built.max_model_len,
         description=description,
         workers=workers,
+        speculative=speculative,
     )

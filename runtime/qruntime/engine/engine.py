@@ -16,6 +16,14 @@ that end by max_tokens or the model length are not scheduled past it. Sampling, 
 queued on the device with the step (engine/sampler.py). While a request with structured output is
 unfinished, the step before is read between queuing the next step's forward and its sampling: the
 grammar masks follow the token in flight, and the device still does not wait (engine/structured.py).
+
+Speculative decoding (`speculative=`, engine/speculative/): a decoding request may carry draft tokens
+into its step, which computes them with its token; the target's logits verify them (rejection
+sampling: the outputs keep the target's distribution, greedy ones are plain greedy's) and the
+request keeps the accepted drafts plus one token. Drafts need the newest token on the host, so a
+speculating engine schedules synchronously. Requests whose sampling needs per-position state
+(penalties, logit_bias, min_tokens not yet reached, logprobs, structured output, a thinking cap)
+decode one token a step beside the speculating ones.
 """
 
 from __future__ import annotations
@@ -43,6 +51,10 @@ from qruntime.engine.sampler import Forced, History, apply_forced, sample_on_dev
 from qruntime.engine.sampling_params import SamplingParams, as_list
 from qruntime.engine.scheduler import Scheduler, SchedulerOutput
 from qruntime.engine.sharded_sampler import ShardedSampling, shardable
+from qruntime.engine.speculative.config import SpeculativeConfig
+from qruntime.engine.speculative.rejection import verify_drafts
+from qruntime.engine.speculative.speculator import SpeculativeStats, Speculator
+from qruntime.engine.speculative.verify_step import VerifyStep, draft_logit_rows
 from qruntime.engine.step_chunk import StepChunk
 from qruntime.engine.structured import Grammars, StructuredOutput, StructuredOutputError
 from qruntime.engine.thinking import ThinkingState
@@ -90,6 +102,7 @@ class _Launched:
     logprobs: tuple[list[int], DeviceLogprobs] | None = None  # (rows of `tracked`, their sampled tokens' logprobs)
     # (request, its first prompt position scored, how many), in the order of the prompt logprobs' rows
     prompt_logprobs: tuple[list[tuple[_Tracked, int, int]], DeviceLogprobs] | None = None
+    verify: VerifyStep | None = None  # the drafts its chunks carried and their verdicts (speculative decoding)
 
 
 class Engine:
@@ -107,6 +120,7 @@ class Engine:
         description: Mapping[str, Any],
         workers: Workers | None = None,
         async_scheduling: bool = True,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.runner = runner  # rank 0's at tp > 1
         self.workers = workers  # the other ranks' processes (tp > 1), which run every step with rank 0
@@ -115,10 +129,15 @@ class Engine:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.description = dict(description)  # what was loaded and how the engine is sized (for logs / CLI)
-        # launch a step before reading the last one's tokens (tp = 1 only: the workers take whole steps)
-        self.async_scheduling = async_scheduling and workers is None
+        if speculative is not None and workers is not None:
+            raise ValueError("speculative decoding runs at tp = 1 only")
+        self.speculator = Speculator(speculative) if speculative is not None else None
+        # launch a step before reading the last one's tokens (tp = 1 only: the workers take whole steps;
+        # not while speculating: a draft needs the newest token on the host)
+        self.async_scheduling = async_scheduling and workers is None and self.speculator is None
         self._tracked: dict[str, _Tracked] = {}
         self._in_flight: _Launched | None = None  # the step launched last, not read yet (async scheduling)
+        self._scheduled = False  # whether the last step() scheduled anything
         self._scoring: set[str] = set()  # unfinished requests that asked for prompt logprobs (usually none)
         self._capped: set[str] = set()  # unfinished requests with a thinking cap (usually none)
         self._guided: set[str] = set()  # unfinished requests with structured output: masks follow the token in flight
@@ -235,7 +254,8 @@ class Engine:
             if read_previous and previous is not None:
                 read_previous, done = False, self._complete(previous)
 
-        output = self.scheduler.schedule()
+        output = self.scheduler.schedule(self._draft if self.speculator is not None else None)
+        self._scheduled = bool(output.chunks)
         if not output.chunks:
             read()
             return None, done
@@ -262,16 +282,24 @@ class Engine:
                 read()
                 if forced is not None:
                     ids = apply_forced(ids, forced, in_flight)
-                tokens, logprobs, prompt_logprobs = SampledTokens(ids, peaks), None, None
+                tokens, logprobs, prompt_logprobs, verify = SampledTokens(ids, peaks), None, None, None
             else:  # whole rows: tp = 1, or a step the ranks cannot sample from their shards
-                logits = self._execute(chunks, all_logits=scored if scoring else False, sampled=sampled)
+                drafted = [row for row, i in enumerate(rows) if output.chunks[i].draft]  # sampling rows with drafts
+                wide = [bool(c.draft) or (scoring and scored[i]) for i, c in enumerate(output.chunks)]
+                logits = self._execute(chunks, all_logits=wide if scoring or drafted else False, sampled=sampled)
                 read()  # while the forward runs
-                prompt_logprobs = None
-                if scoring:  # the scored chunks' rows came back too: score them, keep each chunk's last
+                prompt_logprobs = verify_logits = None
+                if scoring or drafted:  # rows of every token of some chunks came back: keep each chunk's last
                     ends = list(
-                        itertools.accumulate(c.num_tokens if s else 1 for c, s in zip(chunks, scored, strict=True))
+                        itertools.accumulate(c.num_tokens if w else 1 for c, w in zip(chunks, wide, strict=True))
                     )
-                    prompt_logprobs = self._prompt_logprobs(logits, output.chunks, scored, ends)
+                    if scoring:  # score the scored chunks' rows
+                        prompt_logprobs = self._prompt_logprobs(logits, output.chunks, scored, ends)
+                    if drafted:  # [B, K, V]: the rows that verify each request's drafts
+                        at = draft_logit_rows(
+                            [ends[rows[r]] for r in drafted], [chunks[rows[r]].token_ids[1:] for r in drafted]
+                        )
+                        verify_logits = logits[device_tensor(at, torch.int64, logits.device)]
                     logits = logits[device_tensor([ends[i] - 1 for i in rows], torch.int64, logits.device)]
                 elif len(rows) != len(chunks):
                     logits = logits[device_tensor(rows, torch.int64, logits.device)]
@@ -297,11 +325,20 @@ class Engine:
                     forced,
                     self._allowed(tracked, logits.device) if self._guided else None,
                 )
-                logprobs = None
+                logprobs = verify = None
                 if wanted := [row for row, t in enumerate(tracked) if t.params.logprobs is not None]:
                     k = max(tracked[row].params.logprobs for row in wanted)
                     chosen = tokens.ids[device_tensor(wanted, torch.int64, logits.device)]
                     logprobs = (wanted, DeviceLogprobs(logits, wanted, chosen, k))
+                if drafted:
+                    drafts = tuple(output.chunks[rows[r]].draft for r in drafted)
+                    verdicts = verify_drafts(
+                        verify_logits,
+                        drafts,
+                        [tracked[r].params for r in drafted],
+                        [tracked[r].generator for r in drafted],
+                    )
+                    verify = VerifyStep(tuple(drafted), drafts, verdicts)
         except Exception as exc:
             if self._is_fatal(exc):
                 raise
@@ -309,7 +346,7 @@ class Engine:
             batch = [t for c in output.chunks if (t := self._tracked.get(c.request.request_id)) is not None]
             return None, done + self._fail(batch, "the model step running this request failed", exc)
         ids = {t.request.request_id: row for row, t in enumerate(tracked)}
-        return _Launched(output, tracked, tokens, ids, logprobs, prompt_logprobs), done
+        return _Launched(output, tracked, tokens, ids, logprobs, prompt_logprobs, verify), done
 
     def _matcher(self, constraint: StructuredOutput) -> Any:
         """A new request's grammar matcher (InvalidRequest when its constraint does not compile)."""
@@ -410,9 +447,16 @@ class Engine:
         if launched.logprobs is not None:
             wanted, device_logprobs = launched.logprobs
             token_logprobs = dict(zip(wanted, device_logprobs.tolist(), strict=True))
+        kept = self._kept(launched, tokens) if launched.verify is not None else {}
+        if kept:
+            tokens = [None if kept.get(row, ()) is None else tok for row, tok in enumerate(tokens)]
         self.scheduler.update(
             launched.output,
-            {t.request.request_id: tok for t, tok in zip(tracked, tokens, strict=True) if tok is not None},
+            {
+                t.request.request_id: kept.get(row, tok)
+                for row, (t, tok) in enumerate(zip(tracked, tokens, strict=True))
+                if tok is not None
+            },
         )
         now = time.perf_counter()
         deltas = []
@@ -423,26 +467,73 @@ class Engine:
                 deltas += self._fail([t], "the model produced non-finite logits (NaN or inf) for this request")
                 continue
             try:
-                t.first_token = t.first_token if t.first_token is not None else now
-                t.new_ids.append(token)
-                if t.thinking is not None:
-                    t.thinking.observe(token)
-                if t.matcher is not None and not t.matcher.consume_token(token):
-                    raise RuntimeError(f"the grammar refused token {token}: {t.matcher.get_error()[:200]}")
-                if row in token_logprobs:
-                    entry = _top(token_logprobs[row], t.params.logprobs)
-                    t.logprobs.append(entry)
-                    t.new_logprobs.append(entry)
-                if t.detok is not None:
-                    t.new_text += t.detok.add(token)
-                reason = self._stop_reason(t, token)
-                if reason is not None:
-                    self._finish(t, *reason, now)
+                run = kept.get(row) or (token,)
+                for taken, token in enumerate(run, 1):
+                    t.first_token = t.first_token if t.first_token is not None else now
+                    t.new_ids.append(token)
+                    if t.thinking is not None:
+                        t.thinking.observe(token)
+                    if t.matcher is not None and not t.matcher.consume_token(token):
+                        raise RuntimeError(f"the grammar refused token {token}: {t.matcher.get_error()[:200]}")
+                    if row in token_logprobs:
+                        entry = _top(token_logprobs[row], t.params.logprobs)
+                        t.logprobs.append(entry)
+                        t.new_logprobs.append(entry)
+                    if t.detok is not None:
+                        t.new_text += t.detok.add(token)
+                    reason = self._stop_reason(t, token, len(run) - taken)
+                    if reason is not None:
+                        # a stop string ended it before the last token verification kept: those never happened
+                        del t.request.output_token_ids[len(t.request.output_token_ids) - (len(run) - taken) :]
+                        self._finish(t, *reason, now)
+                        break
             except Exception as exc:  # detokenizing or a stop check: this request's alone
                 deltas += self._fail([t], "turning this request's tokens into text failed", exc)
                 continue
             deltas.append(self._delta(t))
         return deltas
+
+    def _kept(self, launched: _Launched, tokens: list[int | None]) -> dict[int, list[int] | None]:
+        """Row -> the tokens a verified request keeps from the step (VerifyStep.kept), cut after the
+        first that ends it by a token (EOS or a stop token id; stop strings are the detokenizer's),
+        with the verification's counts given to the speculator. None: a faulty row."""
+        kept = launched.verify.kept(tokens)
+        for row, draft in zip(launched.verify.rows, launched.verify.drafts, strict=True):
+            run, t = kept[row], launched.tracked[row]
+            if run is None or self._tracked.get(t.request.request_id) is not t:
+                continue
+            p = t.params
+            ends = [
+                i
+                for i, tok in enumerate(run)
+                if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.tokenizer.eos_token_ids)
+            ]
+            kept[row] = run = run[: ends[0] + 1] if ends else run
+            self.speculator.record(t.request.request_id, len(draft), len(run) - 1, len(run))
+        return kept
+
+    def _draft(self, request: Request, limit: int) -> tuple[int, ...]:
+        """Draft tokens for a decoding request (the scheduler asks): none for a request whose sampling
+        needs per-position state the verification does not apply (see the module docstring)."""
+        t = self._tracked[request.request_id]
+        p = t.params
+        if (
+            p.penalized
+            or p.logit_bias
+            or p.logprobs is not None
+            or p.prompt_logprobs is not None
+            or t.matcher is not None
+            or t.thinking is not None
+            or len(request.output_token_ids) < p.min_tokens  # EOS and stop ids are banned from some position
+        ):
+            return ()
+        return self.speculator.draft(request.request_id, request.all_token_ids, limit)
+
+    @property
+    def speculative_stats(self) -> SpeculativeStats | None:
+        """Draft tokens proposed and accepted and tokens per verification since the engine started
+        (None when it does not speculate). An immutable value: safe to read from another thread."""
+        return self.speculator.stats if self.speculator is not None else None
 
     def abort(self, request_id: str) -> RequestOutput:
         """Stop an unfinished request now (its KV blocks are freed at once); returns its output so far."""
@@ -593,6 +684,8 @@ class Engine:
         deltas = self.step()
         if not deltas and not self.scheduler.has_unfinished():
             raise RuntimeError("the engine has no unfinished requests but the caller still waits for some")
+        if not deltas and not self._scheduled and self._in_flight is None:  # every later step would be this one
+            raise RuntimeError("the scheduler has unfinished requests but scheduled nothing, with no step in flight")
         return deltas
 
     @staticmethod
@@ -647,7 +740,9 @@ class Engine:
             return ()
         return (*p.stop_token_ids, *(() if p.ignore_eos else self.tokenizer.eos_token_ids))
 
-    def _stop_reason(self, t: _Tracked, token: int) -> tuple[str, str | int | None] | None:
+    def _stop_reason(self, t: _Tracked, token: int, later: int = 0) -> tuple[str, str | int | None] | None:
+        """Why `token` ends the request, or None; `later`: tokens the request already holds after it
+        (the rest of what a verification kept)."""
         p, request = t.params, t.request
         if (not p.ignore_eos and token in self.tokenizer.eos_token_ids) or token in p.stop_token_ids:
             return "stop", token
@@ -655,7 +750,7 @@ class Engine:
             return "stop", t.detok.stop_matched
         if t.matcher is not None and t.matcher.is_stopped():  # the constraint is complete
             return "stop", None
-        if len(request.output_token_ids) >= p.max_tokens or request.num_tokens >= self.max_model_len:
+        if len(request.output_token_ids) - later >= p.max_tokens or request.num_tokens - later >= self.max_model_len:
             return "length", None
         return None
 
@@ -669,6 +764,8 @@ class Engine:
         self._scoring.discard(request.request_id)
         self._capped.discard(request.request_id)
         self._guided.discard(request.request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request.request_id)
         if t.detok is not None and (reason not in ("stop", "error") or not isinstance(stop_reason, str)):
             with contextlib.suppress(Exception):  # a request failing in its detokenizer keeps what it has
                 t.new_text += t.detok.flush()

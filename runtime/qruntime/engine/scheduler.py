@@ -19,13 +19,20 @@ it (the model runner takes its id from the device), so a request's chunk can end
 A request whose known and pending outputs reach its max_tokens or the model length is not scheduled
 again: the engine finishes it once the pending token is known. A preempted request is readmitted only
 once it has no pending token (its recompute needs every id).
+
+Speculative decoding (engine/speculative/): schedule(draft) asks, for each running request about to
+decode one token, for draft tokens to verify after it (at most what the step's budget, the request's
+max_tokens and the model length leave). Such a chunk computes the token and its k drafts (KV blocks
+for all of them); update() gets the tokens the verification kept (accepted drafts, then the one it
+added) and counts only the accepted drafts' KV as computed: the rejected ones' slots are written
+over by the next step. Drafts never preempt another request: without room for them, none are asked.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from qruntime.engine.block_manager import BlockManager
@@ -76,6 +83,7 @@ class ScheduledChunk:
     samples: bool  # the chunk ends on the request's last token: its logits give the next token
     record: _Sampled | None = None  # of a sampling chunk: set once update() has its token
     epoch: int = 0  # request.num_preemptions at schedule time: a chunk from before a preemption caches nothing
+    draft: tuple[int, ...] = ()  # draft tokens verified after the request's last token (its last num_tokens)
 
 
 @dataclass(frozen=True)
@@ -139,12 +147,16 @@ class Scheduler:
         self._requests[request.request_id] = request
         self._waiting.append(request)
 
-    def schedule(self) -> SchedulerOutput:
-        """Pick this step's chunks (see the module docstring for the policy)."""
+    def schedule(self, draft: Callable[[Request, int], Sequence[int]] | None = None) -> SchedulerOutput:
+        """Pick this step's chunks (see the module docstring for the policy). draft(request, limit):
+        at most `limit` draft tokens to verify after a decoding request's token (speculative decoding)."""
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
 
+        # blocks the running requests behind each one may need this step (chunks of at most the budget): a
+        # request's drafts take only blocks beyond those, so that they never preempt anyone
+        behind = self._blocks_behind(budget) if draft is not None else []
         i = 0
         while i < len(self._running) and budget > 0:
             request = self._running[i]
@@ -152,6 +164,7 @@ class Scheduler:
             if n == 0 or self._at_limit(request):
                 i += 1
                 continue
+            drafts = self._drafts(request, n, budget, draft, behind[i]) if draft is not None else ()
             end = request.num_computed_tokens + n
             if end > self.config.max_model_len:
                 raise RuntimeError(
@@ -166,8 +179,8 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                chunks.append(self._chunk(request, n))
-                budget -= n
+                chunks.append(self._chunk(request, n, draft=drafts))
+                budget -= n + len(drafts)
                 i += 1
 
         # admitting while preempting would take blocks that running requests are about to need
@@ -193,13 +206,14 @@ class Scheduler:
 
         return SchedulerOutput(chunks=tuple(chunks), preempted=tuple(preempted))
 
-    def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> None:
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]]) -> None:
         """Record a step's results, in step order: the pending token of each chunk that sampled
         becomes known, and the blocks the step filled are named in the prefix cache.
 
         sampled maps request ids of chunks with samples=True to their new token (a chunk that
-        sampled but is missing got no token: the engine fails that request); chunks of requests
-        finished or aborted since schedule() are ignored.
+        sampled but is missing got no token: the engine fails that request); a chunk with drafts
+        maps to the tokens its verification kept: its accepted drafts, in order, then one more.
+        Chunks of requests finished or aborted since schedule() are ignored.
         """
         for chunk in output.chunks:
             request = chunk.request
@@ -207,11 +221,18 @@ class Scheduler:
                 continue  # finished or aborted meanwhile
             if chunk.samples != (chunk.record is not None) or (chunk.record is not None and chunk.record.done):
                 raise ValueError(f"stale chunk for request {request.request_id!r}: update() each output once, in order")
-            end = chunk.start + chunk.num_tokens
+            end = chunk.start + chunk.num_tokens - len(chunk.draft)
             if chunk.samples:
                 chunk.record.done = True
                 request.num_pending -= 1
-                if request.request_id in sampled:
+                if chunk.draft and request.request_id in sampled:
+                    kept = list(sampled[request.request_id])
+                    if not 1 <= len(kept) <= len(chunk.draft) + 1 or kept[:-1] != list(chunk.draft[: len(kept) - 1]):
+                        raise ValueError(f"request {request.request_id!r}: {kept} are not accepted drafts and one more")
+                    request.output_token_ids += kept
+                    request.num_computed_tokens += len(kept) - 1  # the accepted drafts' KV is the cache's now
+                    end += len(kept) - 1
+                elif request.request_id in sampled:
                     request.output_token_ids.append(sampled[request.request_id])
             elif request.request_id in sampled:
                 raise ValueError(f"request {request.request_id!r} was sampled mid-prefill (samples=False)")
@@ -236,15 +257,60 @@ class Scheduler:
         """Same as finish() for the scheduler; the engine records why."""
         self.finish(request_id)
 
-    def _chunk(self, request: Request, n: int, cached: tuple[int, ...] = ()) -> ScheduledChunk:
+    def _chunk(
+        self, request: Request, n: int, cached: tuple[int, ...] = (), draft: tuple[int, ...] = ()
+    ) -> ScheduledChunk:
         start = request.num_computed_tokens
-        table = self.block_manager.grow(request.request_id, start + n, cached)
+        table = self.block_manager.grow(request.request_id, start + n + len(draft), cached)
         samples = start + n == self._num_known_and_pending(request)
         request.num_computed_tokens = start + n  # in flight from now on: the next schedule() goes on from here
         request.num_pending += samples
         return ScheduledChunk(
-            request, start, n, table, samples, _Sampled() if samples else None, request.num_preemptions
+            request,
+            start,
+            n + len(draft),
+            table,
+            samples,
+            _Sampled() if samples else None,
+            request.num_preemptions,
+            draft,
         )
+
+    def _drafts(
+        self, request: Request, n: int, budget: int, draft: Callable[[Request, int], Sequence[int]], reserved: int
+    ) -> tuple[int, ...]:
+        """Draft tokens for a request that decodes its last known token now (none otherwise): at most
+        what the step's budget, its max_tokens and the model length leave after the token it adds,
+        and only when its blocks can grow for them with `reserved` blocks still free (what the running
+        requests behind it may need this step): drafts preempt no one."""
+        start = request.num_computed_tokens
+        if n != 1 or request.num_pending or start + 1 != request.num_tokens:
+            return ()
+        limit = min(
+            budget - 1,
+            request.max_tokens - len(request.output_token_ids) - 1,
+            self.config.max_model_len - request.num_tokens - 1,
+        )
+        if limit < 1:
+            return ()
+        drafts = tuple(draft(request, limit))[:limit]
+        missing = self.block_manager.num_missing(request.request_id, start + 1 + len(drafts))
+        if drafts and missing + reserved > self.block_manager.num_free_blocks:
+            return ()
+        return drafts
+
+    def _blocks_behind(self, budget: int) -> list[int]:
+        """For each running request, the blocks the running requests after it may need for their
+        chunks this step (each at most `budget` tokens)."""
+        need = [
+            0
+            if self._at_limit(r)
+            else self.block_manager.num_missing(
+                r.request_id, r.num_computed_tokens + min(self._num_known_and_pending(r) - r.num_computed_tokens, budget)
+            )
+            for r in self._running
+        ]
+        return [0, *itertools.accumulate(reversed(need[1:]))][::-1]
 
     @staticmethod
     def _num_known_and_pending(request: Request) -> int:

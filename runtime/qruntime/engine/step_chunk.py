@@ -33,11 +33,12 @@ class StepChunk:
         prompt and the outputs, not from their concatenation: a decode step costs O(1), not O(context)).
 
         A chunk that ends on its request's pending token (sampled by the step before, still on the
-        device) gets `pending(pending_row)` in its place: that step's sampled row `pending_row`."""
-        request, start, end = chunk.request, chunk.start, chunk.start + chunk.num_tokens
+        device) gets `pending(pending_row)` in its place: that step's sampled row `pending_row`. A chunk
+        with drafts (speculative decoding) ends on them."""
+        request, start, end = chunk.request, chunk.start, chunk.start + chunk.num_tokens - len(chunk.draft)
         n = len(request.prompt_token_ids)
         ids = request.prompt_token_ids[start:end] + request.output_token_ids[max(start - n, 0) : max(end - n, 0)]
-        missing = chunk.num_tokens - len(ids)
+        missing = chunk.num_tokens - len(chunk.draft) - len(ids)
         if missing:
             if missing != 1 or pending_row is None:
                 raise ValueError(
@@ -45,7 +46,7 @@ class StepChunk:
                     f"{'with no sampled row to read' if pending_row is None else 'only its last one may be'}"
                 )
             ids.append(pending(pending_row))
-        return cls(tuple(ids), start, chunk.block_table)
+        return cls((*ids, *chunk.draft), start, chunk.block_table)
 
 
 def pending(row: int) -> int:

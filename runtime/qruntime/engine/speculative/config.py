@@ -1,0 +1,56 @@
+"""SpeculativeConfig: which draft method an engine speculates with, and how far."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from qruntime.engine.speculative.proposers import PROPOSERS
+
+MAX_DRAFT_TOKENS = 16  # a verify chunk computes k + 1 positions; more drafts than this never pay
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """method: a proposer's name (proposers.PROPOSERS). num_tokens: the most draft tokens one step
+    verifies (k; adaptive: each request's k moves between 1 and this with its acceptance, and a
+    request whose drafts keep failing stops drafting for a while). prompt_lookup_min / _max: the
+    n-gram lengths prompt lookup matches, longest first."""
+
+    method: str = "prompt-lookup"
+    num_tokens: int = 4
+    adaptive: bool = True
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in PROPOSERS:
+            raise ValueError(f"speculative method {self.method!r} is unknown; choose one of {', '.join(PROPOSERS)}")
+        if not 1 <= self.num_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"num_tokens must be 1..{MAX_DRAFT_TOKENS} (got {self.num_tokens})")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max "
+                f"(got {self.prompt_lookup_min}, {self.prompt_lookup_max})"
+            )
+
+    @classmethod
+    def parse(cls, text: str) -> SpeculativeConfig:
+        """'METHOD' or 'METHOD:key=value,...' (keys: this class's fields, e.g. 'prompt-lookup:num_tokens=6')."""
+        method, _, options = text.strip().partition(":")
+        known = {f.name: f.type for f in fields(cls) if f.name != "method"}
+        values: dict[str, object] = {}
+        for item in filter(None, (part.strip() for part in options.split(","))):
+            key, eq, value = item.partition("=")
+            key = key.strip().replace("-", "_")
+            if not eq or key not in known:
+                raise ValueError(f"speculative option {item!r}: expected key=value with key one of {', '.join(known)}")
+            if known[key] == "bool":
+                if value.strip().lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(f"speculative option {key}: expected true or false (got {value!r})")
+                values[key] = value.strip().lower() in ("true", "1")
+            else:
+                try:
+                    values[key] = int(value)
+                except ValueError:
+                    raise ValueError(f"speculative option {key}: expected an integer (got {value!r})") from None
+        return cls(method.strip(), **values)
