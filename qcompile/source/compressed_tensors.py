@@ -11,6 +11,7 @@ sparsity or transforms) is a CheckpointError saying what the config holds and wh
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 from qruntime.shown import shown
@@ -22,11 +23,13 @@ from qcompile.source.stored_format import SCHEMES, WHAT, StoredFormat
 
 METHOD = "compressed-tensors"
 # compressed-tensors' defaults for the QuantizationArgs fields compared below
-_ARG_DEFAULTS = {"symmetric": True, "dynamic": False, "group_size": None, "block_structure": None, "actorder": None}
+_ARG_DEFAULTS = MappingProxyType(
+    {"symmetric": True, "dynamic": False, "group_size": None, "block_structure": None, "actorder": None}
+)
 _WEIGHT_KEYS = ("num_bits", "type", "strategy", "symmetric", "dynamic", "group_size", "block_structure", "actorder")
 _ACTIVATION_KEYS = ("num_bits", "type", "strategy", "symmetric", "dynamic", "group_size")
 ACTORDERS = ("weight", "group")  # GPTQ's activation ordering, by its canonical names
-ACTORDER_ALIASES = {"static": "weight", "dynamic": "group"}
+ACTORDER_ALIASES = MappingProxyType({"static": "weight", "dynamic": "group"})
 
 
 def _expected(scheme: QuantScheme) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -89,10 +92,11 @@ def read_compressed_tensors(qc: dict[str, Any], where: str) -> StoredFormat:
     weights, activations = group.get("weights"), group.get("input_activations")
     if not isinstance(weights, dict) or not (activations is None or isinstance(activations, dict)):
         raise CheckpointError(f"{at}: 'weights' must be an object and 'input_activations' an object or null")
-    actorder = ACTORDER_ALIASES.get(weights.get("actorder"), weights.get("actorder"))
+    raw = weights.get("actorder")
+    actorder = ACTORDER_ALIASES.get(raw, raw) if isinstance(raw, str) else raw
     if actorder is not None and (actorder not in ACTORDERS or weights.get("strategy") != "group"):
         raise CheckpointError(
-            f"{at}.weights.actorder {shown(weights.get('actorder'))} is not read: act-order is "
+            f"{at}.weights.actorder {shown(raw)} is not read: act-order is "
             f"{' or '.join(ACTORDERS)} on group-quantized int weights"
         )
     # act-order 'weight' changes only how GPTQ calibrates: stored as without it; 'group' adds weight_g_idx

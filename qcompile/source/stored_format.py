@@ -69,11 +69,3 @@ class StoredFormat:
         return {"method": self.method, "format": self.format, "scheme": self.scheme} | (
             {"actorder": self.actorder} if self.actorder else {}
         )
-
-
-_WHAT = {
-    "ptpc-fp8": "FP8 weights, one scale per output channel; activations FP8 per token (llm-compressor FP8_DYNAMIC)",
-    "tensor-fp8": "FP8 weights, one scale per tensor; activations FP8 per tensor, dynamic",
-    "block-fp8": "FP8 weights in 128x128 blocks; activations FP8 in groups of 128 (llm-compressor FP8_BLOCK)",
-    "w4a16": "int4 weights, symmetric, one scale per 128 input columns; activations unquantized (llm-compressor W4A16)",
-}

@@ -463,3 +463,30 @@ def test_inspect_says_a_checkpoint_or_its_artifact_is_pre_quantized(ckpts, quant
     rewrite_tensors(broken, lambda t: t.pop(f"{Q}.weight_scale"))
     result = CliRunner().invoke(main, ["inspect", str(broken)])
     assert result.exit_code == 1 and f"tensor '{Q}.weight_scale' is missing" in result.output
+
+
+@pytest.mark.parametrize(
+    ("qc", "message"),
+    [
+        (5, r"quantization_config must be an object, got 5"),
+        ({"quant_method": ["x"]}, r"quant_method \['x'\] is not supported"),
+        ({"quant_method": "compressed-tensors", "config_groups": []}, r"config_groups must hold exactly one"),
+        (
+            {"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["Linear"], "weights": "x"}}},
+            r"'weights' must be an object",
+        ),
+        ({"quant_method": "compressed-tensors", "config_groups": {"g": 7}}, r"config_groups\.'g' must be an object"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": [1]}, r"must be a list"),
+        (
+            {"quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": ["x" * 2000]},
+            r"characters; a pattern may be at most",
+        ),
+    ],
+    ids=["number", "method-list", "groups-list", "weights-str", "group-int", "keep-int", "keep-huge"],
+)
+def test_junk_quantization_configs_are_errors_naming_the_key(qc, message, hostile, tmp_path):
+    ckpt = hostile()
+    edit_config(ckpt, lambda c: c.update(quantization_config=qc))
+    with pytest.raises(CheckpointError, match=message):
+        compile_to(ckpt, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

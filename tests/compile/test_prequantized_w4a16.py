@@ -237,11 +237,12 @@ def _weights(config: dict) -> dict:
             r"tensor '.*\.weight_g_idx' is missing.* \+ .*\.weight_shape \+ .*\.weight_g_idx",
         ),
         (lambda c: _weights(c).update(actorder="sideways"), r"weights\.actorder 'sideways' is not read"),
+        (lambda c: _weights(c).update(actorder=["group"]), r"weights\.actorder \['group'\] is not read"),
         (lambda c: _weights(c).update(symmetric=False), r"asymmetric int weights, with zero points, are not supported"),
         (lambda c: _weights(c).update(group_size=64), r"match no qcompile scheme.*w4a16: int4 weights"),
         (lambda c: _weights(c).update(num_bits=8), r"match no qcompile scheme"),
     ],
-    ids=["actorder-no-g-idx", "actorder-unknown", "asymmetric", "group-64", "int8"],
+    ids=["actorder-no-g-idx", "actorder-unknown", "actorder-list", "asymmetric", "group-64", "int8"],
 )
 def test_configs_we_cannot_honour_are_refused(edit, message, hostile, tmp_path):
     ckpt = hostile()
