@@ -3,8 +3,8 @@
 A checkpoint stored quantized (qcompile.source.quantized) is transcoded, never re-quantized: every
 linear it stores quantized keeps its bytes, every linear it keeps in the model dtype stays so. So
 the recipe's scheme must be the stored one (`-r w4a16` on an FP8 checkpoint is an error naming
-both), and its `quantization.ignore` becomes the exact names of the linears the checkpoint leaves
-unquantized. The rest of the recipe (passes, KV cache, tp, shard size) applies as for any checkpoint.
+both), and its `quantization.ignore` becomes the names of the linears the checkpoint leaves
+unquantized (the routers as one pattern). The rest of the recipe (passes, KV cache, tp, shard size) applies as for any checkpoint.
 Without `--recipe`, `qcompile compile` takes the shipped recipe named after the stored scheme.
 """
 
@@ -21,6 +21,8 @@ from qcompile.source.spec import load_config
 from qcompile.source.stored import linear_modules
 
 IGNORE_KEY = "quantization.ignore"
+ROUTER_SUFFIX = ".mlp.gate"
+ROUTERS = "re:.*mlp.gate$"  # the shipped recipes' own pattern for the MoE routers
 
 
 def default_recipe(checkpoint: str | Path) -> str:
@@ -49,8 +51,18 @@ def recipe_for_stored(recipe: Recipe, checkpoint: Checkpoint) -> Recipe:
             f"recipe {recipe.name!r} calibrates an fp8 KV cache by running the source model, which is not done "
             f"for a pre-quantized checkpoint ({fmt.describe()}); compile the unquantized checkpoint to calibrate"
         )
-    ignore = tuple(m for m in linear_modules(checkpoint.spec) if f"{m}.weight" not in checkpoint.stored)
-    return dataclasses.replace(recipe, quantization=QuantizationRecipe(fmt.scheme, ignore))
+    return dataclasses.replace(recipe, quantization=QuantizationRecipe(fmt.scheme, kept_unquantized(checkpoint)))
+
+
+def kept_unquantized(checkpoint: Checkpoint) -> tuple[str, ...]:
+    """The ignore list that keeps exactly the linears `checkpoint` stores in the model dtype: their names,
+    all MoE routers as one ROUTERS pattern when none is stored quantized (94 names fewer for a 235B)."""
+    linears = linear_modules(checkpoint.spec)
+    kept = [m for m in linears if f"{m}.weight" not in checkpoint.stored]
+    routers = [m for m in linears if m.endswith(ROUTER_SUFFIX)]
+    if routers and all(f"{m}.weight" not in checkpoint.stored for m in routers):
+        return (*(m for m in kept if not m.endswith(ROUTER_SUFFIX)), ROUTERS)
+    return tuple(kept)
 
 
 def refuse_ignore_override(overrides: tuple[str, ...] | list[str], checkpoint: str | Path) -> None:
