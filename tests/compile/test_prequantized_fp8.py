@@ -490,3 +490,21 @@ def test_junk_quantization_configs_are_errors_naming_the_key(qc, message, hostil
     with pytest.raises(CheckpointError, match=message):
         compile_to(ckpt, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_weights_and_scales_in_different_shards(quantized, compiled, tmp_path):
+    """Real checkpoints are sharded by size, so a weight and its scale may sit in different files (the
+    index says where): the artifact is the one-shard checkpoint's."""
+    from safetensors.torch import save_file
+
+    one = quantized("moe", "ptpc-fp8")
+    sharded = copy_checkpoint(one, tmp_path / "sharded")
+    (sharded / "model.safetensors").unlink()
+    tensors = read_tensors(one)
+    names = sorted(tensors)
+    files = {name: f"model-{i % 3 + 1:05d}-of-00003.safetensors" for i, name in enumerate(names)}
+    assert files[f"{Q}.weight"] != files[f"{Q}.weight_scale"]
+    for file in sorted(set(files.values())):
+        save_file({n: tensors[n] for n in names if files[n] == file}, sharded / file, metadata={"format": "pt"})
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": files}))
+    assert_same_artifact(compile_to(sharded, tmp_path / "art"), compiled(one))
