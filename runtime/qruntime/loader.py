@@ -21,6 +21,8 @@ from qruntime.engine.engine import Engine
 from qruntime.engine.prefix_cache import kv_salt
 from qruntime.engine.scheduler import Scheduler, SchedulerConfig
 from qruntime.engine.speculative.config import SpeculativeConfig
+from qruntime.engine.speculative.draft import ProposerContext
+from qruntime.engine.speculative.speculator import Speculator
 from qruntime.engine.workers import Workers
 from qruntime.hub import is_hub_url, pull
 from qruntime.kv_cache import KVCacheSpec
@@ -308,7 +310,15 @@ def load(
         sharded_sampling=sharded_sampling,
         pdl=pdl,
     )
-    built, workers = _build(config)
+    speculator = None
+    if speculative is not None:  # first: a draft model then loads before the target takes the GPU's memory
+        speculator = _speculator(speculative, config, vocab_size, tokenizer)
+    try:
+        built, workers = _build(config)
+    except BaseException:
+        if speculator is not None:
+            speculator.close()
+        raise
     try:
         scheduler = Scheduler(
             SchedulerConfig(
@@ -359,5 +369,37 @@ def load(
         max_model_len=built.max_model_len,
         description=description,
         workers=workers,
-        speculative=speculative,
+        speculator=speculator,
     )
+
+
+def _speculator(speculative: SpeculativeConfig, target: RankConfig, vocab_size: int, tokenizer: Any) -> Speculator:
+    """The engine's Speculator. A draft model is loaded here, on the target's device in its dtype and
+    backend, with a KV pool of a tenth of the GPU's free memory (on CPU the default pool): requests
+    it has no room for decode without drafts. Its vocabulary and EOS ids must be the target's."""
+
+    def load_draft(path: str) -> Engine:
+        memory = None
+        if target.device.type == "cuda" and target.num_kv_blocks is None:
+            memory = torch.cuda.mem_get_info(target.device)[0] // 10
+        draft = load(
+            path,
+            target.device,
+            target.dtype,
+            backend=target.backend,
+            cuda_graphs=target.cuda_graphs,
+            prefix_cache=False,
+            max_num_seqs=target.max_num_seqs,
+            num_kv_blocks=target.num_kv_blocks,
+            kv_cache_memory=memory,
+        )
+        if draft.vocab_size != vocab_size or tuple(draft.tokenizer.eos_token_ids) != tuple(tokenizer.eos_token_ids):
+            draft.close()
+            raise ValueError(
+                f"draft model {path}: its vocabulary ({draft.vocab_size} ids, EOS {list(draft.tokenizer.eos_token_ids)}) "
+                f"is not the target's ({vocab_size} ids, EOS {list(tokenizer.eos_token_ids)}): a draft must share the "
+                "target's tokenizer"
+            )
+        return draft
+
+    return Speculator(speculative, ProposerContext(load_artifact=load_draft))

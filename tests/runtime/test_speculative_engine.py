@@ -42,13 +42,19 @@ class Oracle:
     def __init__(self, outputs: dict[tuple[int, ...], Sequence[int]], good: int, vocab: int) -> None:
         self.outputs, self.good, self.vocab = outputs, good, vocab
 
-    def propose(self, token_ids: Sequence[int], k: int) -> tuple[int, ...]:
+    def propose(self, token_ids: Sequence[int], k: int, request=None) -> tuple[int, ...]:
         for prompt, out in self.outputs.items():
             n = len(prompt)
             if tuple(token_ids[:n]) == prompt and list(token_ids[n:]) == list(out[: len(token_ids) - n]):
                 rest = list(out[len(token_ids) - n :])[:k]
                 return tuple(t if i < self.good else (t + 1) % self.vocab for i, t in enumerate(rest))
         raise AssertionError("the oracle was asked about a sequence plain decoding never produced")
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _oracle_engine(artifact, plain_outputs, good, **kw):
@@ -175,7 +181,7 @@ def test_batch_mixing_speculating_and_plain_requests(artifact, rng):
     engine = _engine(artifact, "prompt-lookup:prompt_lookup_min=1")
     drafted_for = []
     original = engine.speculator.draft
-    engine.speculator.draft = lambda rid, ids, limit: drafted_for.append(rid) or original(rid, ids, limit)
+    engine.speculator.draft = lambda rid, *args: drafted_for.append(rid) or original(rid, *args)
     spec = engine.generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert len(spec[2].logprobs) == len(spec[2].token_ids)
@@ -191,7 +197,9 @@ def test_sampled_speculation_keeps_the_limits(artifact, rng):
     prompts = _repetitive(rng, 6)
     seed = rng.randrange(1 << 30)
     # a low temperature: random weights' flat distributions would leave nothing for prompt lookup to match
-    params = [SamplingParams(max_tokens=25, temperature=0.05, top_k=5, seed=seed + i, ignore_eos=True) for i in range(6)]
+    params = [
+        SamplingParams(max_tokens=25, temperature=0.05, top_k=5, seed=seed + i, ignore_eos=True) for i in range(6)
+    ]
     first = _engine(artifact, "prompt-lookup:prompt_lookup_min=1").generate(prompts, params)
     engine = _engine(artifact, "prompt-lookup:prompt_lookup_min=1")
     again = engine.generate(prompts, params)

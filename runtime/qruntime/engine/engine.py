@@ -51,10 +51,9 @@ from qruntime.engine.sampler import Forced, History, apply_forced, sample_on_dev
 from qruntime.engine.sampling_params import SamplingParams, as_list
 from qruntime.engine.scheduler import Scheduler, SchedulerOutput
 from qruntime.engine.sharded_sampler import ShardedSampling, shardable
-from qruntime.engine.speculative.config import SpeculativeConfig
 from qruntime.engine.speculative.rejection import verify_drafts
 from qruntime.engine.speculative.speculator import SpeculativeStats, Speculator
-from qruntime.engine.speculative.verify_step import VerifyStep, draft_logit_rows
+from qruntime.engine.speculative.verify_step import VerifyStep, draft_logit_rows, draft_probs
 from qruntime.engine.step_chunk import StepChunk
 from qruntime.engine.structured import Grammars, StructuredOutput, StructuredOutputError
 from qruntime.engine.thinking import ThinkingState
@@ -120,7 +119,7 @@ class Engine:
         description: Mapping[str, Any],
         workers: Workers | None = None,
         async_scheduling: bool = True,
-        speculative: SpeculativeConfig | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         self.runner = runner  # rank 0's at tp > 1
         self.workers = workers  # the other ranks' processes (tp > 1), which run every step with rank 0
@@ -129,9 +128,9 @@ class Engine:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.description = dict(description)  # what was loaded and how the engine is sized (for logs / CLI)
-        if speculative is not None and workers is not None:
+        if speculator is not None and workers is not None:
             raise ValueError("speculative decoding runs at tp = 1 only")
-        self.speculator = Speculator(speculative) if speculative is not None else None
+        self.speculator = speculator
         # launch a step before reading the last one's tokens (tp = 1 only: the workers take whole steps;
         # not while speculating: a draft needs the newest token on the host)
         self.async_scheduling = async_scheduling and workers is None and self.speculator is None
@@ -332,11 +331,13 @@ class Engine:
                     logprobs = (wanted, DeviceLogprobs(logits, wanted, chosen, k))
                 if drafted:
                     drafts = tuple(output.chunks[rows[r]].draft for r in drafted)
+                    ids = [tracked[r].request.request_id for r in drafted]
                     verdicts = verify_drafts(
                         verify_logits,
                         drafts,
                         [tracked[r].params for r in drafted],
                         [tracked[r].generator for r in drafted],
+                        draft_probs(drafts, [self.speculator.probs(i) for i in ids], verify_logits),
                     )
                     verify = VerifyStep(tuple(drafted), drafts, verdicts)
         except Exception as exc:
@@ -527,7 +528,7 @@ class Engine:
             or len(request.output_token_ids) < p.min_tokens  # EOS and stop ids are banned from some position
         ):
             return ()
-        return self.speculator.draft(request.request_id, request.all_token_ids, limit)
+        return self.speculator.draft(request.request_id, request.all_token_ids, limit, p, t.generator)
 
     @property
     def speculative_stats(self) -> SpeculativeStats | None:
@@ -558,6 +559,8 @@ class Engine:
         self._closed = True
         self._in_flight = None
         self.runner.drop_graphs()  # first: at tp > 1 they hold NCCL kernels of the group about to go
+        if self.speculator is not None:
+            self.speculator.close()
         if self.workers is not None:
             self.workers.close()
 

@@ -306,7 +306,8 @@ class Scheduler:
             0
             if self._at_limit(r)
             else self.block_manager.num_missing(
-                r.request_id, r.num_computed_tokens + min(self._num_known_and_pending(r) - r.num_computed_tokens, budget)
+                r.request_id,
+                r.num_computed_tokens + min(self._num_known_and_pending(r) - r.num_computed_tokens, budget),
             )
             for r in self._running
         ]

@@ -11,7 +11,8 @@ MAX_DRAFT_TOKENS = 16  # a verify chunk computes k + 1 positions; more drafts th
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """method: a proposer's name (proposers.PROPOSERS). num_tokens: the most draft tokens one step
+    """method: a proposer's name (proposers.PROPOSERS). draft_model: the draft artifact's path (method
+    draft-model: a smaller Qwen3 with the target's vocabulary). num_tokens: the most draft tokens one step
     verifies (k; adaptive: each request's k moves between 1 and this with its acceptance, and a
     request whose drafts keep failing stops drafting for a while). prompt_lookup_min / _max: the
     n-gram lengths prompt lookup matches, longest first."""
@@ -21,10 +22,16 @@ class SpeculativeConfig:
     adaptive: bool = True
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in PROPOSERS:
             raise ValueError(f"speculative method {self.method!r} is unknown; choose one of {', '.join(PROPOSERS)}")
+        if (self.method == "draft-model") != (self.draft_model is not None):
+            raise ValueError(
+                "the draft-model method takes a draft artifact (draft_model=PATH), and only it does"
+                f" (method {self.method!r}, draft_model {self.draft_model!r})"
+            )
         if not 1 <= self.num_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"num_tokens must be 1..{MAX_DRAFT_TOKENS} (got {self.num_tokens})")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -35,7 +42,8 @@ class SpeculativeConfig:
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
-        """'METHOD' or 'METHOD:key=value,...' (keys: this class's fields, e.g. 'prompt-lookup:num_tokens=6')."""
+        """'METHOD' or 'METHOD:key=value,...' (keys: this class's fields, e.g. 'prompt-lookup:num_tokens=6',
+        'draft-model:draft_model=/models/qwen3-0.6b-fp8'; a path holding ',' or '=' needs SpeculativeConfig)."""
         method, _, options = text.strip().partition(":")
         known = {f.name: f.type for f in fields(cls) if f.name != "method"}
         values: dict[str, object] = {}
@@ -44,7 +52,11 @@ class SpeculativeConfig:
             key = key.strip().replace("-", "_")
             if not eq or key not in known:
                 raise ValueError(f"speculative option {item!r}: expected key=value with key one of {', '.join(known)}")
-            if known[key] == "bool":
+            if known[key] == "str | None":
+                if not value.strip():
+                    raise ValueError(f"speculative option {key}: expected a value")
+                values[key] = value.strip()
+            elif known[key] == "bool":
                 if value.strip().lower() not in ("true", "false", "1", "0"):
                     raise ValueError(f"speculative option {key}: expected true or false (got {value!r})")
                 values[key] = value.strip().lower() in ("true", "1")

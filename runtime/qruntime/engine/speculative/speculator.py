@@ -6,7 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
+from qruntime.engine.sampling_params import SamplingParams
 from qruntime.engine.speculative.config import SpeculativeConfig
+from qruntime.engine.speculative.draft import Draft, DraftFor, ProposerContext
 from qruntime.engine.speculative.draft_length import DraftLength
 from qruntime.engine.speculative.proposers import PROPOSERS
 
@@ -39,20 +43,43 @@ class SpeculativeStats:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, context: ProposerContext | None = None) -> None:
         self.config = config
-        self.proposer = PROPOSERS[config.method](config)
+        self.proposer = PROPOSERS[config.method](config, context)
         self.stats = SpeculativeStats()
         self._lengths: dict[str, DraftLength] = {}
+        self._probs: dict[str, torch.Tensor] = {}  # request id -> its pending draft's distributions [k, V]
 
-    def draft(self, request_id: str, token_ids: Sequence[int], limit: int) -> tuple[int, ...]:
+    def draft(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        limit: int,
+        params: SamplingParams | None = None,
+        generator: torch.Generator | None = None,
+    ) -> tuple[int, ...]:
         """The request's drafts for this step: at most `limit` (what its budget, max_tokens and the
-        model length leave) and its adaptive k."""
+        model length leave) and its adaptive k. Their distributions, when the method draws them,
+        wait in `probs` for the verification."""
         length = self._lengths.get(request_id)
         if length is None:
             length = self._lengths[request_id] = DraftLength(self.config.num_tokens, self.config.adaptive)
+        self._probs.pop(request_id, None)
         k = min(length.wanted(), limit)
-        return self.proposer.propose(token_ids, k) if k > 0 else ()
+        if k < 1:
+            return ()
+        draft = self.proposer.propose(token_ids, k, DraftFor(request_id, params or SamplingParams(), generator))
+        if not isinstance(draft, Draft):
+            return tuple(draft)[:k]
+        tokens = draft.tokens[:k]
+        if draft.probs is not None and tokens:
+            self._probs[request_id] = draft.probs[: len(tokens)]
+        return tokens
+
+    def probs(self, request_id: str) -> torch.Tensor | None:
+        """The distributions [k, V] the request's last drafts were drawn from (None: a point mass, or
+        greedy)."""
+        return self._probs.get(request_id)
 
     def record(self, request_id: str, drafted: int, accepted: int, emitted: int) -> None:
         """A verification's outcome (emitted: the tokens the request kept from the step, after stops)."""
@@ -61,6 +88,12 @@ class Speculator:
         if length is not None:
             length.record(drafted, accepted)
 
+    def close(self) -> None:
+        """Release what the proposer holds (a draft model's engine)."""
+        self.proposer.close()
+
     def forget(self, request_id: str) -> None:
         """The request finished: drop its state."""
         self._lengths.pop(request_id, None)
+        self._probs.pop(request_id, None)
+        self.proposer.forget(request_id)

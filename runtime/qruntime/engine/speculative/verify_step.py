@@ -24,6 +24,24 @@ def draft_logit_rows(ends: Sequence[int], drafts: Sequence[Sequence[int]]) -> li
     return out
 
 
+def draft_probs(
+    drafts: Sequence[Sequence[int]], probs: Sequence[torch.Tensor | None], logits: torch.Tensor
+) -> torch.Tensor | None:
+    """[B, K, V] distributions the drafts were drawn from, for rejection.verify_drafts; None when no
+    request has any (every draft a point mass). A request without its own (prompt lookup, greedy)
+    gets point masses on its drafts; rows past its k are zero."""
+    if all(p is None for p in probs):
+        return None
+    batch, width, vocab = logits.shape
+    out = torch.zeros(batch, width, vocab, device=logits.device)
+    for b, (draft, p) in enumerate(zip(drafts, probs, strict=True)):
+        if p is not None:
+            out[b, : len(draft)] = p[: len(draft)].float()
+        else:
+            out[b, torch.arange(len(draft)), torch.tensor(draft)] = 1.0
+    return out
+
+
 @dataclass(frozen=True)
 class VerifyStep:
     """A launched step's verifications: rows (its sampling rows that carried drafts), their drafts,

@@ -1,0 +1,61 @@
+"""What proposers and the engine exchange: the request drafted for, the draft, and the protocol a
+draft method implements (proposers.py names them)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from qruntime.engine.sampling_params import SamplingParams
+
+
+class ProposerOptions(Protocol):
+    """What a proposer is built from (a config.SpeculativeConfig)."""
+
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    draft_model: str | None
+
+
+@dataclass(frozen=True)
+class DraftFor:
+    """The request a proposer drafts for: its id (a model's state is per request), its sampling
+    parameters and its random generator (None: greedy)."""
+
+    request_id: str
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Draft tokens [k] and the distributions they were drawn from, probs [k, V] on the device
+    (None: greedy, or a point mass)."""
+
+    tokens: tuple[int, ...]
+    probs: torch.Tensor | None = None
+
+
+class Proposer(Protocol):
+    def propose(self, token_ids: Sequence[int], k: int, request: DraftFor | None = None) -> tuple[int, ...] | Draft:
+        """At most k draft tokens to follow token_ids (none: no guess worth verifying)."""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """The request finished: drop what the proposer keeps for it."""
+        ...
+
+    def close(self) -> None:
+        """The engine closes: release what the proposer holds."""
+        ...
+
+
+@dataclass(frozen=True)
+class ProposerContext:
+    """What a proposer may need from the engine being loaded: load_artifact(path) gives an engine of
+    another artifact on the target's device, in its dtype (a draft model)."""
+
+    load_artifact: Callable[[str], Any]

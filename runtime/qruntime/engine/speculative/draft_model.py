@@ -1,0 +1,79 @@
+"""draft-model: a smaller artifact with the target's vocabulary (qwen3-0.6b for qwen3-8b, say)
+drafts k tokens autoregressively, with its own KV cache.
+
+The draft is a loaded Engine of its own, of which this uses the model runner and the block pool (its
+scheduler never runs). For each request it remembers the tokens whose KV its cache holds; a new
+proposal first computes what is missing (the prompt on the first call; then the tokens the last
+verification kept that the draft did not compute itself), then decodes k - 1 more. Greedy requests
+draft greedily; sampled ones draw each draft token from the draft's distribution under the request's
+temperature / top-k / top-p / min-p, with its generator, and return those distributions for the
+verification. A request the draft's pool has no room for gets no draft (it decodes as usual).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from qruntime.engine.block_manager import NoFreeBlocks
+from qruntime.engine.sampler import log_weights, sample_on_device
+from qruntime.engine.speculative.draft import Draft, DraftFor
+from qruntime.engine.step_chunk import StepChunk
+
+
+class DraftModel:
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine  # the draft artifact's Engine: runner, scheduler.block_manager, max_model_len
+        self._computed: dict[str, list[int]] = {}  # request id -> the tokens whose KV the draft's cache holds
+
+    def propose(self, token_ids: Sequence[int], k: int, request: DraftFor | None = None) -> Draft:
+        if request is None:
+            raise ValueError("the draft model drafts for a request (its id keys the draft's KV cache)")
+        rid, length = request.request_id, len(token_ids)
+        k = min(k, self.engine.max_model_len - length + 1)  # the draft's KV ends at position length + k - 2
+        if k < 1:
+            return Draft(())
+        have = self._computed.get(rid, [])
+        start = _common_prefix(have, token_ids, length - 1)
+        manager = self.engine.scheduler.block_manager
+        try:
+            table = manager.grow(rid, length + k - 1)
+        except NoFreeBlocks:
+            return Draft(())
+        runner = self.engine.runner
+        greedy = request.generator is None or request.params.greedy
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        chunk = StepChunk(tuple(token_ids[start:]), start, table)
+        self._computed[rid] = list(token_ids[:start])  # until the step below has run
+        for j in range(k):
+            logits = runner.execute([chunk])  # [1, V]: after the chunk's last token
+            self._computed[rid] += chunk.token_ids
+            token = sample_on_device(logits, [request.params], [None if greedy else request.generator]).tolist()[0]
+            if token is None:  # non-finite logits: draft no further
+                break
+            tokens.append(token)
+            if not greedy:
+                best = logits.float().max(-1).values
+                probs.append(log_weights(logits.float(), best, [request.params]).softmax(-1))
+            chunk = StepChunk((token,), length + j, table)
+        return Draft(tuple(tokens), torch.cat(probs) if probs else None)
+
+    def forget(self, request_id: str) -> None:
+        """Free the request's blocks in the draft's pool."""
+        self._computed.pop(request_id, None)
+        self.engine.scheduler.block_manager.free(request_id)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """Length of the longest common prefix of a and b, at most limit."""
+    n = min(len(a), len(b), limit)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
