@@ -53,6 +53,13 @@ GENERATION_FILE = "generation_config.json"
 MAX_INDEX_BYTES = 64 << 20  # a shard index names each tensor once: ~2 MB for the largest Qwen3
 MAX_NAME_BYTES = 255  # of a shard's file name (NAME_MAX: a longer one makes is_file() raise)
 CARD_FILE = "README.md"  # the model card; its YAML front matter may name the license
+# names of the tensors quantizers add beside a weight: found in a checkpoint whose config.json says nothing
+# of quantization, they (and FP8 weights) get NO_CONFIG_HINT
+QUANTIZED_KEYS = (".weight_scale", ".weight_scale_inv", ".weight_packed", ".weight_shape", ".input_scale", ".qweight")
+NO_CONFIG_HINT = (
+    "; it looks quantized, but config.json has no quantization_config saying how (a pre-quantized "
+    "checkpoint is read from its compressed-tensors or Qwen fp8 quantization_config)"
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +94,7 @@ class Checkpoint:
             stored, rest = collect_stored(spec, tensors, quantization)
             plain = {**rest, **stored}
         check_sizes(spec, plain, source=str(root / "config.json"))
-        unused = _check_complete(spec, plain, quantized=stored.keys())
+        unused = _check_complete(spec, plain, quantized=stored.keys(), described=quantization is not None)
         if quantization is not None:
             check_unquantized(spec, tensors, stored, quantization)
         for name in unused:
@@ -226,10 +233,14 @@ def _read_headers(shards: list[Path], index: dict[str, str] | None) -> dict[str,
 
 
 def _check_complete(
-    spec: ModelSpec, tensors: Mapping[str, TensorEntry | StoredWeight], quantized: Collection[str] = ()
+    spec: ModelSpec,
+    tensors: Mapping[str, TensorEntry | StoredWeight],
+    quantized: Collection[str] = (),
+    described: bool = False,
 ) -> tuple[str, ...]:
     """Every expected tensor present once with the right shape and dtype; nothing unexpected.
-    `quantized` names the stored quantized linears among `tensors` (their dtypes checked already).
+    `quantized` names the stored quantized linears among `tensors` (their dtypes checked already);
+    `described`: config.json has a quantization_config (else quantized-looking tensors get a hint).
 
     Counted before it is listed: when the config implies more tensors than the shards hold, the
     first one missing is found by walking the expected names lazily (at most one past the count held)."""
@@ -255,8 +266,10 @@ def _check_complete(
             if spec.tie_word_embeddings and name == f"{LM_HEAD}.weight":
                 unused.append(name)
                 continue
+            hint = "" if described or not name.endswith(QUANTIZED_KEYS) else NO_CONFIG_HINT
             raise CheckpointError(
-                f"{entry.file.name}: unexpected tensor {shown(shown_name)} for {spec.architecture} with this config.json"
+                f"{entry.file.name}: unexpected tensor {shown(shown_name)} for {spec.architecture} with this "
+                f"config.json{hint}"
             )
         if entry.shape != expected[name]:
             raise CheckpointError(
@@ -264,7 +277,9 @@ def _check_complete(
                 f"config.json implies {list(expected[name])}"
             )
         if name not in quantized and entry.dtype != want_dtype:
+            hint = "" if described or not entry.dtype.startswith("F8_") else NO_CONFIG_HINT
             raise CheckpointError(
                 f"{entry.file.name}: tensor {name!r} is {entry.dtype}, config.json says {spec.dtype} ({want_dtype})"
+                + hint
             )
     return tuple(unused)

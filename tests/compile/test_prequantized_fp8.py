@@ -508,3 +508,10 @@ def test_weights_and_scales_in_different_shards(quantized, compiled, tmp_path):
         save_file({n: tensors[n] for n in names if files[n] == file}, sharded / file, metadata={"format": "pt"})
     (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": files}))
     assert_same_artifact(compile_to(sharded, tmp_path / "art"), compiled(one))
+
+
+def test_a_quantized_checkpoint_without_its_config_says_what_is_missing(hostile, tmp_path):
+    ckpt = hostile()
+    edit_config(ckpt, lambda c: c.pop("quantization_config"))
+    with pytest.raises(CheckpointError, match=r"it looks quantized, but config\.json has no quantization_config"):
+        compile_to(ckpt, tmp_path / "out", "ptpc-fp8")
