@@ -68,16 +68,14 @@ def kept_unquantized(checkpoint: Checkpoint) -> tuple[str, ...]:
 def refuse_ignore_override(overrides: tuple[str, ...] | list[str], checkpoint: str | Path) -> None:
     """RecipeError when `--set quantization.ignore=…` is given for a pre-quantized checkpoint, whose
     stored tensors decide which linears are quantized."""
-    if not any(item.partition("=")[0].strip() in (IGNORE_KEY, "quantization") for item in overrides):
+    keys = [item.partition("=")[0].strip() for item in overrides]
+    key = next((k for k in keys if k in (IGNORE_KEY, "quantization")), None)
+    if key is None or _stored_scheme(checkpoint) is None:
         return
-    if _stored_scheme(checkpoint) is None:
-        return
-    for item in overrides:
-        if item.partition("=")[0].strip() in (IGNORE_KEY, "quantization"):
-            raise RecipeError(
-                f"--set {item.partition('=')[0]}: {checkpoint} is pre-quantized; which linears are quantized is "
-                "fixed by its stored tensors (the artifact keeps those it stores unquantized in the model dtype)"
-            )
+    raise RecipeError(
+        f"--set {key}: {checkpoint} is pre-quantized; which linears are quantized is fixed by its stored "
+        "tensors (the artifact keeps those it stores unquantized in the model dtype)"
+    )
 
 
 def _stored_scheme(checkpoint: str | Path) -> str | None:
