@@ -1,14 +1,26 @@
 """What every `qruntime` verb shares (run, pull, serve): the user-error type, the exit codes, the
-artifact argument's help and the line printed once an artifact has loaded."""
+artifact argument's help, --speculative's help and check, and the line printed once an artifact has
+loaded."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from qruntime.engine.speculative.config import SpeculativeConfig
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
 
 ARTIFACT_HELP = "Artifact directory written by `qcompile compile`, or hf://org/name[@revision] on the Hugging Face Hub."
+SPECULATIVE_HELP = (
+    "Speculative decoding, off by default. SPEC is METHOD[:key=value,...], e.g. prompt-lookup or "
+    "prompt-lookup:num_tokens=6. prompt-lookup drafts the tokens that followed an earlier occurrence of the "
+    "last few tokens (n-grams of prompt_lookup_max=4 down to prompt_lookup_min=2 tokens) in the prompt and "
+    "output; one step verifies up to num_tokens=4 drafts (1 to 16; adaptive=false keeps that many). Outputs keep "
+    "the model's distribution (greedy ones are the tokens decoding without it gives); it pays when the output "
+    "repeats its prompt. tp = 1 only."
+)
 
 
 class RunError(Exception):
@@ -21,9 +33,23 @@ class RunError(Exception):
         return cls(prefix + first + (" " + "; ".join(rest) if rest else ""))
 
 
+def speculative_config(text: str | None, flag: str = "--speculative") -> SpeculativeConfig | None:
+    """--speculative's SPEC as a SpeculativeConfig (None when not given); a bad one is a RunError naming
+    the flag and what is wrong (SpeculativeConfig.parse's message)."""
+    if text is None:
+        return None
+    from qruntime.engine.speculative.config import SpeculativeConfig  # here: `--help` imports nothing heavy
+
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as exc:
+        raise RunError.of(exc, f"{flag}: ") from None
+
+
 def load_line(description: dict[str, Any], seconds: float) -> str:
     d = description
     return (
         f"loaded {d['artifact']} in {seconds:.2f} s: device {d['device']}, dtype {d['dtype']}, "
         f"kv cache {d['kv_cache']}, max_model_len {d['max_model_len']}"
+        + (f", speculative {d['speculative']}" if d.get("speculative") else "")
     )

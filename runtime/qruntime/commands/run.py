@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from typing import Any, TextIO
 
 from qruntime.artifact import ArtifactFormatError, check_artifact_dir
-from qruntime.commands.common import RunError, load_line
+from qruntime.commands.common import SPECULATIVE_HELP, RunError, load_line, speculative_config
 from qruntime.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from qruntime.hub import is_hub_url
 from qruntime.shown import shown
@@ -44,6 +44,7 @@ class RunOptions:
     dtype: str | None = None
     verify: bool = False
     max_model_len: int | None = None
+    speculative: str | None = None
     no_stream: bool = False
     as_json: bool = False
 
@@ -75,11 +76,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("--dtype", "dtype", str, "Compute dtype: bfloat16, float16 or float32 (default the model's).", "DTYPE"),
     Option("--verify", "verify", None, "Check every file's sha256 against the manifest before loading (slower)."),
     Option("--max-model-len", "max_model_len", int, "Context length in tokens, prompt + output (default the model's, capped by the KV cache).", "LEN"),
+    Option("--speculative", "speculative", str, SPECULATIVE_HELP, "SPEC"),
     Option("--no-stream", "no_stream", None, "Print the text when generation ends instead of token by token."),
     Option(
         "--json", "as_json", None,
         "Print one JSON object instead of text: text, token_ids, finish_reason, stop_reason, error, ttft_s, tpot_s, "
-        "tokens_per_s, prompt_tokens, output_tokens, device, dtype.",
+        "tokens_per_s, prompt_tokens, output_tokens, device, dtype (and speculative's counts with --speculative).",
     ),
 )  # fmt: skip
 
@@ -140,6 +142,7 @@ def run(options: RunOptions, out: TextIO | None = None, err: TextIO | None = Non
     err = err if err is not None else sys.stderr
     # the user's mistakes first, while nothing heavy is imported: qruntime.load imports torch (seconds)
     params = sampling_params(options)
+    speculative = speculative_config(options.speculative)
     check_local_artifact(options.artifact)
     import qruntime  # here, not at import: `--help` stays fast (no torch)
 
@@ -152,6 +155,7 @@ def run(options: RunOptions, out: TextIO | None = None, err: TextIO | None = Non
             verify=options.verify,
             max_model_len=options.max_model_len,
             max_num_seqs=1,  # one request: size a CPU cache for one sequence, not a server's batch
+            speculative=speculative,
         )
     except (ArtifactFormatError, ValueError) as exc:
         raise RunError.of(exc) from None
@@ -176,7 +180,7 @@ def run(options: RunOptions, out: TextIO | None = None, err: TextIO | None = Non
             output = delta.output
     except qruntime.InvalidRequest as exc:
         raise RunError.of(exc) from None
-    record = result_record(output, engine.description)
+    record = result_record(output, engine.description, engine.speculative_stats)
     if options.as_json:
         print(json.dumps(record), file=out, flush=True)  # ASCII-only: safe whatever the terminal's encoding
     else:
@@ -193,12 +197,13 @@ def _is_terminal(stream: TextIO) -> bool:
     return bool(isatty and isatty())
 
 
-def result_record(output: Any, description: dict[str, Any]) -> dict[str, Any]:
+def result_record(output: Any, description: dict[str, Any], speculative: Any = None) -> dict[str, Any]:
     """The JSON fields of a finished request. tokens_per_s: output tokens over the whole request
-    (prefill included); tpot_s is None with fewer than two output tokens."""
+    (prefill included); tpot_s is None with fewer than two output tokens. speculative (the engine's
+    SpeculativeStats, this request's alone: the engine ran nothing else): its counts, when given."""
     t = output.timings
     e2e = t.e2e
-    return {
+    record = {
         "text": output.text,
         "token_ids": list(output.token_ids),
         "finish_reason": output.finish_reason,
@@ -212,6 +217,15 @@ def result_record(output: Any, description: dict[str, Any]) -> dict[str, Any]:
         "device": description["device"],
         "dtype": description["dtype"],
     }
+    if speculative is not None:
+        record["speculative"] = {
+            "drafted": speculative.drafted,
+            "accepted": speculative.accepted,
+            "verifications": speculative.verifications,
+            "acceptance_rate": speculative.acceptance_rate,
+            "tokens_per_verification": speculative.tokens_per_verification,
+        }
+    return record
 
 
 def _ms(seconds: float | None) -> str:
@@ -222,7 +236,14 @@ def summary_line(record: dict[str, Any]) -> str:
     r = record
     rate = "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.1f}"
     finish = r["finish_reason"] + (f" ({r['stop_reason']!r})" if r["stop_reason"] is not None else "")
+    spec = r.get("speculative")
+    drafts = (
+        ""
+        if spec is None
+        else f" | drafts accepted {spec['accepted']}/{spec['drafted']}, "
+        f"{spec['tokens_per_verification']:.2f} tokens per verification"
+    )
     return (
         f"prompt {r['prompt_tokens']} tokens, output {r['output_tokens']} tokens | "
-        f"TTFT {_ms(r['ttft_s'])}, TPOT {_ms(r['tpot_s'])}, {rate} tokens/s | finish: {finish}"
+        f"TTFT {_ms(r['ttft_s'])}, TPOT {_ms(r['tpot_s'])}, {rate} tokens/s{drafts} | finish: {finish}"
     )

@@ -189,7 +189,7 @@ def build_app(
         loop, max_waiting = engine, engine.max_waiting
     else:
         loop = InThreadEngine(engine, max_waiting=max_waiting)
-    metrics = Metrics(loop.stats, lambda: loop.prefix_cache_stats)
+    metrics = Metrics(loop.stats, lambda: loop.prefix_cache_stats, lambda: loop.speculative_stats)
     loop.metrics = metrics
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} (got {reasoning_parser!r})")

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from qruntime.engine.engine import Engine
 from qruntime.engine.outputs import RequestOutput, StreamDelta
 from qruntime.engine.prefix_cache import PrefixCacheStats
+from qruntime.engine.speculative.speculator import SpeculativeStats
 from qruntime.serve.engine_loop import EngineLoop, Failure, Item, LoopMetrics, LoopStats, Submission, internal_failure
 from qruntime.serve.protocol import SequenceSpec
 from qruntime.tokenizer import IncrementalDetokenizer, TokenIdsOnly, Tokenizer
@@ -52,6 +53,8 @@ class EngineClient(Protocol):
     def alive(self) -> bool: ...
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats: ...
+    @property
+    def speculative_stats(self) -> SpeculativeStats | None: ...
     def close(self) -> None: ...
     def abort_all(self) -> None: ...
     def stop(self, timeout: float | None = None) -> None: ...
@@ -295,6 +298,10 @@ class InThreadEngine:
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return self.engine.prefix_cache_stats
+
+    @property
+    def speculative_stats(self) -> SpeculativeStats | None:
+        return self.engine.speculative_stats
 
     def close(self) -> None:
         self._loop.close()

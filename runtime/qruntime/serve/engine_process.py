@@ -12,7 +12,7 @@ Protocol, over one duplex pipe (pickled tuples):
   engine -> HTTP: ("ready", EngineInfo) once loaded, or ("failed", exception) and exit;
                   then after each turn of the engine loop that changed anything
                   ("out", items, done, metric events, (taken, waiting, running, kv used, alive),
-                  PrefixCacheStats).
+                  PrefixCacheStats, SpeculativeStats or None when not speculating).
 The engine process leads a process group of its own, so a Ctrl-C at the terminal (or a signal sent
 to the server's group) reaches the HTTP process alone, which drives the graceful shutdown (drain,
 then abort, then "stop"); should the HTTP process die, the engine process reads end of file and
@@ -36,6 +36,7 @@ from typing import Any
 
 from qruntime.engine.outputs import RequestOutput
 from qruntime.engine.prefix_cache import PrefixCacheStats
+from qruntime.engine.speculative.speculator import SpeculativeStats
 from qruntime.serve.engine_client import Handle, Router
 from qruntime.serve.engine_loop import (
     ENGINE_FAILED,
@@ -67,6 +68,7 @@ class EngineInfo:
     vocab_size: int
     max_model_len: int
     kv_blocks_total: int
+    speculative_stats: SpeculativeStats | None  # None: the engine does not speculate
 
 
 class MetricEvents:
@@ -139,6 +141,7 @@ class EngineProcess:
         self._sent = 0  # sequences sent in "add" commands
         self._published: tuple[int, int, int, int, bool] = (0, 0, 0, 0, True)
         self._prefix_cache_stats = PrefixCacheStats()
+        self._speculative_stats = self.info.speculative_stats
         self._accepting = True
         self._gone = False  # the engine process ended (or its loop failed)
         self._reader = threading.Thread(target=self._read, name="qruntime-engine-reader", daemon=True)
@@ -200,6 +203,10 @@ class EngineProcess:
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return self._prefix_cache_stats
 
+    @property
+    def speculative_stats(self) -> SpeculativeStats | None:
+        return self._speculative_stats
+
     def close(self) -> None:
         with self._state:
             self._accepting = False
@@ -229,12 +236,13 @@ class EngineProcess:
     def _read(self) -> None:
         try:
             while True:
-                _, items, done, events, published, prefix_cache = self._conn.recv()  # ("out", ...)
+                _, items, done, events, published, prefix_cache, speculative = self._conn.recv()  # ("out", ...)
                 if self.metrics is not None:
                     replay(events, self.metrics)
                 with self._state:
                     self._published = published
                     self._prefix_cache_stats = prefix_cache
+                    self._speculative_stats = speculative
                 self._router.route(items, done)
         except (EOFError, OSError):
             pass
@@ -297,7 +305,12 @@ def engine_process_main(
         conn.send(("failed", _portable(exc)))
         return
     info = EngineInfo(
-        engine.description, engine.tokenizer, engine.vocab_size, engine.max_model_len, engine.scheduler.config.num_blocks
+        engine.description,
+        engine.tokenizer,
+        engine.vocab_size,
+        engine.max_model_len,
+        engine.scheduler.config.num_blocks,
+        engine.speculative_stats,
     )
     conn.send(("ready", info))
     events = MetricEvents()
@@ -305,11 +318,11 @@ def engine_process_main(
 
     def sink(items: list, done: list[str]) -> None:
         published = loop.published()
-        prefix_cache = engine.prefix_cache_stats
-        if items or done or events.events or (published, prefix_cache) != last[0]:
-            last[0] = (published, prefix_cache)
+        stats = (engine.prefix_cache_stats, engine.speculative_stats)
+        if items or done or events.events or (published, stats) != last[0]:
+            last[0] = (published, stats)
             try:
-                conn.send(("out", items, done, events.drain(), published, prefix_cache))
+                conn.send(("out", items, done, events.drain(), published, *stats))
             except (OSError, ValueError):
                 pass  # the HTTP process is gone; the command reader sees it too and stops the loop
 

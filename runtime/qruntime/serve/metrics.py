@@ -3,7 +3,9 @@
 Gauges are read from the engine loop's snapshot at scrape time; histograms and counters are fed by
 the engine thread as requests add, generate and finish (prometheus_client's metrics are thread-safe).
 The prefix cache's counters are the engine's own, read at scrape time (an immutable value the engine
-thread replaces, so the two always agree).
+thread replaces, so the two always agree); so are speculative decoding's (qruntime_spec_decode_*),
+which a server that does not speculate leaves out altogether: a dashboard then reads "off", not an
+acceptance rate of 0.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from prometheus_client.registry import Collector
 
 from qruntime.engine.outputs import RequestOutput
 from qruntime.engine.prefix_cache import PrefixCacheStats
+from qruntime.engine.speculative.speculator import SpeculativeStats
 from qruntime.serve.engine_loop import LoopStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -46,6 +49,42 @@ class _PrefixCacheCollector(Collector):
             "qruntime_prefix_cache_hit_rate",
             "prefix_cache_hits / prefix_cache_queries since start (0 before any).",
             s.hit_rate,
+        )
+
+
+class _SpeculativeCollector(Collector):
+    def __init__(self, stats: Callable[[], SpeculativeStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        if s is None:  # not speculating: no series at all (see the module docstring)
+            return
+        yield CounterMetricFamily(
+            "qruntime_spec_decode_draft_tokens", "Draft tokens proposed and verified (--speculative).", s.drafted
+        )
+        yield CounterMetricFamily(
+            "qruntime_spec_decode_accepted_tokens", "Of the draft tokens verified, those accepted.", s.accepted
+        )
+        yield CounterMetricFamily(
+            "qruntime_spec_decode_verifications",
+            "Verifications: one sequence's drafts checked in one engine step.",
+            s.verifications,
+        )
+        yield CounterMetricFamily(
+            "qruntime_spec_decode_emitted_tokens",
+            "Tokens the verifications emitted (accepted drafts plus the one each adds, after stops).",
+            s.emitted,
+        )
+        yield GaugeMetricFamily(
+            "qruntime_spec_decode_acceptance_rate",
+            "spec_decode_accepted_tokens / spec_decode_draft_tokens since start (0 before any).",
+            s.acceptance_rate,
+        )
+        yield GaugeMetricFamily(
+            "qruntime_spec_decode_tokens_per_verification",
+            "spec_decode_emitted_tokens / spec_decode_verifications since start (0 before any).",
+            s.tokens_per_verification,
         )
 
 
@@ -79,7 +118,10 @@ class Metrics:
     """The server's metrics; `render()` is the /metrics body."""
 
     def __init__(
-        self, stats: Callable[[], LoopStats], prefix_cache: Callable[[], PrefixCacheStats] = PrefixCacheStats
+        self,
+        stats: Callable[[], LoopStats],
+        prefix_cache: Callable[[], PrefixCacheStats] = PrefixCacheStats,
+        speculative: Callable[[], SpeculativeStats | None] = lambda: None,
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -113,6 +155,7 @@ class Metrics:
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
         r.register(_LoopCollector(stats, self.tokens_per_second))
         r.register(_PrefixCacheCollector(prefix_cache))
+        r.register(_SpeculativeCollector(speculative))
 
     # --- fed by the engine thread (serve.engine_loop.LoopMetrics) -------------------------------------
     def on_added(self, num_prompt_tokens: int) -> None:

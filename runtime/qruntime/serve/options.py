@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from qruntime.commands.common import ARTIFACT_HELP
+from qruntime.commands.common import ARTIFACT_HELP, SPECULATIVE_HELP
 
 API_KEY_ENV = "QRUNTIME_API_KEY"  # --api-key's default, so the key need not show in the process list
 
@@ -29,6 +29,7 @@ class ServeOptions:
     dtype: str | None = None
     backend: str = "auto"
     prefix_cache: bool = True
+    speculative: str | None = None
     threads: int | None = None
     engine: str = "process"
     verify: bool = False
@@ -110,6 +111,13 @@ def add_serve_parser(verbs: Any) -> None:
         default=None,
         help="Turn automatic prefix caching off: by default the KV of full blocks is kept after a request ends "
         "and reused by requests whose prompts start with the same tokens (/metrics reports the hit rate).",
+    )
+    add(
+        "--speculative",
+        metavar="SPEC",
+        help=SPECULATIVE_HELP + " While on, the engine schedules synchronously, and requests with penalties, "
+        "logit_bias, logprobs, structured output, a thinking cap or min_tokens not yet reached decode without "
+        "drafts; /metrics reports the qruntime_spec_decode_* counts.",
     )
     add(
         "--threads",

@@ -30,7 +30,7 @@ from uvicorn.server import HANDLED_SIGNALS
 
 import qruntime
 from qruntime.artifact import ArtifactFormatError
-from qruntime.commands.common import RunError, load_line
+from qruntime.commands.common import RunError, load_line, speculative_config
 from qruntime.serve.app import build_app
 from qruntime.engine.engine import Engine
 from qruntime.serve.connections import protocol_class
@@ -76,6 +76,7 @@ def serve(options: ServeOptions, err: TextIO | None = None) -> None:
     ):
         if not value > 0:
             raise RunError(f"{flag} must be > 0 (got {value})")
+    speculative = speculative_config(options.speculative)  # a bad SPEC before the port and the load
     if options.api_key is not None and not options.api_key.strip():
         raise RunError("--api-key is empty: give a key, or leave the option (and QRUNTIME_API_KEY) unset")
     if options.threads is not None:
@@ -96,6 +97,7 @@ def serve(options: ServeOptions, err: TextIO | None = None) -> None:
         "num_kv_blocks": options.num_kv_blocks,
         "backend": options.backend,
         "prefix_cache": options.prefix_cache,
+        "speculative": speculative,
     }
     # the port first: one in use is an error now, not after a model's minutes of loading
     sock = listen(options.host, options.port)
