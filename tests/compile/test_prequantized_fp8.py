@@ -515,3 +515,15 @@ def test_a_quantized_checkpoint_without_its_config_says_what_is_missing(hostile,
     edit_config(ckpt, lambda c: c.pop("quantization_config"))
     with pytest.raises(CheckpointError, match=r"it looks quantized, but config\.json has no quantization_config"):
         compile_to(ckpt, tmp_path / "out", "ptpc-fp8")
+
+
+@pytest.mark.parametrize(("kind", "recipe"), [("dense", "ptpc-fp8"), ("moe", "tensor-fp8"), ("moe128", "block-fp8")])
+def test_exporting_and_transcoding_again_gives_the_same_artifact(kind, recipe, quantized, compiled, tmp_path):
+    """compile(export(compile(X))) == compile(X): the exported compressed-tensors checkpoint is read back
+    as the format it was written in, and nothing is lost or re-quantized on the way."""
+    from qcompile.publish.export import export_compressed_tensors
+
+    art = compiled(quantized(kind, recipe))
+    export_compressed_tensors(art, tmp_path / "exported", progress=False)
+    assert default_recipe(tmp_path / "exported") == recipe
+    assert_same_artifact(compile_to(tmp_path / "exported", tmp_path / "again"), art)

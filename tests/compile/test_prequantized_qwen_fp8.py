@@ -21,7 +21,7 @@ import pytest
 import qruntime
 import torch
 from llmc_reference import BF16, FP8, Tensors, read_tensors
-from prequantized_inputs import compile_to, copy_checkpoint, edit_config, rewrite_tensors
+from prequantized_inputs import assert_same_artifact, compile_to, copy_checkpoint, edit_config, rewrite_tensors
 from qruntime.artifact import read_manifest
 
 from qcompile.errors import CheckpointError, PlanError, TensorValueError
@@ -238,3 +238,18 @@ def test_a_zero_block_scale_is_refused_naming_the_block(hostile, tmp_path):
         compile_to(hostile, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert json.loads((hostile / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+
+
+def test_export_turns_qwen_fp8_into_compressed_tensors_losslessly(qwen, tmp_path):
+    """Qwen's layout in, compressed-tensors FP8_BLOCK out (`qcompile export`): the exported checkpoint
+    transcodes back to the same artifact, its weight_scale the checkpoint's weight_scale_inv."""
+    from qcompile.publish.export import export_compressed_tensors
+
+    art = compile_to(qwen["moe"], tmp_path / "art")
+    export_compressed_tensors(art, tmp_path / "exported", progress=False)
+    config = json.loads((tmp_path / "exported" / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors" and config["format"] == "float-quantized"
+    exported, stored = read_tensors(tmp_path / "exported"), read_tensors(qwen["moe"])
+    name = "model.layers.0.mlp.experts.5.down_proj.weight"
+    assert torch.equal(exported[name + "_scale"], stored[name + "_scale_inv"])
+    assert_same_artifact(compile_to(tmp_path / "exported", tmp_path / "again"), art)

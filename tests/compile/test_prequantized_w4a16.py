@@ -309,3 +309,11 @@ def test_a_g_idx_without_act_order_is_unexpected(hostile, tmp_path):
     edit_config(ckpt, lambda c: _weights(c).update(actorder=None))
     with pytest.raises(CheckpointError, match=r"unexpected tensor '.*\.weight_g_idx'"):
         compile_to(ckpt, tmp_path / "out")
+
+
+def test_exporting_and_transcoding_again_gives_the_same_artifact(quantized, compiled, tmp_path):
+    from qcompile.publish.export import export_compressed_tensors
+
+    art = compiled(quantized("moe"))
+    export_compressed_tensors(art, tmp_path / "exported", progress=False)
+    assert_same_artifact(compile_to(tmp_path / "exported", tmp_path / "again"), art)
