@@ -312,7 +312,8 @@ def load(
     )
     speculator = None
     if speculative is not None:  # first: a draft model then loads before the target takes the GPU's memory
-        speculator = _speculator(speculative, config, vocab_size, tokenizer)
+        draft_layers = manifest.get("speculative", {}).get("draft_layers")
+        speculator = _speculator(speculative, config, vocab_size, tokenizer, draft_layers)
     try:
         built, workers = _build(config)
     except BaseException:
@@ -373,7 +374,13 @@ def load(
     )
 
 
-def _speculator(speculative: SpeculativeConfig, target: RankConfig, vocab_size: int, tokenizer: Any) -> Speculator:
+def _speculator(
+    speculative: SpeculativeConfig,
+    target: RankConfig,
+    vocab_size: int,
+    tokenizer: Any,
+    draft_layers: list[int] | None,
+) -> Speculator:
     """The engine's Speculator. A draft model is loaded here, on the target's device in its dtype and
     backend, with a KV pool of a tenth of the GPU's free memory (on CPU the default pool): requests
     it has no room for decode without drafts. Its vocabulary and EOS ids must be the target's."""
@@ -402,4 +409,5 @@ def _speculator(speculative: SpeculativeConfig, target: RankConfig, vocab_size: 
             )
         return draft
 
-    return Speculator(speculative, ProposerContext(load_artifact=load_draft))
+    layers = tuple(draft_layers) if draft_layers is not None else None
+    return Speculator(speculative, ProposerContext(load_artifact=load_draft, draft_layers=layers))

@@ -277,6 +277,16 @@ MANIFEST_SCHEMA = Obj(
             {"name": Str(), "quantization": Obj({"scheme": Str(choices=SCHEMES), "ignore": List(Str())}, ("scheme",))}
         ),
         "passes": List(Str()),
+        # self-speculative decoding's draft (qcompile compile --draft-layers): the decoder layers it
+        # leaves out, and how often that draft agreed with the model on the calibration text
+        "speculative": Obj(
+            {
+                "draft_layers": List(Int(lo=0, hi=1 << 16), max_len=1 << 16),
+                "agreement": Opt(Num()),
+                "calibration": Opt(Obj({"file": Str(), "sha256": Str(max_len=128), "tokens": Int(lo=0, hi=1 << 40)})),
+            },
+            ("draft_layers",),
+        ),
         "source": Obj(
             {
                 "path": Str(),

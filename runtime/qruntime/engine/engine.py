@@ -33,7 +33,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -131,6 +131,8 @@ class Engine:
         if speculator is not None and workers is not None:
             raise ValueError("speculative decoding runs at tp = 1 only")
         self.speculator = speculator
+        if speculator is not None:
+            speculator.attach(runner)
         # launch a step before reading the last one's tokens (tp = 1 only: the workers take whole steps;
         # not while speculating: a draft needs the newest token on the host)
         self.async_scheduling = async_scheduling and workers is None and self.speculator is None
@@ -513,7 +515,7 @@ class Engine:
             self.speculator.record(t.request.request_id, len(draft), len(run) - 1, len(run))
         return kept
 
-    def _draft(self, request: Request, limit: int) -> tuple[int, ...]:
+    def _draft(self, request: Request, limit: int, grow: Callable[[int], tuple[int, ...] | None]) -> tuple[int, ...]:
         """Draft tokens for a decoding request (the scheduler asks): none for a request whose sampling
         needs per-position state the verification does not apply (see the module docstring)."""
         t = self._tracked[request.request_id]
@@ -528,7 +530,7 @@ class Engine:
             or len(request.output_token_ids) < p.min_tokens  # EOS and stop ids are banned from some position
         ):
             return ()
-        return self.speculator.draft(request.request_id, request.all_token_ids, limit, p, t.generator)
+        return self.speculator.draft(request.request_id, request.all_token_ids, limit, p, t.generator, grow)
 
     @property
     def speculative_stats(self) -> SpeculativeStats | None:

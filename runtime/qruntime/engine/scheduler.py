@@ -147,9 +147,11 @@ class Scheduler:
         self._requests[request.request_id] = request
         self._waiting.append(request)
 
-    def schedule(self, draft: Callable[[Request, int], Sequence[int]] | None = None) -> SchedulerOutput:
-        """Pick this step's chunks (see the module docstring for the policy). draft(request, limit):
-        at most `limit` draft tokens to verify after a decoding request's token (speculative decoding)."""
+    def schedule(self, draft: Callable[[Request, int, Callable], Sequence[int]] | None = None) -> SchedulerOutput:
+        """Pick this step's chunks (see the module docstring for the policy). draft(request, limit, grow):
+        at most `limit` draft tokens to verify after a decoding request's token (speculative decoding);
+        grow(n) grows the request's block table to hold n tokens first (None: no room) for a draft that
+        writes the KV cache (layer-skip)."""
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
@@ -277,7 +279,12 @@ class Scheduler:
         )
 
     def _drafts(
-        self, request: Request, n: int, budget: int, draft: Callable[[Request, int], Sequence[int]], reserved: int
+        self,
+        request: Request,
+        n: int,
+        budget: int,
+        draft: Callable[[Request, int, Callable], Sequence[int]],
+        reserved: int,
     ) -> tuple[int, ...]:
         """Draft tokens for a request that decodes its last known token now (none otherwise): at most
         what the step's budget, its max_tokens and the model length leave after the token it adds,
@@ -293,7 +300,16 @@ class Scheduler:
         )
         if limit < 1:
             return ()
-        drafts = tuple(draft(request, limit))[:limit]
+
+        def grow(num_tokens: int) -> tuple[int, ...] | None:
+            if (
+                self.block_manager.num_missing(request.request_id, num_tokens) + reserved
+                > self.block_manager.num_free_blocks
+            ):
+                return None
+            return self.block_manager.grow(request.request_id, num_tokens)
+
+        drafts = tuple(draft(request, limit, grow))[:limit]
         missing = self.block_manager.num_missing(request.request_id, start + 1 + len(drafts))
         if drafts and missing + reserved > self.block_manager.num_free_blocks:
             return ()

@@ -25,7 +25,7 @@ class Drafter:
         self.tokens = tokens
         self.asked: list[tuple[str, int]] = []
 
-    def __call__(self, request: Request, limit: int) -> tuple[int, ...]:
+    def __call__(self, request: Request, limit: int, grow=None) -> tuple[int, ...]:
         self.asked.append((request.request_id, limit))
         return self.tokens
 
@@ -229,7 +229,7 @@ def simulate(config: SchedulerConfig, rng: random.Random, msg: str) -> int:
     right = rng.choice([0.3, 0.7, 0.95])
     asked: dict[str, int] = {}
 
-    def draft(request: Request, limit: int) -> list[int]:
+    def draft(request: Request, limit: int, grow=None) -> list[int]:
         assert request.num_pending == 0 and request.num_computed_tokens == request.num_tokens - 1, msg
         assert 1 <= limit <= request.max_tokens - len(request.output_token_ids) - 1, msg
         assert limit <= config.max_model_len - request.num_tokens - 1, msg

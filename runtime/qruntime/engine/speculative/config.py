@@ -15,7 +15,8 @@ class SpeculativeConfig:
     draft-model: a smaller Qwen3 with the target's vocabulary). num_tokens: the most draft tokens one step
     verifies (k; adaptive: each request's k moves between 1 and this with its acceptance, and a
     request whose drafts keep failing stops drafting for a while). prompt_lookup_min / _max: the
-    n-gram lengths prompt lookup matches, longest first."""
+    n-gram lengths prompt lookup matches, longest first. skip_layers (layer-skip): the decoder layers
+    the draft leaves out, instead of those the artifact names."""
 
     method: str = "prompt-lookup"
     num_tokens: int = 4
@@ -23,6 +24,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     draft_model: str | None = None
+    skip_layers: tuple[int, ...] | None = None  # layer-skip: instead of the artifact's draft layers (experiments)
 
     def __post_init__(self) -> None:
         if self.method not in PROPOSERS:
@@ -45,7 +47,7 @@ class SpeculativeConfig:
         """'METHOD' or 'METHOD:key=value,...' (keys: this class's fields, e.g. 'prompt-lookup:num_tokens=6',
         'draft-model:draft_model=/models/qwen3-0.6b-fp8'; a path holding ',' or '=' needs SpeculativeConfig)."""
         method, _, options = text.strip().partition(":")
-        known = {f.name: f.type for f in fields(cls) if f.name != "method"}
+        known = {f.name: f.type for f in fields(cls) if f.name not in ("method", "skip_layers")}
         values: dict[str, object] = {}
         for item in filter(None, (part.strip() for part in options.split(","))):
             key, eq, value = item.partition("=")

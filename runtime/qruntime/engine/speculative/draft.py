@@ -18,6 +18,7 @@ class ProposerOptions(Protocol):
     prompt_lookup_min: int
     prompt_lookup_max: int
     draft_model: str | None
+    skip_layers: tuple[int, ...] | None
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class DraftFor:
     request_id: str
     params: SamplingParams
     generator: torch.Generator | None
+    # grow(n): the request's KV block table grown to hold n tokens (None: no room), for a draft that
+    # writes the target's cache past the request's computed tokens (layer-skip)
+    grow: Callable[[int], tuple[int, ...] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,10 @@ class Proposer(Protocol):
         """The engine closes: release what the proposer holds."""
         ...
 
+    def attach(self, runner: Any) -> None:
+        """The target's model runner, once it is built (a draft that runs the target's own plan)."""
+        ...
+
 
 @dataclass(frozen=True)
 class ProposerContext:
@@ -59,3 +67,4 @@ class ProposerContext:
     another artifact on the target's device, in its dtype (a draft model)."""
 
     load_artifact: Callable[[str], Any]
+    draft_layers: tuple[int, ...] | None = None  # the artifact's layers to skip (manifest speculative.draft_layers)

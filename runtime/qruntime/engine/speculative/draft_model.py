@@ -69,6 +69,9 @@ class DraftModel:
     def close(self) -> None:
         self.engine.close()
 
+    def attach(self, runner: Any) -> None:
+        """The draft has its own runner."""
+
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     """Length of the longest common prefix of a and b, at most limit."""

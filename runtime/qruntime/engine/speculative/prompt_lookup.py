@@ -38,3 +38,6 @@ class PromptLookup:
 
     def close(self) -> None:
         """Nothing is held."""
+
+    def attach(self, runner: object) -> None:
+        """No model."""

@@ -5,6 +5,7 @@ distributions it returns with them (a draft.Draft, whose distributions the verif
 
 prompt-lookup (prompt_lookup.py): n-gram matches in the prompt and output so far; no model.
 draft-model (draft_model.py): a smaller artifact with the same vocabulary, its own KV cache.
+layer-skip (self_draft.py): the target's own plan less the decoder layers the artifact names.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from types import MappingProxyType
 from qruntime.engine.speculative.draft import Proposer, ProposerContext, ProposerOptions
 from qruntime.engine.speculative.draft_model import DraftModel
 from qruntime.engine.speculative.prompt_lookup import PromptLookup
+from qruntime.engine.speculative.self_draft import LayerSkipDraft
 
-__all__ = ["PROPOSERS", "DraftModel", "PromptLookup"]
+__all__ = ["PROPOSERS", "DraftModel", "LayerSkipDraft", "PromptLookup"]
 
 
 def _prompt_lookup(config: ProposerOptions, context: ProposerContext | None = None) -> Proposer:
@@ -29,7 +31,12 @@ def _draft_model(config: ProposerOptions, context: ProposerContext | None = None
     return DraftModel(context.load_artifact(config.draft_model))
 
 
+def _layer_skip(config: ProposerOptions, context: ProposerContext | None = None) -> Proposer:
+    skip = config.skip_layers if config.skip_layers is not None else (context.draft_layers if context else None)
+    return LayerSkipDraft(skip or ())
+
+
 # method name -> builder from the config (read-only: no module-level mutable state)
 PROPOSERS: Mapping[str, Callable[[ProposerOptions, ProposerContext | None], Proposer]] = MappingProxyType(
-    {"prompt-lookup": _prompt_lookup, "draft-model": _draft_model}
+    {"prompt-lookup": _prompt_lookup, "draft-model": _draft_model, "layer-skip": _layer_skip}
 )

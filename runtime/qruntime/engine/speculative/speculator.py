@@ -3,8 +3,9 @@ draft length, and the counts /metrics and the benchmarks report."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -57,6 +58,7 @@ class Speculator:
         limit: int,
         params: SamplingParams | None = None,
         generator: torch.Generator | None = None,
+        grow: Callable[[int], tuple[int, ...] | None] | None = None,
     ) -> tuple[int, ...]:
         """The request's drafts for this step: at most `limit` (what its budget, max_tokens and the
         model length leave) and its adaptive k. Their distributions, when the method draws them,
@@ -68,7 +70,7 @@ class Speculator:
         k = min(length.wanted(), limit)
         if k < 1:
             return ()
-        draft = self.proposer.propose(token_ids, k, DraftFor(request_id, params or SamplingParams(), generator))
+        draft = self.proposer.propose(token_ids, k, DraftFor(request_id, params or SamplingParams(), generator, grow))
         if not isinstance(draft, Draft):
             return tuple(draft)[:k]
         tokens = draft.tokens[:k]
@@ -87,6 +89,10 @@ class Speculator:
         length = self._lengths.get(request_id)
         if length is not None:
             length.record(drafted, accepted)
+
+    def attach(self, runner: Any) -> None:
+        """Give the proposer the target's model runner (the engine does, once built)."""
+        self.proposer.attach(runner)
 
     def close(self) -> None:
         """Release what the proposer holds (a draft model's engine)."""

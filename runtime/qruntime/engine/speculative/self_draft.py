@@ -1,0 +1,69 @@
+"""layer-skip: self-speculative decoding. The target drafts with its own plan less some decoder
+layers (layer_skip.py), chosen offline by `qcompile compile --draft-layers` and stored in the
+artifact's manifest (speculative.draft_layers), so no extra weights and no search at load.
+
+The draft shares the target's KV cache: the layers it keeps read the KV the target computed for
+the request's tokens, and write their own for the token being decoded and the drafts after it, in
+blocks the scheduler grows for them (DraftFor.grow); the verification then computes those positions
+again in every layer, so nothing the draft wrote outlives it. Each draft token is one step of the
+reduced plan, greedy or drawn (with its distribution kept for the verification) as for draft-model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from qruntime.engine.sampler import log_weights, sample_on_device
+from qruntime.engine.speculative.draft import Draft, DraftFor
+from qruntime.engine.speculative.layer_skip import skip_layers
+from qruntime.engine.step_chunk import StepChunk
+from qruntime.ops.base import StepContext
+
+
+class LayerSkipDraft:
+    def __init__(self, skip: Sequence[int]) -> None:
+        if not skip:
+            raise ValueError(
+                "layer-skip needs layers to skip: this artifact names none (qcompile compile --draft-layers)"
+            )
+        self.skip = tuple(sorted(set(skip)))
+        self.runner: Any = None
+        self.plan: Any = None
+
+    def attach(self, runner: Any) -> None:
+        """Build the reduced plan from the target's (ValueError when a listed layer cannot be skipped)."""
+        self.runner = runner
+        self.plan = skip_layers(runner.plan, self.skip)
+
+    def propose(self, token_ids: Sequence[int], k: int, request: DraftFor | None = None) -> Draft:
+        if request is None or request.grow is None or self.plan is None:
+            raise ValueError("the layer-skip draft runs inside an engine step (it writes the request's KV blocks)")
+        length = len(token_ids)
+        table = request.grow(length + k - 1)  # the draft writes positions length - 1 .. length + k - 2
+        if table is None:
+            return Draft(())
+        greedy = request.generator is None or request.params.greedy
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        chunk = StepChunk((token_ids[-1],), length - 1, table)
+        for j in range(k):
+            feeds, meta = self.runner.prepare([chunk])
+            logits = self.plan.run(StepContext(self.runner.kv_cache, meta), feeds)  # [1, V]
+            token = sample_on_device(logits, [request.params], [None if greedy else request.generator]).tolist()[0]
+            if token is None:
+                break
+            tokens.append(token)
+            if not greedy:
+                best = logits.float().max(-1).values
+                probs.append(log_weights(logits.float(), best, [request.params]).softmax(-1))
+            chunk = StepChunk((token,), length + j, table)
+        return Draft(tuple(tokens), torch.cat(probs) if probs else None)
+
+    def forget(self, request_id: str) -> None:
+        """Nothing is kept per request (the KV it wrote is the request's, rewritten by verification)."""
+
+    def close(self) -> None:
+        """The plan's ops and weights are the target's."""
