@@ -52,6 +52,7 @@ PRESETS = {
     "odd": ("tiny-odd", {}),
     "dense128": ("tiny", {**SIZE128, "intermediate_size": 256}),
     "moe128": ("tiny-moe", {**SIZE128, "intermediate_size": 256, "moe_intermediate_size": 128}),
+    "fp16": ("tiny", {"torch_dtype": "float16", "dtype": "float16"}),  # scales in float16 too
 }
 LLMC = {"ptpc-fp8": "FP8_DYNAMIC", "tensor-fp8": TENSOR_FP8, "block-fp8": "FP8_BLOCK"}
 CASES = [
@@ -133,10 +134,17 @@ def test_transcoded_artifact_equals_compiling_the_bf16_original(kind, recipe, ck
     assert ignored == ({"lm_head", "re:.*mlp.gate$"} if kind.startswith("moe") else {"lm_head"})
 
 
-@pytest.mark.parametrize(("kind", "recipe"), [("moe", "ptpc-fp8"), ("odd", "tensor-fp8"), ("dense128", "block-fp8")])
+@pytest.mark.parametrize(
+    ("kind", "recipe"),
+    [("moe", "ptpc-fp8"), ("odd", "tensor-fp8"), ("dense128", "block-fp8"), ("fp16", "ptpc-fp8")],
+)
 def test_model_free_ptq_output_transcodes_too(kind, recipe, ckpts, quantized, compiled):
-    """model_free_ptq writes its ignore list as patterns (the embedding named) and quantizes by name."""
-    assert_same_artifact(compiled(quantized(kind, recipe, "model_free")), compiled(ckpts[kind], recipe))
+    """model_free_ptq writes its ignore list as patterns (the embedding named) and quantizes by name; it
+    keeps a float16 model's dtype (oneshot here loads bf16), so its scales are float16 there."""
+    ckpt = quantized(kind, recipe, "model_free")
+    scale = read_tensors(ckpt)[f"{Q}.weight_scale"]
+    assert scale.dtype == (torch.float16 if kind == "fp16" else BF16)
+    assert_same_artifact(compiled(ckpt), compiled(ckpts[kind], recipe))
 
 
 @pytest.mark.parametrize(
