@@ -29,18 +29,21 @@ def measure(
     """Generate `output_len` tokens (EOS ignored; greedy, or sampled at `temperature`) for `batch`
     random prompts of `input_len` tokens, all submitted at once. TTFT is the slowest request's; TPOT
     the mean over requests; decode tokens/s = batch / TPOT; output tokens/s counts every token over
-    the whole run."""
+    the whole run. A speculating engine's run also reports its drafts' acceptance_rate (accepted /
+    proposed) and tokens_per_verification (tokens a verified sequence got from its step), this run's."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(engine.vocab_size) for _ in range(input_len)] for _ in range(batch)]
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=temperature)
     _sync(engine)
+    before = engine.speculative_stats
     start = time.perf_counter()
     outputs = engine.generate(prompts, params)
     _sync(engine)
     wall = time.perf_counter() - start
+    after = engine.speculative_stats
     tpots = [o.timings.tpot for o in outputs if o.timings.tpot is not None]
     tpot = sum(tpots) / len(tpots) if tpots else math.nan
-    return {
+    row = {
         "batch": batch,
         "input_len": input_len,
         "output_len": output_len,
@@ -50,6 +53,12 @@ def measure(
         "output_tokens_per_s": batch * output_len / wall,
         "wall_s": wall,
     }
+    if before is not None and after is not None:
+        drafted, accepted = after.drafted - before.drafted, after.accepted - before.accepted
+        verifications, emitted = after.verifications - before.verifications, after.emitted - before.emitted
+        row["acceptance_rate"] = accepted / drafted if drafted else 0.0
+        row["tokens_per_verification"] = emitted / verifications if verifications else 0.0
+    return row
 
 
 def _sync(engine: Engine) -> None:
