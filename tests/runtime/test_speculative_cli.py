@@ -1,7 +1,8 @@
 """--speculative on the command line: `qruntime run` / `qcompile run` generate plain greedy's tokens and
 report the drafts (--json's `speculative`, the summary line); a bad SPEC is one `error:` line naming
 the flag and the problem, from every verb that takes it (run, serve, under both commands) before the
-model loads."""
+model loads; every --help gives SPEC's format, that it is off by default and that outputs keep the
+model's distribution."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ import random
 
 import pytest
 from cli_child import run_in_child
+from click.testing import CliRunner
+from qruntime.cli import main
 from qruntime.commands.run import RunOptions, run
+
+from qcompile.cli import main as qcompile_main
 
 SPEC = "prompt-lookup:prompt_lookup_min=1"
 WORDS = ("the", "model", "runs", "fast", "hello", "world", "cache", "tokens")
@@ -86,3 +91,19 @@ def test_a_bad_spec_names_the_flag_and_the_problem(art, rng):
         assert outcome.code == 1 and outcome.out == "", (shown, outcome)
         assert outcome.err.startswith(f"error: --speculative: {message}"), (shown, outcome)
         assert len(outcome.err.strip().splitlines()) == 1 and "loaded" not in outcome.err, (shown, outcome)
+
+
+def test_help_gives_the_format_the_default_and_exactness(capsys):
+    texts = []
+    for verb in ("run", "serve"):
+        assert main([verb, "--help"]) == 0
+        texts.append(capsys.readouterr().out)
+    for verb in ("run", "bench"):
+        result = CliRunner().invoke(qcompile_main, [verb, "--help"], terminal_width=200)
+        assert result.exit_code == 0, result.output
+        texts.append(result.output)
+    for text in texts:
+        flat = " ".join(text.split())
+        assert "--speculative SPEC" in flat and "off by default" in flat, flat
+        assert "METHOD[:key=value,...]" in flat and "prompt-lookup" in flat and "num_tokens" in flat
+        assert "keep the model's distribution" in flat

@@ -14,12 +14,13 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
 
 ARTIFACT_HELP = "Artifact directory written by `qcompile compile`, or hf://org/name[@revision] on the Hugging Face Hub."
 SPECULATIVE_HELP = (
-    "Speculative decoding, off by default. SPEC is METHOD[:key=value,...], e.g. prompt-lookup or "
-    "prompt-lookup:num_tokens=6. prompt-lookup drafts the tokens that followed an earlier occurrence of the "
-    "last few tokens (n-grams of prompt_lookup_max=4 down to prompt_lookup_min=2 tokens) in the prompt and "
-    "output; one step verifies up to num_tokens=4 drafts (1 to 16; adaptive=false keeps that many). Outputs keep "
-    "the model's distribution (greedy ones are the tokens decoding without it gives); it pays when the output "
-    "repeats its prompt. tp = 1 only."
+    "Speculative decoding, off by default. SPEC is METHOD[:key=value,...]: prompt-lookup (drafts the tokens that "
+    "followed an earlier occurrence of the last few tokens in the prompt and output: n-grams of prompt_lookup_max=4 "
+    "down to prompt_lookup_min=2 tokens), draft-model:draft_model=PATH (a smaller artifact with the same "
+    "vocabulary drafts) or layer-skip (the model drafts without the decoder layers its artifact names); e.g. "
+    "prompt-lookup:num_tokens=6. One step verifies up to num_tokens=4 drafts (1 to 16; adaptive=false keeps that "
+    "many). Outputs keep the model's distribution (greedy ones are the tokens decoding without it gives); prompt "
+    "lookup pays when the output repeats its prompt. tp = 1 only."
 )
 
 
