@@ -15,6 +15,13 @@ from qcompile.source.directory import check_checkpoint_dir
 from qcompile.units import human_bytes
 
 
+def _draft_row(draft) -> str:
+    if draft is None:
+        return "-"
+    agreed = f", top-1 agreement {draft.agreement:.1%} on the calibration text" if draft.agreement is not None else ""
+    return f"layer-skip: layers {', '.join(map(str, draft.layers))} skipped{agreed}"
+
+
 def _summary_rows(prepared, output: Path, workers: int) -> list[tuple[str, str]]:
     spec, recipe, plan = prepared.checkpoint.spec, prepared.recipe, prepared.plan
     model = f"{spec.architecture}, {spec.num_hidden_layers} layers, hidden {spec.hidden_size}, "
@@ -41,6 +48,7 @@ def _summary_rows(prepared, output: Path, workers: int) -> list[tuple[str, str]]
         ("kv cache", f"{kv.dtype}, layout {kv.layout}, block {kv.block_size}"),
         ("tp", _tp_row(prepared)),
         ("tokenizer", "copied" if prepared.tokenizer else "none (--no-tokenizer): token-id prompts only"),
+        ("draft", _draft_row(prepared.speculative)),
         ("tensors", f"{len(plan.jobs)} weights from {len(prepared.checkpoint.tensors)} source tensors"),
         (
             "bytes",
@@ -103,6 +111,16 @@ def _tp_row(prepared) -> str:
     "scales from the source model run on it, one layer in memory at a time.",
 )
 @click.option(
+    "--draft-layers",
+    "draft_layers",
+    default=None,
+    metavar="auto|I,J,...",
+    help="Record a self-speculative draft in the artifact: the decoder layers it skips (qruntime's "
+    "--speculative layer-skip drafts with the model less them). 'auto' searches on --calib FILE, streaming "
+    "the source one layer at a time: the least influential layers, as many as give the best modelled "
+    "speed-up from the draft's agreement with the model; or give the indexes.",
+)
+@click.option(
     "--no-tokenizer",
     "no_tokenizer",
     is_flag=True,
@@ -110,7 +128,9 @@ def _tp_row(prepared) -> str:
     'checkpoint has some) and its manifest says "tokenizer": false; it takes token-id prompts only. Without '
     "this flag such a checkpoint is refused before any work.",
 )
-def command(checkpoint, output, recipe, overrides, tp, force, workers, dry_run, quiet, tune, calib, no_tokenizer):
+def command(
+    checkpoint, output, recipe, overrides, tp, force, workers, dry_run, quiet, tune, calib, draft_layers, no_tokenizer
+):
     """Compile a Hugging Face Qwen3 checkpoint into an artifact.
 
     Streams CHECKPOINT (a directory with config.json and safetensors shards) tensor by tensor —
@@ -150,7 +170,13 @@ def command(checkpoint, output, recipe, overrides, tp, force, workers, dry_run, 
     refuse_ignore_override(overrides, checkpoint)
     resolved = load_recipe(recipe or default_recipe(checkpoint), overrides)
     prepared = prepare(
-        checkpoint, resolved, calib, calibrate=not dry_run, progress=not quiet, tokenizer=not no_tokenizer
+        checkpoint,
+        resolved,
+        calib,
+        calibrate=not dry_run,
+        progress=not quiet,
+        tokenizer=not no_tokenizer,
+        draft_layers=draft_layers,
     )
     if not quiet or dry_run:
         rows = _summary_rows(prepared, output, workers)

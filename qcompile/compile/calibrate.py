@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from qcompile.compile.kvcache import KVScales
+from qcompile.compile.source_layers import SourceLayers
 from qcompile.errors import QCompileError
-from qcompile.source import model as hf
 from qcompile.source.checkpoint import Checkpoint
 
 FP8_MAX = 448.0
@@ -49,32 +49,6 @@ def calibration_ids(checkpoint: Checkpoint, path: Path, seq_len: int, max_sequen
     return torch.tensor(ids[: count * seq_len], dtype=torch.int64).reshape(count, seq_len)
 
 
-def _layer_state(checkpoint: Checkpoint, layer: int) -> dict[str, torch.Tensor]:
-    """One decoder layer's tensors, named as transformers' layer module names them (MoE experts
-    stacked into its fused gate_up_proj [E, 2I, H] / down_proj [E, H, I])."""
-    prefix = hf.layer_prefix(layer) + "."
-    state = {}
-    for name, entry in checkpoint.tensors.items():
-        if name.startswith(prefix) and ".mlp.experts." not in name:
-            state[name[len(prefix) :]] = entry.read_rows(0, entry.shape[0])
-    moe = checkpoint.spec.moe
-    if moe is not None and checkpoint.spec.is_sparse_layer(layer):
-        read = [
-            {
-                p: checkpoint.entry(f"{hf.expert_proj(layer, e, p)}.weight")
-                for p in ("gate_proj", "up_proj", "down_proj")
-            }
-            for e in range(moe.num_experts)
-        ]
-        state["mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([r[p].read_rows(0, r[p].shape[0]) for p in ("gate_proj", "up_proj")]) for r in read]
-        )
-        state["mlp.experts.down_proj"] = torch.stack(
-            [r["down_proj"].read_rows(0, r["down_proj"].shape[0]) for r in read]
-        )
-    return state
-
-
 def kv_scales(
     checkpoint: Checkpoint,
     data: Path,
@@ -85,36 +59,16 @@ def kv_scales(
     progress: Callable[[int], None] | None = None,
 ) -> KVScales:
     """Calibrate per-layer K/V scales on `data` (a text file). progress(layer) after each layer."""
-    try:
-        from transformers import AutoConfig, DynamicCache
-    except ImportError as exc:
-        raise CalibrationError(
-            "KV-cache calibration runs the source model with transformers: pip install 'qcompile[reference]'"
-        ) from exc
+    source = SourceLayers(checkpoint, "KV-cache calibration")
+    from transformers import DynamicCache
 
-    spec = checkpoint.spec
     ids = calibration_ids(checkpoint, Path(data), seq_len, max_sequences)
-    config = AutoConfig.from_pretrained(checkpoint.path)
-    config._attn_implementation = "sdpa"  # with no mask, sdpa attends causally
-    config._experts_implementation = "eager"
-    if spec.moe is not None:
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer as Layer
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRotaryEmbedding as Rotary
-    else:
-        from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer as Layer
-        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding as Rotary
-    dtype = getattr(torch, spec.dtype)
-    embed = checkpoint.entry(f"{hf.EMBED}.weight")
-    hidden = torch.nn.functional.embedding(ids, embed.read_rows(0, embed.shape[0]))  # [N, T, H]
+    hidden = source.embed(ids)  # [N, T, H]
     positions = torch.arange(seq_len)[None]
-    cos, sin = Rotary(config)(hidden[:1], positions)
+    cos, sin = source.rotary(hidden[:1], positions)
     k_amax, v_amax = [], []
     with torch.inference_mode():
-        for layer in range(spec.num_hidden_layers):
-            with torch.device("meta"):
-                module = Layer(config, layer)  # the index picks a MoE layer's sparse or dense MLP
-            module.load_state_dict(_layer_state(checkpoint, layer), strict=True, assign=True)
-            module.to(dtype).eval()
+        for layer, module in source.layers(range(checkpoint.spec.num_hidden_layers)):
             k_max = v_max = torch.zeros((), dtype=torch.float32)
             for start in range(0, ids.shape[0], batch):
                 cache = DynamicCache()
@@ -130,7 +84,6 @@ def kv_scales(
                 hidden[start : start + batch] = out[0] if isinstance(out, tuple) else out
                 k_max = torch.maximum(k_max, cache.layers[layer].keys.abs().max().float())
                 v_max = torch.maximum(v_max, cache.layers[layer].values.abs().max().float())
-            del module
             k_amax.append(float(k_max))
             v_amax.append(float(v_max))
             if progress is not None:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from qcompile.compile.calibrate import CalibrationError, kv_scales
+from qcompile.compile.draft_layers import DraftLayers, parse_draft_layers, search_draft_layers, search_runs
 from qcompile.compile.kvcache import kv_cache_spec
 from qcompile.compile.manifest import file_table, tensor_table, toolchain, write_manifest
 from qcompile.compile.plan import TensorPlan, make_plan
@@ -63,6 +64,7 @@ class Prepared:
     plan: TensorPlan
     kv_cache: dict[str, Any]
     tokenizer: bool = True  # false: compiled with --no-tokenizer, no tokenizer files in the artifact
+    speculative: DraftLayers | None = None  # --draft-layers: the self-speculative draft's skipped layers
 
 
 def prepare(
@@ -73,6 +75,7 @@ def prepare(
     calibrate: bool = True,
     progress: bool = False,
     tokenizer: bool = True,
+    draft_layers: str | None = None,
 ) -> Prepared:
     """load + plan + kv layout: validates everything, reads only headers.
 
@@ -84,7 +87,10 @@ def prepare(
 
     A recipe with kv_cache.calibrate needs `calib` (a text file): its fp8 KV scales are calibrated
     on it here, layer by layer through the source model (calibrate=False: only check the file is
-    there, for a dry run; the plan does not depend on the scales' values)."""
+    there, for a dry run; the plan does not depend on the scales' values).
+
+    draft_layers ("auto" or "3,5,7"): the decoder layers a self-speculative draft skips, searched on
+    `calib` (auto) or given, recorded in the manifest (compile/draft_layers.py)."""
     checkpoint = Checkpoint.open(checkpoint_path)
     recipe = recipe_for_stored(recipe, checkpoint)  # a pre-quantized checkpoint's scheme and ignore list
     if tokenizer:
@@ -100,8 +106,12 @@ def prepare(
         if calibrate:
             with progress_bar(checkpoint.spec.num_hidden_layers, "calibrate kv", progress, unit="layer") as bar:
                 scales = kv_scales(checkpoint, Path(calib), progress=lambda _: bar.update(1))
-    elif calib is not None:
-        raise RecipeError(f"--calib {calib}: recipe {recipe.name!r} has no calibrated KV cache (kv_cache.calibrate)")
+    elif calib is not None and draft_layers != "auto":
+        raise RecipeError(
+            f"--calib {calib}: recipe {recipe.name!r} has no calibrated KV cache (kv_cache.calibrate), "
+            "and --draft-layers auto is not asked for"
+        )
+    speculative = _draft_layers(checkpoint, recipe, draft_layers, calib, calibrate, progress)
     try:
         graph = apply_passes(build_graph(checkpoint.spec, recipe, scales), recipe.passes)
     except PlanError as exc:
@@ -112,7 +122,35 @@ def prepare(
             "tensors, so leave the pass out: --set passes=[…])"
         ) from exc
     plan = make_plan(checkpoint, graph.weights, recipe.max_shard_mb << 20, recipe.tp)
-    return Prepared(checkpoint, recipe, graph, plan, kv_cache_spec(checkpoint.spec, recipe, scales), tokenizer)
+    kv = kv_cache_spec(checkpoint.spec, recipe, scales)
+    return Prepared(checkpoint, recipe, graph, plan, kv, tokenizer, speculative)
+
+
+def _draft_layers(
+    checkpoint: Checkpoint,
+    recipe: Recipe,
+    text: str | None,
+    calib: str | Path | None,
+    search: bool,
+    progress: bool,
+) -> DraftLayers | None:
+    """prepare's draft_layers: given, searched on calib (search=False: a dry run checks the file only)."""
+    if text is None:
+        return None
+    if recipe.tp > 1:
+        raise RecipeError(f"--draft-layers: speculative decoding runs at tp = 1 only (the recipe has tp = {recipe.tp})")
+    layers = parse_draft_layers(text, checkpoint.spec.num_hidden_layers)
+    if layers != "auto":
+        return DraftLayers(layers)
+    if calib is None:
+        raise RecipeError("--draft-layers auto searches on calibration text: give it (--calib FILE)")
+    if not Path(calib).is_file():
+        raise CalibrationError(f"{calib}: calibration text not found")
+    if not search:
+        return None
+    total = search_runs(checkpoint.spec.num_hidden_layers)
+    with progress_bar(total, "draft layers", progress, unit="layer") as bar:
+        return search_draft_layers(checkpoint, Path(calib), progress=lambda: bar.update(1))
 
 
 def compile_checkpoint(
@@ -178,6 +216,8 @@ def compile_checkpoint(
         }
         if synthetic is not None:
             manifest["synthetic"] = synthetic
+        if prepared.speculative is not None:
+            manifest["speculative"] = prepared.speculative.to_dict()
         write_manifest(tmp, manifest)
     return manifest
 
