@@ -285,9 +285,14 @@ class Engine:
                     ids = apply_forced(ids, forced, in_flight)
                 tokens, logprobs, prompt_logprobs, verify = SampledTokens(ids, peaks), None, None, None
             else:  # whole rows: tp = 1, or a step the ranks cannot sample from their shards
-                drafted = [row for row, i in enumerate(rows) if output.chunks[i].draft]  # sampling rows with drafts
-                wide = [bool(c.draft) or (scoring and scored[i]) for i, c in enumerate(output.chunks)]
-                logits = self._execute(chunks, all_logits=wide if scoring or drafted else False, sampled=sampled)
+                # sampling rows with drafts (speculative decoding), and the chunks whose every row comes back
+                drafted = [r for r, i in enumerate(rows) if output.chunks[i].draft] if self.speculator else []
+                wide = (
+                    [bool(c.draft) or (scoring and scored[i]) for i, c in enumerate(output.chunks)]
+                    if scoring or drafted
+                    else []
+                )
+                logits = self._execute(chunks, all_logits=wide or False, sampled=sampled)
                 read()  # while the forward runs
                 prompt_logprobs = verify_logits = None
                 if scoring or drafted:  # rows of every token of some chunks came back: keep each chunk's last
