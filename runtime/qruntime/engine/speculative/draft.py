@@ -9,7 +9,9 @@ from typing import Any, Protocol
 
 import torch
 
+from qruntime.engine.sampler import log_weights, sample_on_device
 from qruntime.engine.sampling_params import SamplingParams
+from qruntime.engine.step_chunk import StepChunk
 
 
 class ProposerOptions(Protocol):
@@ -68,3 +70,25 @@ class ProposerContext:
 
     load_artifact: Callable[[str], Any]
     draft_layers: tuple[int, ...] | None = None  # the artifact's layers to skip (manifest speculative.draft_layers)
+
+
+def decode_draft(forward: Callable[[StepChunk], torch.Tensor], chunk: StepChunk, k: int, request: DraftFor) -> Draft:
+    """Up to k draft tokens decoded by a model: forward(chunk) gives the logits [1, V] after the
+    chunk's last token, and each token drawn is the next chunk, at the position after it (same
+    block table). Greedy requests take the argmax; sampled ones draw under their sampling params
+    with their generator, and the distributions drawn from come back with the tokens. Stops early
+    at non-finite logits."""
+    greedy = request.generator is None or request.params.greedy
+    tokens: list[int] = []
+    probs: list[torch.Tensor] = []
+    for _ in range(k):
+        logits = forward(chunk)
+        token = sample_on_device(logits, [request.params], [None if greedy else request.generator]).tolist()[0]
+        if token is None:
+            break
+        tokens.append(token)
+        if not greedy:
+            best = logits.float().max(-1).values
+            probs.append(log_weights(logits.float(), best, [request.params]).softmax(-1))
+        chunk = StepChunk((token,), chunk.start + chunk.num_tokens, chunk.block_table)
+    return Draft(tuple(tokens), torch.cat(probs) if probs else None)

@@ -18,8 +18,7 @@ from typing import Any
 import torch
 
 from qruntime.engine.block_manager import NoFreeBlocks
-from qruntime.engine.sampler import log_weights, sample_on_device
-from qruntime.engine.speculative.draft import Draft, DraftFor
+from qruntime.engine.speculative.draft import Draft, DraftFor, decode_draft
 from qruntime.engine.step_chunk import StepChunk
 
 
@@ -42,24 +41,14 @@ class DraftModel:
             table = manager.grow(rid, length + k - 1)
         except NoFreeBlocks:
             return Draft(())
-        runner = self.engine.runner
-        greedy = request.generator is None or request.params.greedy
-        tokens: list[int] = []
-        probs: list[torch.Tensor] = []
-        chunk = StepChunk(tuple(token_ids[start:]), start, table)
-        self._computed[rid] = list(token_ids[:start])  # until the step below has run
-        for j in range(k):
-            logits = runner.execute([chunk])  # [1, V]: after the chunk's last token
-            self._computed[rid] += chunk.token_ids
-            token = sample_on_device(logits, [request.params], [None if greedy else request.generator]).tolist()[0]
-            if token is None:  # non-finite logits: draft no further
-                break
-            tokens.append(token)
-            if not greedy:
-                best = logits.float().max(-1).values
-                probs.append(log_weights(logits.float(), best, [request.params]).softmax(-1))
-            chunk = StepChunk((token,), length + j, table)
-        return Draft(tuple(tokens), torch.cat(probs) if probs else None)
+        computed = self._computed[rid] = list(token_ids[:start])  # grows with each step the draft runs
+
+        def forward(chunk: StepChunk) -> torch.Tensor:
+            logits = self.engine.runner.execute([chunk])  # [1, V]: after the chunk's last token
+            computed.extend(chunk.token_ids)
+            return logits
+
+        return decode_draft(forward, StepChunk(tuple(token_ids[start:]), start, table), k, request)
 
     def forget(self, request_id: str) -> None:
         """Free the request's blocks in the draft's pool."""

@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from qruntime.engine.sampler import log_weights, sample_on_device
-from qruntime.engine.speculative.draft import Draft, DraftFor
+from qruntime.engine.speculative.draft import Draft, DraftFor, decode_draft
 from qruntime.engine.speculative.layer_skip import skip_layers
 from qruntime.engine.step_chunk import StepChunk
 from qruntime.ops.base import StepContext
@@ -45,22 +44,12 @@ class LayerSkipDraft:
         table = request.grow(length + k - 1)  # the draft writes positions length - 1 .. length + k - 2
         if table is None:
             return Draft(())
-        greedy = request.generator is None or request.params.greedy
-        tokens: list[int] = []
-        probs: list[torch.Tensor] = []
-        chunk = StepChunk((token_ids[-1],), length - 1, table)
-        for j in range(k):
+
+        def forward(chunk: StepChunk) -> torch.Tensor:
             feeds, meta = self.runner.prepare([chunk])
-            logits = self.plan.run(StepContext(self.runner.kv_cache, meta), feeds)  # [1, V]
-            token = sample_on_device(logits, [request.params], [None if greedy else request.generator]).tolist()[0]
-            if token is None:
-                break
-            tokens.append(token)
-            if not greedy:
-                best = logits.float().max(-1).values
-                probs.append(log_weights(logits.float(), best, [request.params]).softmax(-1))
-            chunk = StepChunk((token,), length + j, table)
-        return Draft(tuple(tokens), torch.cat(probs) if probs else None)
+            return self.plan.run(StepContext(self.runner.kv_cache, meta), feeds)  # [1, V]
+
+        return decode_draft(forward, StepChunk((token_ids[-1],), length - 1, table), k, request)
 
     def forget(self, request_id: str) -> None:
         """Nothing is kept per request (the KV it wrote is the request's, rewritten by verification)."""
