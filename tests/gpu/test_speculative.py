@@ -1,0 +1,62 @@
+"""Speculative decoding on the GPU fast path (triton backend, bf16, decode and piecewise CUDA graphs):
+every method runs, verification steps included, and its greedy tokens are the model's own choices.
+In bf16 a verification step (several positions, piecewise graphs) and a decode step (one position,
+a decode graph) round differently, so plain and speculative greedy may part at a near-tie: each
+token chosen must be, teacher-forced, the argmax up to 2% of the largest logit (as the CPU tier's
+bf16 greedy test), and most tokens must match plain decoding's."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import qruntime
+import torch
+from qruntime import SamplingParams, SpeculativeConfig
+
+pytestmark = pytest.mark.gpu
+
+
+def _prompts(rng: random.Random, count: int) -> list[list[int]]:
+    prompts = []
+    for _ in range(count):
+        phrase = [rng.randrange(40) for _ in range(rng.randrange(3, 9))]
+        prompts.append((phrase * 8)[: rng.randrange(16, 48)])
+    return prompts
+
+
+def _check_greedy(engine, prompts, outputs, plain) -> None:
+    matched = total = 0
+    for prompt, out, ref in zip(prompts, outputs, plain, strict=True):
+        chosen = list(out.token_ids)
+        logits = engine.score(prompt + chosen)[len(prompt) - 1 : -1]  # [n, V]
+        margin = logits.max(-1).values - logits[torch.arange(len(chosen)), torch.tensor(chosen)]
+        assert float(margin.max()) <= 0.02 * float(logits.abs().max()), "a token that is not the model's choice"
+        matched += sum(a == b for a, b in zip(chosen, ref.token_ids, strict=False))
+        total += len(chosen)
+    assert matched >= 0.5 * total, f"only {matched} of {total} tokens as plain decoding's"
+
+
+@pytest.mark.parametrize("method", ["prompt-lookup", "layer-skip", "draft-model"])
+def test_every_method_on_the_fast_path(gpu_artifact, cuda, rng, method):
+    prompts = _prompts(rng, 4)
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    plain_engine = qruntime.load(gpu_artifact, device=cuda, num_kv_blocks=256)
+    assert plain_engine.description["backend"] == "triton" and "cuda_graphs" in plain_engine.description
+    plain = plain_engine.generate(prompts, params)
+    config = {
+        "prompt-lookup": SpeculativeConfig(prompt_lookup_min=1),
+        "layer-skip": SpeculativeConfig("layer-skip", skip_layers=(1,)),
+        "draft-model": SpeculativeConfig("draft-model", draft_model=str(gpu_artifact)),  # the target as its own draft
+    }[method]
+    engine = qruntime.load(gpu_artifact, device=cuda, num_kv_blocks=256, speculative=config)
+    outputs = engine.generate(prompts, params)
+    assert all(len(o.token_ids) == 48 for o in outputs)
+    stats = engine.speculative_stats
+    assert stats.verifications > 0 and stats.accepted > 0, stats
+    if method == "draft-model":
+        assert stats.acceptance_rate > 0.8, stats  # the same model drafts: only bf16 near-ties reject
+    _check_greedy(engine, prompts, outputs, plain)
+    sampled = [SamplingParams(max_tokens=32, temperature=0.8, seed=rng.randrange(1 << 30)) for _ in prompts]
+    assert all(o.finish_reason in ("length", "stop") for o in engine.generate(prompts, sampled))
+    engine.close()
