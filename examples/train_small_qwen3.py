@@ -36,9 +36,7 @@ import safetensors.torch
 import tokenizers
 import torch
 import torch.nn.functional as F
-import transformers
 from tokenizers import Tokenizer
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from qcompile.io.atomic import atomic_output_dir
 from qcompile.synth.presets import get_preset
@@ -237,11 +235,13 @@ def heldout_windows(ids: list[int], seq_len: int) -> torch.Tensor:
 
 
 def mean_nll(model: torch.nn.Module, windows: torch.Tensor, autocast: bool, batch: int = 8) -> float:
-    """Mean next-token negative log-likelihood over the windows (first token of each not predicted)."""
+    """Mean next-token negative log-likelihood over the windows (first token of each not predicted),
+    on the model's device."""
+    device = next(model.parameters()).device
     model.eval()
     total, count = 0.0, 0
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        for chunk in windows.split(batch):
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        for chunk in windows.to(device).split(batch):
             logits = model(input_ids=chunk).logits[:, :-1].float()  # [B, S-1, V]
             nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1), reduction="sum")
             total, count = total + float(nll), count + chunk[:, 1:].numel()
@@ -252,13 +252,16 @@ def mean_nll(model: torch.nn.Module, windows: torch.Tensor, autocast: bool, batc
 def train(
     model: torch.nn.Module, stream: torch.Tensor, heldout: torch.Tensor, cfg: TrainConfig, log: Callable[[str], None]
 ) -> dict[str, float]:
-    """AdamW with warmup + cosine LR on random windows of `stream`, bf16 autocast; returns final stats."""
+    """AdamW with warmup + cosine LR on random windows of `stream`, bf16 autocast, on the model's
+    device (`stream` and `heldout` stay on the CPU; each batch is copied over); returns final stats."""
+    device = next(model.parameters()).device
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    fused = device.type == "cuda"  # one kernel for the whole update instead of a loop over tensors
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
     batches = torch.Generator().manual_seed(cfg.seed)
     offsets_range = len(stream) - cfg.seq_len - 1
     span = torch.arange(cfg.seq_len + 1)
@@ -269,8 +272,8 @@ def train(
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         offsets = torch.randint(0, offsets_range, (cfg.batch_size, 1), generator=batches)
-        tokens = stream[offsets + span].long()  # [B, S+1]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        tokens = stream[offsets + span].long().to(device)  # [B, S+1]
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             logits = model(input_ids=tokens[:, :-1]).logits  # [B, S, V]
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
         loss.backward()
@@ -292,11 +295,31 @@ def train(
     return {"final_train_loss": sum(recent) / len(recent), "train_seconds": time.perf_counter() - start}
 
 
+def token_stream(tokenizer: Tokenizer, texts: Sequence[str], vocab_size: int) -> torch.Tensor:
+    """The training texts' token ids in one stream, each text followed by <|endoftext|> (int16 when
+    the vocabulary fits)."""
+    eot = tokenizer.token_to_id(ENDOFTEXT)
+    ids: list[int] = []
+    for encoding in tokenizer.encode_batch(list(texts), add_special_tokens=False):
+        ids += [*encoding.ids, eot]
+    return torch.tensor(ids, dtype=torch.int16 if vocab_size <= 32767 else torch.int32)
+
+
+def save_weights(model: torch.nn.Module, out: Path) -> None:
+    """model.safetensors in bf16, without lm_head.weight (tied to the embedding, as in Qwen3-0.6B)."""
+    weights = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in model.state_dict().items()}
+    weights.pop("lm_head.weight")
+    safetensors.torch.save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
 # ---------------------------------------------------------------- main
 
 
 def run(cfg: TrainConfig, argv: Sequence[str]) -> dict[str, Any]:
     """Corpus, tokenizer, training, bf16 checkpoint, held-out eval and the record, into cfg.out."""
+    import transformers  # here, not at import: importing this module for its corpus stays cheap
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
     began = time.perf_counter()
 
     def log(message: str) -> None:
@@ -315,11 +338,7 @@ def run(cfg: TrainConfig, argv: Sequence[str]) -> dict[str, Any]:
         write_tokenizer_files(config, tmp, corpus=texts)
         (tmp / "heldout.txt").write_text(heldout, encoding="utf-8")
         tokenizer = Tokenizer.from_file(str(tmp / "tokenizer.json"))
-        eot = tokenizer.token_to_id(ENDOFTEXT)
-        stream_ids: list[int] = []
-        for encoding in tokenizer.encode_batch(texts, add_special_tokens=False):
-            stream_ids += [*encoding.ids, eot]
-        stream = torch.tensor(stream_ids, dtype=torch.int16 if config["vocab_size"] <= 32767 else torch.int32)
+        stream = token_stream(tokenizer, texts, config["vocab_size"])
         windows = heldout_windows(tokenizer.encode(heldout, add_special_tokens=False).ids, cfg.seq_len)
         log(
             f"tokenizer: {tokenizer.get_vocab_size()} tokens; {len(stream):,} training tokens, {len(windows)} held-out windows"
@@ -331,9 +350,7 @@ def run(cfg: TrainConfig, argv: Sequence[str]) -> dict[str, Any]:
         log(f"model: {parameters:,} parameters; {cfg.steps} steps of {cfg.batch_size} x {cfg.seq_len} tokens")
         stats = train(model, stream, windows, cfg, log)
 
-        weights = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
-        weights.pop("lm_head.weight")  # tied to model.embed_tokens.weight, as in Qwen3-0.6B
-        safetensors.torch.save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_weights(model, tmp)
         saved = Qwen3ForCausalLM.from_pretrained(tmp, dtype=torch.float32)
         nll_all = mean_nll(saved, windows, autocast=False)
         nll_first = mean_nll(saved, windows[: cfg.eval_windows], autocast=False)

@@ -1,0 +1,59 @@
+"""bench/spec_bench.py on CPU: a tiny random-weight artifact, every method of the bench (the draft
+model is the target itself) on both tasks at two batch sizes, a few tokens each; the JSON has what
+a bench report carries and every greedy output equals plain decoding's."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import spec_bench  # noqa: E402 -- bench/ is scripts, not a package
+import spec_prompts  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(make_ckpt, compiled) -> Path:
+    return compiled(make_ckpt("tiny"), "bf16")
+
+
+def test_every_method_task_and_batch_is_measured_and_greedy_outputs_match(tiny_bf16, tmp_path):
+    out = tmp_path / "spec.json"
+    argv = [str(tiny_bf16), "--draft", str(tiny_bf16), "--methods", "prompt-lookup,draft-model"]
+    argv += ["--batches", "1,2", "--max-tokens", "6", "--prompt-tokens", "16", "--device", "cpu", "--threads", "1"]
+    argv += ["--out", str(out)]
+    spec_bench.main(argv)
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "spec_bench" and report["device"] == "cpu" and "not a target" in report["note"]
+    for key in ("date", "command", "git_commit", "machine", "versions", "engine", "settings", "artifacts"):
+        assert report[key], key
+    assert report["versions"]["torch"] and report["settings"]["dtype"] == "float32"
+    assert len(report["tasks"]["edit"]["plain_copied_tokens"]) == 2
+    rows = report["results"]
+    cells = {(r["method"], r["task"], r["batch"]) for r in rows}
+    assert cells == {(m, t, b) for m in ("prompt-lookup", "draft-model") for t in ("free", "edit") for b in (1, 2)}
+    for row in rows:
+        assert row["greedy"] and row["prompts"] == 2 and row["output_tokens"] == 2 * 6
+        assert row["identical_to_plain"] == row["prompts"], row  # greedy: the very tokens of plain decoding
+        assert 0 <= row["acceptance_rate"] <= 1 and row["preemptions"] == 0
+        assert row["spec_tokens_per_s"] > 0 and row["plain_tokens_per_s"] > 0
+        assert row["speedup"] == pytest.approx(row["spec_tokens_per_s"] / row["plain_tokens_per_s"], rel=0.01)
+        if row["method"] == "draft-model":  # the target drafting for itself: nearly every draft is kept
+            assert row["acceptance_rate"] > 0.9 and row["tokens_per_verification"] > 1.5, row
+
+
+def test_edit_prompts_end_with_the_marker_and_the_functions_first_line():
+    sources = ["import os\n\n\nclass A:\n    def f(self, x):\n        y = x + 1\n        z = y * 2\n        return z\n"]
+    encode = lambda text: list(text.encode())  # noqa: E731 -- a byte per token
+    decode = lambda ids: bytes(ids).decode()  # noqa: E731
+    [edit] = spec_prompts.edit_prompts(encode, decode, sources, count=1, max_tokens=20, longest=200)
+    code = "def f(self, x):\n    y = x + 1\n    z = y * 2\n    return z"
+    assert decode(edit.prompt) == code + spec_prompts.EDIT_MARKER + "def f(self, x):"
+    assert decode(edit.copy) == code.removeprefix("def f(self, x):")
+    with pytest.raises(SystemExit, match="only 0 held-out functions"):
+        spec_prompts.edit_prompts(encode, decode, sources, count=1, max_tokens=200, longest=400)
