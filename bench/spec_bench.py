@@ -233,7 +233,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="JSON report (default: bench/results/spec_bench_….json)")
     train = p.add_argument_group("--train: train, compile and measure a target and a draft")
     train.add_argument("--train", action="store_true")
-    train.add_argument("--train-plan", default="bench", help="bench (104M + 28M) or tiny (a CPU smoke test)")
+    train.add_argument(
+        "--train-plan", default="bench", choices=("bench", "tiny"), help="bench: 104M + 28M; tiny: a CPU smoke test"
+    )
     train.add_argument("--target-seconds", type=float, default=210, help="training time of the target")
     train.add_argument("--draft-seconds", type=float, default=75, help="training time of the draft")
     train.add_argument("--recipe", default="ptpc-fp8", help="qcompile recipe of both artifacts (bf16, ...)")
