@@ -255,7 +255,7 @@ class Engine:
             if read_previous and previous is not None:
                 read_previous, done = False, self._complete(previous)
 
-        output = self.scheduler.schedule(self._draft if self.speculator is not None else None)
+        output = self.scheduler.schedule(self._draft) if self.speculator is not None else self.scheduler.schedule()
         self._scheduled = bool(output.chunks)
         if not output.chunks:
             read()

@@ -208,7 +208,10 @@ def test_silu_mul_quant_matches_reference(dtype, tokens, width, max_block):
 @pytest.mark.parametrize(("tokens", "width", "max_block"), SHAPES)
 def test_silu_mul_matches_reference(dtype, tokens, width, max_block):
     """Unquantized: each op rounded to the model dtype as torch rounds it; the sigmoid's exp may
-    differ in its last fp32 bit from torch's, moving a rare bf16 value by one ulp (fp32: a few ulps)."""
+    differ in its last fp32 bit from torch's, moving a rare bf16 value by one ulp (fp32: a few ulps).
+    Results below bf16's smallest normal (a gate near -85 times a tiny up: ~1e-39) are subnormal,
+    which the kernel's cast may flush or round otherwise than torch's (9% of runs of this shape had
+    such a value): those agree within that smallest normal and are not counted as differing."""
     gate_up = torch.cat([_rows(tokens, width, dtype), _rows(tokens, width, dtype)], 1)
     gate_up[0, :8] = torch.tensor([-200.0, -90.0, -20.0, -1.0, 0.0, 1.0, 20.0, 90.0], dtype=dtype)
     y = silu_mul(gate_up, max_block=max_block)
@@ -218,9 +221,10 @@ def test_silu_mul_matches_reference(dtype, tokens, width, max_block):
     if dtype == torch.float32:  # no rounding to hide the two exps' last-bit differences: a few fp32 ulps
         torch.testing.assert_close(y, ref, rtol=1e-6, atol=1e-30)
         return
-    differ = y != ref
+    tiny = torch.finfo(dtype).tiny
+    differ = (y != ref) & (ref.float().abs() >= tiny)
     assert int(differ.sum()) <= _rare(y.numel()), f"{int(differ.sum())} of {y.numel()} differ"
-    ulp = (ref.float().abs() * 2.0**-7).clamp(min=1e-30)  # bf16
+    ulp = (ref.float().abs() * 2.0**-7).clamp(min=tiny)  # bf16; a subnormal result within the smallest normal
     assert ((y.float() - ref.float()).abs() <= ulp).all()
 
 
