@@ -61,9 +61,13 @@ def _max_over_mean(counts: list[torch.Tensor]) -> list[float]:
 
 
 def test_routing_over_random_tokens_is_spread(moe_art, monkeypatch):
+    """Over 190 prompts (the weights are fixed, the tokens fresh): the median layer's max/mean 1.9-2.6,
+    the busiest layer's 2.2-4.2 (4.19 once, in CI); collapsed routing (the test below) puts the
+    median layer above 6. The busiest layer's tail is a few hot tokens' chance, so the bar is on the
+    median layer, with the busiest layer held below where collapse starts."""
     balance = _max_over_mean(_loads(moe_art, monkeypatch))
     print("max/mean per layer", balance)
-    assert max(balance) <= 4.0, balance
+    assert sorted(balance)[len(balance) // 2] <= 3.0 and max(balance) <= 6.0, balance
 
 
 def test_without_the_qk_norm_scale_routing_collapses(moe_art, monkeypatch):
