@@ -5,6 +5,7 @@ originals, and compare the artifacts file by file."""
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -65,8 +66,15 @@ def assert_same_artifact(ours: Path, reference: Path) -> None:
         raise AssertionError("artifact files differ: " + "; ".join(detail))
 
 
+def make_checkpoints(make_ckpt: Callable[..., Path], presets: dict[str, tuple[str, dict]]) -> dict[str, Path]:
+    """kind -> a synthesized checkpoint of (preset, config overrides), all of one fresh seed (printed)."""
+    seed = random.randrange(1 << 30)
+    print(f"checkpoint seed {seed}")
+    return {kind: make_ckpt(preset, seed=seed, **shapes) for kind, (preset, shapes) in presets.items()}
+
+
 def copy_checkpoint(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst, copy_function=shutil.copyfile)
+    shutil.copytree(src, dst, copy_function=shutil.copyfile)  # the fixtures' dirs stay untouched
     return dst
 
 

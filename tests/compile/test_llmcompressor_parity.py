@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,7 +44,7 @@ from llmc_reference import (
     run_model_free,
     run_oneshot,
 )
-from safetensors.torch import load_file, save_file
+from prequantized_inputs import copy_checkpoint, rewrite_tensors
 
 import qcompile.compile.pipeline
 from qcompile.compile.pipeline import compile_checkpoint, prepare
@@ -75,19 +74,6 @@ def quantized_names(tensors: Tensors) -> set[str]:
     names = {k.removesuffix(".weight") for k, t in tensors.items() if k.endswith(".weight") and t.dtype == FP8}
     assert all(f"{n}.weight_scale" in tensors for n in names)
     return names
-
-
-def copy_checkpoint(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst, copy_function=shutil.copyfile)  # the fixtures' dirs stay untouched
-    return dst
-
-
-def rewrite_tensors(ckpt: Path, edit: Callable[[Tensors], None]) -> None:
-    """Load each shard of `ckpt`, let `edit` change it in place, write it back."""
-    for file in sorted(ckpt.glob("*.safetensors")):
-        tensors = load_file(file)
-        edit(tensors)
-        save_file(tensors, file, metadata={"format": "pt"})
 
 
 # ------------------------------------------------------------------- cached runs (per module)

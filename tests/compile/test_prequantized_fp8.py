@@ -14,7 +14,6 @@ for what is not supported) are errors naming the file and tensor or key, and lea
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from prequantized_inputs import (
     compile_to,
     copy_checkpoint,
     edit_config,
+    make_checkpoints,
     quantize_with_llmcompressor,
     rewrite_tensors,
 )
@@ -70,9 +70,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def ckpts(make_ckpt: Callable[..., Path]) -> dict[str, Path]:
-    seed = random.randrange(1 << 30)
-    print(f"checkpoint seed {seed}")
-    return {kind: make_ckpt(preset, seed=seed, **shapes) for kind, (preset, shapes) in PRESETS.items()}
+    return make_checkpoints(make_ckpt, PRESETS)
 
 
 @pytest.fixture(scope="module")

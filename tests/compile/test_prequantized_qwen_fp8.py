@@ -13,7 +13,6 @@ it generates. Configs and tensors we cannot honour are errors naming the key or 
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,7 +20,14 @@ import pytest
 import qruntime
 import torch
 from llmc_reference import BF16, FP8, Tensors, read_tensors
-from prequantized_inputs import assert_same_artifact, compile_to, copy_checkpoint, edit_config, rewrite_tensors
+from prequantized_inputs import (
+    assert_same_artifact,
+    compile_to,
+    copy_checkpoint,
+    edit_config,
+    make_checkpoints,
+    rewrite_tensors,
+)
 from qruntime.artifact import read_manifest
 
 from qcompile.errors import CheckpointError, PlanError, TensorValueError
@@ -72,9 +78,7 @@ def write_qwen_fp8(src: Path, dst: Path, modules_to_not_convert: list[str] | Non
 
 @pytest.fixture(scope="module")
 def ckpts(make_ckpt: Callable[..., Path]) -> dict[str, Path]:
-    seed = random.randrange(1 << 30)
-    print(f"checkpoint seed {seed}")
-    return {kind: make_ckpt(preset, seed=seed, **shapes) for kind, (preset, shapes) in PRESETS.items()}
+    return make_checkpoints(make_ckpt, PRESETS)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ group sizes) are errors naming the tensor or key, before any work.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from prequantized_inputs import (
     compile_to,
     copy_checkpoint,
     edit_config,
+    make_checkpoints,
     quantize_with_llmcompressor,
     rewrite_tensors,
 )
@@ -53,9 +53,7 @@ PRESETS = {
 
 @pytest.fixture(scope="module")
 def ckpts(make_ckpt: Callable[..., Path]) -> dict[str, Path]:
-    seed = random.randrange(1 << 30)
-    print(f"checkpoint seed {seed}")
-    return {kind: make_ckpt(preset, seed=seed, **shapes) for kind, (preset, shapes) in PRESETS.items()}
+    return make_checkpoints(make_ckpt, PRESETS)
 
 
 @pytest.fixture(scope="module")
