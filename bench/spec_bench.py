@@ -1,6 +1,7 @@
 """Speculative decoding against plain decoding of the same artifact, in one process (issue 19).
 
-For each method (METHODS: prompt-lookup; draft-model with --draft ART) and batch size, on two tasks
+For each method (METHODS: prompt-lookup; draft-model with --draft ART; layer-skip when the target records
+its self-speculative draft's layers, qcompile --draft-layers) and batch size, on two tasks
 built from held-out text (bench/spec_prompts.py: the standard library modules that
 examples/train_small_qwen3.py never trains on, read from this Python's stdlib):
   free  free generation: each prompt is the start of a held-out module, the model continues;
@@ -17,7 +18,8 @@ ratio, and how many outputs equal plain decoding's (all of them, when greedy).
     python bench/spec_bench.py --train [--train-plan bench] [--recipe ptpc-fp8] --out FILE
 
 --train (for a GPU, in one call) first trains a Qwen3 of 104M parameters and a 28M draft sharing its
-tokenizer on the stdlib (bench/spec_train.py), compiles both, then measures them. On a CPU the
+tokenizer on the stdlib (bench/spec_train.py), compiles both (the target with --draft-layers auto on
+training text, for layer-skip), then measures them. On a CPU the
 tokens/s are not a target (the reference torch ops); acceptance and identity are real.
 """
 
@@ -60,6 +62,7 @@ def _draft_model(args: argparse.Namespace) -> SpeculativeConfig:
 METHODS: Mapping[str, Callable[[argparse.Namespace], SpeculativeConfig]] = {
     "prompt-lookup": lambda args: SpeculativeConfig("prompt-lookup", num_tokens=args.num_draft_tokens),
     "draft-model": _draft_model,
+    "layer-skip": lambda args: SpeculativeConfig("layer-skip", num_tokens=args.num_draft_tokens),
 }
 
 
@@ -250,6 +253,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.num_prompts = args.num_prompts or max(args.batches)
     if args.methods is None:
         args.methods = "prompt-lookup" + (",draft-model" if args.draft is not None or args.train else "")
+        if args.train or _draft_layers(args.artifact) is not None:  # --train compiles the target with them
+            args.methods += ",layer-skip"
     args.methods = [m for m in args.methods.split(",") if m]
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else None)
     args.source = args.source or trainer.stdlib_root()
@@ -319,7 +324,16 @@ def _artifact_info(art: Path) -> dict[str, Any]:
         "num_key_value_heads",
         "intermediate_size",
     )
-    return {"recipe": manifest["recipe"].get("name"), **{k: spec[k] for k in keys}}
+    info = {"recipe": manifest["recipe"].get("name"), **{k: spec[k] for k in keys}}
+    if "speculative" in manifest:
+        info["speculative"] = manifest["speculative"]
+    return info
+
+
+def _draft_layers(art: Path) -> list[int] | None:
+    """The self-speculative draft's skipped layers the artifact records (qcompile --draft-layers), if any."""
+    manifest = json.loads((art / "manifest.json").read_text())
+    return manifest.get("speculative", {}).get("draft_layers")
 
 
 def _device_tag(device: str) -> str:

@@ -147,19 +147,38 @@ def train_pair(
     return record
 
 
+CALIB_BYTES = 200_000  # --draft-layers auto's calibration text: training files (it reads 16 x 256 tokens)
+
+
 def compile_pair(workdir: Path, recipe: str, log: Log) -> dict[str, Path]:
-    """qcompile both checkpoints with `recipe` into workdir/{target,draft}-RECIPE."""
+    """qcompile both checkpoints with `recipe` into workdir/{target,draft}-RECIPE. The target also
+    records a self-speculative draft (--draft-layers auto, searched on training text) for layer-skip."""
     from qcompile.compile.pipeline import compile_checkpoint, prepare
     from qcompile.recipe.schema import load_recipe
 
+    calib = workdir / "calib.txt"
+    calib.write_text(_calibration_text(), encoding="utf-8")
     artifacts = {}
     for name in ("target", "draft"):
         out = workdir / f"{name}-{recipe}"
         start = time.perf_counter()
-        compile_checkpoint(prepare(workdir / name, load_recipe(recipe)), out, force=True, workers=2, progress=False)
-        log(f"compiled {name} with {recipe} in {time.perf_counter() - start:.1f} s -> {out}")
+        options = {"calib": calib, "draft_layers": "auto"} if name == "target" else {}
+        prepared = prepare(workdir / name, load_recipe(recipe), **options)
+        compile_checkpoint(prepared, out, force=True, workers=2, progress=False)
+        drafted = f", draft skips layers {list(prepared.speculative.layers)}" if prepared.speculative else ""
+        log(f"compiled {name} with {recipe} in {time.perf_counter() - start:.1f} s{drafted} -> {out}")
         artifacts[name] = out
     return artifacts
+
+
+def _calibration_text() -> str:
+    """The first CALIB_BYTES of the training files (never the held-out ones the bench prompts with)."""
+    text = ""
+    for source in trainer.training_texts(trainer.stdlib_root()):
+        text += source + "\n\n"
+        if len(text) >= CALIB_BYTES:
+            break
+    return text[:CALIB_BYTES]
 
 
 def _config(out: Path, plan: TrainPlan, lr: float, steps: int, seed: int) -> trainer.TrainConfig:
