@@ -1,6 +1,7 @@
 """Where one engine step's GPU time goes, by kernel, for the step shapes a loaded server runs:
 decode batches (graph replay, and eager so each launch shows) and mixed steps (decodes beside
-prefill chunks, fresh or after a cached prefix: piecewise graphs). qwen3-8b ptpc-fp8 on random
+prefill chunks, fresh or after a cached prefix: whole-step mixed graphs, or with --graphs
+mixed,piecewise each shape also on the piecewise graphs). qwen3-8b ptpc-fp8 on random
 weights, built as decode_bench builds it.
 
     python bench/step_kernels.py --workdir /tmp/q8b --out bench/results/step_kernels_qwen3-8b.json
@@ -190,8 +191,16 @@ def main() -> None:
     parser.add_argument(
         "--host-profile", action="store_true", help="Add a cProfile of one step of each mixed shape (host_top)."
     )
+    parser.add_argument(
+        "--graphs",
+        default="mixed",
+        help="How mixed steps run, comma-separated, each shape measured with each: mixed (whole-step graphs, "
+        "the default engine), piecewise (the mixed graphs set aside: attention eager between captured pieces).",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if set(args.graphs.split(",")) - {"mixed", "piecewise"}:
+        parser.error(f"--graphs takes mixed and/or piecewise, got {args.graphs!r}")
     args.workdir.mkdir(parents=True, exist_ok=True)
     report = gpu_report_header("step_kernels", synthetic=True)
     timings: dict[str, float] = {}
@@ -213,11 +222,17 @@ def main() -> None:
         print(json.dumps({k: v for k, v in row.items()}, indent=None)[:3000], flush=True)
         report["decode"].append(row)
     report["mixed"] = []
+    mixed_graphs = engine.runner.mixed_graphs
     for spec in args.mixed.split(","):
         decodes, prompts, prompt_len, prefix = (int(x) for x in spec.split("x"))
-        row = mixed_rows(engine, decodes, prompts, prompt_len, args.context, args.top, prefix, args.host_profile)
-        print(json.dumps(row)[:3000], flush=True)
-        report["mixed"].append(row)
+        for graphs in args.graphs.split(","):
+            # mixed: whole-step graphs where they fit; piecewise: those set aside (attention eager)
+            engine.runner.mixed_graphs = mixed_graphs if graphs == "mixed" else None
+            row = mixed_rows(engine, decodes, prompts, prompt_len, args.context, args.top, prefix, args.host_profile)
+            row["graphs"] = graphs
+            print(json.dumps(row)[:3000], flush=True)
+            report["mixed"].append(row)
+    engine.runner.mixed_graphs = mixed_graphs
     engine.close()
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -217,10 +217,11 @@ def load(
     the artifact's tuned configs for this GPU, cuBLASLt where the tuner chose it; bf16 or fp16), or
     "auto" (triton on CUDA in bf16/fp16, reference otherwise: fp32 is the reference path's).
     cuda_graphs: replay decode steps from captured graphs, one per batch size, and the other steps
-    (prefill, mixed) from piecewise graphs, one set per token count up to max_num_batched_tokens,
-    attention run eagerly between the pieces (engine/piecewise_graphs.py; not for a recipe with
-    per-tensor activation scales, whose steps with prefill then run eagerly). Default: on with the
-    triton backend when every op of the graph can be captured.
+    (prefill, mixed) from whole-step graphs, one per token count up to max_num_batched_tokens
+    (engine/mixed_graphs.py), or, for fresh long prompts that cuDNN's attention serves better, from
+    piecewise graphs with attention run eagerly between the pieces (engine/piecewise_graphs.py;
+    neither for a recipe with per-tensor activation scales, whose steps with prefill then run
+    eagerly). Default: on with the triton backend when every op of the graph can be captured.
     prefix_cache: automatic prefix caching: full KV blocks are kept after their request ends, named by
     a hash chain of their tokens (salted with the artifact's KV encoding), and a request whose prompt
     starts with cached blocks reuses their KV instead of computing it (engine.prefix_cache_stats
@@ -355,6 +356,8 @@ def load(
         description["cuda_graphs"] = list(built.graph_buckets)
     if built.piecewise_buckets is not None:
         description["piecewise_graphs"] = list(built.piecewise_buckets)
+    if built.mixed_buckets is not None:
+        description["mixed_graphs"] = list(built.mixed_buckets)
     description["backend"] = backend
     if speculative is not None:
         description["speculative"] = f"{speculative.method}, up to {speculative.num_tokens} draft tokens"

@@ -1,5 +1,5 @@
 """One rank's model: its graph and weights loaded, its plan bound, its KV cache sized and allocated,
-its decode steps captured, and the other steps as piecewise graphs.
+its decode steps captured, and the other steps as whole-step (mixed) and piecewise graphs.
 
 tp=1 builds rank 0 alone. At tp=N every rank runs `build_rank` (rank 0 in the caller's process,
 ranks 1..N-1 in spawned workers, engine/workers.py) and they meet at checkpoints: "loaded" (graph
@@ -24,6 +24,7 @@ import torch.distributed as dist
 from qruntime.artifact import ArtifactFormatError, artifact_path
 from qruntime.comm.all_reduce import AllReducePolicy, AllReducer
 from qruntime.engine.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
+from qruntime.engine.mixed_graphs import MixedGraphs, mixed_unfit_reason
 from qruntime.engine.model_runner import ModelRunner
 from qruntime.engine.piecewise_graphs import PiecewiseGraphs, token_buckets, unfit_reason
 from qruntime.engine.sharded_sampler import VocabShard
@@ -87,6 +88,7 @@ class Rank:
     max_model_len: int
     graph_buckets: tuple[int, ...] | None  # batch sizes of the captured decode graphs
     piecewise_buckets: tuple[int, ...] | None = None  # token counts of the piecewise graphs (other steps)
+    mixed_buckets: tuple[int, ...] | None = None  # token counts of the whole-step graphs of other steps
     all_reduce: AllReducer | None = None  # how tp > 1 sums over the ranks on the fast path
 
 
@@ -226,7 +228,7 @@ def build_rank(
         raise ValueError("cuda_graphs=True but some ops of this graph cannot be captured (MoE, reference attention)")
     # one block more than the scheduler hands out: the scratch block padded graph rows write to
     kv_cache = KVCache(spec, blocks + int(cuda_graphs), config.dtype, device)
-    graphs = piecewise = None
+    graphs = piecewise = mixed = None
     if cuda_graphs:  # every rank captures the same buckets in the same order: the graphs hold the all-reduces
         buckets = [b for b in DEFAULT_BUCKETS if b <= config.max_num_seqs] or [config.max_num_seqs]
         graphs = DecodeGraphs(plan, kv_cache, blocks, max_model_len, buckets)
@@ -234,7 +236,9 @@ def build_rank(
         if unfit_reason(plan) is None:
             tokens = token_buckets(config.max_num_batched_tokens)
             piecewise = PiecewiseGraphs(plan, kv_cache, tokens, blocks, max_model_len)
-    runner = ModelRunner(plan, kv_cache, device, max_model_len, graphs, piecewise, shard)
+            if mixed_unfit_reason(plan) is None:  # whole-step graphs where attention launches from bounds
+                mixed = MixedGraphs(plan, kv_cache, tokens, blocks, max_model_len, config.max_num_seqs)
+    runner = ModelRunner(plan, kv_cache, device, max_model_len, graphs, piecewise, shard, mixed)
     if cuda_graphs:  # every rank runs them (their collectives pair up): the kernels of mixed steps build now
         for chunks in warm_up_steps(
             spec.block_size, blocks, config.max_num_batched_tokens, max_model_len, config.max_num_seqs
@@ -250,5 +254,6 @@ def build_rank(
         max_model_len,
         graphs.buckets if graphs is not None else None,
         piecewise.buckets if piecewise is not None else None,
+        mixed.buckets if mixed is not None else None,
         reducer,
     )

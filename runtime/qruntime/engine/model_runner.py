@@ -2,7 +2,8 @@
 (built once per step, shared by every layer), the plan runs, logits come back.
 
 Decode-only steps replay a captured graph per batch size (cuda_graphs.DecodeGraphs); other steps
-that fit a token bucket replay piecewise graphs, attention run eagerly between the pieces
+that fit a token bucket replay a whole-step graph (mixed_graphs.MixedGraphs), or, where attention
+prefers an eager launch, piecewise graphs with attention run eagerly between the pieces
 (piecewise_graphs.PiecewiseGraphs); the rest, and steps that want every token's logits, run the
 plan op by op.
 
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from qruntime.engine.cuda_graphs import DecodeGraphs
+from qruntime.engine.mixed_graphs import MixedGraphs
 from qruntime.engine.piecewise_graphs import PiecewiseGraphs
 from qruntime.engine.sampled_tokens import resolve_pending
 from qruntime.engine.sharded_sampler import VocabShard
@@ -38,6 +40,7 @@ class ModelRunner:
         decode_graphs: DecodeGraphs | None = None,
         piecewise_graphs: PiecewiseGraphs | None = None,
         vocab_shard: VocabShard | None = None,
+        mixed_graphs: MixedGraphs | None = None,
     ) -> None:
         self.plan = plan
         self.kv_cache = kv_cache
@@ -46,16 +49,17 @@ class ModelRunner:
         self.max_context_len = max_context_len
         self.decode_graphs = decode_graphs
         self.piecewise_graphs = piecewise_graphs
+        self.mixed_graphs = mixed_graphs
         # tp > 1 with a vocabulary-parallel head: `execute` returns this rank's columns of the logits,
         # which engine/sharded_sampler.py samples or gathers with the other ranks
         self.vocab_shard = vocab_shard
 
     def drop_graphs(self) -> None:
-        """Forget the captured graphs, decode and piecewise, once the device has finished with them
-        (their memory pools go back to the allocator); steps after this run eagerly."""
-        if self.decode_graphs is not None or self.piecewise_graphs is not None:
+        """Forget the captured graphs, decode, mixed and piecewise, once the device has finished with
+        them (their memory pools go back to the allocator); steps after this run eagerly."""
+        if any(g is not None for g in (self.decode_graphs, self.piecewise_graphs, self.mixed_graphs)):
             torch.cuda.synchronize(self.device)
-            self.decode_graphs = self.piecewise_graphs = None
+            self.decode_graphs = self.piecewise_graphs = self.mixed_graphs = None
 
     def prepare(
         self, chunks: Sequence[StepChunk], all_logits: bool | Sequence[bool] = False
@@ -117,7 +121,8 @@ class ModelRunner:
         """Run the plan on the step's chunks; logits [len(chunks), V] of each chunk's last token
         (all_logits: [tokens, V], a row per token of the step; one bool per chunk: the rows
         `prepare` says). With captured graphs, decode steps replay a decode graph, and other steps
-        that fit a token bucket the piecewise graphs (whose logits tail runs eagerly, on any rows).
+        that fit a token bucket a mixed graph or the piecewise graphs (whose logits tails run
+        eagerly, on any rows).
         `sampled`: the previous step's sampled ids on the device, which the chunks' pending ids
         (step_chunk.pending) name by row. With a vocab_shard, the logits are this rank's columns."""
         every = all_logits if isinstance(all_logits, bool) else any(all_logits)
@@ -126,6 +131,8 @@ class ModelRunner:
         feeds, meta = self.prepare(chunks, all_logits)
         if sampled is not None:
             feeds["input_ids"] = resolve_pending(feeds["input_ids"], sampled)
+        if all_logits is not True and self.mixed_graphs is not None and self.mixed_graphs.fits(feeds, meta):
+            return self.mixed_graphs.run(feeds, meta)
         piecewise = self.piecewise_graphs
         if piecewise is not None and all_logits is not True and piecewise.fits(len(feeds["input_ids"])):
             return piecewise.run(feeds, meta)

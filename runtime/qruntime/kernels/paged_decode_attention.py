@@ -254,10 +254,11 @@ def attend_tile(
 @triton.jit
 def nth_sequence(query_start_ptr, num_seqs, n, DECODES: tl.constexpr, BLOCK: tl.constexpr):
     """Index of the n-th (from 0) of the step's num_seqs sequences whose q_len is 1 (DECODES) or is
-    not 1: a scan of query_start_loc [num_seqs + 1], BLOCK sequences at a time, on the device (no
-    index tensor to build on the host for every step)."""
+    not 1, -1 when there are not n + 1 of them (a grid sized by a bound, not the count): a scan of
+    query_start_loc [num_seqs + 1], BLOCK sequences at a time, on the device (no index tensor to
+    build on the host for every step)."""
     offs = tl.arange(0, BLOCK)
-    found = n * 0
+    found = n * 0 - 1
     seen = n * 0
     for first in range(0, num_seqs, BLOCK):
         b = first + offs
@@ -266,7 +267,7 @@ def nth_sequence(query_start_ptr, num_seqs, n, DECODES: tl.constexpr, BLOCK: tl.
         q_len = tl.load(query_start_ptr + b + 1, mask=valid, other=0) - start
         hit = valid & ((q_len == 1) if DECODES else (q_len != 1))
         rank = seen + tl.cumsum(hit.to(tl.int32), 0) - 1  # [BLOCK] rank of each hit among its kind
-        found += tl.sum(tl.where(hit & (rank == n), b, 0), 0)
+        found += tl.sum(tl.where(hit & (rank == n), b + 1, 0), 0)
         seen += tl.sum(hit.to(tl.int32), 0)
     return found
 
@@ -334,6 +335,8 @@ def _decode_partition_kernel(
     split = tl.program_id(2)
     if VARLEN:
         seq = nth_sequence(query_start_ptr, num_seqs, idx, True, SCAN)
+        if seq < 0:  # num_decodes was a bound: fewer decodes this step
+            return
         row = tl.load(query_start_ptr + seq).to(tl.int64)  # its query's row of q and out
     else:
         seq = idx
@@ -403,6 +406,8 @@ def _decode_reduce_kernel(
     head = tl.program_id(1)
     if VARLEN:
         seq = nth_sequence(query_start_ptr, num_seqs, idx, True, SCAN)
+        if seq < 0:
+            return
         row = tl.load(query_start_ptr + seq).to(tl.int64)
     else:
         seq = idx
@@ -501,8 +506,9 @@ def paged_decode_attention(
 
     The decode rows of a mixed step: given query_start_loc (int32 [B+1], the step's sequences laid
     end to end in q [T, nh, d], as paged_prefill_attention takes them), only the step's sequences of
-    q_len 1 are computed, num_decodes of them (a host int: their count, which sizes the grid), each
-    into its query's row of o [T, nh*d]; the other rows are left as they are.
+    q_len 1 are computed, each into its query's row of o [T, nh*d]; the other rows are left as they
+    are. num_decodes (a host int) sizes the grid: their count, or a bound on it (a captured graph's
+    step: the programs past the step's decodes return at once).
     out: the output to write (o's shape, q's dtype); allocated when None.
     kv: paged_kv(...) of these pools, q's dtype and heads and these scales, when the caller keeps it;
     None computes it. pdl: programmatic dependent launch (kernels/pdl.py).
@@ -522,7 +528,7 @@ def paged_decode_attention(
         if query_start_loc.dtype != torch.int32 or tuple(query_start_loc.shape) != (seqs + 1,):
             raise ValueError(f"query_start_loc must be int32 [{seqs + 1}] (one per block_tables row, plus one)")
         if num_decodes is None or not 0 <= num_decodes <= seqs:
-            raise ValueError(f"num_decodes must be the step's count of q_len 1 sequences, got {num_decodes}")
+            raise ValueError(f"num_decodes must bound the step's count of q_len 1 sequences, got {num_decodes}")
         batch = num_decodes
     elif seqs != tokens:
         raise ValueError(f"block_tables has {seqs} rows for {tokens} sequences")

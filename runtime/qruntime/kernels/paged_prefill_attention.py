@@ -14,6 +14,13 @@ of BLOCK_M rows and each q head would read its kv head's K/V again. Given num_pr
 covers only the sequences whose q_len is not 1 (program i finds the i-th of them by a scan of
 query_start_loc on the device) and leaves the decode rows for paged_decode_attention.
 
+A captured graph's step (tiles_from_device): the grid is sized from bounds alone (q's rows, the
+block tables' rows), never from the step's sequences, so one launch serves every step of a token
+bucket. Program t finds its (sequence, query tile) itself, by a scan of query_start_loc that counts
+each prompt's tiles (nth_tile); the programs past the step's tiles zero the rows past its last
+sequence (the bucket's padding rows: the ops after attention read them, and a row of stale memory
+could hold NaNs that a router turns into an expert id).
+
 K/V addressing is shared with the decode kernel (kv_addressing's eight integers per pool).
 """
 
@@ -51,9 +58,33 @@ class PrefillConfig:
     num_stages: int = 3
 
 
+@triton.jit
+def nth_tile(query_start_ptr, num_seqs, t, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+    """(sequence, tile) of the t-th BLOCK_M-row query tile of the step's prompts (the sequences whose
+    q_len is not 1, in step order), and the step's count of such tiles; the sequence is -1 when t is
+    past them. A scan of query_start_loc [num_seqs + 1], BLOCK sequences at a time."""
+    offs = tl.arange(0, BLOCK)
+    seq = t * 0 - 1
+    tile = t * 0
+    seen = t * 0
+    for first in range(0, num_seqs, BLOCK):
+        b = first + offs
+        valid = b < num_seqs
+        start = tl.load(query_start_ptr + b, mask=valid, other=0)
+        q_len = tl.load(query_start_ptr + b + 1, mask=valid, other=0) - start
+        tiles = tl.where(valid & (q_len != 1), tl.cdiv(q_len, BLOCK_M), 0)
+        end = seen + tl.cumsum(tiles, 0)
+        begin = end - tiles
+        hit = (begin <= t) & (t < end)
+        seq += tl.sum(tl.where(hit, b + 1, 0), 0)
+        tile += tl.sum(tl.where(hit, t - begin, 0), 0)
+        seen += tl.sum(tiles, 0)
+    return seq, tile, seen
+
+
 # no variants per step: the step's size and its block tables' width are ints Triton would specialize
 # (equal to 1, or a multiple of 16), compiling mid-serving
-@triton.jit(do_not_specialize=["num_seqs", "bt_stride"])
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "bt_stride"])
 def _prefill_kernel(
     q_ptr,  # [T, nh, d]
     k_ptr,
@@ -62,7 +93,8 @@ def _prefill_kernel(
     context_lens_ptr,  # [B] int32
     query_start_ptr,  # [B+1] int32
     out_ptr,  # [T, nh * d]
-    num_seqs,  # B (SKIP_DECODES only)
+    num_seqs,  # B (SKIP_DECODES and SEARCH only)
+    num_tokens,  # T (SEARCH only: the rows to zero end there)
     q_stride_t,
     q_stride_h,
     bt_stride,
@@ -93,14 +125,28 @@ def _prefill_kernel(
     SPLIT_P: tl.constexpr,
     UPCAST: tl.constexpr,
     SKIP_DECODES: tl.constexpr,
+    SEARCH: tl.constexpr,  # tiles_from_device: the grid's axis 1 counts the step's tiles (nth_tile)
     SCAN: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     wait_for_inputs(PDL)
     head = tl.program_id(0)
-    tile = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest tiles first
-    n = tl.program_id(2)
-    seq = nth_sequence(query_start_ptr, num_seqs, n, False, SCAN) if SKIP_DECODES else n  # the n-th prompt
+    nh = tl.num_programs(0)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    if SEARCH:
+        t = tl.num_programs(1) - 1 - tl.program_id(1)  # the last sequences' last tiles first
+        seq, tile, tiles = nth_tile(query_start_ptr, num_seqs, t, BLOCK_M, SCAN)
+        if seq < 0:  # past the step's tiles: the (t - tiles)-th BLOCK_M rows past its last sequence
+            pad = tl.load(query_start_ptr + num_seqs) + (t - tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+            z_off = pad.to(tl.int64)[:, None] * (nh * HEAD_DIM) + head * HEAD_DIM + offs_d[None, :]
+            zeros = tl.zeros([BLOCK_M, BLOCK_D], out_ptr.dtype.element_ty)
+            tl.store(out_ptr + z_off, zeros, mask=(pad < num_tokens)[:, None] & d_mask[None, :])
+            return
+    else:
+        tile = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest tiles first
+        n = tl.program_id(2)
+        seq = nth_sequence(query_start_ptr, num_seqs, n, False, SCAN) if SKIP_DECODES else n  # the n-th prompt
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
     if tile * BLOCK_M >= q_len:
@@ -108,13 +154,10 @@ def _prefill_kernel(
     ctx = tl.load(context_lens_ptr + seq)
     prefix = ctx - q_len  # cached positions before this step's queries
     kv_head = head // GROUP
-    nh = tl.num_programs(0)
 
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     row_mask = rows < q_len
-    d_mask = offs_d < HEAD_DIM
     q_off = (q_start + rows).to(tl.int64)[:, None] * q_stride_t + head * q_stride_h + offs_d[None, :]
     q = tl.load(q_ptr + q_off, mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [M, D]
     q_pos = prefix + rows
@@ -166,6 +209,7 @@ def paged_prefill_attention(
     max_q_len: int,
     config: PrefillConfig | None = None,
     num_prefills: int | None = None,
+    tiles_from_device: bool = False,
     kv: PagedKV | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
@@ -180,6 +224,10 @@ def paged_prefill_attention(
     num_prefills: None computes every sequence. A host int, the step's count of sequences whose
     q_len is not 1: only those are computed and the rows of the q_len 1 sequences are left
     unwritten, for paged_decode_attention(..., query_start_loc=...) to fill.
+    tiles_from_device: a captured graph's step (see the module docstring): the grid comes from T and
+    B alone (max_q_len and num_prefills are not read); the prompts' rows are computed, the decode
+    rows left unwritten as with num_prefills, and the rows from query_start_loc[B] to T zeroed. The
+    caller pads its sequences with empty ones (q_len 0: no tiles).
     kv: paged_kv(...) of these pools, q's dtype and heads and these scales, when the caller keeps it;
     None computes it. pdl: programmatic dependent launch (kernels/pdl.py).
     """
@@ -202,22 +250,31 @@ def paged_prefill_attention(
     if num_prefills is not None and not 0 <= num_prefills <= batch:
         raise ValueError(f"num_prefills must be in [0, {batch}], got {num_prefills}")
     out = torch.empty(tokens, nh * d, dtype=q.dtype, device=q.device)
-    seqs = batch if num_prefills is None else num_prefills  # the grid's sequences
-    if tokens == 0 or seqs == 0 or max_q_len == 0:
+    cfg = config or PrefillConfig()
+    if tiles_from_device:
+        block_m = min(cfg.block_m, max(16, next_pow2(tokens)))
+        # the prompts' tiles: each of q_len >= 2 adds at most one partial tile to its rows' count,
+        # and what is left over covers the rows past the last sequence (ceil((T - rows) / BLOCK_M))
+        grid = (nh, cdiv(tokens, block_m) + min(batch, tokens // 2), 1)
+    else:
+        seqs = batch if num_prefills is None else num_prefills  # the grid's sequences
+        if seqs == 0 or max_q_len == 0:
+            return out
+        block_m = min(cfg.block_m, max(16, next_pow2(max_q_len)))
+        grid = (nh, cdiv(max_q_len, block_m), seqs)
+    if tokens == 0:
         return out
     block_d = next_pow2(d)
-    cfg = config or PrefillConfig()
-    block_m = min(cfg.block_m, max(16, next_pow2(max_q_len)))
     block_n = cfg.block_n
     num_warps = cfg.num_warps if block_m >= 64 else min(cfg.num_warps, 4)
-    grid = (nh, cdiv(max_q_len, block_m), seqs)
     _prefill_kernel[grid](
-        q, k_pool, v_pool, block_tables, context_lens, query_start_loc, out, batch,
+        q, k_pool, v_pool, block_tables, context_lens, query_start_loc, out, batch, tokens,
         q.stride(0), q.stride(1), block_tables.stride(0), scale * kv.k_scale * LOG2E, kv.v_scale,
         *kv.k_args(), *kv.v_args(),
         GROUP=nh // num_kv_heads, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, **kv.splits(), SPLIT_P=q.dtype != torch.float32,
-        UPCAST=q.device.type != "cuda", SKIP_DECODES=num_prefills is not None, SCAN=SCAN_BLOCK,
+        UPCAST=q.device.type != "cuda", SKIP_DECODES=num_prefills is not None, SEARCH=tiles_from_device,
+        SCAN=SCAN_BLOCK,
         num_warps=num_warps, num_stages=cfg.num_stages,
         **launch_options(pdl),
     )  # fmt: skip

@@ -43,6 +43,9 @@ class AttentionMetadata:
     cache_slots: Sequence[torch.Tensor]  # B x [context_len] int64
     max_q_len: int = 0
     max_context_len: int = 0
+    # a captured mixed step (engine/mixed_graphs.py): the sequence inputs are padded static buffers
+    # and the tuples above are empty; ops launch from the buffers' sizes alone
+    bounds_only: bool = False
 
     @property
     def decode_only(self) -> bool:
@@ -87,6 +90,9 @@ class Op:
     # its work depends on the step's sequences (query starts, context lengths, block tables), not on its
     # token count alone: a piecewise CUDA graph runs it eagerly between the pieces (engine/piecewise_graphs.py)
     splits_graph: ClassVar[bool] = False
+    # a graph-splitting op that also runs from bounds alone (AttentionMetadata.bounds_only), so a whole
+    # mixed step can be captured (engine/mixed_graphs.py)
+    launches_from_bounds: ClassVar[bool] = False
 
     optional_attrs: ClassVar[Mapping[str, Any]] = {}  # name -> default
 
@@ -101,6 +107,10 @@ class Op:
 
     def __call__(self, step: StepContext, *inputs: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         raise NotImplementedError
+
+    def prefers_eager(self, meta: AttentionMetadata) -> bool:
+        """Whether this step runs faster eagerly than from bounds (launches_from_bounds ops only)."""
+        return False
 
     @property
     def row_wise(self) -> bool:

@@ -278,6 +278,7 @@ class PagedAttention(attention.PagedAttention):
     alone 0.81 + 1.34 ms (bench/results/mixed_attention_h100.json)."""
 
     capturable = True
+    launches_from_bounds = True
     SDPA_MIN_TOKENS = 512
 
     def __init__(self, attrs, env, consts=()) -> None:
@@ -300,6 +301,13 @@ class PagedAttention(attention.PagedAttention):
         )
         pdl = self.env.pdl
         pools = (cache.k[a["layer"]], cache.v[a["layer"]])
+        if meta.bounds_only:  # a captured mixed step (engine/mixed_graphs.py): grids from the buffers' sizes
+            kv = self._pools_checked(q, pools, common)
+            args = (q, *pools, block_tables, context_lens, query_start_loc)
+            out = self.prefill(*args, max_q_len=q.shape[0], tiles_from_device=True, kv=kv, pdl=pdl, **common)
+            kwargs = dict(query_start_loc=query_start_loc, num_decodes=min(block_tables.shape[0], q.shape[0]), out=out)
+            self.decode(*args[:5], max_context_len=meta.max_context_len, kv=kv, pdl=pdl, **kwargs, **common)
+            return out
         if meta.decode_only:
             kv = self._pools_checked(q, pools, common)
             return self.decode(
@@ -333,6 +341,11 @@ class PagedAttention(attention.PagedAttention):
             )  # fmt: skip
             self._checked = checked = (*pools, q.dtype, kv)
         return checked[3]
+
+    def prefers_eager(self, meta) -> bool:
+        """Fresh prompts of SDPA_MIN_TOKENS or more: cuDNN's attention, which only an eager step runs."""
+        q_lens = list(map(operator.sub, meta.query_start[1:], meta.query_start[:-1]))
+        return max(q_lens, default=0) >= self.SDPA_MIN_TOKENS and self._fresh_long_prompts(meta, q_lens)
 
     def _fresh_long_prompts(self, meta, q_lens: list[int]) -> bool:
         """Every sequence that is not a decode is a whole prompt (no cached prefix) of SDPA_MIN_TOKENS or more."""

@@ -106,6 +106,7 @@ def mixed_step(
     prompt_len: tuple[int, int] = (2, 40),
     prefixes: bool = True,
     pools: tuple[str, ...] = tuple(POOLS),
+    prompt_first: bool = False,
 ) -> Step:
     """A mixed step drawn from rng, printed: a random layout, pool and shape; 1-5 decodes over contexts
     of 1-90 beside 2-3 prompts of prompt_len tokens (with prefixes, the second after a cached prefix
@@ -118,6 +119,8 @@ def mixed_step(
         prefix = rng.randint(1, 50) if prefixes and (i == 1 or (i == 2 and rng.random() < 0.5)) else 0
         seqs.append((prefix + q_len, q_len))
     rng.shuffle(seqs)
+    if prompt_first:  # a prompt's row where a stray program for "the 0th sequence" would write
+        seqs.sort(key=lambda seq: seq[1] == 1)
     print(f"{layout} {pool} {shape} (context, q_len): {seqs}")
     return Step(layout, *POOLS[pool], SHAPES[shape], seqs, rng)
 
@@ -261,6 +264,45 @@ def test_fast_op_runs_long_fresh_prompts_beside_decodes_with_sdpa(rng):
     out, decode, prefill = run_fast_op(step)
     assert_close(out, step.ref)
     assert not prefill.calls and len(decode.calls) == 1
+
+
+def test_a_captured_steps_attention_launches_from_bounds(rng, monkeypatch):
+    """bounds_only (engine/mixed_graphs.py): a mixed step padded as a captured graph pads it, with
+    more token rows (padding) and more sequences (empty ones, whose context lengths and block tables
+    hold stale values) than the step has; the grids come from those sizes alone. The step's rows equal
+    the reference, the padding rows are zero although their memory held NaN, and the decode kernel's
+    programs past the step's decodes write nothing (they would overwrite a prompt's row)."""
+    from qruntime.ops.triton_ops import PagedAttention as FastPagedAttention
+
+    monkeypatch.setattr(decode_kernel, "SCAN_BLOCK", 4)
+    monkeypatch.setattr(prefill_kernel, "SCAN_BLOCK", 4)
+    step = mixed_step(rng, prompt_first=True)
+    tokens = step.q.shape[0]
+    pad_rows, pad_seqs = rng.randint(1, 20), rng.randint(1, 6)
+    print("padding rows", pad_rows, "empty sequences", pad_seqs)
+    device, width = step.q.device, step.block_tables.shape[1]
+    q = torch.cat([step.q, torch.randn(pad_rows, *step.q.shape[1:], dtype=step.q.dtype, device=device)])
+    blocks = step.cache.k[0].shape[KV_LAYOUTS[step.layout].k_dims.index("blocks")]
+    stale_tables = torch.randint(0, blocks, (pad_seqs, width), dtype=torch.int32, device=device)
+    stale_lens = torch.randint(1, 90, (pad_seqs,), dtype=torch.int32, device=device)
+    feeds = (
+        torch.cat([step.block_tables, stale_tables]),
+        torch.cat([step.context_lens, stale_lens]),
+        torch.cat([step.query_start_loc, torch.full((pad_seqs,), tokens, dtype=torch.int32, device=device)]),
+    )
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    op = FastPagedAttention(step.attrs, step.env)
+    meta = AttentionMetadata((), (), (), max_context_len=256, bounds_only=True)
+    out = op(StepContext(step.cache, meta), q, None, *feeds)
+    monkeypatch.setattr(torch, "empty", empty)
+    assert_close(out[:tokens], step.ref)
+    assert torch.equal(out[tokens:], torch.zeros_like(out[tokens:]))
 
 
 def test_prefill_rows_of_decode_steps_equal_the_decode_kernel():

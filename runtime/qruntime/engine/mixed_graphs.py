@@ -1,0 +1,143 @@
+"""Prefill and mixed steps replayed whole from one CUDA graph per token bucket.
+
+Piecewise graphs (piecewise_graphs.py) run attention eagerly between the captured pieces, because its
+grids come from the step's sequences. That costs the host a launch or three per layer and a replay per
+piece: a 64-token chunk beside one decode took 14.6 ms of host time for 7.6 ms of kernels (H100,
+qwen3-8b, 36 layers). Here attention launches from bounds instead (AttentionMetadata.bounds_only,
+Op.launches_from_bounds): its grids are sized by the bucket's token count and max_num_seqs, and each
+program finds its sequence and query tile on the device (kernels/paged_prefill_attention.py: nth_tile;
+paged_decode_attention.py: nth_sequence), so everything up to the logits gather is captured once per
+bucket and a step is one replay. The tail from the logits gather on runs eagerly, as in the piecewise
+graphs (its rows are the step's sequences).
+
+Static inputs: the token inputs as the piecewise graphs pad them (rows n..T-1 take token 0 at position
+0 and write the scratch block); the sequence inputs in buffers of max_num_seqs rows, the step's B
+sequences first and the others empty (q_len 0: query_start_loc repeats n; context 0), whatever they
+held before (no kernel reads an empty sequence's block table). Attention zeroes the padding rows'
+output, so the ops after it see finite rows there.
+
+A step goes to the piecewise graphs instead when its attention op prefers an eager launch (fresh long
+prompts, which cuDNN's attention runs faster: ops/triton_ops.py PagedAttention.prefers_eager).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from qruntime.engine.piecewise_graphs import Capture, cuda_capture, unfit_reason
+from qruntime.kv_cache import KVCache
+from qruntime.ops.base import AttentionMetadata, StepContext
+from qruntime.plan import GRAPH_INPUTS, Plan
+
+
+def mixed_unfit_reason(plan: Plan) -> str | None:
+    """Why `plan` cannot run as mixed graphs, or None when it can."""
+    reason = unfit_reason(plan)
+    if reason is not None:
+        return reason
+    for piece in plan.pieces()[:-1]:
+        for node in plan.nodes[piece.start : piece.stop]:
+            if piece.eager and not node.op.launches_from_bounds:
+                return f"node {node.name!r} ({type(node.op).__name__}) runs only on the step's own sequences"
+    return None
+
+
+class MixedGraphs:
+    """Whole-step graphs of `plan` for token counts up to max(buckets) and at most max_seqs sequences;
+    `run(feeds, meta)` fills the static inputs and replays the bucket (see the module docstring).
+    `capture` defaults to CUDA graphs in one new pool (cuda_capture); eager_capture runs anywhere."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        kv_cache: KVCache,
+        buckets: Sequence[int],
+        scratch_block: int,
+        max_context_len: int,
+        max_seqs: int,
+        capture: Capture | None = None,
+    ) -> None:
+        reason = mixed_unfit_reason(plan)
+        if reason is not None:
+            raise ValueError(f"this plan cannot run as mixed-step CUDA graphs: {reason}")
+        if not buckets or min(buckets) < 1 or max_seqs < 1:
+            raise ValueError(f"token buckets and max_seqs must be positive, got {list(buckets)} and {max_seqs}")
+        self.plan, self.kv_cache = plan, kv_cache
+        self.buckets, self.max_seqs = tuple(sorted(set(buckets))), max_seqs
+        self.tail = plan.pieces()[-1]
+        self.attention = [node.op for node in plan.nodes[: self.tail.start] if node.op.splits_graph]
+        device, size = kv_cache.k[0].device, self.buckets[-1]
+        block_size = kv_cache.spec.block_size
+        self.meta = AttentionMetadata((), (), (), max_context_len=max_context_len, bounds_only=True)
+        self.padding = {"input_ids": 0, "positions": 0, "slot_mapping": scratch_block * block_size}
+        max_blocks = -(-max_context_len // block_size)
+        self.inputs = {
+            **{name: torch.full((size,), pad, dtype=torch.int64, device=device) for name, pad in self.padding.items()},
+            "block_tables": torch.full((max_seqs, max_blocks), scratch_block, dtype=torch.int32, device=device),
+            "context_lens": torch.zeros(max_seqs, dtype=torch.int32, device=device),
+            "query_start_loc": torch.zeros(max_seqs + 1, dtype=torch.int32, device=device),  # no sequences
+        }
+        if capture is None:
+            capture = cuda_capture(torch.cuda.graph_pool_handle())
+        self.graphs: dict[int, tuple[dict[str, torch.Tensor], object]] = {}
+        with torch.inference_mode():
+            for bucket in reversed(self.buckets):  # largest first: the smaller ones reuse its memory
+                self.graphs[bucket] = self._capture(bucket, capture)
+
+    def bucket_for(self, tokens: int) -> int | None:
+        """The smallest bucket of at least `tokens` tokens, None when none is that large."""
+        index = bisect_left(self.buckets, tokens)
+        return self.buckets[index] if index < len(self.buckets) else None
+
+    def fits(self, feeds: Mapping[str, torch.Tensor], meta: AttentionMetadata) -> bool:
+        """Whether a step (ModelRunner.prepare's feeds and metadata) replays a mixed graph."""
+        tables = feeds["block_tables"].shape
+        return (
+            0 < feeds["input_ids"].shape[0] <= self.buckets[-1]
+            and tables[0] <= self.max_seqs
+            and tables[1] <= self.inputs["block_tables"].shape[1]
+            and not any(op.prefers_eager(meta) for op in self.attention[:1])  # every layer's op decides alike
+        )
+
+    def _feeds(self, bucket: int) -> dict[str, torch.Tensor]:
+        return {name: buf[:bucket] if name in self.padding else buf for name, buf in self.inputs.items()}
+
+    def _capture(self, bucket: int, capture: Capture):
+        plan, stop = self.plan, self.tail.start
+        step, feeds = StepContext(self.kv_cache, self.meta), self._feeds(bucket)
+        wanted = [name for name in self.tail.reads if name not in plan.weights and name not in GRAPH_INPUTS]
+
+        def run_body() -> dict[str, torch.Tensor]:
+            env = {**plan.weights, **feeds, "": None}
+            plan.run_nodes(step, env, 0, stop)
+            return {name: env[name] for name in wanted}
+
+        return capture(run_body)
+
+    def run(self, feeds: Mapping[str, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """Logits of a step (ModelRunner.prepare's feeds and metadata) that fits (see fits)."""
+        if not self.fits(feeds, meta):
+            raise ValueError(f"a step of {tuple(feeds['block_tables'].shape)} block tables fits no mixed graph")
+        tokens, seqs = int(feeds["input_ids"].shape[0]), int(feeds["block_tables"].shape[0])
+        bucket = self.bucket_for(tokens)
+        inputs = self.inputs
+        for name, pad in self.padding.items():
+            buf = inputs[name]
+            buf[:tokens].copy_(feeds[name])
+            buf[tokens:bucket].fill_(pad)
+        tables = feeds["block_tables"]
+        inputs["block_tables"][:seqs, : tables.shape[1]].copy_(tables)
+        inputs["context_lens"][:seqs].copy_(feeds["context_lens"])
+        inputs["query_start_loc"][: seqs + 1].copy_(feeds["query_start_loc"])
+        inputs["query_start_loc"][seqs + 1 :].fill_(tokens)  # empty sequences after the step's own
+        outputs, replay = self.graphs[bucket]
+        replay()
+        tail = self.tail
+        env = {**self.plan.weights, "": None}
+        env.update((name, feeds[name]) for name in tail.reads if name in feeds)
+        env.update((name, value[:tokens]) for name, value in outputs.items())
+        self.plan.run_nodes(StepContext(self.kv_cache, meta), env, tail.start, tail.stop)
+        return env[self.plan.output]
