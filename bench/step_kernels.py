@@ -39,9 +39,10 @@ def _kernels(prof, steps: int, top: int) -> dict:
     }
 
 
-def _fill(engine, batch: int, context: int, max_tokens: int) -> list[str]:
-    """`batch` requests of `context` random prompt tokens, prefilled, each now decoding."""
-    g = torch.Generator().manual_seed(batch * 7919 + context)
+def _fill(engine, batch: int, context: int, max_tokens: int, salt: int = 0) -> list[str]:
+    """`batch` requests of `context` random prompt tokens, prefilled, each now decoding (salt: another
+    draw, so a second run of the same shape does not find the first one's prompts in the prefix cache)."""
+    g = torch.Generator().manual_seed(batch * 7919 + context + salt * 1_000_003)
     ids = []
     for _ in range(batch):
         prompt = torch.randint(10, 100_000, (context,), generator=g).tolist()
@@ -111,13 +112,15 @@ def mixed_rows(
     top: int,
     prefix: int = 0,
     host_profile: bool = False,
+    salt: int = 0,
 ) -> dict:
     """One step of `decodes` decoding sequences beside `prompts` prompts of `prompt_len` new tokens,
     repeated: each measured step admits a new set of prompts (all prefilled in that one step). With
     `prefix`, every prompt starts with the same `prefix` tokens, cached before (the prefix cache's
-    case: short chunks after a long cached context)."""
-    ids = _fill(engine, decodes, context, max_tokens=400)
-    g = torch.Generator().manual_seed(prompts * 31 + prompt_len + prefix)
+    case: short chunks after a long cached context). salt: fresh prompts for each run of a shape (the
+    prefix cache would otherwise serve a second run the first one's)."""
+    ids = _fill(engine, decodes, context, max_tokens=400, salt=salt)
+    g = torch.Generator().manual_seed(prompts * 31 + prompt_len + prefix + salt * 1_000_003)
     shared = torch.randint(10, 100_000, (prefix,), generator=g).tolist()
     if prefix:
         engine.generate(shared + [7] * prompt_len, qruntime.SamplingParams(max_tokens=1))  # its blocks stay cached
@@ -225,10 +228,12 @@ def main() -> None:
     mixed_graphs = engine.runner.mixed_graphs
     for spec in args.mixed.split(","):
         decodes, prompts, prompt_len, prefix = (int(x) for x in spec.split("x"))
-        for graphs in args.graphs.split(","):
+        for salt, graphs in enumerate(args.graphs.split(",")):
             # mixed: whole-step graphs where they fit; piecewise: those set aside (attention eager)
             engine.runner.mixed_graphs = mixed_graphs if graphs == "mixed" else None
-            row = mixed_rows(engine, decodes, prompts, prompt_len, args.context, args.top, prefix, args.host_profile)
+            row = mixed_rows(
+                engine, decodes, prompts, prompt_len, args.context, args.top, prefix, args.host_profile, salt
+            )
             row["graphs"] = graphs
             print(json.dumps(row)[:3000], flush=True)
             report["mixed"].append(row)

@@ -273,6 +273,30 @@ def nth_sequence(query_start_ptr, num_seqs, n, DECODES: tl.constexpr, BLOCK: tl.
 
 
 @triton.jit
+def decode_count(query_start_ptr, num_seqs, BLOCK: tl.constexpr):
+    """How many of the step's num_seqs sequences have q_len 1: a scan of query_start_loc."""
+    offs = tl.arange(0, BLOCK)
+    seen = num_seqs * 0
+    for first in range(0, num_seqs, BLOCK):
+        b = first + offs
+        valid = b < num_seqs
+        q_len = tl.load(query_start_ptr + b + 1, mask=valid, other=0) - tl.load(
+            query_start_ptr + b, mask=valid, other=0
+        )
+        seen += tl.sum((valid & (q_len == 1)).to(tl.int32), 0)
+    return seen
+
+
+@triton.jit
+def device_splits(count, KV_HEADS: tl.constexpr, target_programs, max_splits):
+    """Partitions per decode when the step's count of decodes is known on the device alone: enough
+    (decode, kv head, partition) programs for target_programs, at most max_splits (decode_num_splits'
+    rule without its power-of-two rounding)."""
+    wanted = tl.cdiv(target_programs, tl.maximum(count, 1) * KV_HEADS)
+    return tl.minimum(tl.maximum(wanted, 1), max_splits)
+
+
+@triton.jit
 def partition_len(ctx, num_splits, min_partition, STEP: tl.constexpr):
     """Tokens per partition of a context of ctx tokens: num_splits partitions cover it."""
     part = tl.cdiv(tl.cdiv(ctx, num_splits), STEP) * STEP
@@ -281,7 +305,7 @@ def partition_len(ctx, num_splits, min_partition, STEP: tl.constexpr):
 
 # no variants per step: Triton would compile one for each int argument equal to 1 or a multiple of
 # 16, and the step's size, its block tables' width and its split count are either from step to step
-@triton.jit(do_not_specialize=["num_seqs", "bt_stride", "num_splits"])
+@triton.jit(do_not_specialize=["num_seqs", "bt_stride", "num_splits", "target_programs"])
 def _decode_partition_kernel(
     q_ptr,  # [B, nh, d] (VARLEN: the step's [T, nh, d])
     k_ptr,
@@ -289,14 +313,15 @@ def _decode_partition_kernel(
     block_tables_ptr,  # [B, max_blocks] int32
     context_lens_ptr,  # [B] int32
     query_start_ptr,  # [B + 1] int32 (VARLEN only)
-    out_ptr,  # [B, nh * d] (VARLEN: [T, nh * d]) when DIRECT, else partial outputs [decodes, nh, S, d] fp32
+    out_ptr,  # [B, nh * d] (VARLEN: [T, nh * d]) when DIRECT, else partial outputs [decodes, nh, splits, d] fp32
     lse_ptr,  # [decodes, nh, S] fp32, log2 domain
     num_seqs,  # B (VARLEN only)
     q_stride_b,
     q_stride_h,
     bt_stride,
     min_partition,  # tokens: partitions are cdiv(ctx, num_splits) rounded up to STEP, at least this
-    num_splits,
+    num_splits,  # FLAT: the most partitions; the step's own count is chosen on the device (device_splits)
+    target_programs,  # FLAT only: device_splits' target
     qk_scale,  # scale * k_scale * log2(e)
     v_scale,
     k_blk,
@@ -326,13 +351,28 @@ def _decode_partition_kernel(
     UPCAST: tl.constexpr,
     DIRECT: tl.constexpr,
     VARLEN: tl.constexpr,
+    FLAT: tl.constexpr,  # splits_from_device (VARLEN): a 1-D grid, each program's work found on the device
+    KV_HEADS: tl.constexpr,  # FLAT only
     SCAN: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     wait_for_inputs(PDL)
-    idx = tl.program_id(0)  # the idx-th decode of the step
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    if FLAT:
+        count = decode_count(query_start_ptr, num_seqs, SCAN)
+        splits = device_splits(count, KV_HEADS, target_programs, num_splits)
+        per_decode = KV_HEADS * splits
+        idx = tl.program_id(0) // per_decode  # the idx-th decode of the step
+        if idx >= count:
+            return
+        kv_head = tl.program_id(0) % per_decode // splits
+        split = tl.program_id(0) % splits
+        num_kv_heads = KV_HEADS
+    else:
+        idx = tl.program_id(0)  # the idx-th decode of the step
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        splits = num_splits
+        num_kv_heads = tl.num_programs(1)
     if VARLEN:
         seq = nth_sequence(query_start_ptr, num_seqs, idx, True, SCAN)
         if seq < 0:  # num_decodes was a bound: fewer decodes this step
@@ -342,7 +382,7 @@ def _decode_partition_kernel(
         seq = idx
         row = idx.to(tl.int64)
     ctx = tl.load(context_lens_ptr + seq)
-    partition = partition_len(ctx, num_splits, min_partition, STEP)
+    partition = partition_len(ctx, splits, min_partition, STEP)
     lo = split * partition
     hi = tl.minimum(lo + partition, ctx)
 
@@ -372,17 +412,17 @@ def _decode_partition_kernel(
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # an empty context (padding row) gives 0
     if DIRECT:
         o = acc * (v_scale / l_safe)[:, None]
-        o_ptr = out_ptr + row * (GROUP * tl.num_programs(1) * HEAD_DIM) + heads[:, None] * HEAD_DIM + offs_d[None, :]
+        o_ptr = out_ptr + row * (GROUP * num_kv_heads * HEAD_DIM) + heads[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(o_ptr, o.to(out_ptr.dtype.element_ty), mask=gd_mask)
     else:
-        part = (idx * GROUP * tl.num_programs(1) + heads) * num_splits + split  # [G] in [decodes, nh, S]
+        part = (idx * GROUP * num_kv_heads + heads) * splits + split  # [G] in [decodes, nh, splits]
         g_written = offs_g < tl.where(lo < ctx, GROUP, 0)  # partitions past the context write nothing
         tl.store(lse_ptr + part, m_i + tl.log2(l_safe), mask=g_written)
         o_ptr = out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(o_ptr, acc / l_safe[:, None], mask=g_written[:, None] & d_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_splits"])  # no variants per step (above)
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "target_programs"])  # no variants per step (above)
 def _decode_reduce_kernel(
     partial_ptr,  # [decodes, nh, S, d] fp32
     lse_ptr,  # [decodes, nh, S] fp32
@@ -392,12 +432,15 @@ def _decode_reduce_kernel(
     num_seqs,  # VARLEN only
     min_partition,
     num_splits,
+    target_programs,  # FLAT only
     v_scale,
     STEP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     VARLEN: tl.constexpr,
+    FLAT: tl.constexpr,  # the partition kernel chose each step's split count on the device
+    KV_HEADS: tl.constexpr,  # FLAT only
     SCAN: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
@@ -413,8 +456,12 @@ def _decode_reduce_kernel(
         seq = idx
         row = idx.to(tl.int64)
     ctx = tl.load(context_lens_ptr + seq)
-    used = tl.cdiv(ctx, partition_len(ctx, num_splits, min_partition, STEP))  # partitions stage 1 wrote
-    row0 = (idx * tl.num_programs(1) + head) * num_splits
+    if FLAT:
+        splits = device_splits(decode_count(query_start_ptr, num_seqs, SCAN), KV_HEADS, target_programs, num_splits)
+    else:
+        splits = num_splits
+    used = tl.cdiv(ctx, partition_len(ctx, splits, min_partition, STEP))  # partitions stage 1 wrote
+    row0 = (idx * tl.num_programs(1) + head) * splits
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
@@ -489,6 +536,7 @@ def paged_decode_attention(
     config: DecodeConfig | None = None,
     query_start_loc: torch.Tensor | None = None,
     num_decodes: int | None = None,
+    splits_from_device: bool = False,
     out: torch.Tensor | None = None,
     kv: PagedKV | None = None,
     pdl: bool = False,
@@ -509,6 +557,10 @@ def paged_decode_attention(
     q_len 1 are computed, each into its query's row of o [T, nh*d]; the other rows are left as they
     are. num_decodes (a host int) sizes the grid: their count, or a bound on it (a captured graph's
     step: the programs past the step's decodes return at once).
+    splits_from_device (with query_start_loc; a captured graph's step, whose decode count only the
+    device knows): the split count is chosen per step on the device from that count (device_splits),
+    up to num_splits (default: what one decode would take), over a 1-D grid that covers any count up
+    to num_decodes; a bound of 128 would otherwise fix one partition for a step of 3 long decodes.
     out: the output to write (o's shape, q's dtype); allocated when None.
     kv: paged_kv(...) of these pools, q's dtype and heads and these scales, when the caller keeps it;
     None computes it. pdl: programmatic dependent launch (kernels/pdl.py).
@@ -538,8 +590,12 @@ def paged_decode_attention(
         raise ValueError(f"context_lens must be int32 [{seqs}]")
     if not max_context_len:  # None or 0 (unknown)
         max_context_len = block_tables.shape[1] * block_size
+    if splits_from_device and not varlen:
+        raise ValueError("splits_from_device needs query_start_loc (the step's decodes found on the device)")
+    target = TARGET_PROGRAMS_PER_SM * _num_sms(q.device)
     if num_splits is None:
-        num_splits = decode_num_splits(batch, num_kv_heads, max_context_len, _num_sms(q.device))
+        count = 1 if splits_from_device else batch  # the most partitions any step of the bound could take
+        num_splits = decode_num_splits(count, num_kv_heads, max_context_len, _num_sms(q.device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     cfg = config or DecodeConfig()
@@ -554,28 +610,35 @@ def paged_decode_attention(
         return out
     group = nh // num_kv_heads
     direct = num_splits == 1
+    # [decodes, nh, splits] rows; splits_from_device: as many as the step's count and split count take
+    rows = max(batch * nh, 2 * target * group) if splits_from_device else batch * nh * num_splits
     if direct:
         partial, lse = out, out  # lse unused
     else:
-        partial = torch.empty(batch, nh, num_splits, d, dtype=torch.float32, device=q.device)
-        lse = torch.empty(batch, nh, num_splits, dtype=torch.float32, device=q.device)
+        partial = torch.empty(rows, d, dtype=torch.float32, device=q.device)
+        lse = torch.empty(rows, dtype=torch.float32, device=q.device)
     qsl = query_start_loc if varlen else context_lens  # read only when VARLEN
     block_d = next_pow2(d)
-    _decode_partition_kernel[(batch, num_kv_heads, num_splits)](
+    if splits_from_device:
+        # device_splits keeps decodes x kv heads x splits under 2 x target once it splits at all
+        grid = (max(batch * num_kv_heads, 2 * target if num_splits > 1 else 0),)
+    else:
+        grid = (batch, num_kv_heads, num_splits)
+    _decode_partition_kernel[grid](
         q, k_pool, v_pool, block_tables, context_lens, qsl, partial, lse, seqs,
-        q.stride(0), q.stride(1), block_tables.stride(0), min_partition, num_splits,
+        q.stride(0), q.stride(1), block_tables.stride(0), min_partition, num_splits, target,
         scale * kv.k_scale * LOG2E, kv.v_scale, *kv.k_args(), *kv.v_args(),
         STEP=block_n, GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_SIZE=block_size, **kv.splits(), SPLIT_P=q.dtype != torch.float32,
-        UPCAST=q.device.type != "cuda", DIRECT=direct, VARLEN=varlen, SCAN=SCAN_BLOCK,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        UPCAST=q.device.type != "cuda", DIRECT=direct, VARLEN=varlen, FLAT=splits_from_device,
+        KV_HEADS=num_kv_heads, SCAN=SCAN_BLOCK, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_options(pdl),
     )  # fmt: skip
     if not direct:
         _decode_reduce_kernel[(batch, nh)](
-            partial, lse, context_lens, qsl, out, seqs, min_partition, num_splits, kv.v_scale,
+            partial, lse, context_lens, qsl, out, seqs, min_partition, num_splits, target, kv.v_scale,
             STEP=block_n, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=REDUCE_BLOCK_S,
-            VARLEN=varlen, SCAN=SCAN_BLOCK, num_warps=4,
+            VARLEN=varlen, FLAT=splits_from_device, KV_HEADS=num_kv_heads, SCAN=SCAN_BLOCK, num_warps=4,
             **launch_options(pdl),
         )  # fmt: skip
     return out

@@ -305,7 +305,8 @@ class PagedAttention(attention.PagedAttention):
             kv = self._pools_checked(q, pools, common)
             args = (q, *pools, block_tables, context_lens, query_start_loc)
             out = self.prefill(*args, max_q_len=q.shape[0], tiles_from_device=True, kv=kv, pdl=pdl, **common)
-            kwargs = dict(query_start_loc=query_start_loc, num_decodes=min(block_tables.shape[0], q.shape[0]), out=out)
+            bound = min(block_tables.shape[0], q.shape[0])
+            kwargs = dict(query_start_loc=query_start_loc, num_decodes=bound, splits_from_device=True, out=out)
             self.decode(*args[:5], max_context_len=meta.max_context_len, kv=kv, pdl=pdl, **kwargs, **common)
             return out
         if meta.decode_only:

@@ -305,6 +305,30 @@ def test_a_captured_steps_attention_launches_from_bounds(rng, monkeypatch):
     assert torch.equal(out[tokens:], torch.zeros_like(out[tokens:]))
 
 
+@pytest.mark.parametrize("most", [1, 3, None])
+def test_decode_rows_split_as_the_device_counts_them(rng, monkeypatch, most):
+    """splits_from_device: the decode rows of a mixed step over a 1-D grid sized by a bound, each
+    step's split count chosen on the device from its count of decodes (at most `most`; None: what
+    one decode would take). Every decode row equals the reference; no other row is written."""
+    monkeypatch.setattr(decode_kernel, "SCAN_BLOCK", 4)
+    step = mixed_step(rng)
+    decode_rows, prompt_rows = step.rows(decodes=True), step.rows(decodes=False)
+    pad = rng.randint(0, 3)  # empty sequences after the step's own, as a captured step has them
+    print("empty sequences", pad)
+    tables = torch.cat([step.block_tables, step.block_tables[:1].expand(pad, -1)])
+    lens = torch.cat([step.context_lens, step.context_lens[:1].expand(pad)])
+    starts = torch.cat([step.query_start_loc, step.query_start_loc[-1:].expand(pad)])
+    bound = tables.shape[0]
+    out = torch.full_like(step.ref, float("nan"))
+    args = (step.q, step.cache.k[0], step.cache.v[0], tables, lens)
+    paged_decode_attention(
+        *args, **step.kwargs(), query_start_loc=starts, num_decodes=bound, splits_from_device=True,
+        num_splits=most, max_context_len=256, out=out,
+    )  # fmt: skip
+    assert_close(out[decode_rows], step.ref[decode_rows])
+    assert out[prompt_rows].isnan().all()
+
+
 def test_prefill_rows_of_decode_steps_equal_the_decode_kernel():
     step = Step("nhd", "fp8_e4m3", torch.bfloat16, (6, 3, 64, 16), [(33, 1), (1, 1), (70, 1)])
     prefill = step.prefill()
