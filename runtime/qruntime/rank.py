@@ -238,13 +238,16 @@ def build_rank(
             piecewise = PiecewiseGraphs(plan, kv_cache, tokens, blocks, max_model_len)
             if mixed_unfit_reason(plan) is None:  # whole-step graphs where attention launches from bounds
                 mixed = MixedGraphs(plan, kv_cache, tokens, blocks, max_model_len, config.max_num_seqs)
-    runner = ModelRunner(plan, kv_cache, device, max_model_len, graphs, piecewise, shard, mixed)
+    runner = ModelRunner(plan, kv_cache, device, max_model_len, graphs, piecewise, shard)
     if cuda_graphs:  # every rank runs them (their collectives pair up): the kernels of mixed steps build now
+        # without the mixed graphs (their kernels built at capture): the piecewise and eager steps'
+        # variants, which fresh long prompts and all-logits steps still meet, build here
         for chunks in warm_up_steps(
             spec.block_size, blocks, config.max_num_batched_tokens, max_model_len, config.max_num_seqs
         ):
             columns = runner.execute(chunks).shape[1]
         torch.cuda.synchronize(device)
+        runner.mixed_graphs = mixed
         if shard is not None:  # every rank, together: the sharded sampler's kernels build now too
             warm_up_sampling(shard, columns, config.dtype, device)
     checkpoint("ready")
