@@ -30,6 +30,13 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def host_buffer(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`array` as a CPU tensor a copy to `device` reads without a sync: pinned for a CUDA device (the
+    pinned-memory cache keeps it until the copy has run), as it is for the CPU."""
+    host = torch.from_numpy(array)
+    return host.pin_memory() if device.type == "cuda" else host
+
+
 def device_tensor(data: Sequence | float | int, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
     """torch.tensor(data, dtype=dtype, device=device) without a host sync (see the module docstring)."""
     return to_device(torch.tensor(data, dtype=dtype), device)

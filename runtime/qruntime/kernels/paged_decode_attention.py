@@ -44,6 +44,7 @@ SCAN_BLOCK = 128  # sequences nth_sequence reads at a time
 # partitions the reduce reads at a time, whatever the split count: one compiled variant for every step
 # (sized to the count, it was a new Triton compile mid-serving for each power of two a mixed step met)
 REDUCE_BLOCK_S = 32
+WORK_HEADER = 4  # a captured step's work list (paged_prefill_attention.bounds_work): its header's ints
 
 
 @dataclass(frozen=True)
@@ -273,21 +274,6 @@ def nth_sequence(query_start_ptr, num_seqs, n, DECODES: tl.constexpr, BLOCK: tl.
 
 
 @triton.jit
-def decode_count(query_start_ptr, num_seqs, BLOCK: tl.constexpr):
-    """How many of the step's num_seqs sequences have q_len 1: a scan of query_start_loc."""
-    offs = tl.arange(0, BLOCK)
-    seen = num_seqs * 0
-    for first in range(0, num_seqs, BLOCK):
-        b = first + offs
-        valid = b < num_seqs
-        q_len = tl.load(query_start_ptr + b + 1, mask=valid, other=0) - tl.load(
-            query_start_ptr + b, mask=valid, other=0
-        )
-        seen += tl.sum((valid & (q_len == 1)).to(tl.int32), 0)
-    return seen
-
-
-@triton.jit
 def device_splits(count, KV_HEADS: tl.constexpr, target_programs, max_splits):
     """Partitions per decode when the step's count of decodes is known on the device alone: enough
     (decode, kv head, partition) programs for target_programs, at most max_splits (decode_num_splits'
@@ -313,6 +299,7 @@ def _decode_partition_kernel(
     block_tables_ptr,  # [B, max_blocks] int32
     context_lens_ptr,  # [B] int32
     query_start_ptr,  # [B + 1] int32 (VARLEN only)
+    work_ptr,  # FLAT only: paged_prefill_attention.bounds_work's list (decode count, then the decodes)
     out_ptr,  # [B, nh * d] (VARLEN: [T, nh * d]) when DIRECT, else partial outputs [decodes, nh, splits, d] fp32
     lse_ptr,  # [decodes, nh, S] fp32, log2 domain
     num_seqs,  # B (VARLEN only)
@@ -351,14 +338,15 @@ def _decode_partition_kernel(
     UPCAST: tl.constexpr,
     DIRECT: tl.constexpr,
     VARLEN: tl.constexpr,
-    FLAT: tl.constexpr,  # splits_from_device (VARLEN): a 1-D grid, each program's work found on the device
+    FLAT: tl.constexpr,  # a work list (VARLEN): a 1-D grid, the split count chosen on the device
     KV_HEADS: tl.constexpr,  # FLAT only
+    WORK_HEADER: tl.constexpr,  # FLAT only
     SCAN: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     wait_for_inputs(PDL)
     if FLAT:
-        count = decode_count(query_start_ptr, num_seqs, SCAN)
+        count = tl.load(work_ptr + 1)
         splits = device_splits(count, KV_HEADS, target_programs, num_splits)
         per_decode = KV_HEADS * splits
         idx = tl.program_id(0) // per_decode  # the idx-th decode of the step
@@ -373,11 +361,14 @@ def _decode_partition_kernel(
         split = tl.program_id(2)
         splits = num_splits
         num_kv_heads = tl.num_programs(1)
-    if VARLEN:
+    if FLAT:
+        seq = tl.load(work_ptr + WORK_HEADER + idx)
+        row = tl.load(query_start_ptr + seq).to(tl.int64)  # its query's row of q and out
+    elif VARLEN:
         seq = nth_sequence(query_start_ptr, num_seqs, idx, True, SCAN)
         if seq < 0:  # num_decodes was a bound: fewer decodes this step
             return
-        row = tl.load(query_start_ptr + seq).to(tl.int64)  # its query's row of q and out
+        row = tl.load(query_start_ptr + seq).to(tl.int64)
     else:
         seq = idx
         row = idx.to(tl.int64)
@@ -428,6 +419,7 @@ def _decode_reduce_kernel(
     lse_ptr,  # [decodes, nh, S] fp32
     context_lens_ptr,
     query_start_ptr,  # VARLEN only
+    work_ptr,  # FLAT only
     out_ptr,  # [B, nh * d] (VARLEN: [T, nh * d])
     num_seqs,  # VARLEN only
     min_partition,
@@ -441,13 +433,20 @@ def _decode_reduce_kernel(
     VARLEN: tl.constexpr,
     FLAT: tl.constexpr,  # the partition kernel chose each step's split count on the device
     KV_HEADS: tl.constexpr,  # FLAT only
+    WORK_HEADER: tl.constexpr,  # FLAT only
     SCAN: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     wait_for_inputs(PDL)
     idx = tl.program_id(0)
     head = tl.program_id(1)
-    if VARLEN:
+    if FLAT:
+        count = tl.load(work_ptr + 1)
+        if idx >= count:
+            return
+        seq = tl.load(work_ptr + WORK_HEADER + idx)
+        row = tl.load(query_start_ptr + seq).to(tl.int64)
+    elif VARLEN:
         seq = nth_sequence(query_start_ptr, num_seqs, idx, True, SCAN)
         if seq < 0:
             return
@@ -456,8 +455,8 @@ def _decode_reduce_kernel(
         seq = idx
         row = idx.to(tl.int64)
     ctx = tl.load(context_lens_ptr + seq)
-    if FLAT:
-        splits = device_splits(decode_count(query_start_ptr, num_seqs, SCAN), KV_HEADS, target_programs, num_splits)
+    if FLAT:  # noqa: SIM108 (count exists only when FLAT: a constexpr branch, not an expression)
+        splits = device_splits(count, KV_HEADS, target_programs, num_splits)
     else:
         splits = num_splits
     used = tl.cdiv(ctx, partition_len(ctx, splits, min_partition, STEP))  # partitions stage 1 wrote
@@ -536,7 +535,7 @@ def paged_decode_attention(
     config: DecodeConfig | None = None,
     query_start_loc: torch.Tensor | None = None,
     num_decodes: int | None = None,
-    splits_from_device: bool = False,
+    work: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     kv: PagedKV | None = None,
     pdl: bool = False,
@@ -557,10 +556,11 @@ def paged_decode_attention(
     q_len 1 are computed, each into its query's row of o [T, nh*d]; the other rows are left as they
     are. num_decodes (a host int) sizes the grid: their count, or a bound on it (a captured graph's
     step: the programs past the step's decodes return at once).
-    splits_from_device (with query_start_loc; a captured graph's step, whose decode count only the
-    device knows): the split count is chosen per step on the device from that count (device_splits),
-    up to num_splits (default: what one decode would take), over a 1-D grid that covers any count up
-    to num_decodes; a bound of 128 would otherwise fix one partition for a step of 3 long decodes.
+    work (with query_start_loc; a captured graph's step, whose decodes only the device knows):
+    paged_prefill_attention.bounds_work's list, which names the step's decodes; the split count is
+    chosen per step on the device from their count (device_splits), up to num_splits (default: what
+    one decode would take), over a 1-D grid that covers any count up to num_decodes (a bound of 128
+    would otherwise fix one partition for a step of 3 long decodes).
     out: the output to write (o's shape, q's dtype); allocated when None.
     kv: paged_kv(...) of these pools, q's dtype and heads and these scales, when the caller keeps it;
     None computes it. pdl: programmatic dependent launch (kernels/pdl.py).
@@ -590,11 +590,12 @@ def paged_decode_attention(
         raise ValueError(f"context_lens must be int32 [{seqs}]")
     if not max_context_len:  # None or 0 (unknown)
         max_context_len = block_tables.shape[1] * block_size
-    if splits_from_device and not varlen:
-        raise ValueError("splits_from_device needs query_start_loc (the step's decodes found on the device)")
+    flat = work is not None
+    if flat and (not varlen or work.dtype != torch.int32):
+        raise ValueError("work (an int32 bounds_work list) goes with query_start_loc")
     target = TARGET_PROGRAMS_PER_SM * _num_sms(q.device)
     if num_splits is None:
-        count = 1 if splits_from_device else batch  # the most partitions any step of the bound could take
+        count = 1 if flat else batch  # the most partitions any step of the bound could take
         num_splits = decode_num_splits(count, num_kv_heads, max_context_len, _num_sms(q.device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
@@ -610,8 +611,8 @@ def paged_decode_attention(
         return out
     group = nh // num_kv_heads
     direct = num_splits == 1
-    # [decodes, nh, splits] rows; splits_from_device: as many as the step's count and split count take
-    rows = max(batch * nh, 2 * target * group) if splits_from_device else batch * nh * num_splits
+    # [decodes, nh, splits] rows; with a work list: as many as the step's count and split count take
+    rows = max(batch * nh, 2 * target * group) if flat else batch * nh * num_splits
     if direct:
         partial, lse = out, out  # lse unused
     else:
@@ -619,26 +620,28 @@ def paged_decode_attention(
         lse = torch.empty(rows, dtype=torch.float32, device=q.device)
     qsl = query_start_loc if varlen else context_lens  # read only when VARLEN
     block_d = next_pow2(d)
-    if splits_from_device:
+    if flat:
         # device_splits keeps decodes x kv heads x splits under 2 x target once it splits at all
         grid = (max(batch * num_kv_heads, 2 * target if num_splits > 1 else 0),)
     else:
         grid = (batch, num_kv_heads, num_splits)
     _decode_partition_kernel[grid](
-        q, k_pool, v_pool, block_tables, context_lens, qsl, partial, lse, seqs,
+        q, k_pool, v_pool, block_tables, context_lens, qsl, work if flat else qsl, partial, lse, seqs,
         q.stride(0), q.stride(1), block_tables.stride(0), min_partition, num_splits, target,
         scale * kv.k_scale * LOG2E, kv.v_scale, *kv.k_args(), *kv.v_args(),
         STEP=block_n, GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_SIZE=block_size, **kv.splits(), SPLIT_P=q.dtype != torch.float32,
-        UPCAST=q.device.type != "cuda", DIRECT=direct, VARLEN=varlen, FLAT=splits_from_device,
-        KV_HEADS=num_kv_heads, SCAN=SCAN_BLOCK, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        UPCAST=q.device.type != "cuda", DIRECT=direct, VARLEN=varlen, FLAT=flat,
+        KV_HEADS=num_kv_heads, WORK_HEADER=WORK_HEADER, SCAN=SCAN_BLOCK, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_options(pdl),
     )  # fmt: skip
     if not direct:
         _decode_reduce_kernel[(batch, nh)](
-            partial, lse, context_lens, qsl, out, seqs, min_partition, num_splits, target, kv.v_scale,
+            partial, lse, context_lens, qsl, work if flat else qsl, out, seqs, min_partition, num_splits, target,
+            kv.v_scale,
             STEP=block_n, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=REDUCE_BLOCK_S,
-            VARLEN=varlen, FLAT=splits_from_device, KV_HEADS=num_kv_heads, SCAN=SCAN_BLOCK, num_warps=4,
+            VARLEN=varlen, FLAT=flat, KV_HEADS=num_kv_heads, WORK_HEADER=WORK_HEADER, SCAN=SCAN_BLOCK,
+            num_warps=4,
             **launch_options(pdl),
         )  # fmt: skip
     return out

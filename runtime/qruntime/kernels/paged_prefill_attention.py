@@ -14,20 +14,23 @@ of BLOCK_M rows and each q head would read its kv head's K/V again. Given num_pr
 covers only the sequences whose q_len is not 1 (program i finds the i-th of them by a scan of
 query_start_loc on the device) and leaves the decode rows for paged_decode_attention.
 
-A captured graph's step (tiles_from_device): the grid is sized from bounds alone (q's rows, the
-block tables' rows), never from the step's sequences, so one launch serves every step of a token
-bucket. Program t finds its (sequence, query tile) itself, by a scan of query_start_loc that counts
-each prompt's tiles (nth_tile); the programs past the step's tiles zero the rows past its last
-sequence (the bucket's padding rows: the ops after attention read them, and a row of stale memory
-could hold NaNs that a router turns into an expert id).
+A captured graph's step (a work list, bounds_work): the grid is sized from bounds alone (the bucket's
+rows, the block tables' rows: bounds_tiles), never from the step's sequences, so one launch serves
+every step of a token bucket. The host writes the step's work into a device buffer before the replay
+(a few numpy ops, once per step for every layer): program t reads its (sequence, query tile), heaviest
+first; the programs past the step's tiles zero the rows past its last sequence (the bucket's padding
+rows: the ops after attention read them, and a row of stale memory could hold NaNs that a router
+turns into an expert id). The decode kernel reads its rows from the same list.
 
 K/V addressing is shared with the decode kernel (kv_addressing's eight integers per pool).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -35,6 +38,7 @@ import triton.language as tl
 from qruntime.kernels.paged_decode_attention import (
     LOG2E,
     SCAN_BLOCK,
+    WORK_HEADER,
     PagedKV,
     attend_tile,
     cdiv,
@@ -58,28 +62,49 @@ class PrefillConfig:
     num_stages: int = 3
 
 
-@triton.jit
-def nth_tile(query_start_ptr, num_seqs, t, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
-    """(sequence, tile) of the t-th BLOCK_M-row query tile of the step's prompts (the sequences whose
-    q_len is not 1, in step order), and the step's count of such tiles; the sequence is -1 when t is
-    past them. A scan of query_start_loc [num_seqs + 1], BLOCK sequences at a time."""
-    offs = tl.arange(0, BLOCK)
-    seq = t * 0 - 1
-    tile = t * 0
-    seen = t * 0
-    for first in range(0, num_seqs, BLOCK):
-        b = first + offs
-        valid = b < num_seqs
-        start = tl.load(query_start_ptr + b, mask=valid, other=0)
-        q_len = tl.load(query_start_ptr + b + 1, mask=valid, other=0) - start
-        tiles = tl.where(valid & (q_len != 1), tl.cdiv(q_len, BLOCK_M), 0)
-        end = seen + tl.cumsum(tiles, 0)
-        begin = end - tiles
-        hit = (begin <= t) & (t < end)
-        seq += tl.sum(tl.where(hit, b + 1, 0), 0)
-        tile += tl.sum(tl.where(hit, t - begin, 0), 0)
-        seen += tl.sum(tiles, 0)
-    return seq, tile, seen
+BOUNDS_BLOCK_M = 64  # query rows per tile of a captured step (PrefillConfig's default)
+
+
+def bounds_tiles(tokens: int, seqs: int) -> int:
+    """The prefill grid's tiles (per head) of a captured step of `tokens` rows and `seqs` sequence
+    rows: each prompt (q_len >= 2) adds at most one partial tile to its rows' count, so any step fits,
+    and what its tiles leave over covers the rows past its last sequence (ceil((T - rows) / BLOCK_M))."""
+    return cdiv(tokens, BOUNDS_BLOCK_M) + min(seqs, tokens // 2)
+
+
+def work_size(tokens: int, seqs: int) -> int:
+    return WORK_HEADER + seqs + 2 * bounds_tiles(tokens, seqs)
+
+
+def bounds_work(query_start: Sequence[int], context_lens: Sequence[int], tokens: int, seqs: int) -> np.ndarray:
+    """The work list of a step (its host query starts and context lengths) run from a captured graph
+    of `tokens` rows and `seqs` sequence rows, int32 [work_size]: a header (the prompts' tile count,
+    the decode count, the step's rows, 0), the decodes' sequence indices (the decode kernel's, seqs
+    slots), then each tile's sequence and tile index (bounds_tiles slots each), heaviest tile first
+    (the most cached positions to walk)."""
+    starts = np.asarray(query_start, dtype=np.int64)
+    q_lens = np.diff(starts)
+    if len(q_lens) > seqs or starts[-1] > tokens:
+        raise ValueError(f"a step of {len(q_lens)} sequences and {starts[-1]} rows exceeds {seqs} and {tokens}")
+    decodes = np.flatnonzero(q_lens == 1)
+    prompts = np.flatnonzero(q_lens > 1)
+    counts = -(-q_lens[prompts] // BOUNDS_BLOCK_M)
+    seq = np.repeat(prompts, counts)
+    tile = np.arange(len(seq)) - np.repeat(np.cumsum(counts) - counts, counts)
+    ends = (
+        np.asarray(context_lens, dtype=np.int64)[seq]
+        - q_lens[seq]
+        + np.minimum((tile + 1) * BOUNDS_BLOCK_M, q_lens[seq])
+    )
+    order = np.argsort(-ends, kind="stable")
+    grid = bounds_tiles(tokens, seqs)
+    work = np.zeros(work_size(tokens, seqs), dtype=np.int32)
+    work[:3] = (len(seq), len(decodes), starts[-1])
+    work[WORK_HEADER : WORK_HEADER + len(decodes)] = decodes
+    base = WORK_HEADER + seqs
+    work[base : base + len(seq)] = seq[order]
+    work[base + grid : base + grid + len(seq)] = tile[order]
+    return work
 
 
 # no variants per step: the step's size and its block tables' width are ints Triton would specialize
@@ -93,8 +118,9 @@ def _prefill_kernel(
     context_lens_ptr,  # [B] int32
     query_start_ptr,  # [B+1] int32
     out_ptr,  # [T, nh * d]
-    num_seqs,  # B (SKIP_DECODES and SEARCH only)
-    num_tokens,  # T (SEARCH only: the rows to zero end there)
+    work_ptr,  # WORK only: bounds_work's list
+    num_seqs,  # B (SKIP_DECODES and WORK only)
+    num_tokens,  # T (WORK only: the rows to zero end there)
     q_stride_t,
     q_stride_h,
     bt_stride,
@@ -125,7 +151,8 @@ def _prefill_kernel(
     SPLIT_P: tl.constexpr,
     UPCAST: tl.constexpr,
     SKIP_DECODES: tl.constexpr,
-    SEARCH: tl.constexpr,  # tiles_from_device: the grid's axis 1 counts the step's tiles (nth_tile)
+    WORK: tl.constexpr,  # a captured step: the grid's axis 1 is bounds_tiles, each tile read from work_ptr
+    WORK_HEADER: tl.constexpr,
     SCAN: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
@@ -134,15 +161,17 @@ def _prefill_kernel(
     nh = tl.num_programs(0)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    if SEARCH:
-        t = tl.num_programs(1) - 1 - tl.program_id(1)  # the last sequences' last tiles first
-        seq, tile, tiles = nth_tile(query_start_ptr, num_seqs, t, BLOCK_M, SCAN)
-        if seq < 0:  # past the step's tiles: the (t - tiles)-th BLOCK_M rows past its last sequence
-            pad = tl.load(query_start_ptr + num_seqs) + (t - tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    if WORK:
+        t = tl.program_id(1)
+        tiles = tl.load(work_ptr)
+        if t >= tiles:  # past the step's tiles: the (t - tiles)-th BLOCK_M rows past its last sequence
+            pad = tl.load(work_ptr + 2) + (t - tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
             z_off = pad.to(tl.int64)[:, None] * (nh * HEAD_DIM) + head * HEAD_DIM + offs_d[None, :]
             zeros = tl.zeros([BLOCK_M, BLOCK_D], out_ptr.dtype.element_ty)
             tl.store(out_ptr + z_off, zeros, mask=(pad < num_tokens)[:, None] & d_mask[None, :])
             return
+        seq = tl.load(work_ptr + WORK_HEADER + num_seqs + t)
+        tile = tl.load(work_ptr + WORK_HEADER + num_seqs + tl.num_programs(1) + t)
     else:
         tile = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest tiles first
         n = tl.program_id(2)
@@ -209,7 +238,7 @@ def paged_prefill_attention(
     max_q_len: int,
     config: PrefillConfig | None = None,
     num_prefills: int | None = None,
-    tiles_from_device: bool = False,
+    work: torch.Tensor | None = None,
     kv: PagedKV | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
@@ -224,10 +253,10 @@ def paged_prefill_attention(
     num_prefills: None computes every sequence. A host int, the step's count of sequences whose
     q_len is not 1: only those are computed and the rows of the q_len 1 sequences are left
     unwritten, for paged_decode_attention(..., query_start_loc=...) to fill.
-    tiles_from_device: a captured graph's step (see the module docstring): the grid comes from T and
-    B alone (max_q_len and num_prefills are not read); the prompts' rows are computed, the decode
-    rows left unwritten as with num_prefills, and the rows from query_start_loc[B] to T zeroed. The
-    caller pads its sequences with empty ones (q_len 0: no tiles).
+    work: a captured graph's step (see the module docstring): bounds_work's list for this step, its
+    T and B (the grid comes from them alone; max_q_len and num_prefills are not read); the prompts'
+    rows are computed, the decode rows left unwritten as with num_prefills, and the rows past the
+    step's last sequence zeroed. The caller pads its sequences with empty ones.
     kv: paged_kv(...) of these pools, q's dtype and heads and these scales, when the caller keeps it;
     None computes it. pdl: programmatic dependent launch (kernels/pdl.py).
     """
@@ -251,11 +280,11 @@ def paged_prefill_attention(
         raise ValueError(f"num_prefills must be in [0, {batch}], got {num_prefills}")
     out = torch.empty(tokens, nh * d, dtype=q.dtype, device=q.device)
     cfg = config or PrefillConfig()
-    if tiles_from_device:
-        block_m = min(cfg.block_m, max(16, next_pow2(tokens)))
-        # the prompts' tiles: each of q_len >= 2 adds at most one partial tile to its rows' count,
-        # and what is left over covers the rows past the last sequence (ceil((T - rows) / BLOCK_M))
-        grid = (nh, cdiv(tokens, block_m) + min(batch, tokens // 2), 1)
+    if work is not None:
+        if work.dtype != torch.int32 or work.numel() < work_size(tokens, batch):
+            raise ValueError(f"work must be int32 of at least {work_size(tokens, batch)} (bounds_work's list)")
+        block_m = BOUNDS_BLOCK_M
+        grid = (nh, bounds_tiles(tokens, batch), 1)
     else:
         seqs = batch if num_prefills is None else num_prefills  # the grid's sequences
         if seqs == 0 or max_q_len == 0:
@@ -268,13 +297,14 @@ def paged_prefill_attention(
     block_n = cfg.block_n
     num_warps = cfg.num_warps if block_m >= 64 else min(cfg.num_warps, 4)
     _prefill_kernel[grid](
-        q, k_pool, v_pool, block_tables, context_lens, query_start_loc, out, batch, tokens,
+        q, k_pool, v_pool, block_tables, context_lens, query_start_loc, out,
+        query_start_loc if work is None else work, batch, tokens,
         q.stride(0), q.stride(1), block_tables.stride(0), scale * kv.k_scale * LOG2E, kv.v_scale,
         *kv.k_args(), *kv.v_args(),
         GROUP=nh // num_kv_heads, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, **kv.splits(), SPLIT_P=q.dtype != torch.float32,
-        UPCAST=q.device.type != "cuda", SKIP_DECODES=num_prefills is not None, SEARCH=tiles_from_device,
-        SCAN=SCAN_BLOCK,
+        UPCAST=q.device.type != "cuda", SKIP_DECODES=num_prefills is not None, WORK=work is not None,
+        WORK_HEADER=WORK_HEADER, SCAN=SCAN_BLOCK,
         num_warps=num_warps, num_stages=cfg.num_stages,
         **launch_options(pdl),
     )  # fmt: skip

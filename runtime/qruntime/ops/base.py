@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from qruntime.kernel_configs import KernelTable
@@ -44,8 +45,10 @@ class AttentionMetadata:
     max_q_len: int = 0
     max_context_len: int = 0
     # a captured mixed step (engine/mixed_graphs.py): the sequence inputs are padded static buffers
-    # and the tuples above are empty; ops launch from the buffers' sizes alone
+    # and the tuples above are empty; ops launch from the buffers' sizes alone, their kernels reading
+    # the step's work list (Op.bounds_work, written before each replay) from `work`
     bounds_only: bool = False
+    work: torch.Tensor | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -111,6 +114,16 @@ class Op:
     def prefers_eager(self, meta: AttentionMetadata) -> bool:
         """Whether this step runs faster eagerly than from bounds (launches_from_bounds ops only)."""
         return False
+
+    def bounds_work_size(self, tokens: int, seqs: int) -> int:
+        """launches_from_bounds ops: the int32 entries of bounds_work for a graph of `tokens` rows and
+        `seqs` sequence rows."""
+        return 0
+
+    def bounds_work(self, meta: AttentionMetadata, tokens: int, seqs: int) -> np.ndarray:
+        """launches_from_bounds ops: the step's work list (from its host metadata) that the kernels of a
+        graph of `tokens` rows and `seqs` sequence rows read from AttentionMetadata.work."""
+        return np.zeros(0, dtype=np.int32)
 
     @property
     def row_wise(self) -> bool:

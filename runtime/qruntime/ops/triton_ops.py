@@ -304,9 +304,9 @@ class PagedAttention(attention.PagedAttention):
         if meta.bounds_only:  # a captured mixed step (engine/mixed_graphs.py): grids from the buffers' sizes
             kv = self._pools_checked(q, pools, common)
             args = (q, *pools, block_tables, context_lens, query_start_loc)
-            out = self.prefill(*args, max_q_len=q.shape[0], tiles_from_device=True, kv=kv, pdl=pdl, **common)
+            out = self.prefill(*args, max_q_len=q.shape[0], work=meta.work, kv=kv, pdl=pdl, **common)
             bound = min(block_tables.shape[0], q.shape[0])
-            kwargs = dict(query_start_loc=query_start_loc, num_decodes=bound, splits_from_device=True, out=out)
+            kwargs = dict(query_start_loc=query_start_loc, num_decodes=bound, work=meta.work, out=out)
             self.decode(*args[:5], max_context_len=meta.max_context_len, kv=kv, pdl=pdl, **kwargs, **common)
             return out
         if meta.decode_only:
@@ -342,6 +342,17 @@ class PagedAttention(attention.PagedAttention):
             )  # fmt: skip
             self._checked = checked = (*pools, q.dtype, kv)
         return checked[3]
+
+    def bounds_work_size(self, tokens: int, seqs: int) -> int:
+        from qruntime.kernels.paged_prefill_attention import work_size
+
+        return work_size(tokens, seqs)
+
+    def bounds_work(self, meta, tokens: int, seqs: int):
+        """The prefill kernel's tiles and the decode kernel's rows (kernels/paged_prefill_attention.py)."""
+        from qruntime.kernels.paged_prefill_attention import bounds_work
+
+        return bounds_work(meta.query_start, meta.context_lens, tokens, seqs)
 
     def prefers_eager(self, meta) -> bool:
         """Fresh prompts of SDPA_MIN_TOKENS or more: cuDNN's attention, which only an eager step runs."""

@@ -4,8 +4,10 @@ qruntime.ops.attention.PagedAttention, for every KV layout with model-dtype and 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 from qruntime.kernels import paged_decode_attention as decode_kernel
@@ -274,8 +276,6 @@ def test_a_captured_steps_attention_launches_from_bounds(rng, monkeypatch):
     programs past the step's decodes write nothing (they would overwrite a prompt's row)."""
     from qruntime.ops.triton_ops import PagedAttention as FastPagedAttention
 
-    monkeypatch.setattr(decode_kernel, "SCAN_BLOCK", 4)
-    monkeypatch.setattr(prefill_kernel, "SCAN_BLOCK", 4)
     step = mixed_step(rng, prompt_first=True)
     tokens = step.q.shape[0]
     pad_rows, pad_seqs = rng.randint(1, 20), rng.randint(1, 6)
@@ -298,19 +298,50 @@ def test_a_captured_steps_attention_launches_from_bounds(rng, monkeypatch):
 
     monkeypatch.setattr(torch, "empty", nan_empty)
     op = FastPagedAttention(step.attrs, step.env)
-    meta = AttentionMetadata((), (), (), max_context_len=256, bounds_only=True)
+    rows, seqs = q.shape[0], feeds[0].shape[0]
+    # the list sits in a larger buffer (the graphs' holds the largest bucket's), its tail stale
+    work = torch.full((op.bounds_work_size(rows, seqs) + 7,), 10**6, dtype=torch.int32, device=device)
+    listed = op.bounds_work(step.meta, rows, seqs)
+    work[: listed.size] = torch.from_numpy(listed)
+    meta = AttentionMetadata((), (), (), max_context_len=256, bounds_only=True, work=work)
     out = op(StepContext(step.cache, meta), q, None, *feeds)
     monkeypatch.setattr(torch, "empty", empty)
     assert_close(out[:tokens], step.ref)
     assert torch.equal(out[tokens:], torch.zeros_like(out[tokens:]))
 
 
+def test_a_steps_work_list_names_every_tile_once_heaviest_first(rng):
+    """bounds_work for random steps in random buckets: the header, the decodes in step order, every
+    prompt tile once (BOUNDS_BLOCK_M rows each), in order of the cached positions they walk, and tiles
+    left over in the grid for every padding row past the step's rows."""
+    block = prefill_kernel.BOUNDS_BLOCK_M
+    for _ in range(200):
+        q_lens = [rng.choice([1, 1, rng.randint(2, 300)]) for _ in range(rng.randint(1, 12))]
+        contexts = [n + rng.randint(0, 3000) for n in q_lens]
+        rows = sum(q_lens)
+        tokens, seqs = rng.randint(rows, rows + 200), rng.randint(len(q_lens), len(q_lens) + 5)
+        starts = [0, *itertools.accumulate(q_lens)]
+        work = prefill_kernel.bounds_work(starts, contexts, tokens, seqs)
+        grid = prefill_kernel.bounds_tiles(tokens, seqs)
+        tiles = [(b, t) for b, n in enumerate(q_lens) if n > 1 for t in range(-(-n // block))]
+        decodes = [b for b, n in enumerate(q_lens) if n == 1]
+        assert work.dtype == np.int32 and work.size == prefill_kernel.work_size(tokens, seqs)
+        assert list(work[:3]) == [len(tiles), len(decodes), rows]
+        assert list(work[4 : 4 + len(decodes)]) == decodes
+        base = 4 + seqs
+        seq_of, tile_of = work[base : base + len(tiles)].tolist(), work[base + grid : base + grid + len(tiles)].tolist()
+        listed = list(zip(seq_of, tile_of, strict=True))
+        assert sorted(listed) == tiles
+        walked = [contexts[b] - q_lens[b] + min((t + 1) * block, q_lens[b]) for b, t in listed]
+        assert walked == sorted(walked, reverse=True)
+        assert (grid - len(tiles)) * block >= tokens - rows  # the leftover programs zero every padding row
+
+
 @pytest.mark.parametrize("most", [1, 3, None])
-def test_decode_rows_split_as_the_device_counts_them(rng, monkeypatch, most):
-    """splits_from_device: the decode rows of a mixed step over a 1-D grid sized by a bound, each
+def test_decode_rows_split_as_the_device_counts_them(rng, most):
+    """A work list (bounds_work): the decode rows of a mixed step over a 1-D grid sized by a bound, each
     step's split count chosen on the device from its count of decodes (at most `most`; None: what
     one decode would take). Every decode row equals the reference; no other row is written."""
-    monkeypatch.setattr(decode_kernel, "SCAN_BLOCK", 4)
     step = mixed_step(rng)
     decode_rows, prompt_rows = step.rows(decodes=True), step.rows(decodes=False)
     pad = rng.randint(0, 3)  # empty sequences after the step's own, as a captured step has them
@@ -319,10 +350,13 @@ def test_decode_rows_split_as_the_device_counts_them(rng, monkeypatch, most):
     lens = torch.cat([step.context_lens, step.context_lens[:1].expand(pad)])
     starts = torch.cat([step.query_start_loc, step.query_start_loc[-1:].expand(pad)])
     bound = tables.shape[0]
+    work = torch.from_numpy(
+        prefill_kernel.bounds_work(step.meta.query_start, step.meta.context_lens, len(step.q), bound)
+    )
     out = torch.full_like(step.ref, float("nan"))
     args = (step.q, step.cache.k[0], step.cache.v[0], tables, lens)
     paged_decode_attention(
-        *args, **step.kwargs(), query_start_loc=starts, num_decodes=bound, splits_from_device=True,
+        *args, **step.kwargs(), query_start_loc=starts, num_decodes=bound, work=work.to(DEVICE),
         num_splits=most, max_context_len=256, out=out,
     )  # fmt: skip
     assert_close(out[decode_rows], step.ref[decode_rows])
