@@ -108,7 +108,8 @@ def _tp_row(prepared) -> str:
     type=click.Path(path_type=Path, dir_okay=False),
     default=None,
     help="Calibration text for a recipe with a calibrated fp8 KV cache (ptpc-fp8-kv8): per-layer K/V "
-    "scales from the source model run on it, one layer in memory at a time.",
+    "scales, or with AWQ (w4a16-awq): per-channel weight scales, from the source model run on it, one "
+    "layer in memory at a time.",
 )
 @click.option(
     "--draft-layers",
@@ -139,8 +140,9 @@ def command(
     appears at OUTPUT only when complete; a failure or Ctrl-C leaves nothing behind.
 
     Shipped recipes (recipes/*.yaml): ptpc-fp8 (default), ptpc-fp8-lmhead, block-fp8, tensor-fp8
-    (vLLM's per-tensor fp8), w4a16 (int4 weights in groups of 128), bf16, ptpc-fp8-unfused,
-    ptpc-fp8-kv8 (fp8 KV cache calibrated on --calib FILE). Example:
+    (vLLM's per-tensor fp8), w4a16 (int4 weights in groups of 128, round to nearest), w4a16-awq (the
+    same format with AWQ scales searched on --calib FILE), bf16, ptpc-fp8-unfused, ptpc-fp8-kv8 (fp8
+    KV cache calibrated on --calib FILE). Example:
 
         qcompile compile ./Qwen3-8B -o ./qwen3-8b-fp8 --set kv_cache.layout=hnd
 

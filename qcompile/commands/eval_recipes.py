@@ -41,7 +41,8 @@ from qcompile.errors import PlanError, RecipeError
     "--calib",
     type=click.Path(path_type=Path, dir_okay=False),
     default=None,
-    help="Calibration text for recipes with a calibrated fp8 KV cache (ptpc-fp8-kv8); keep it apart from --data.",
+    help="Calibration text for recipes with a calibrated fp8 KV cache (ptpc-fp8-kv8) or AWQ scales (w4a16-awq); "
+    "keep it apart from --data.",
 )
 @eval_options
 def command(
@@ -68,9 +69,7 @@ def command(
     for name in recipes:  # every recipe checked against the checkpoint before anything is compiled
         try:
             recipe = load_recipe(name)
-            prepared.append(
-                prepare(checkpoint, recipe, calib if recipe.kv_cache.calibrate else None, progress=progress)
-            )
+            prepared.append(prepare(checkpoint, recipe, calib if recipe.needs_calib else None, progress=progress))
         except (RecipeError, PlanError) as exc:
             raise type(exc)(f"recipe {name!r}: {exc}") from exc
     compute_dtype = resolve_dtype(dtype)

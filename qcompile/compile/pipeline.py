@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qcompile.compile.awq_scales import AwqScales
 from qcompile.compile.calibrate import CalibrationError, kv_scales
 from qcompile.compile.draft_layers import DraftLayers, parse_draft_layers, search_draft_layers, search_runs
 from qcompile.compile.kvcache import kv_cache_spec
@@ -65,6 +66,7 @@ class Prepared:
     kv_cache: dict[str, Any]
     tokenizer: bool = True  # false: compiled with --no-tokenizer, no tokenizer files in the artifact
     speculative: DraftLayers | None = None  # --draft-layers: the self-speculative draft's skipped layers
+    awq: AwqScales | None = None  # quantization.method awq: the scales applied to the source while writing
 
 
 def prepare(
@@ -90,8 +92,15 @@ def prepare(
     there, for a dry run; the plan does not depend on the scales' values).
 
     draft_layers ("auto" or "3,5,7"): the decoder layers a self-speculative draft skips, searched on
-    `calib` (auto) or given, recorded in the manifest (compile/draft_layers.py)."""
+    `calib` (auto) or given, recorded in the manifest (compile/draft_layers.py).
+
+    A recipe with quantization.method awq (`w4a16-awq`) needs `calib` too: its AWQ scales are
+    searched on it once the plan is checked, layer by layer (compile/awq_search.py)."""
     checkpoint = Checkpoint.open(checkpoint_path)
+    if recipe.quantization.method == "awq":
+        from qcompile.compile.awq_search import check_awq
+
+        check_awq(checkpoint)  # before a pre-quantized checkpoint's own recipe replaces this one
     recipe = recipe_for_stored(recipe, checkpoint)  # a pre-quantized checkpoint's scheme and ignore list
     if tokenizer:
         checkpoint.require_tokenizer()
@@ -106,11 +115,16 @@ def prepare(
         if calibrate:
             with progress_bar(checkpoint.spec.num_hidden_layers, "calibrate kv", progress, unit="layer") as bar:
                 scales = kv_scales(checkpoint, Path(calib), progress=lambda _: bar.update(1))
-    elif calib is not None and draft_layers != "auto":
+    elif calib is not None and draft_layers != "auto" and not recipe.needs_calib:
         raise RecipeError(
-            f"--calib {calib}: recipe {recipe.name!r} has no calibrated KV cache (kv_cache.calibrate), "
-            "and --draft-layers auto is not asked for"
+            f"--calib {calib}: recipe {recipe.name!r} has no calibrated KV cache (kv_cache.calibrate) nor AWQ "
+            "(quantization.method awq), and --draft-layers auto is not asked for"
         )
+    if recipe.quantization.method == "awq":
+        if calib is None:
+            raise RecipeError(f"recipe {recipe.name!r} searches AWQ scales on calibration text: give it (--calib FILE)")
+        if not Path(calib).is_file():
+            raise CalibrationError(f"{calib}: calibration text not found")
     speculative = _draft_layers(checkpoint, recipe, draft_layers, calib, calibrate, progress)
     try:
         graph = apply_passes(build_graph(checkpoint.spec, recipe, scales), recipe.passes)
@@ -123,7 +137,13 @@ def prepare(
         ) from exc
     plan = make_plan(checkpoint, graph.weights, recipe.max_shard_mb << 20, recipe.tp)
     kv = kv_cache_spec(checkpoint.spec, recipe, scales)
-    return Prepared(checkpoint, recipe, graph, plan, kv, tokenizer, speculative)
+    awq = None
+    if recipe.quantization.method == "awq" and calibrate:  # after the plan: its errors come before the search
+        from qcompile.compile.awq_search import search_awq
+
+        with progress_bar(checkpoint.spec.num_hidden_layers, "awq search", progress, unit="layer") as bar:
+            awq = search_awq(checkpoint, recipe, Path(calib), progress=lambda: bar.update(1))
+    return Prepared(checkpoint, recipe, graph, plan, kv, tokenizer, speculative, awq)
 
 
 def _draft_layers(
@@ -178,7 +198,9 @@ def compile_checkpoint(
             label = "transcode+write" if checkpoint.quantization is not None else "quantize+write"
             with progress_bar(plan.source_bytes, label, progress) as bar:
                 try:
-                    shard_digests = write_weights(tmp, checkpoint, plan, workers=workers, progress=bar.update)
+                    shard_digests = write_weights(
+                        tmp, checkpoint, plan, workers=workers, progress=bar.update, transform=prepared.awq
+                    )
                 except OSError as exc:
                     if exc.errno == errno.ENOSPC:
                         raise ArtifactError(f"{output}: the disk filled up while writing weights ({exc})") from exc
@@ -218,6 +240,8 @@ def compile_checkpoint(
             manifest["synthetic"] = synthetic
         if prepared.speculative is not None:
             manifest["speculative"] = prepared.speculative.to_dict()
+        if prepared.awq is not None:
+            manifest["awq"] = prepared.awq.to_dict()
         write_manifest(tmp, manifest)
     return manifest
 

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from qcompile.compile.awq_scales import AwqScales
 from qcompile.compile.jobs import WeightJob
 from qcompile.compile.plan import TensorPlan
 from qcompile.compile.sharding import Split
@@ -110,9 +111,15 @@ class _Writers:
 
 
 def _run_task(
-    task: ChunkTask, checkpoint: Checkpoint, plan: TensorPlan, writers: _Writers, amax: torch.Tensor | None = None
+    task: ChunkTask,
+    checkpoint: Checkpoint,
+    plan: TensorPlan,
+    writers: _Writers,
+    amax: torch.Tensor | None = None,
+    transform: AwqScales | None = None,
 ) -> int:
-    """Quantize (or copy) and write one chunk; `amax` is its whole source's, for per-tensor schemes."""
+    """Quantize (or copy) and write one chunk; `amax` is its whole source's, for per-tensor schemes;
+    `transform` (AWQ's scales) changes the source's rows before they are quantized."""
     job = task.job
     weight_shape = job.weight_shape(plan.source_shapes)
     fused_rows = weight_shape[1] if job.stacked else weight_shape[0]
@@ -122,7 +129,10 @@ def _run_task(
         row_bytes = stored.row_bytes
     else:
         entry = checkpoint.entry(task.source)
-        q, scale = _quantize_chunk(job, task, entry.read_rows(task.start, task.stop), amax)
+        chunk = entry.read_rows(task.start, task.stop)
+        if transform is not None:
+            chunk = transform.apply(task.source, task.start, task.stop, chunk)
+        q, scale = _quantize_chunk(job, task, chunk, amax)
         row_bytes = entry.row_bytes
     row = task.dest_row + task.start
     _write_rows(writers, plan, job.weight_name, job.stacked, task.slice_index, fused_rows, row, q)
@@ -219,8 +229,10 @@ def write_weights(
     workers: int = 2,
     progress: Callable[[int], None] | None = None,
     chunk_bytes: int | None = None,
+    transform: AwqScales | None = None,
 ) -> dict[str, str]:
-    """Write every shard of `plan` under `root` (the temporary artifact dir).
+    """Write every shard of `plan` under `root` (the temporary artifact dir); `transform` (AWQ's
+    scales) is applied to each source chunk as it is read (never to a per-tensor scheme's).
 
     Returns {relative path: sha256} of the shards, hashed while they were written.
     """
@@ -257,7 +269,7 @@ def write_weights(
                         if task.source not in amaxes:
                             amaxes[task.source] = source_amax(task.source)
                         amax = amaxes[task.source]
-                    pending.add(pool.submit(_guarded, stop, task, checkpoint, plan, writers, amax))
+                    pending.add(pool.submit(_guarded, stop, task, checkpoint, plan, writers, amax, transform))
                     drain(2 * workers)
                 drain(0)
             except BaseException:
@@ -280,10 +292,11 @@ def _guarded(
     plan: TensorPlan,
     writers: _Writers,
     amax: torch.Tensor | None,
+    transform: AwqScales | None = None,
 ) -> int:
     if stop.is_set():
         return 0
-    return _run_task(task, checkpoint, plan, writers, amax)
+    return _run_task(task, checkpoint, plan, writers, amax, transform)
 
 
 def _guarded_amax(

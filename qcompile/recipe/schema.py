@@ -38,6 +38,13 @@ DEFAULT_PASSES = (
     "fuse_qknorm_rope_kvwrite",
 )
 DEFAULT_IGNORE = ("lm_head", "re:.*mlp.gate$")
+# quantization.method: how a scheme's weights are made; awq searches scales on --calib text first
+METHODS = MappingProxyType(
+    {
+        "rtn": "round to nearest",
+        "awq": "activation-aware scales searched on --calib text (w4a16 only), then round to nearest",
+    }
+)
 MAX_SHARD_MB = 1 << 20  # 1 TiB: larger than any model; bounds what the writer is asked to lay out
 
 
@@ -48,6 +55,7 @@ class QuantizationRecipe:
 
     scheme: str = "ptpc-fp8"
     ignore: tuple[str, ...] = DEFAULT_IGNORE
+    method: str = "rtn"  # how the weights are rounded: METHODS
 
     @functools.cached_property
     def ignore_list(self) -> IgnoreList:
@@ -76,8 +84,15 @@ class Recipe:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["quantization"]["ignore"] = list(self.quantization.ignore)
+        if self.quantization.method == "rtn":
+            del data["quantization"]["method"]  # the default: manifests read as before
         data["passes"] = list(self.passes)
         return data
+
+    @property
+    def needs_calib(self) -> bool:
+        """Whether compiling with this recipe needs calibration text (--calib)."""
+        return self.kv_cache.calibrate or self.quantization.method == "awq"
 
     def ignores(self, module: str) -> bool:
         """Whether the linear module `module` is kept unquantized by the ignore list."""
@@ -212,6 +227,10 @@ def _validate_quantization(q: QuantizationRecipe, source: str) -> None:
 
     if q.scheme not in SCHEMES:
         raise RecipeError(f"{source}: quantization.scheme {shown(q.scheme)} is unknown; known: {', '.join(SCHEMES)}")
+    if q.method not in METHODS:
+        raise RecipeError(f"{source}: quantization.method {shown(q.method)} is unknown; known: {', '.join(METHODS)}")
+    if q.method == "awq" and q.scheme != "w4a16":
+        raise RecipeError(f"{source}: quantization.method awq needs scheme w4a16, got {shown(q.scheme)}")
     try:
         q.ignore_list  # noqa: B018 - compiles the patterns (cached on q), refusing bad or unbounded ones
     except RecipeError as exc:
