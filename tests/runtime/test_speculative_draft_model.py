@@ -64,6 +64,33 @@ def test_another_model_as_draft_gives_plain_greedy(target, small_draft, rng):
     assert engine.speculator.proposer.engine.scheduler.block_manager.num_used_blocks == 0
 
 
+def test_the_draft_model_drafts_for_every_decoding_request_in_shared_steps(target, small_draft, rng):
+    """Five requests decoding together: each step's drafts come from at most k + 1 steps of the draft
+    model (a catch-up step of every request's missing tokens, then one batched step per draft
+    token), not k per request; and greedy outputs stay plain decoding's."""
+    prompts = _prompts(rng, 5)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    plain = _engine(target).generate(prompts, params)
+    engine = _engine(target, small_draft, max_num_batched_tokens=256)
+    draft = engine.speculator.proposer.engine
+    batches: list[int] = []
+    execute = draft.runner.execute
+    draft.runner.execute = lambda chunks, *a, **kw: (batches.append(len(chunks)), execute(chunks, *a, **kw))[1]
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    steps = []
+    while engine.has_unfinished():
+        before = len(batches)
+        engine.step()
+        steps.append(batches[before:])
+    assert max(len(step) for step in steps) <= 4 + 1, steps  # k = 4 draft tokens, one catch-up step
+    assert max(batches) >= 3, batches  # several requests shared a draft step
+    assert engine.speculative_stats.verifications > 0
+    outputs = _engine(target, small_draft, max_num_batched_tokens=256).generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    engine.close()
+
+
 def test_a_draft_with_another_vocabulary_is_refused(target, make_ckpt, compiled):
     other = compiled(make_ckpt("tiny", vocab_size=600), "bf16")
     with pytest.raises(ValueError, match="share the target's tokenizer"):

@@ -255,6 +255,14 @@ class Engine:
             if read_previous and previous is not None:
                 read_previous, done = False, self._complete(previous)
 
+        if self.speculator is not None and self.speculator.batches:  # every decoding request's drafts in shared steps
+            self.speculator.draft_ahead(
+                [
+                    (request.request_id, request.all_token_ids, limit, t.params, t.generator)
+                    for request, limit in self.scheduler.draft_candidates()
+                    if self._may_draft(t := self._tracked[request.request_id], request)
+                ]
+            )
         output = self.scheduler.schedule(self._draft) if self.speculator is not None else self.scheduler.schedule()
         self._scheduled = bool(output.chunks)
         if not output.chunks:
@@ -524,8 +532,15 @@ class Engine:
         """Draft tokens for a decoding request (the scheduler asks): none for a request whose sampling
         needs per-position state the verification does not apply (see the module docstring)."""
         t = self._tracked[request.request_id]
+        if not self._may_draft(t, request):
+            return ()
+        return self.speculator.draft(request.request_id, request.all_token_ids, limit, t.params, t.generator, grow)
+
+    @staticmethod
+    def _may_draft(t: _Tracked, request: Request) -> bool:
+        """Whether the request's sampling lets the verification check drafts (see _draft)."""
         p = t.params
-        if (
+        return not (
             p.penalized
             or p.logit_bias
             or p.logprobs is not None
@@ -533,9 +548,7 @@ class Engine:
             or t.matcher is not None
             or t.thinking is not None
             or len(request.output_token_ids) < p.min_tokens  # EOS and stop ids are banned from some position
-        ):
-            return ()
-        return self.speculator.draft(request.request_id, request.all_token_ids, limit, p, t.generator, grow)
+        )
 
     @property
     def speculative_stats(self) -> SpeculativeStats | None:

@@ -278,6 +278,23 @@ class Scheduler:
             draft,
         )
 
+    def draft_candidates(self) -> list[tuple[Request, int]]:
+        """The running requests that would decode their last known token next (the ones a step may give
+        drafts), each with the most drafts its max_tokens and the model length leave: what a batching
+        draft method drafts for before `schedule` (which may still give a request fewer, or none)."""
+        out = []
+        for request in self._running:
+            start = request.num_computed_tokens
+            if request.num_pending or start + 1 != request.num_tokens or self._at_limit(request):
+                continue
+            limit = min(
+                request.max_tokens - len(request.output_token_ids) - 1,
+                self.config.max_model_len - request.num_tokens - 1,
+            )
+            if limit >= 1:
+                out.append((request, limit))
+        return out
+
     def _drafts(
         self,
         request: Request,

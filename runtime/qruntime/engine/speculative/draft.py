@@ -73,22 +73,48 @@ class ProposerContext:
 
 
 def decode_draft(forward: Callable[[StepChunk], torch.Tensor], chunk: StepChunk, k: int, request: DraftFor) -> Draft:
-    """Up to k draft tokens decoded by a model: forward(chunk) gives the logits [1, V] after the
-    chunk's last token, and each token drawn is the next chunk, at the position after it (same
-    block table). Greedy requests take the argmax; sampled ones draw under their sampling params
-    with their generator, and the distributions drawn from come back with the tokens. Stops early
-    at non-finite logits."""
-    greedy = request.generator is None or request.params.greedy
-    tokens: list[int] = []
-    probs: list[torch.Tensor] = []
-    for _ in range(k):
-        logits = forward(chunk)
-        token = sample_on_device(logits, [request.params], [None if greedy else request.generator]).tolist()[0]
-        if token is None:
-            break
-        tokens.append(token)
-        if not greedy:
-            best = logits.float().max(-1).values
-            probs.append(log_weights(logits.float(), best, [request.params]).softmax(-1))
-        chunk = StepChunk((token,), chunk.start + chunk.num_tokens, chunk.block_table)
-    return Draft(tuple(tokens), torch.cat(probs) if probs else None)
+    """Up to k draft tokens decoded by a model for one request (decode_drafts of a batch of one):
+    forward(chunk) gives the logits [1, V] after the chunk's last token."""
+    return decode_drafts(lambda chunks, _rows: forward(chunks[0]), [chunk], [k], [request])[0]
+
+
+def decode_drafts(
+    forward: Callable[[Sequence[StepChunk], Sequence[int]], torch.Tensor],
+    chunks: Sequence[StepChunk],
+    ks: Sequence[int],
+    requests: Sequence[DraftFor],
+) -> list[Draft]:
+    """Up to ks[i] draft tokens for each request, decoded by a model in batched steps: forward(chunks,
+    rows) gives the logits [len(chunks), V] after each chunk's last token (rows: the requests' indices
+    in the batch, one a chunk), and each request's token drawn
+    is its next chunk, at the position after it (same block table), until it has its k. Greedy
+    requests take the argmax; sampled ones draw under their sampling params with their generator,
+    and the distributions drawn from come back with the tokens. A request stops early at non-finite
+    logits. One host sync a step for the whole batch (the tokens drawn), not one per request."""
+    greedy = [r.generator is None or r.params.greedy for r in requests]
+    tokens: list[list[int]] = [[] for _ in chunks]
+    probs: list[list[torch.Tensor]] = [[] for _ in chunks]
+    current = list(chunks)
+    live = [i for i, k in enumerate(ks) if k > 0]
+    while live:
+        logits = forward([current[i] for i in live], live)  # [len(live), V]
+        params = [requests[i].params for i in live]
+        drawn = sample_on_device(logits, params, [None if greedy[i] else requests[i].generator for i in live])
+        sampled = [row for row, i in enumerate(live) if not greedy[i]]
+        weights = None
+        if sampled:
+            rows = logits[sampled].float()
+            weights = log_weights(rows, rows.max(-1).values, [params[row] for row in sampled]).softmax(-1)
+        following = []
+        for row, (i, token) in enumerate(zip(live, drawn.tolist(), strict=True)):
+            if token is None:
+                continue
+            tokens[i].append(token)
+            if not greedy[i]:
+                probs[i].append(weights[sampled.index(row)])
+            if len(tokens[i]) < ks[i]:
+                chunk = current[i]
+                current[i] = StepChunk((token,), chunk.start + chunk.num_tokens, chunk.block_table)
+                following.append(i)
+        live = following
+    return [Draft(tuple(t), torch.stack(p) if p else None) for t, p in zip(tokens, probs, strict=True)]

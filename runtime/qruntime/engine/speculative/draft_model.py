@@ -18,11 +18,13 @@ from typing import Any
 import torch
 
 from qruntime.engine.block_manager import NoFreeBlocks
-from qruntime.engine.speculative.draft import Draft, DraftFor, decode_draft
+from qruntime.engine.speculative.draft import Draft, DraftFor, decode_drafts
 from qruntime.engine.step_chunk import StepChunk
 
 
 class DraftModel:
+    batches = True  # propose_batch: every decoding request's drafts in shared steps of the draft model
+
     def __init__(self, engine: Any) -> None:
         self.engine = engine  # the draft artifact's Engine: runner, scheduler.block_manager, max_model_len
         self._computed: dict[str, list[int]] = {}  # request id -> the tokens whose KV the draft's cache holds
@@ -30,25 +32,44 @@ class DraftModel:
     def propose(self, token_ids: Sequence[int], k: int, request: DraftFor | None = None) -> Draft:
         if request is None:
             raise ValueError("the draft model drafts for a request (its id keys the draft's KV cache)")
-        rid, length = request.request_id, len(token_ids)
-        k = min(k, self.engine.max_model_len - length + 1)  # the draft's KV ends at position length + k - 2
-        if k < 1:
-            return Draft(())
-        have = self._computed.get(rid, [])
-        start = _common_prefix(have, token_ids, length - 1)
-        manager = self.engine.scheduler.block_manager
-        try:
-            table = manager.grow(rid, length + k - 1)
-        except NoFreeBlocks:
-            return Draft(())
-        computed = self._computed[rid] = list(token_ids[:start])  # grows with each step the draft runs
+        return self.propose_batch([(token_ids, k, request)])[0]
 
-        def forward(chunk: StepChunk) -> torch.Tensor:
-            logits = self.engine.runner.execute([chunk])  # [1, V]: after the chunk's last token
-            computed.extend(chunk.token_ids)
+    def propose_batch(self, items: Sequence[tuple[Sequence[int], int, DraftFor]]) -> list[Draft]:
+        """Drafts for several requests (token ids, k, request each), decoded together: the first step
+        computes what each request's KV lacks in the draft's cache (its prompt on the first call, then
+        the tokens the last verification kept that the draft did not compute), beside the others', then
+        one batched decode step per draft token. A request the draft's pool has no room for gets none."""
+        manager = self.engine.scheduler.block_manager
+        drafts = [Draft(())] * len(items)
+        chunks, ks, requests, placed, computed = [], [], [], [], []
+        for index, (token_ids, k, request) in enumerate(items):
+            rid, length = request.request_id, len(token_ids)
+            k = min(k, self.engine.max_model_len - length + 1)  # the draft's KV ends at position length + k - 2
+            if k < 1:
+                continue
+            start = _common_prefix(self._computed.get(rid, []), token_ids, length - 1)
+            try:
+                table = manager.grow(rid, length + k - 1)
+            except NoFreeBlocks:
+                continue
+            computed.append(list(token_ids[:start]))  # grows with each step the draft runs
+            self._computed[rid] = computed[-1]
+            chunks.append(StepChunk(tuple(token_ids[start:]), start, table))
+            ks.append(k)
+            requests.append(request)
+            placed.append(index)
+        if not chunks:
+            return drafts
+
+        def forward(step: Sequence[StepChunk], rows: Sequence[int]) -> torch.Tensor:
+            logits = self.engine.runner.execute(list(step))  # [len(step), V]: after each chunk's last token
+            for chunk, row in zip(step, rows, strict=True):
+                computed[row].extend(chunk.token_ids)
             return logits
 
-        return decode_draft(forward, StepChunk(tuple(token_ids[start:]), start, table), k, request)
+        for index, draft in zip(placed, decode_drafts(forward, chunks, ks, requests), strict=True):
+            drafts[index] = draft
+        return drafts
 
     def forget(self, request_id: str) -> None:
         """Free the request's blocks in the draft's pool."""

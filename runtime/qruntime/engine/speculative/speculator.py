@@ -50,6 +50,30 @@ class Speculator:
         self.stats = SpeculativeStats()
         self._lengths: dict[str, DraftLength] = {}
         self._probs: dict[str, torch.Tensor] = {}  # request id -> its pending draft's distributions [k, V]
+        self._ahead: dict[str, Draft] = {}  # drafts made before the step was scheduled (draft_ahead)
+
+    @property
+    def batches(self) -> bool:
+        """Whether the method drafts for every decoding request at once (draft_ahead), in shared steps."""
+        return bool(getattr(self.proposer, "batches", False))
+
+    def draft_ahead(
+        self, items: Sequence[tuple[str, Sequence[int], int, SamplingParams, torch.Generator | None]]
+    ) -> None:
+        """Draft, in one batch, for the requests (id, token ids, limit, params, generator) a step may
+        give drafts, each up to its adaptive k and `limit`; `draft` hands them out as the scheduler
+        asks (cut to what the step's budget leaves). Drafts not asked for this step are dropped at
+        the next call."""
+        todo = []
+        for request_id, token_ids, limit, params, generator in items:
+            length = self._lengths.get(request_id)
+            if length is None:
+                length = self._lengths[request_id] = DraftLength(self.config.num_tokens, self.config.adaptive)
+            k = min(length.wanted(), limit)
+            if k >= 1:
+                todo.append((token_ids, k, DraftFor(request_id, params, generator)))
+        drafts = self.proposer.propose_batch(todo) if todo else []
+        self._ahead = {request.request_id: d for (_, _, request), d in zip(todo, drafts, strict=True)}
 
     def draft(
         self,
@@ -63,14 +87,20 @@ class Speculator:
         """The request's drafts for this step: at most `limit` (what its budget, max_tokens and the
         model length leave) and its adaptive k. Their distributions, when the method draws them,
         wait in `probs` for the verification."""
-        length = self._lengths.get(request_id)
-        if length is None:
-            length = self._lengths[request_id] = DraftLength(self.config.num_tokens, self.config.adaptive)
         self._probs.pop(request_id, None)
-        k = min(length.wanted(), limit)
-        if k < 1:
-            return ()
-        draft = self.proposer.propose(token_ids, k, DraftFor(request_id, params or SamplingParams(), generator, grow))
+        draft = self._ahead.pop(request_id, None)
+        if draft is not None:
+            k = limit
+        else:
+            length = self._lengths.get(request_id)
+            if length is None:
+                length = self._lengths[request_id] = DraftLength(self.config.num_tokens, self.config.adaptive)
+            k = min(length.wanted(), limit)
+            if k < 1:
+                return ()
+            draft = self.proposer.propose(
+                token_ids, k, DraftFor(request_id, params or SamplingParams(), generator, grow)
+            )
         if not isinstance(draft, Draft):
             return tuple(draft)[:k]
         tokens = draft.tokens[:k]
@@ -102,4 +132,5 @@ class Speculator:
         """The request finished: drop its state."""
         self._lengths.pop(request_id, None)
         self._probs.pop(request_id, None)
+        self._ahead.pop(request_id, None)
         self.proposer.forget(request_id)
