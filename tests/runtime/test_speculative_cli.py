@@ -59,8 +59,10 @@ def _run(art, prompt: str, max_tokens: int, speculative: str | None, as_json: bo
 
 def test_run_speculative_gives_plain_greedy_and_reports_the_drafts(art, rng):
     """Prompt lookup drafts only once a token recurs: 15 of 200 such prompts got no draft at all
-    (random weights), so up to 4 fresh prompts are tried until one does; each must give plain greedy."""
-    for _ in range(4):
+    (random weights), and some drafted only tokens the model did not choose (seed 30862764: 6 drafted,
+    0 accepted; ~1 run in 6 of the first prompt), so up to 8 fresh prompts are tried until one has a
+    draft accepted; each must give plain greedy."""
+    for _ in range(8):
         phrase = " ".join(rng.choice(WORDS) for _ in range(rng.randrange(2, 5)))
         prompt, max_tokens = " ".join([phrase] * rng.randrange(3, 6)), rng.randrange(16, 40)
         plain, _, _ = _run(art, prompt, max_tokens, None, as_json=True)
@@ -69,7 +71,7 @@ def test_run_speculative_gives_plain_greedy_and_reports_the_drafts(art, rng):
         assert spec["token_ids"] == plain["token_ids"] and spec["text"] == plain["text"]
         assert json.loads(out)["speculative"] == spec["speculative"] and err == ""
         counts = spec["speculative"]
-        if counts["drafted"]:
+        if counts["accepted"]:
             break
     assert 0 < counts["accepted"] <= counts["drafted"] and counts["verifications"] > 0, counts
     assert counts["acceptance_rate"] == pytest.approx(counts["accepted"] / counts["drafted"])
