@@ -119,7 +119,7 @@ def search_awq(
                 smooth = f"{prefix}.{group.smooth}.weight"
                 rows[smooth] = _combine(rows.get(smooth), result.scales)
                 searched.append({"layer": layer, "smooth": group.smooth, **result.to_dict()})
-            del inputs
+            del inputs, module  # the layer's weights go before the next layer's are read
             if progress is not None:
                 progress()
     if not torch.isfinite(hidden).all():
