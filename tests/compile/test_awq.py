@@ -128,10 +128,9 @@ def test_awq_artifact_linears_are_w4a16_of_the_scaled_source(make_ckpt, seed, tm
     int4 of [gate; up] with its columns scaled (up's rows divided by down's scales), its norms divided."""
     from safetensors.torch import load_file
 
+    from qcompile.compile import awq_search
     from qcompile.compile.pipeline import compile_checkpoint, prepare
     from qcompile.quant.int4 import quantize_int4
-
-    from qcompile.compile import awq_search
 
     monkeypatch.setattr(awq_search, "CalibrationSize", lambda: SMALL)
     monkeypatch.setattr(awq_search, "AwqConfig", lambda: QUICK)
