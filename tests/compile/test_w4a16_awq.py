@@ -8,6 +8,7 @@ errors naming the flag or the file."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import random
 import weakref
@@ -124,8 +125,10 @@ def test_awq_artifact_compiles_loads_and_generates(make_ckpt, seed, tmp_path, mo
 
 
 def test_awq_artifact_linears_are_w4a16_of_the_scaled_source(make_ckpt, seed, tmp_path, monkeypatch):
-    """The writer applies the scales as the search found them: the artifact's gate_up is the RTN
-    int4 of [gate; up] with its columns scaled (up's rows divided by down's scales), its norms divided."""
+    """The writer applies the scales it is given: the artifact's gate_up is the RTN int4 of [gate;
+    up] with its columns scaled (up's rows divided by down's scales), its norms divided. Random
+    scales stand in for the searched ones, which may be 1 (seed 335760566 chose alpha 0 for layer
+    1's MLP in CI: then nothing would show that the writer applies them)."""
     from safetensors.torch import load_file
 
     from qcompile.compile import awq_search
@@ -137,8 +140,19 @@ def test_awq_artifact_linears_are_w4a16_of_the_scaled_source(make_ckpt, seed, tm
     ckpt = make_ckpt("tiny", seed=seed, **GQA)
     calib = _text(tmp_path / "calib.txt", 4000, seed)
     prepared = prepare(ckpt, load_recipe("w4a16-awq"), calib, progress=False)
-    compile_checkpoint(prepared, tmp_path / "art", progress=False)
-    awq, source = prepared.awq, Checkpoint.open(ckpt)
+    generator = torch.Generator().manual_seed(seed)
+
+    def drawn(scales: torch.Tensor) -> torch.Tensor:
+        return torch.empty(scales.shape).uniform_(0.5, 2.0, generator=generator)
+
+    searched = prepared.awq
+    awq = dataclasses.replace(
+        searched,
+        columns={k: drawn(v) for k, v in searched.columns.items()},
+        rows={k: drawn(v) for k, v in searched.rows.items()},
+    )
+    compile_checkpoint(dataclasses.replace(prepared, awq=awq), tmp_path / "art", progress=False)
+    source = Checkpoint.open(ckpt)
     weights = {}
     for f in (tmp_path / "art" / "weights").glob("*.safetensors"):
         weights.update(load_file(f))

@@ -37,8 +37,9 @@ def test_every_phase_of_a_tp2_engine_ends(tmp_path):
 def test_a_phase_past_the_timeout_is_a_hang_and_the_group_is_killed(tmp_path):
     proc, report = _bench(tmp_path, "--runs", "tiny-moe:2", "--timeout", "0.5")
     (row,) = report["runs"]
-    # killed (-9), or exited (1) first because a worker still starting died of the SIGUSR1
-    assert row["hung_in"] == "load" and row["returncode"] in (-9, 1)
+    # killed (-9), exited (1) first because a worker still starting died of the SIGUSR1, or died of
+    # another signal on the way down (CI once saw -11: rank 0 crashed while its peer was being killed)
+    assert row["hung_in"] == "load" and (row["returncode"] < 0 or row["returncode"] == 1), row
     deadline = time.monotonic() + 10  # SIGKILL is sent; the kernel may take a moment to end them
     while _live_members(row["process_group"]) and time.monotonic() < deadline:
         time.sleep(0.1)

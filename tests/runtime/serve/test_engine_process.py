@@ -23,8 +23,6 @@ from qruntime.serve.protocol import SequenceSpec
 from serve_harness import CPU_LOAD, ThreadedServer, metrics, random_text, torch_threads
 
 
-
-
 @pytest.fixture(scope="module")
 def art(tiny_ckpt, compiled):
     return compiled(tiny_ckpt, "ptpc-fp8")
@@ -85,15 +83,23 @@ def test_the_tokenizer_crossed_over_whole(client, process, reference, rng):
     assert response["choices"][0]["token_ids"] == list(expected.token_ids)
 
 
-def test_admission_is_bounded_on_the_http_side(process, rng):
-    """max_waiting counts what was sent and not yet taken by the engine process, plus its waiting."""
+def test_admission_is_bounded_on_the_http_side(process, rng, monkeypatch):
+    """max_waiting counts what was sent and not yet taken by the engine process, plus its waiting.
+    The burst's message is held on this side until the second submit has been refused: sent, it
+    could be taken (and its sequences admitted to running) before the second submit, which CI's
+    loaded machine once did (no QueueFull)."""
 
     async def main() -> None:
         spec = lambda i: SequenceSpec(i, 0, (1, 2, 3), SamplingParams(max_tokens=64, ignore_eos=True))  # noqa: E731
         burst = tuple(spec(i) for i in range(process.max_waiting))
-        first = process.submit("burst-a", burst)  # fits exactly, while the engine has not taken it yet
+        held: list[tuple] = []
+        monkeypatch.setattr(process, "_command", held.append)
+        first = process.submit("burst-a", burst)  # fits exactly; the engine has not taken it
         with pytest.raises(QueueFull):
             process.submit("burst-b", (spec(0),))
+        monkeypatch.undo()
+        assert [message[0] for message in held] == ["add"]
+        process._command(held[0])  # now the engine process takes it
         first.close()
         deadline = time.monotonic() + 30
         while process.stats().num_running + process.stats().num_waiting and time.monotonic() < deadline:
