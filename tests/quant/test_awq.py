@@ -91,4 +91,17 @@ def test_an_unquantized_linear_of_the_group_is_scaled_not_rounded(rng):
 
 def test_grid_needs_two_points():
     with pytest.raises(ValueError, match="n_grid"):
-        AwqConfig(n_grid=1)
+        AwqConfig(n_grid=1, duo_scaling=False)
+    with pytest.raises(ValueError, match="n_grid"):
+        AwqConfig(n_grid=2)  # the identity and a single duo point: no alpha spacing
+
+
+def test_grid_is_awq_modifiers_default():
+    """duo_scaling: the identity, then n_grid - 1 duo points spanning [0, 1] (llm-compressor's
+    AWQModifier with duo_scaling=True); no plain point besides the identity."""
+    grid = AwqConfig(n_grid=20).grid()
+    assert len(grid) == 20 and grid[0] == (0.0, False)
+    assert all(duo for _, duo in grid[1:])
+    assert [a for a, _ in grid[1:]] == pytest.approx([i / 18 for i in range(19)])
+    plain = AwqConfig(n_grid=5, duo_scaling=False).grid()
+    assert plain == [(i / 4, False) for i in range(5)]
