@@ -113,7 +113,7 @@ def test_awq_artifact_compiles_loads_and_generates(make_ckpt, seed, tmp_path, mo
 
     prompts = [torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed + n)).tolist() for n in (5, 17)]
     engine = qruntime.load(art, device="cpu", dtype=torch.float32)
-    outputs = engine.generate(prompts, qruntime.SamplingParams(max_tokens=6, temperature=0.0))
+    outputs = engine.generate(prompts, qruntime.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert [len(o.token_ids) for o in outputs] == [6, 6]
     bf16 = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     ids = prompts[1]
