@@ -25,12 +25,11 @@ prompts, which cuDNN's attention runs faster: ops/triton_ops.py PagedAttention.p
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 
 import torch
 
-from qruntime.engine.piecewise_graphs import Capture, cuda_capture, unfit_reason
+from qruntime.engine.piecewise_graphs import Capture, cuda_capture, smallest_bucket, unfit_reason
 from qruntime.engine.transfer import host_buffer
 from qruntime.kv_cache import KVCache
 from qruntime.ops.base import AttentionMetadata, StepContext
@@ -96,9 +95,7 @@ class MixedGraphs:
                 self.graphs[bucket] = self._capture(bucket, capture)
 
     def bucket_for(self, tokens: int) -> int | None:
-        """The smallest bucket of at least `tokens` tokens, None when none is that large."""
-        index = bisect_left(self.buckets, tokens)
-        return self.buckets[index] if index < len(self.buckets) else None
+        return smallest_bucket(self.buckets, tokens)
 
     def fits(self, feeds: Mapping[str, torch.Tensor], meta: AttentionMetadata) -> bool:
         """Whether a step (ModelRunner.prepare's feeds and metadata) replays a mixed graph."""

@@ -90,6 +90,12 @@ def eager_capture(run_piece: Callable[[], Outputs]) -> tuple[Outputs, Callable[[
     return outputs, replay
 
 
+def smallest_bucket(buckets: Sequence[int], tokens: int) -> int | None:
+    """The smallest of the sorted `buckets` of at least `tokens` tokens, None when none is that large."""
+    index = bisect_left(buckets, tokens)
+    return buckets[index] if index < len(buckets) else None
+
+
 def token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
     """The default buckets (see the module docstring): TOKEN_BUCKETS and the sizes half-way between
     them, below max_num_batched_tokens, then max_num_batched_tokens."""
@@ -162,9 +168,7 @@ class PiecewiseGraphs:
                 self.stages[bucket] = self._capture(bucket, capture)
 
     def bucket_for(self, tokens: int) -> int | None:
-        """The smallest bucket of at least `tokens` tokens, None when none is that large."""
-        index = bisect_left(self.buckets, tokens)
-        return self.buckets[index] if index < len(self.buckets) else None
+        return smallest_bucket(self.buckets, tokens)
 
     def fits(self, tokens: int) -> bool:
         return 0 < tokens <= self.buckets[-1]
