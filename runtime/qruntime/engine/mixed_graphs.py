@@ -123,11 +123,11 @@ class MixedGraphs:
         return capture(run_body)
 
     def run(self, feeds: Mapping[str, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """Logits of a step (ModelRunner.prepare's feeds and metadata) that fits (see fits)."""
-        if not self.fits(feeds, meta):
-            raise ValueError(f"a step of {tuple(feeds['block_tables'].shape)} block tables fits no mixed graph")
+        """Logits of a step (ModelRunner.prepare's feeds and metadata) that fits (the caller asked `fits`)."""
         tokens, seqs = int(feeds["input_ids"].shape[0]), int(feeds["block_tables"].shape[0])
         bucket = self.bucket_for(tokens)
+        if bucket is None or seqs > self.max_seqs:
+            raise ValueError(f"a step of {tokens} tokens and {seqs} sequences fits no mixed graph")
         inputs = self.inputs
         for name, pad in self.padding.items():
             buf = inputs[name]

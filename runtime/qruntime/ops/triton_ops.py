@@ -317,7 +317,7 @@ class PagedAttention(attention.PagedAttention):
         q_lens = list(map(operator.sub, meta.query_start[1:], meta.query_start[:-1]))
         num_decodes = q_lens.count(1)  # host ints only: no sync, no index tensor (the kernels scan)
         longest = meta.max_q_len or max(q_lens, default=0)  # metadata built without max_q_len: 0
-        if longest >= self.SDPA_MIN_TOKENS and self._fresh_long_prompts(meta, q_lens):
+        if self._sdpa_prefill_wanted(meta, q_lens):
             out = self._sdpa_prefill(step, q, q_lens)
         else:
             num_prefills = len(q_lens) - num_decodes if num_decodes else None  # None: no decode rows to skip
@@ -356,12 +356,14 @@ class PagedAttention(attention.PagedAttention):
 
     def prefers_eager(self, meta) -> bool:
         """Fresh prompts of SDPA_MIN_TOKENS or more: cuDNN's attention, which only an eager step runs."""
-        q_lens = list(map(operator.sub, meta.query_start[1:], meta.query_start[:-1]))
-        return max(q_lens, default=0) >= self.SDPA_MIN_TOKENS and self._fresh_long_prompts(meta, q_lens)
+        return self._sdpa_prefill_wanted(meta, list(map(operator.sub, meta.query_start[1:], meta.query_start[:-1])))
 
-    def _fresh_long_prompts(self, meta, q_lens: list[int]) -> bool:
-        """Every sequence that is not a decode is a whole prompt (no cached prefix) of SDPA_MIN_TOKENS or more."""
-        return all(ctx == n >= self.SDPA_MIN_TOKENS for ctx, n in zip(meta.context_lens, q_lens, strict=True) if n != 1)
+    def _sdpa_prefill_wanted(self, meta, q_lens: list[int]) -> bool:
+        """Some sequence is a prompt, and every one that is not a decode is a whole prompt (no cached
+        prefix) of SDPA_MIN_TOKENS or more."""
+        return max(q_lens, default=0) >= self.SDPA_MIN_TOKENS and all(
+            ctx == n >= self.SDPA_MIN_TOKENS for ctx, n in zip(meta.context_lens, q_lens, strict=True) if n != 1
+        )
 
     def _sdpa_prefill(self, step, q, q_lens: list[int]):
         """The rows of the prompts (q_len != 1); decode rows are left for the decode kernel."""
