@@ -241,6 +241,26 @@ def test_killed_worker_is_an_error_not_a_hang(tp2_art):
     assert _no_workers_left()
 
 
+def test_killed_worker_with_a_step_in_flight_is_an_error(tp2_art, rng):
+    """Async scheduling: rank 0 is not waiting in a step when the worker dies, but at its next read."""
+    engine = qruntime.load(tp2_art, **FP32)
+    assert engine.async_scheduling
+    (worker,) = multiprocessing.active_children()
+    engine.add_request(
+        [rng.randrange(engine.vocab_size) for _ in range(7)], SamplingParams(max_tokens=8, ignore_eos=True)
+    )
+    engine.step()  # the prefill is launched and left in flight
+    engine.step()  # the first decode launched, the prefill read
+    assert engine._in_flight is not None
+    os.kill(worker.pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=rf"rank 1 failed: its process {worker.pid} died \(signal SIGKILL\)"):
+        while engine.has_unfinished():
+            engine.step()
+    assert time.monotonic() - start < HANG
+    assert not multiprocessing.active_children() and not dist.is_initialized()
+
+
 def test_finaliser_stops_the_workers_of_a_dropped_engine(tp2_art):
     engine = qruntime.load(tp2_art, **FP32)
     assert len(multiprocessing.active_children()) == 1

@@ -6,11 +6,14 @@
 stop rules. At tp > 1 the engine lives on rank 0 and each step also goes to the workers of the
 other ranks (engine/workers.py); `close()` stops them.
 
-Async scheduling (on by default at tp = 1): `step()` first schedules and launches the next model
-step, then waits for the one launched before and turns its tokens into deltas, so the host's work
-on a step's results (detokenizing, stop checks, the server's dispatch) and on the next step's inputs
-runs while the device computes. The launched step's decodes read the tokens the step before sampled
-on the device (scheduler.py: pending tokens). A request that stops on a token its next step has
+Async scheduling (on by default): `step()` first schedules and launches the next model step, then
+waits for the one launched before and turns its tokens into deltas, so the host's work on a step's
+results (detokenizing, stop checks, the server's dispatch) and on the next step's inputs runs while
+the device computes. The launched step's decodes read the tokens the step before sampled on the
+device (scheduler.py: pending tokens). At tp > 1 every rank must hold those tokens: a step sampled
+from the vocabulary shards leaves them on every rank (each worker keeps its copy), while a step
+whose rows rank 0 samples alone (top_p, penalties, logprobs, structured output) is read before the
+next is launched; without a vocabulary-parallel head every step is. A request that stops on a token its next step has
 already been launched for gets no more from that step (its one extra token is dropped); requests
 that end by max_tokens or the model length are not scheduled past it. Sampling, greedy or not, is
 queued on the device with the step (engine/sampler.py). While a request with structured output is
@@ -47,7 +50,7 @@ from qruntime.engine.outputs import InvalidRequest, RequestOutput, StreamDelta, 
 from qruntime.engine.prefix_cache import PrefixCacheStats
 from qruntime.engine.request import Request
 from qruntime.engine.sampled_tokens import SampledTokens
-from qruntime.engine.sampler import Forced, History, apply_forced, sample_on_device
+from qruntime.engine.sampler import Forced, History, sample_on_device
 from qruntime.engine.sampling_params import SamplingParams, as_list
 from qruntime.engine.scheduler import Scheduler, SchedulerOutput
 from qruntime.engine.sharded_sampler import ShardedSampling, shardable
@@ -102,6 +105,9 @@ class _Launched:
     # (request, its first prompt position scored, how many), in the order of the prompt logprobs' rows
     prompt_logprobs: tuple[list[tuple[_Tracked, int, int]], DeviceLogprobs] | None = None
     verify: VerifyStep | None = None  # the drafts its chunks carried and their verdicts (speculative decoding)
+    # whether every rank holds its tokens (tp > 1: sampled from the vocabulary shards), so that the
+    # next step may name them by pending ids before rank 0 has read them; at tp = 1, always
+    everywhere: bool = True
 
 
 class Engine:
@@ -133,9 +139,12 @@ class Engine:
         self.speculator = speculator
         if speculator is not None:
             speculator.attach(runner)
-        # launch a step before reading the last one's tokens (tp = 1 only: the workers take whole steps;
-        # not while speculating: a draft needs the newest token on the host)
-        self.async_scheduling = async_scheduling and workers is None and self.speculator is None
+        # launch a step before reading the last one's tokens; not while speculating (a draft needs the
+        # newest token on the host), nor at tp > 1 without a vocabulary-parallel head (only the ranks'
+        # sharded sampling leaves a step's tokens on every rank, for the next step to read)
+        self.async_scheduling = (
+            async_scheduling and self.speculator is None and (workers is None or runner.vocab_shard is not None)
+        )
         self._tracked: dict[str, _Tracked] = {}
         self._in_flight: _Launched | None = None  # the step launched last, not read yet (async scheduling)
         self._scheduled = False  # whether the last step() scheduled anything
@@ -231,14 +240,17 @@ class Engine:
             done = self._complete(previous) if previous is not None else []
             launched, deltas = self._launch(None)
             return done + deltas + (self._complete(launched) if launched is not None else [])
+        done = []
+        if previous is not None and not previous.everywhere:  # tp > 1: its tokens are on rank 0 alone
+            done, previous = self._complete(previous), None  # read first: the next step sends them as ids
         # a structured row's mask needs the token in flight, which the forward does not: the step's
         # forward is queued first, the token read while it runs, then the masks made and the sampling queued
         read_previous = bool(self._guided) and previous is not None
         launched, deltas = self._launch(previous, read_previous)
         self._in_flight = launched
         if read_previous:
-            return deltas
-        return deltas + (self._complete(previous) if previous is not None else [])
+            return done + deltas
+        return done + deltas + (self._complete(previous) if previous is not None else [])
 
     def _launch(
         self, previous: _Launched | None, read_previous: bool = False
@@ -279,18 +291,18 @@ class Engine:
             banned = [self._banned(t) for t in tracked]
             forced = self._forced(tracked, pending_rows) if self._capped else None
             in_flight = previous.tokens.ids if previous is not None else None
-            if self._samples_shards(tracked, scoring):  # tp > 1: the ranks sample their vocabulary shards
+            sharded = self._samples_shards(tracked, scoring)
+            if sharded:  # tp > 1: the ranks sample their vocabulary shards
                 generators = [t.generator for t in tracked]
                 sampling = ShardedSampling.of(
                     None if len(rows) == len(chunks) else rows,
                     [t.params for t in tracked],
                     generators,
                     banned if any(banned) else None,
+                    forced,  # put in by every rank, as the pick
                 )
-                ids, peaks = self._execute(chunks, sampling=sampling, generators=generators)
+                ids, peaks = self._execute(chunks, sampled=sampled, sampling=sampling, generators=generators)
                 read()
-                if forced is not None:
-                    ids = apply_forced(ids, forced, in_flight)
                 tokens, logprobs, prompt_logprobs, verify = SampledTokens(ids, peaks), None, None, None
             else:  # whole rows: tp = 1, or a step the ranks cannot sample from their shards
                 # sampling rows with drafts (speculative decoding), and the chunks whose every row comes back
@@ -362,7 +374,8 @@ class Engine:
             batch = [t for c in output.chunks if (t := self._tracked.get(c.request.request_id)) is not None]
             return None, done + self._fail(batch, "the model step running this request failed", exc)
         ids = {t.request.request_id: row for row, t in enumerate(tracked)}
-        return _Launched(output, tracked, tokens, ids, logprobs, prompt_logprobs, verify), done
+        everywhere = self.workers is None or sharded
+        return _Launched(output, tracked, tokens, ids, logprobs, prompt_logprobs, verify, everywhere), done
 
     def _matcher(self, constraint: StructuredOutput) -> Any:
         """A new request's grammar matcher (InvalidRequest when its constraint does not compile)."""
@@ -448,7 +461,7 @@ class Engine:
     def _complete(self, launched: _Launched) -> list[StreamDelta]:
         """Read a launched step's tokens (waiting for them) and apply them: the scheduler's update,
         detokenizing, the stop rules. Requests finished or aborted since it was launched are skipped."""
-        tokens = launched.tokens.tolist()
+        tokens = self._read(launched)
         tracked = launched.tracked
         if launched.prompt_logprobs is not None:
             spans, device_logprobs = launched.prompt_logprobs
@@ -664,7 +677,7 @@ class Engine:
         except NoFreeBlocks:
             raise InvalidRequest(f"{len(ids)} tokens do not fit in the free KV blocks now") from None
         try:
-            return self._execute([StepChunk(tuple(ids), 0, table)], all_logits=True).float()
+            return self._execute([StepChunk(tuple(ids), 0, table)], all_logits=True, settle=True).float()
         finally:
             manager.free(scratch.request_id)
 
@@ -676,13 +689,23 @@ class Engine:
         sampled: torch.Tensor | None = None,
         sampling: ShardedSampling | None = None,
         generators: Sequence[torch.Generator | None] | None = None,
+        settle: bool = False,
     ) -> Any:
-        """The step's logits, whole rows; or at tp > 1 with `sampling`, its (token ids, row maxima)."""
+        """The step's logits, whole rows; or at tp > 1 with `sampling`, its (token ids, row maxima).
+        At tp > 1 the device is waited for later, when the step's tokens are read (`_read`), unless
+        `settle` (then a failure on any rank is raised here)."""
         if self._closed:
             raise RuntimeError("the engine is closed")
         if self.workers is not None:
-            return self.workers.step(self.runner, chunks, all_logits, sampling, generators)
+            return self.workers.step(self.runner, chunks, all_logits, sampling, generators, sampled, settle)
         return self.runner.execute(chunks, all_logits, sampled=sampled)
+
+    def _read(self, launched: _Launched) -> list[int | None]:
+        """A launched step's tokens on the host (waiting for them); at tp > 1 a failure of any rank
+        in that step is raised here (a WorkerError; the workers are stopped)."""
+        if self.workers is None:
+            return launched.tokens.tolist()
+        return self.workers.settle(launched.tokens.tolist)
 
     def _samples_shards(self, tracked: list[_Tracked], scoring: bool) -> bool:
         """Whether this step's tokens are sampled from the ranks' vocabulary shards (sharded_sampler)."""

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from qruntime.engine.sampler import exponentials, log_weights, race
+from qruntime.engine.sampler import Forced, apply_forced, exponentials, log_weights, race
 from qruntime.engine.sampling_params import SamplingParams
 from qruntime.engine.transfer import device_tensor
 from qruntime.kernels import kernel_runs_on
@@ -88,7 +88,9 @@ class ShardedSampling:
     `rules`: per such row, None for a greedy one; `bias` (row, token, bias) and `banned` (row, token)
     as the sampler's logit_bias and banned tokens; `states`: each generator's state before the
     step, in the order the sampled rows first name it; `stream`: per sampled row (rule not None), in
-    order, the index of its generator in `states`."""
+    order, the index of its generator in `states`; `forced`: the rows whose token is forced after
+    the pick (a thinking cap), put in on every rank, so that every rank holds the step's tokens as
+    rank 0 does (the next step's pending ids name them: async scheduling)."""
 
     rows: tuple[int, ...] | None
     rules: tuple[Rule | None, ...]
@@ -96,6 +98,7 @@ class ShardedSampling:
     banned: tuple[tuple[int, int], ...]
     states: tuple[bytes, ...]
     stream: tuple[int, ...]
+    forced: Forced | None = None
 
     @classmethod
     def of(
@@ -104,6 +107,7 @@ class ShardedSampling:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
         banned: Sequence[Sequence[int]] | None = None,
+        forced: Forced | None = None,
     ) -> ShardedSampling:
         """The step's sampling from rank 0's requests (read the generators' states before drawing)."""
         rules, states, stream, index = [], [], [], {}
@@ -120,7 +124,9 @@ class ShardedSampling:
             stream.append(index[id(generator)])
         bias = tuple((row, token, value) for row, p in enumerate(params) for token, value in p.logit_bias)
         bans = tuple((row, token) for row, tokens in enumerate(banned or ()) for token in tokens)
-        return cls(tuple(rows) if rows is not None else None, tuple(rules), bias, bans, tuple(states), tuple(stream))
+        return cls(
+            tuple(rows) if rows is not None else None, tuple(rules), bias, bans, tuple(states), tuple(stream), forced
+        )
 
     def generators(self, device: torch.device) -> list[torch.Generator | None]:
         """A worker's generators, one per row, at rank 0's states (rows of one generator share it)."""
@@ -248,16 +254,21 @@ def finish_step(
     logits: torch.Tensor,
     sampling: ShardedSampling | None,
     generators: Sequence[torch.Generator | None] | None = None,
+    in_flight: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """What a rank does with its step's logits: without a shard, nothing (they are whole); with one,
-    sample them together (`sampling`: the token ids and row maxima) or put the rows together (None)."""
+    sample them together (`sampling`: the token ids, forced rows put in, and row maxima) or put the
+    rows together (None). `in_flight`: the step before's token ids, which forced rows' conditions read."""
     if shard is None:
         if sampling is not None:
             raise ValueError("sharded sampling asked of a rank whose logits are whole")
         return logits
     if sampling is None:
         return gather_logits(logits, shard)
-    return sample_shard(logits, sampling, shard, generators)
+    ids, peaks = sample_shard(logits, sampling, shard, generators)
+    if sampling.forced is not None:
+        ids = apply_forced(ids, sampling.forced, in_flight)
+    return ids, peaks
 
 
 def warm_up(shard: VocabShard, columns: int, dtype: torch.dtype, device: torch.device) -> None:

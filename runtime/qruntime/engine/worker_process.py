@@ -6,6 +6,9 @@ Messages, over the worker's pipe to rank 0 (engine/workers.py has rank 0's side)
   rank 0 -> worker: `("step", chunks, all_logits, sampling)` (StepChunk tuples, pickled once by
                     rank 0 for every worker; sampling: ShardedSampling or None, for a rank that
                     holds a vocabulary shard), `("close",)`; end of file means rank 0 is gone.
+                    A chunk's pending id (step_chunk.pending: async scheduling) names a row of the
+                    tokens this rank's step before sampled with the others: rank 0 sends one only
+                    after a sharded-sampling step, whose tokens every rank holds.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def report(exc: BaseException) -> Report:
 
 
 def _serve(conn: Connection, runner: ModelRunner) -> None:
+    last = None  # the token ids of this rank's last sampled step: what a next step's pending ids name
     while True:
         try:
             message = pickle.loads(conn.recv_bytes())
@@ -58,10 +62,18 @@ def _serve(conn: Connection, runner: ModelRunner) -> None:
         if message[0] == "close":
             return
         _, chunks, all_logits, sampling = message
-        logits = runner.execute(chunks, all_logits)
-        # rank 0 keeps the result: the tokens (sharded sampling), else the logits, which it gathers
-        # from the vocabulary shards or already has (a replicated head computes them on every rank)
-        finish_step(runner.vocab_shard, logits, sampling)
+        sampled = None
+        if any(c.token_ids[-1] < 0 for c in chunks):  # async scheduling: tokens sampled by the step before
+            if last is None:
+                raise ValueError("rank 0 sent pending token ids, but this rank's step before sampled none")
+            sampled = last
+        logits = runner.execute(chunks, all_logits, sampled=sampled)
+        # rank 0 keeps the result: the tokens (sharded sampling: every rank holds them, and keeps them
+        # for the next step), else the logits, which it gathers from the vocabulary shards or already
+        # has (a replicated head computes them on every rank)
+        result = finish_step(runner.vocab_shard, logits, sampling, in_flight=last)
+        if all_logits is not True:  # a scoring pass (Engine.score) samples nothing and leaves the step before's
+            last = result[0] if sampling is not None else None
 
 
 def worker_main(rank: int, config: RankConfig, port: int, conn: Connection) -> None:

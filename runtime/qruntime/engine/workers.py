@@ -8,7 +8,8 @@ stops listening: the ranks keep the connections they made, and no other process 
 (qruntime.rank.build_rank); at each build checkpoint rank 0 waits until every worker has reported
 it. Then each step is pickled once and written to every pipe before rank 0 runs it itself; the
 graphs' collectives keep the ranks in lockstep. No reply per step: a worker only speaks to report
-its failure.
+its failure. Rank 0 need not wait for a step's end before sending the next (async scheduling): it
+waits when it reads the step's tokens (`settle`), where a failure is raised as the step's own.
 
 Failures. Rank 0 never waits on a worker without watching it: checkpoints wait on the pipes and the
 processes' sentinels together (bounded); before a step, a dead worker is an error; when rank 0's
@@ -32,7 +33,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,7 @@ LOAD_TIMEOUT_S = 3600.0  # longest wait for the workers at one build checkpoint 
 CLOSE_TIMEOUT_S = 30.0  # a closing worker gets this long to leave before it is terminated
 FAILURE_GRACE_S = 3.0  # after an error on rank 0, how long to wait for a failing worker's report
 CLOSE = pickle.dumps(("close",))
+T = TypeVar("T")
 
 
 class WorkerError(RuntimeError):
@@ -277,10 +279,17 @@ class Workers:
         all_logits: bool | Sequence[bool],
         sampling: ShardedSampling | None = None,
         generators: Sequence[torch.Generator | None] | None = None,
+        sampled: torch.Tensor | None = None,
+        settle: bool = True,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Send the step to every worker, then run it on rank 0's runner: rank 0's logits, whole rows
         (gathered from the ranks when each holds a vocabulary shard); or with `sampling` (sharded
-        sampling, `generators` rank 0's), the sampled token ids and row maxima."""
+        sampling, `generators` rank 0's), the sampled token ids and row maxima.
+
+        `sampled`: rank 0's token ids of the step before, which the chunks' pending ids name (each
+        worker holds its own copy of them: async scheduling). `settle`: wait for the device here, so
+        that a failed collective or a dead worker is raised by this call; without it the caller
+        waits later, through `settle()`."""
         if self.closed:
             raise RuntimeError(f"the tensor-parallel engine is closed{f' ({self.failure})' if self.failure else ''}")
         try:
@@ -292,18 +301,39 @@ class Workers:
                     conn.send_bytes(message)
                 except OSError:
                     raise self._find_failure(FAILURE_GRACE_S) or WorkerError(rank, "its pipe is closed") from None
-            logits = runner.execute(chunks, all_logits)
-            result = finish_step(runner.vocab_shard, logits, sampling, generators)
-            if logits.is_cuda:  # a failed collective surfaces here, inside this try, not in the sampler
-                torch.cuda.current_stream(logits.device).synchronize()
-                if wait([p.sentinel for p in self._state.processes], 0):  # released, not finished, by on_death
-                    raise self._find_failure(FAILURE_GRACE_S) or RuntimeError("a worker process ended")
+            logits = runner.execute(chunks, all_logits, sampled=sampled)
+            result = finish_step(runner.vocab_shard, logits, sampling, generators, in_flight=sampled)
+            if settle:
+                self._settled(logits)
             return result
         except BaseException as exc:
             error = self.abandon(exc)
             if error is exc:
                 raise
             raise error from exc
+
+    def settle(self, read: Callable[[], T]) -> T:
+        """`read()` (the host's wait for a step launched with settle=False, e.g. its tokens' copy)
+        as part of the step: an error in it, or a worker that died meanwhile, stops the workers and
+        is raised as the step's would be (a WorkerError naming the failed rank)."""
+        if self.closed:
+            raise RuntimeError(f"the tensor-parallel engine is closed{f' ({self.failure})' if self.failure else ''}")
+        try:
+            value = read()
+            self._settled(None)
+            return value
+        except BaseException as exc:
+            error = self.abandon(exc)
+            if error is exc:
+                raise
+            raise error from exc
+
+    def _settled(self, logits: torch.Tensor | None) -> None:
+        """Wait for the device (CUDA `logits`), then raise if a worker died meanwhile."""
+        if logits is not None and logits.is_cuda:  # a failed collective surfaces here, not in the sampler
+            torch.cuda.current_stream(logits.device).synchronize()
+        if wait([p.sentinel for p in self._state.processes], 0):  # released, not finished, by on_death
+            raise self._find_failure(FAILURE_GRACE_S) or RuntimeError("a worker process ended")
 
     def _find_failure(self, grace: float, known: WorkerError | None = None) -> WorkerError | None:
         """The worker failure that explains the others: a worker's own error, or its death without a
