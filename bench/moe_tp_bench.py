@@ -89,7 +89,9 @@ def expert_load(engine, input_len: int) -> dict:
     }
 
 
-def run_one(preset: str, tp: int, args, bandwidth: float, custom_all_reduce: bool = True) -> dict:
+def run_one(
+    preset: str, tp: int, args, bandwidth: float, custom_all_reduce: bool = True, async_scheduling: bool = True
+) -> dict:
     timings: dict[str, float] = {}
     art = build(preset, tp, args.workdir, tuple(int(b) for b in args.tune_buckets.split(",")), timings)
     print(preset, "tp", tp, "built", timings, flush=True)
@@ -104,11 +106,13 @@ def run_one(preset: str, tp: int, args, bandwidth: float, custom_all_reduce: boo
         kv_cache_memory=8 << 30,
         custom_all_reduce=custom_all_reduce,
     )
+    engine.async_scheduling = engine.async_scheduling and async_scheduling
     timings["load_s"] = round(time.perf_counter() - start, 2)
     row: dict = {
         "preset": preset,
         "tp": tp,
         "custom_all_reduce": custom_all_reduce,
+        "async_scheduling": engine.async_scheduling,
         "weights": SYNTHETIC,
         "engine": engine.description,
         "timings": timings,
@@ -191,7 +195,9 @@ def run_isolated(item: str, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--runs", default="qwen3-30b-a3b:1", help="comma-separated PRESET:TP[:nccl] (nccl: no custom all-reduce)"
+        "--runs",
+        default="qwen3-30b-a3b:1",
+        help="comma-separated PRESET:TP[:nccl][:sync] (nccl: no custom all-reduce; sync: no async scheduling)",
     )
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/qmoe"))
     parser.add_argument("--input-len", type=int, default=8000)
@@ -209,7 +215,12 @@ def main() -> None:
     if args.one is not None:
         preset, tp, *mode = args.one.split(":")
         bandwidth = copy_bandwidth()
-        run_one(preset, int(tp), args, bandwidth, custom_all_reduce=mode != ["nccl"])
+        unknown = set(mode) - {"nccl", "sync"}
+        if unknown:
+            parser.error(f"--runs {args.one}: unknown mode(s) {sorted(unknown)} (nccl, sync)")
+        run_one(
+            preset, int(tp), args, bandwidth, custom_all_reduce="nccl" not in mode, async_scheduling="sync" not in mode
+        )
         return
     import triton
 
@@ -228,8 +239,9 @@ def main() -> None:
             continue
         d, s = r["decode_b1"], r["scenario"]
         ar = "custom" if r.get("custom_all_reduce", True) else "nccl"
+        ar += "" if r.get("async_scheduling", True) else " sync"
         print(
-            f"{r['preset']:>16} tp={r['tp']} {ar:>6}  b1 TPOT {d['tpot_ms']:.2f} ms (floor {d['floor_ms']:.2f}, "
+            f"{r['preset']:>16} tp={r['tp']} {ar:>11}  b1 TPOT {d['tpot_ms']:.2f} ms (floor {d['floor_ms']:.2f}, "
             f"x{d['tpot_over_floor']:.2f})  scenario TTFT {s['ttft_ms']:.0f} ms TPOT {s['tpot_ms']:.2f} ms"
         )
 

@@ -143,6 +143,35 @@ def test_tp2_sharded_sampling_equals_gathered_rows(gpu_artifact_tp2, cuda) -> No
     assert len(set(map(tuple, outputs[True]))) > 1
 
 
+def test_tp2_async_scheduling_equals_synchronous(gpu_artifact_tp2, cuda) -> None:
+    """Rank 0 launching step N+1 before reading step N (the workers reading N's tokens from their own
+    sharded pick) gives the synchronous engine's tokens: greedy and seeded rows from the shards, and
+    top_p rows (gathered: read before the next launch) between them, through decode graphs."""
+    import qruntime
+
+    rng = random.Random()
+    seed = rng.randrange(1 << 30)
+    print(f"seed {seed}")
+    prompts = [[rng.randrange(1, 500) for _ in range(rng.randrange(3, 90))] for _ in range(6)]
+    params = [
+        qruntime.SamplingParams(max_tokens=24, ignore_eos=True),
+        qruntime.SamplingParams(max_tokens=20, ignore_eos=True, temperature=1.0, top_k=40, seed=seed),
+        qruntime.SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, min_p=0.05, seed=seed + 1),
+        qruntime.SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.0, top_p=0.9, seed=seed + 2),
+        qruntime.SamplingParams(max_tokens=17, ignore_eos=True),
+        qruntime.SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.2, seed=seed + 3),
+    ]
+    with _tp2(gpu_artifact_tp2, cuda, max_num_batched_tokens=64) as engine:
+        assert engine.async_scheduling and engine.runner.vocab_shard is not None
+        got = {}
+        for mode in (False, True, False):
+            engine.async_scheduling = mode
+            tokens = [o.token_ids for o in engine.generate(prompts, params)]
+            assert got.setdefault(mode, tokens) == tokens
+    assert got[True] == got[False]
+    assert len(set(map(tuple, got[True]))) > 1
+
+
 def test_a_worker_killed_mid_generation_is_an_error_within_seconds(gpu_artifact_tp2, cuda) -> None:
     """With the custom all-reduce (the default where the GPUs have peer access) a decode step holds no
     NCCL call: its all-reduces and the sampler's exchanges take the one-shot kernel, which the watcher's
