@@ -3,18 +3,21 @@
 For each decoder layer (source_layers.py: one layer's weights in memory, run in fp32) the
 calibration hidden states go through the layer once, recording the inputs of the modules whose
 output each group's loss is measured at (the smallest module holding the group, as llm-compressor's
-AWQModifier takes it); then each group's scales are searched (qcompile.quant.awq) against the
-unquantized module's output, and the layer's unchanged output becomes the next layer's input. The
-groups, as AWQModifier's mappings for Qwen3:
+AWQModifier takes it); then each group of the layer (awq_groups.py: AWQModifier's mappings for
+Qwen3 and Qwen3-MoE) has its scales searched (qcompile.quant.awq) against the unquantized module's
+output, and the layer's unchanged output becomes the next layer's input.
 
-    input_layernorm          -> q_proj, k_proj, v_proj   loss at self_attn's output
-    v_proj (its rows)        -> o_proj                   only when v_proj's rows are o_proj's columns
-                                                         (no grouped-query attention), as AWQModifier
-    post_attention_layernorm -> gate_proj, up_proj       loss at the mlp's output
-    up_proj (its rows)       -> down_proj                loss at down_proj's output
+In a MoE layer the router and every expert's gate/up share one search, its loss the MoE block's
+output (the router keeps its weights in the search, as in AWQModifier: it reads the unscaled input,
+so the trial routes as the model does). Each expert's down_proj is searched on the tokens the router
+sends to that expert (its input recomputed from the recorded MoE inputs and routes, as transformers'
+experts compute it); an expert no calibration token reaches keeps scales of 1, and the manifest says
+so. (AWQModifier's oneshot default, moe_calibrate_all_experts, runs every token through every expert
+instead; the routed tokens are the ones each expert serves.)
 
-Memory: one layer, the hidden states of the calibration tokens and, while a layer is searched, the
-four recorded inputs (model dtype). Dense models only (MoE experts: not yet).
+Memory: one layer in fp32, the hidden states of the calibration tokens and, while a layer is
+searched, the recorded inputs (model dtype); in a MoE layer also one trial copy of the experts'
+gate/up and one expert's routed inputs at a time.
 """
 
 from __future__ import annotations
@@ -27,34 +30,18 @@ from typing import Any
 
 import torch
 
+from qcompile.compile import awq_groups
+from qcompile.compile.awq_groups import Group, layer_groups
 from qcompile.compile.awq_scales import AwqScales
 from qcompile.compile.calibrate import CalibrationError, calibration_ids
 from qcompile.compile.source_layers import SourceLayers
 from qcompile.errors import QCompileError
-from qcompile.quant.awq import AwqConfig, search_scales
+from qcompile.quant.awq import AwqConfig, SearchResult, search_scales
 from qcompile.recipe.schema import Recipe
 from qcompile.source import model as hf
 from qcompile.source.checkpoint import Checkpoint
 
 MIN_TOKENS = 512  # fewer calibration tokens than this give scales fitted to noise
-
-
-@dataclass(frozen=True)
-class Group:
-    """One AWQ group: `smooth` (a norm, or a linear whose rows are divided), the `balance` linears
-    that read its output, and the module (`parent`) whose output the loss compares."""
-
-    smooth: str
-    balance: tuple[str, ...]
-    parent: str
-
-
-GROUPS = (
-    Group("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
-    Group("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"),
-    Group("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
-    Group("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
-)
 
 
 @dataclass(frozen=True)
@@ -67,14 +54,12 @@ class CalibrationSize:
 
 
 def check_awq(checkpoint: Checkpoint) -> None:
-    """QCompileError unless AWQ can run on the checkpoint (unquantized, dense)."""
+    """QCompileError unless AWQ can run on the checkpoint (unquantized)."""
     if checkpoint.quantization is not None:
         raise QCompileError(
             f"w4a16-awq searches scales on the unquantized model, and {checkpoint.path} is pre-quantized "
             f"({checkpoint.quantization.describe()}): compile its bf16 original"
         )
-    if checkpoint.spec.moe is not None:
-        raise QCompileError(f"w4a16-awq: {checkpoint.path} is a MoE model; AWQ for experts is not supported yet")
 
 
 def search_awq(
@@ -106,20 +91,33 @@ def search_awq(
     with torch.inference_mode():
         for layer, module in source.layers(range(checkpoint.spec.num_hidden_layers)):
             module.float()
-            inputs = _run_layer(module, hidden, (cos, sin), size.batch)
+            groups = layer_groups(checkpoint.spec, layer)
+            inputs = _run_layer(module, groups, hidden, (cos, sin), size.batch)
+            chosen = awq_groups.routes(module.mlp, inputs["mlp"]) if checkpoint.spec.is_sparse_layer(layer) else []
             prefix = hf.layer_prefix(layer)
-            for group in GROUPS:
-                names = [f"{prefix}.{b}" for b in group.balance]
-                quantized = [not recipe.ignores(n) for n in names]
+            for group in groups:
+                names = [f"{prefix}.{b}.weight" for b in group.balance]
+                quantized = [not recipe.ignores(n.removesuffix(".weight")) for n in names]
                 if not any(quantized) or not _compatible(module, group):
                     continue
-                result = _search_group(module, group, inputs[group.parent], (cos, sin), quantized, config, source.dtype)
+                if group.expert is None:
+                    x = inputs[group.parent]
+                else:
+                    x = [awq_groups.routed_inputs(module.mlp, inputs["mlp"], chosen, group.expert, source.dtype)]
+                    if x[0].shape[0] == 0:
+                        searched.append({"layer": layer, "smooth": group.smooth, "tokens": 0, "skipped": True})
+                        continue
+                result = _search_group(module, group, x, (cos, sin), quantized, config, source.dtype)
                 for name in names:
-                    columns[f"{name}.weight"] = _combine(columns.get(f"{name}.weight"), result.scales)
+                    columns[name] = _combine(columns.get(name), result.scales, name)
                 smooth = f"{prefix}.{group.smooth}.weight"
-                rows[smooth] = _combine(rows.get(smooth), result.scales)
-                searched.append({"layer": layer, "smooth": group.smooth, **result.to_dict()})
-            del inputs, module  # the layer's weights go before the next layer's are read
+                rows[smooth] = _combine(rows.get(smooth), result.scales, smooth)
+                entry = {"layer": layer, "smooth": group.smooth, **result.to_dict()}
+                if group.expert is not None:
+                    entry["tokens"] = int(x[0].shape[0])
+                searched.append(entry)
+                del x
+            del inputs, chosen, module  # the layer's weights go before the next layer's are read
             if progress is not None:
                 progress()
     if not torch.isfinite(hidden).all():
@@ -129,26 +127,29 @@ def search_awq(
     return AwqScales(columns, rows, (Path(calib).name, digest, int(ids.numel())), tuple(searched), settings)
 
 
-def _combine(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+def _combine(old: torch.Tensor | None, new: torch.Tensor, name: str) -> torch.Tensor:
     """Two groups scaling the same tensor (v_proj's columns by q/k/v's, its rows by o_proj's) act on
     different axes; one group never scales a tensor twice on the same axis."""
     if old is not None:
-        raise ValueError("an AWQ group scales a tensor another group already scaled on the same axis")
+        raise ValueError(f"{name}: an AWQ group scales it where another group already did, on the same axis")
     return new.float().contiguous()
 
 
 def _compatible(module: Any, group: Group) -> bool:
     """False for v_proj -> o_proj under grouped-query attention (v_proj's rows are not o_proj's columns)."""
-    smooth = module.get_submodule(group.smooth)
-    if isinstance(smooth, torch.nn.Linear):
-        return all(smooth.out_features == module.get_submodule(b).in_features for b in group.balance)
+    if group.smooth.endswith("_proj"):
+        out = awq_groups.weight(module, group.smooth).shape[0]
+        return all(awq_groups.weight(module, b).shape[1] == out for b in group.balance)
     return True
 
 
-def _run_layer(module: Any, hidden: torch.Tensor, rope: tuple, batch: int) -> dict[str, list[torch.Tensor]]:
+def _run_layer(
+    module: Any, groups: Sequence[Group], hidden: torch.Tensor, rope: tuple, batch: int
+) -> dict[str, list[torch.Tensor]]:
     """Run the layer over `hidden` in batches, replacing it with the layer's output; returns the
-    input of every group's parent module, batch by batch, in the model dtype."""
-    inputs: dict[str, list[torch.Tensor]] = {g.parent: [] for g in GROUPS}
+    input of every group's parent module (the MoE block's for the experts'), batch by batch, in the
+    model dtype."""
+    inputs: dict[str, list[torch.Tensor]] = {g.parent: [] for g in groups if g.expert is None}
 
     def recorder(name: str) -> Callable:
         def hook(_module, args, kwargs):
@@ -172,10 +173,11 @@ def _run_layer(module: Any, hidden: torch.Tensor, rope: tuple, batch: int) -> di
 
 
 def _parent_output(module: Any, group: Group, x: torch.Tensor, rope: tuple) -> torch.Tensor:
-    parent = module.get_submodule(group.parent)
     if group.parent == "self_attn":
-        return parent(hidden_states=x.float(), position_embeddings=rope, attention_mask=None)[0]
-    return parent(x.float())
+        return module.self_attn(hidden_states=x.float(), position_embeddings=rope, attention_mask=None)[0]
+    if group.parent == "mlp":
+        return module.mlp(x.float())
+    return torch.nn.functional.linear(x.float(), awq_groups.weight(module, group.parent))  # a linear
 
 
 def _search_group(
@@ -186,28 +188,21 @@ def _search_group(
     quantized: Sequence[bool],
     config: AwqConfig,
     dtype: torch.dtype,
-):
+) -> SearchResult:
     """The best scales of one group (qcompile.quant.awq.search_scales), the loss the mean squared
     error of the parent's output with the trial weights against its output with the layer's own."""
-    linears = [module.get_submodule(b) for b in group.balance]
-    originals = [lin.weight.data for lin in linears]
-    tokens = sum(x.shape[0] * x.shape[1] for x in inputs)
-    x_mean = sum(x.float().abs().sum((0, 1)) for x in inputs) / tokens  # [K]
+    width = inputs[0].shape[-1]
+    tokens = sum(x.numel() // width for x in inputs)
+    x_mean = sum(x.float().abs().reshape(-1, width).sum(0) for x in inputs) / tokens  # [K]
     reference = [_parent_output(module, group, x, rope) for x in inputs]
 
     def run(weights: Sequence[torch.Tensor]) -> float:
-        for lin, w in zip(linears, weights, strict=True):
-            lin.weight.data = w
         total, count = 0.0, 0
-        for x, ref in zip(inputs, reference, strict=True):
-            total += float((_parent_output(module, group, x, rope) - ref).double().pow(2).sum())
-            count += ref.numel()
+        with awq_groups.swapped(module, group.balance, weights):
+            for x, ref in zip(inputs, reference, strict=True):
+                total += float((_parent_output(module, group, x, rope) - ref).double().pow(2).sum())
+                count += ref.numel()
         return total / count
 
-    try:
-        return search_scales(
-            x_mean, [module.get_submodule(b).weight.data for b in group.balance], quantized, run, config, dtype
-        )
-    finally:
-        for lin, w in zip(linears, originals, strict=True):
-            lin.weight.data = w
+    weights = [awq_groups.weight(module, b) for b in group.balance]
+    return search_scales(x_mean, weights, quantized, run, config, dtype)
