@@ -111,7 +111,9 @@ def search_scales(
     """The grid point whose fake-quantized `weights` minimise `run(weights) -> loss`.
 
     x_mean [K]: mean |x| of the linears' common input per channel. weights: their [N_i, K] weights
-    (the model's); quantized[i] False: a linear the recipe leaves unquantized (scaled, not rounded).
+    (the model's); quantized[i] False: a linear the recipe leaves unquantized (the MoE router):
+    never rounded, and left out of the duo form's weight means, as AWQModifier leaves out a layer
+    with no quantization scheme.
     run: the loss of the parent module with these weights in place of the linears'."""
     w_mean = weight_means([w for w, q in zip(weights, quantized, strict=True) if q], config.group_size)
     best: SearchResult | None = None

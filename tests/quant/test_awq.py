@@ -105,3 +105,18 @@ def test_grid_is_awq_modifiers_default():
     assert [a for a, _ in grid[1:]] == pytest.approx([i / 18 for i in range(19)])
     plain = AwqConfig(n_grid=5, duo_scaling=False).grid()
     assert plain == [(i / 4, False) for i in range(5)]
+
+
+def test_an_unquantized_linear_leaves_the_search_of_the_others_alone(rng):
+    """A MoE router in its experts' group (AWQModifier's Qwen3-MoE mapping: post_attention_layernorm
+    -> router, every expert's gate/up): unquantized, it is left out of the duo form's weight means
+    and never rounded, so its output is unchanged and the search picks what it picks without it."""
+    x, weights = _outlier_case(rng)
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    router = (torch.randn(8, x.shape[1], generator=gen) * 3).to(BF16).float()  # far larger than the experts'
+    config = AwqConfig(n_grid=6)
+    alone = search_scales(x.abs().mean(0), weights, [True, True], _loss(x, weights), config, BF16)
+    grouped = _loss(x, [router, *weights])
+    both = search_scales(x.abs().mean(0), [router, *weights], [False, True, True], grouped, config, BF16)
+    assert (both.alpha, both.duo) == (alone.alpha, alone.duo)
+    assert torch.equal(both.scales, alone.scales)
