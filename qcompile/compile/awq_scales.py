@@ -1,10 +1,12 @@
 """AWQ's scales as a transform of the source tensors, applied while the writer streams them.
 
 A searched group's scales s multiply the input columns of its linears and divide the op before
-them: the RMSNorm's weight (q/k/v after input_layernorm, gate/up after post_attention_layernorm) or
-the rows of the previous linear (v_proj's for o_proj, up_proj's for down_proj). The model's
-function is unchanged (up to rounding the new weights to the model dtype); the linears are then
-quantized by the scheme's own round to nearest, so the artifact's format is the plain `w4a16` one.
+them: the RMSNorm's weight (q/k/v after input_layernorm, gate/up after post_attention_layernorm,
+in a MoE layer the router and every expert's gate/up) or the rows of the previous linear (v_proj's
+for o_proj, up_proj's for down_proj, each expert's own). The model's function is unchanged (up to
+rounding the new weights to the model dtype; the router's logits too, so the routing); the linears
+are then quantized by the scheme's own round to nearest (the router, unquantized, is stored scaled),
+so the artifact's format is the plain `w4a16` one.
 
 The transform is small (one fp32 vector per group) and acts on each row chunk the writer reads, so
 it keeps the compile's memory bound: nothing of the model is held.
