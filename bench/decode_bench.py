@@ -72,15 +72,19 @@ def hf_tpot_ms(ckpt: Path, steps: int = 16) -> float:
     return (total - prefill) / steps * 1e3
 
 
-def decode_profile(engine, context: int = 160, steps: int = 4, top: int = 14) -> list[dict]:
-    """Where a batch-1 decode step's GPU time goes (eager, so each kernel is visible: neither the
-    decode graphs nor the piecewise ones, which would pad the step to their smallest bucket): µs per
-    step by kernel name, largest first."""
+def decode_profile(engine, context: int = 160, steps: int = 4, top: int = 14, graphs: bool = False) -> list[dict]:
+    """Where a batch-1 decode step's GPU time goes: µs per step by kernel name, largest first.
+    Eager by default, so each kernel is visible (neither the decode graphs nor the piecewise ones,
+    which would pad the step to their smallest bucket); `graphs`: the captured decode graph's own
+    kernels, as they run (at tp > 1 the only way: rank 0 alone running eagerly would wait on the
+    other ranks' graphs). Each row also has its share of the steps' kernel time; the last row,
+    "(all kernels)", their sum per step."""
     from torch.profiler import ProfilerActivity, profile
 
     runner = engine.runner
-    graphs, runner.decode_graphs = runner.decode_graphs, None
-    piecewise, runner.piecewise_graphs = runner.piecewise_graphs, None
+    saved = runner.decode_graphs, runner.piecewise_graphs
+    if not graphs:
+        runner.decode_graphs = runner.piecewise_graphs = None
     try:
         request = engine.add_request(
             list(range(1, context + 1)), qruntime.SamplingParams(max_tokens=steps + 8, ignore_eos=True)
@@ -93,14 +97,21 @@ def decode_profile(engine, context: int = 160, steps: int = 4, top: int = 14) ->
                 engine.step()
             torch.cuda.synchronize()
         engine.abort(request)
+        while engine.has_unfinished():  # a step left in flight (async scheduling)
+            engine.step()
     finally:
-        runner.decode_graphs, runner.piecewise_graphs = graphs, piecewise
+        runner.decode_graphs, runner.piecewise_graphs = saved
     rows = [
         {"kernel": e.key[:90], "us_per_step": round(e.device_time_total / steps, 1), "calls_per_step": e.count / steps}
         for e in prof.key_averages()
         if e.device_time_total > 0
     ]
-    return sorted(rows, key=lambda r: -r["us_per_step"])[:top]
+    total = sum(r["us_per_step"] for r in rows)
+    calls = sum(r["calls_per_step"] for r in rows)
+    rows = sorted(rows, key=lambda r: -r["us_per_step"])[:top]
+    for r in rows:
+        r["share"] = round(r["us_per_step"] / total, 3) if total else None
+    return [*rows, {"kernel": "(all kernels)", "us_per_step": round(total, 1), "calls_per_step": calls, "share": 1.0}]
 
 
 def replay_ms(engine, batch: int = 1, repeats: int = 50) -> float | None:

@@ -139,8 +139,8 @@ def run_one(
         scenario = measure(engine, args.input_len, args.output_len, 1, seed=4)
         row["scenario"] = scenario
         print("scenario", scenario, flush=True)
-        if args.profile and tp == 1:
-            row["decode_profile_b1"] = decode_profile(engine)
+        if args.profile:  # at tp > 1, rank 0's kernels in its decode graph (waits on the other ranks included)
+            row["decode_profile_b1"] = decode_profile(engine, steps=8, top=24, graphs=tp > 1 or args.profile_graphs)
             for r in row["decode_profile_b1"]:
                 print(r, flush=True)
         row["copy_bandwidth_gb_s_one_gpu"] = bandwidth / 1e9
@@ -205,7 +205,10 @@ def main() -> None:
     parser.add_argument("--short-len", type=int, default=128)
     parser.add_argument("--short-out", type=int, default=64)
     parser.add_argument("--tune-buckets", default="1,8192")
-    parser.add_argument("--profile", action="store_true", help="profile an eager batch-1 decode step by kernel")
+    parser.add_argument("--profile", action="store_true", help="profile a batch-1 decode step by kernel")
+    parser.add_argument(
+        "--profile-graphs", action="store_true", help="at tp = 1 too, profile the decode graph's kernels (not eager)"
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--run-timeout", type=float, default=300, help="seconds one PRESET:TP run may take")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: the child of one run

@@ -161,7 +161,9 @@ def test_tp2_async_scheduling_equals_synchronous(gpu_artifact_tp2, cuda) -> None
         qruntime.SamplingParams(max_tokens=17, ignore_eos=True),
         qruntime.SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.2, seed=seed + 3),
     ]
-    with _tp2(gpu_artifact_tp2, cuda, max_num_batched_tokens=64) as engine:
+    # no prefix cache: each run computes the same steps (a cached prefix changes the chunks, so the
+    # GEMMs' shapes and their rounding, and a near-tie of random weights may flip)
+    with _tp2(gpu_artifact_tp2, cuda, max_num_batched_tokens=64, prefix_cache=False) as engine:
         assert engine.async_scheduling and engine.runner.vocab_shard is not None
         got = {}
         for mode in (False, True, False):
