@@ -172,11 +172,11 @@ def test_an_expert_no_calibration_token_reaches_keeps_scales_of_one(make_ckpt, s
     result = search_awq(
         Checkpoint.open(ckpt), load_recipe("w4a16-awq"), _text(tmp_path / "c.txt", 4000, seed), config=QUICK, size=SMALL
     )
-    skipped = [g for g in result.searched if g.get("skipped")]
-    assert [(g["layer"], g["smooth"], g["tokens"]) for g in skipped] == [
-        (0, "mlp.experts.7.up_proj", 0),
-        (2, "mlp.experts.7.up_proj", 0),
-    ]
+    skipped = {(g["layer"], g["smooth"], g["tokens"]) for g in result.searched if g.get("skipped")}
+    # others may be unreached too: a random router can leave an expert without tokens
+    assert {(0, "mlp.experts.7.up_proj", 0), (2, "mlp.experts.7.up_proj", 0)} <= skipped
+    assert all(tokens == 0 for _, _, tokens in skipped)
+    assert all("alpha" not in g for g in result.searched if g.get("skipped"))
     for layer in (0, 2):
         expert = f"model.layers.{layer}.mlp.experts.7"
         assert f"{expert}.down_proj.weight" not in result.columns and f"{expert}.up_proj.weight" not in result.rows
@@ -319,6 +319,9 @@ def test_awq_moe_artifact_experts_are_w4a16_of_the_scaled_source(make_ckpt, seed
             expert = f"{p}.experts.{e}"
             assert torch.equal(searched.columns[f"{expert}.gate_proj.weight"], searched.rows[norm])
             assert torch.equal(searched.columns[f"{expert}.up_proj.weight"], searched.rows[norm])
+            if f"{expert}.up_proj.weight" not in searched.rows:  # no calibration token reached it (a seed in testing)
+                assert f"{expert}.down_proj.weight" not in searched.columns
+                continue
             assert torch.equal(
                 searched.columns[f"{expert}.down_proj.weight"], searched.rows[f"{expert}.up_proj.weight"]
             )
