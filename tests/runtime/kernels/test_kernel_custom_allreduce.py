@@ -159,6 +159,8 @@ def test_the_gpu_branch_compiles_with_system_scope_signals_and_vector_peer_loads
         assert ptx.count("atom.global.sys.relaxed.exch.b64") == world * barriers
         assert "ld.global.sys.acquire.b64" in ptx and "%globaltimer" in ptx and "trap;" in ptx
         assert "ld.volatile.global.b32" in ptx  # the host's abort word, polled while waiting
+        # ... once a wait has lasted more than POLL_AFTER_NS (1 ms): never in the short waits of a healthy group
+        assert ptx.count(", 1000001;") == ptx.count("ld.volatile.global.b32") > 0
         assert "ld.global.cv.v4.b32" in ptx and "ld.global.cv.b16" not in ptx  # vectors, never scalar
 
 
