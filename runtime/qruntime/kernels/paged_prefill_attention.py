@@ -63,24 +63,13 @@ class PrefillConfig:
 
 
 BOUNDS_BLOCK_M = 64  # query rows per tile of a captured step (PrefillConfig's default)
-SMALL_BLOCK_M = 16  # ... of a captured step of at most SMALL_BUCKET rows
-SMALL_BUCKET = 256
-
-
-def bounds_block_m(tokens: int) -> int:
-    """Query rows per tile of a captured step of `tokens` rows. A small step's prompts are chunks of
-    a few dozen rows, often after a long cached prefix (a shared system prompt): in 64-row tiles one
-    such chunk is one program per head (32 on qwen3-8b, a quarter of an H100's SMs), each walking the
-    whole prefix alone; 16-row tiles give it four times the programs over the same walk."""
-    return SMALL_BLOCK_M if tokens <= SMALL_BUCKET else BOUNDS_BLOCK_M
 
 
 def bounds_tiles(tokens: int, seqs: int) -> int:
     """The prefill grid's tiles (per head) of a captured step of `tokens` rows and `seqs` sequence
     rows: each prompt (q_len >= 2) adds at most one partial tile to its rows' count, so any step fits,
-    and what its tiles leave over covers the rows past its last sequence (ceil((T - rows) / BLOCK_M),
-    BLOCK_M = bounds_block_m(T))."""
-    return cdiv(tokens, bounds_block_m(tokens)) + min(seqs, tokens // 2)
+    and what its tiles leave over covers the rows past its last sequence (ceil((T - rows) / BLOCK_M))."""
+    return cdiv(tokens, BOUNDS_BLOCK_M) + min(seqs, tokens // 2)
 
 
 def work_size(tokens: int, seqs: int) -> int:
@@ -92,18 +81,21 @@ def bounds_work(query_start: Sequence[int], context_lens: Sequence[int], tokens:
     of `tokens` rows and `seqs` sequence rows, int32 [work_size]: a header (the prompts' tile count,
     the decode count, the step's rows, 0), the decodes' sequence indices (the decode kernel's, seqs
     slots), then each tile's sequence and tile index (bounds_tiles slots each), heaviest tile first
-    (the most cached positions to walk), in tiles of bounds_block_m(tokens) rows."""
-    block = bounds_block_m(tokens)
+    (the most cached positions to walk)."""
     starts = np.asarray(query_start, dtype=np.int64)
     q_lens = np.diff(starts)
     if len(q_lens) > seqs or starts[-1] > tokens:
         raise ValueError(f"a step of {len(q_lens)} sequences and {starts[-1]} rows exceeds {seqs} and {tokens}")
     decodes = np.flatnonzero(q_lens == 1)
     prompts = np.flatnonzero(q_lens > 1)
-    counts = -(-q_lens[prompts] // block)
+    counts = -(-q_lens[prompts] // BOUNDS_BLOCK_M)
     seq = np.repeat(prompts, counts)
     tile = np.arange(len(seq)) - np.repeat(np.cumsum(counts) - counts, counts)
-    ends = np.asarray(context_lens, dtype=np.int64)[seq] - q_lens[seq] + np.minimum((tile + 1) * block, q_lens[seq])
+    ends = (
+        np.asarray(context_lens, dtype=np.int64)[seq]
+        - q_lens[seq]
+        + np.minimum((tile + 1) * BOUNDS_BLOCK_M, q_lens[seq])
+    )
     order = np.argsort(-ends, kind="stable")
     grid = bounds_tiles(tokens, seqs)
     work = np.zeros(work_size(tokens, seqs), dtype=np.int32)
@@ -291,7 +283,7 @@ def paged_prefill_attention(
     if work is not None:
         if work.dtype != torch.int32 or work.numel() < work_size(tokens, batch):
             raise ValueError(f"work must be int32 of at least {work_size(tokens, batch)} (bounds_work's list)")
-        block_m = bounds_block_m(tokens)
+        block_m = BOUNDS_BLOCK_M
         grid = (nh, bounds_tiles(tokens, batch), 1)
     else:
         seqs = batch if num_prefills is None else num_prefills  # the grid's sequences

@@ -268,8 +268,7 @@ def test_fast_op_runs_long_fresh_prompts_beside_decodes_with_sdpa(rng):
     assert not prefill.calls and len(decode.calls) == 1
 
 
-@pytest.mark.parametrize("bucket", ["small", "large"])  # prompt tiles of 16 rows (<= 256 rows), of 64 past it
-def test_a_captured_steps_attention_launches_from_bounds(rng, monkeypatch, bucket):
+def test_a_captured_steps_attention_launches_from_bounds(rng, monkeypatch):
     """bounds_only (engine/mixed_graphs.py): a mixed step padded as a captured graph pads it, with
     more token rows (padding) and more sequences (empty ones, whose context lengths and block tables
     hold stale values) than the step has; the grids come from those sizes alone. The step's rows equal
@@ -280,9 +279,6 @@ def test_a_captured_steps_attention_launches_from_bounds(rng, monkeypatch, bucke
     step = mixed_step(rng, prompt_first=True)
     tokens = step.q.shape[0]
     pad_rows, pad_seqs = rng.randint(1, 20), rng.randint(1, 6)
-    if bucket == "large":
-        pad_rows += prefill_kernel.SMALL_BUCKET - tokens
-    assert prefill_kernel.bounds_block_m(tokens + pad_rows) == (16 if bucket == "small" else 64)
     print("padding rows", pad_rows, "empty sequences", pad_seqs)
     device, width = step.q.device, step.block_tables.shape[1]
     q = torch.cat([step.q, torch.randn(pad_rows, *step.q.shape[1:], dtype=step.q.dtype, device=device)])
@@ -316,19 +312,15 @@ def test_a_captured_steps_attention_launches_from_bounds(rng, monkeypatch, bucke
 
 def test_a_steps_work_list_names_every_tile_once_heaviest_first(rng):
     """bounds_work for random steps in random buckets: the header, the decodes in step order, every
-    prompt tile once (bounds_block_m rows each: 16 in buckets of up to 256 rows, else 64), in order
-    of the cached positions they walk, and tiles left over in the grid for every padding row past the
-    step's rows."""
-    blocks = set()
+    prompt tile once (BOUNDS_BLOCK_M rows each), in order of the cached positions they walk, and tiles
+    left over in the grid for every padding row past the step's rows."""
+    block = prefill_kernel.BOUNDS_BLOCK_M
     for _ in range(200):
         q_lens = [rng.choice([1, 1, rng.randint(2, 300)]) for _ in range(rng.randint(1, 12))]
         contexts = [n + rng.randint(0, 3000) for n in q_lens]
         rows = sum(q_lens)
         tokens, seqs = rng.randint(rows, rows + 200), rng.randint(len(q_lens), len(q_lens) + 5)
         starts = [0, *itertools.accumulate(q_lens)]
-        block = prefill_kernel.bounds_block_m(tokens)
-        assert block == (16 if tokens <= 256 else 64)
-        blocks.add(block)
         work = prefill_kernel.bounds_work(starts, contexts, tokens, seqs)
         grid = prefill_kernel.bounds_tiles(tokens, seqs)
         tiles = [(b, t) for b, n in enumerate(q_lens) if n > 1 for t in range(-(-n // block))]
@@ -343,7 +335,6 @@ def test_a_steps_work_list_names_every_tile_once_heaviest_first(rng):
         walked = [contexts[b] - q_lens[b] + min((t + 1) * block, q_lens[b]) for b, t in listed]
         assert walked == sorted(walked, reverse=True)
         assert (grid - len(tiles)) * block >= tokens - rows  # the leftover programs zero every padding row
-    assert blocks == {16, 64}
 
 
 @pytest.mark.parametrize("most", [1, 3, None])
