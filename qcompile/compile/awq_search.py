@@ -53,12 +53,21 @@ class CalibrationSize:
     batch: int = 4
 
 
-def check_awq(checkpoint: Checkpoint) -> None:
-    """QCompileError unless AWQ can run on the checkpoint (unquantized)."""
+def check_awq(checkpoint: Checkpoint, recipe: Recipe) -> None:
+    """QCompileError unless AWQ can run on the checkpoint (unquantized) with the recipe's mappings
+    (quantization.awq_mappings: those an llm-compressor recipe spelled out must be the ones
+    AWQModifier takes for this architecture, which awq_groups.py holds)."""
     if checkpoint.quantization is not None:
         raise QCompileError(
             f"w4a16-awq searches scales on the unquantized model, and {checkpoint.path} is pre-quantized "
             f"({checkpoint.quantization.describe()}): compile its bf16 original"
+        )
+    given, fits = recipe.quantization.awq_mappings, "qwen3-moe" if checkpoint.spec.is_moe else "qwen3"
+    if given not in ("auto", fits):
+        raise QCompileError(
+            f"recipe {recipe.name!r}: quantization.awq_mappings {given} (the AWQModifier mappings its recipe "
+            f"spells out) are not AWQModifier's for {checkpoint.path}, a {checkpoint.spec.architecture} "
+            f"checkpoint ({fits}): leave `mappings` out of the AWQModifier to take that architecture's"
         )
 
 
@@ -74,7 +83,7 @@ def search_awq(
     """Every layer's AWQ scales on `calib` (a text file); progress() after each layer. config and
     size default to AwqConfig() and CalibrationSize()."""
     config, size = config or AwqConfig(), size or CalibrationSize()
-    check_awq(checkpoint)
+    check_awq(checkpoint, recipe)
     source = SourceLayers(checkpoint, "w4a16-awq's scale search")
     ids = calibration_ids(checkpoint, calib, size.seq_len, size.max_sequences)
     if ids.numel() < MIN_TOKENS:

@@ -100,7 +100,7 @@ def prepare(
     if recipe.quantization.method == "awq":
         from qcompile.compile.awq_search import check_awq
 
-        check_awq(checkpoint)  # before a pre-quantized checkpoint's own recipe replaces this one
+        check_awq(checkpoint, recipe)  # before a pre-quantized checkpoint's own recipe replaces this one
     recipe = recipe_for_stored(recipe, checkpoint)  # a pre-quantized checkpoint's scheme and ignore list
     if tokenizer:
         checkpoint.require_tokenizer()

@@ -45,6 +45,15 @@ METHODS = MappingProxyType(
         "awq": "activation-aware scales searched on --calib text (w4a16 only), then round to nearest",
     }
 )
+# quantization.awq_mappings: which of llm-compressor's AWQModifier mappings (awq_groups.py) the search
+# takes; an llm-compressor recipe that spells the mappings out names the architecture they fit
+AWQ_MAPPINGS = MappingProxyType(
+    {
+        "auto": "AWQModifier's default mappings for the checkpoint's architecture (Qwen3 or Qwen3-MoE)",
+        "qwen3": "AWQModifier's Qwen3 (dense) mappings: refused for a Qwen3-MoE checkpoint",
+        "qwen3-moe": "AWQModifier's Qwen3-MoE mappings: refused for a dense Qwen3 checkpoint",
+    }
+)
 MAX_SHARD_MB = 1 << 20  # 1 TiB: larger than any model; bounds what the writer is asked to lay out
 
 
@@ -56,6 +65,7 @@ class QuantizationRecipe:
     scheme: str = "ptpc-fp8"
     ignore: tuple[str, ...] = DEFAULT_IGNORE
     method: str = "rtn"  # how the weights are rounded: METHODS
+    awq_mappings: str = "auto"  # method awq: AWQ_MAPPINGS
 
     @functools.cached_property
     def ignore_list(self) -> IgnoreList:
@@ -86,6 +96,8 @@ class Recipe:
         data["quantization"]["ignore"] = list(self.quantization.ignore)
         if self.quantization.method == "rtn":
             del data["quantization"]["method"]  # the default: manifests read as before
+        if self.quantization.awq_mappings == "auto":
+            del data["quantization"]["awq_mappings"]  # the default: manifests read as before
         data["passes"] = list(self.passes)
         return data
 
@@ -231,6 +243,12 @@ def _validate_quantization(q: QuantizationRecipe, source: str) -> None:
         raise RecipeError(f"{source}: quantization.method {shown(q.method)} is unknown; known: {', '.join(METHODS)}")
     if q.method == "awq" and q.scheme != "w4a16":
         raise RecipeError(f"{source}: quantization.method awq needs scheme w4a16, got {shown(q.scheme)}")
+    if q.awq_mappings not in AWQ_MAPPINGS:
+        raise RecipeError(
+            f"{source}: quantization.awq_mappings {shown(q.awq_mappings)} is unknown; known: {', '.join(AWQ_MAPPINGS)}"
+        )
+    if q.awq_mappings != "auto" and q.method != "awq":
+        raise RecipeError(f"{source}: quantization.awq_mappings needs quantization.method awq")
     try:
         q.ignore_list  # noqa: B018 - compiles the patterns (cached on q), refusing bad or unbounded ones
     except RecipeError as exc:
