@@ -79,7 +79,8 @@ def _tp_row(prepared) -> str:
     "--recipe",
     default=None,
     help=f"A shipped recipe name or a YAML file (ours, or an llm-compressor recipe with a "
-    f"QuantizationModifier using FP8_DYNAMIC, FP8_BLOCK or W4A16) [default: {DEFAULT_RECIPE}; for a pre-quantized "
+    f"QuantizationModifier using FP8_DYNAMIC, FP8_BLOCK or W4A16, or an AWQModifier with W4A16: w4a16-awq, "
+    f"which needs --calib) [default: {DEFAULT_RECIPE}; for a pre-quantized "
     "checkpoint the recipe of its stored scheme].",
 )
 @click.option(
