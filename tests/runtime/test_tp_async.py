@@ -1,9 +1,9 @@
 """Async scheduling at tp > 1 (2 gloo processes on CPU): rank 0 launches step N+1 before it reads
 step N's tokens, and the workers resolve N+1's pending ids from the tokens they sampled with rank 0
-(sharded sampling). Outputs must be exactly the synchronous tp=2 engine's for a workload mixing
-greedy, stop tokens, seeded sampling from the shards, top_p (gathered: read before the next
-launch), thinking caps (forced rows, put in on every rank), aborts mid-flight and preemption. A
-worker killed while a step is in flight is a WorkerError, never a hang."""
+(sharded sampling) or that rank 0 sent them (rows it samples alone). Outputs must be exactly the
+synchronous tp=2 engine's for a workload mixing greedy, stop tokens, seeded sampling from the
+shards, top_p, penalties and logprobs (gathered rows), thinking caps (forced rows, put in on every
+rank), aborts mid-flight and preemption."""
 
 from __future__ import annotations
 
@@ -47,13 +47,15 @@ def _workload(rng: random.Random, engine, count: int) -> tuple[list[list[int]], 
     prompts, params = [], []
     for _ in range(count):
         prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 50))]
-        kind = rng.choice(["greedy", "stop", "sharded", "top_p", "think"])
+        kind = rng.choice(["greedy", "stop", "sharded", "top_p", "penalty", "think"])
         seed = rng.randrange(1 << 30)
         if kind == "sharded":  # sampled from the vocabulary shards
             extra = {"top_k": rng.choice([0, 20]), "min_p": rng.choice([0.0, 0.05]), "logit_bias": {7: 2.0}}
             params.append(SamplingParams(max_tokens=rng.randrange(4, 20), temperature=0.9, seed=seed, **extra))
         elif kind == "top_p":  # rank 0 samples gathered rows: its step is read before the next one
             params.append(SamplingParams(max_tokens=rng.randrange(4, 16), temperature=0.9, top_p=0.9, seed=seed))
+        elif kind == "penalty":  # gathered too, and its history reads the token in flight on rank 0
+            params.append(SamplingParams(max_tokens=rng.randrange(4, 16), presence_penalty=1.5, logprobs=2))
         elif kind == "stop":
             stops = rng.sample(range(vocab), vocab // 8)
             params.append(SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=stops))
@@ -131,13 +133,13 @@ def test_async_tp2_under_preemption_and_aborts(tp2, rng):
             assert (tokens, reason) == expected[i][:2]
 
 
-def test_rank0_launches_before_it_reads_except_after_a_gathered_step(tp2, rng, monkeypatch):
+def test_rank0_launches_each_step_before_it_reads_the_one_before(tp2, rng, monkeypatch):
     events = []
     step, tolist = tp2.workers.step, SampledTokens.tolist
 
-    def logged_step(runner, chunks, all_logits, sampling=None, generators=None, sampled=None, settle=True):
+    def logged_step(runner, chunks, all_logits, sampling=None, generators=None, sampled=None, settle=True, shared=None):
         events.append(("launch", sampled is not None))
-        return step(runner, chunks, all_logits, sampling, generators, sampled, settle)
+        return step(runner, chunks, all_logits, sampling, generators, sampled, settle, shared)
 
     def logged_tolist(self):
         events.append(("read", None))
@@ -151,8 +153,8 @@ def test_rank0_launches_before_it_reads_except_after_a_gathered_step(tp2, rng, m
     assert events == [("launch", False)] + [("launch", True), ("read", None)] * 4 + [("read", None)]
     events.clear()
     tp2.generate([prompt], SamplingParams(max_tokens=4, temperature=1.0, top_p=0.8, seed=rng.randrange(1 << 30)))
-    # top_p: rank 0 samples alone, so each step is read before the next launch, which sends real ids
-    assert events == [("launch", False), ("read", None)] * 4
+    # top_p: rank 0 samples the gathered rows alone and sends the workers its tokens: launched ahead too
+    assert events == [("launch", False)] + [("launch", True), ("read", None)] * 3 + [("read", None)]
 
 
 class _Pipe:
@@ -199,16 +201,24 @@ def test_a_worker_resolves_pending_ids_from_its_last_sampled_step(monkeypatch, r
             ids[list(sampling.forced.always)] = sampling.forced.token
         return ids, logits
 
+    shared = [rng.randrange(300, 400) for _ in range(2)]
+
+    def share(shard, ids, count, device):  # what rank 0 sends
+        assert ids is None and count == len(shared)
+        return torch.tensor(shared)
+
     monkeypatch.setattr(worker_process, "finish_step", finish)
+    monkeypatch.setattr(worker_process, "share_tokens", share)
     chunk = lambda token: StepChunk((token,), 0, (0,))  # noqa: E731
     runner = _Runner()
     worker_process._serve(
         _Pipe(
             [
-                ("step", tuple(map(chunk, first)), False, greedy),
-                ("step", (chunk(pending(2)), chunk(pending(0)), chunk(pending(1))), False, capped),
-                ("step", (chunk(9), chunk(10), chunk(11)), True, None),  # a scoring pass keeps the tokens
-                ("step", (chunk(pending(2)), chunk(3), chunk(pending(0))), False, None),
+                ("step", tuple(map(chunk, first)), False, greedy, None),
+                ("step", (chunk(pending(2)), chunk(pending(0)), chunk(pending(1))), False, capped, None),
+                ("step", (chunk(9), chunk(10), chunk(11)), True, None, None),  # a scoring pass keeps the tokens
+                ("step", (chunk(pending(2)), chunk(3), chunk(pending(0))), False, None, 2),  # rank 0 sends 2 ids
+                ("step", (chunk(pending(1)), chunk(pending(0))), False, None, None),
             ]
         ),
         runner,
@@ -217,8 +227,9 @@ def test_a_worker_resolves_pending_ids_from_its_last_sampled_step(monkeypatch, r
     assert runner.seen[1] == [sampled[2], sampled[0], sampled[1]]
     second = [sampled[2] + 1, sampled[0] + 1, 5]  # row 2 forced to 5
     assert runner.seen[3] == [second[2], 3, second[0]]
+    assert runner.seen[4] == [shared[1], shared[0]]
     with pytest.raises(ValueError, match="pending token ids, but this rank's step before sampled none"):
         worker_process._serve(
-            _Pipe([("step", (chunk(4),), False, None), ("step", (chunk(pending(0)),), False, greedy)]),
+            _Pipe([("step", (chunk(4),), False, None, None), ("step", (chunk(pending(0)),), False, greedy, None)]),
             _Runner(),
         )

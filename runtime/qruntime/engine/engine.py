@@ -10,10 +10,11 @@ Async scheduling (on by default): `step()` first schedules and launches the next
 waits for the one launched before and turns its tokens into deltas, so the host's work on a step's
 results (detokenizing, stop checks, the server's dispatch) and on the next step's inputs runs while
 the device computes. The launched step's decodes read the tokens the step before sampled on the
-device (scheduler.py: pending tokens). At tp > 1 every rank must hold those tokens: a step sampled
-from the vocabulary shards leaves them on every rank (each worker keeps its copy), while a step
-whose rows rank 0 samples alone (top_p, penalties, logprobs, structured output) is read before the
-next is launched; without a vocabulary-parallel head every step is. A request that stops on a token its next step has
+device (scheduler.py: pending tokens). At tp > 1 every rank must hold those tokens (each worker
+keeps its copy): a step sampled from the vocabulary shards leaves them on every rank, and rank 0
+sends the workers the tokens of a step whose rows it samples alone (top_p, penalties, logprobs,
+structured output) through the same exchange. Without a vocabulary-parallel head there is no
+exchange, and every step is read before the next is launched. A request that stops on a token its next step has
 already been launched for gets no more from that step (its one extra token is dropped); requests
 that end by max_tokens or the model length are not scheduled past it. Sampling, greedy or not, is
 queued on the device with the step (engine/sampler.py). While a request with structured output is
@@ -53,7 +54,7 @@ from qruntime.engine.sampled_tokens import SampledTokens
 from qruntime.engine.sampler import Forced, History, sample_on_device
 from qruntime.engine.sampling_params import SamplingParams, as_list
 from qruntime.engine.scheduler import Scheduler, SchedulerOutput
-from qruntime.engine.sharded_sampler import ShardedSampling, shardable
+from qruntime.engine.sharded_sampler import ShardedSampling, shardable, share_tokens
 from qruntime.engine.speculative.rejection import verify_drafts
 from qruntime.engine.speculative.speculator import SpeculativeStats, Speculator
 from qruntime.engine.speculative.verify_step import VerifyStep, draft_logit_rows, draft_probs
@@ -291,7 +292,7 @@ class Engine:
             banned = [self._banned(t) for t in tracked]
             forced = self._forced(tracked, pending_rows) if self._capped else None
             in_flight = previous.tokens.ids if previous is not None else None
-            sharded = self._samples_shards(tracked, scoring)
+            sharded, shared = self._samples_shards(tracked, scoring), None
             if sharded:  # tp > 1: the ranks sample their vocabulary shards
                 generators = [t.generator for t in tracked]
                 sampling = ShardedSampling.of(
@@ -312,7 +313,9 @@ class Engine:
                     if scoring or drafted
                     else []
                 )
-                logits = self._execute(chunks, all_logits=wide or False, sampled=sampled)
+                # tp > 1, async: rank 0 samples these rows alone and sends the workers the tokens
+                shared = len(rows) if rows and self.async_scheduling and self.runner.vocab_shard is not None else None
+                logits = self._execute(chunks, all_logits=wide or False, sampled=sampled, shared=shared)
                 read()  # while the forward runs
                 prompt_logprobs = verify_logits = None
                 if scoring or drafted:  # rows of every token of some chunks came back: keep each chunk's last
@@ -351,6 +354,8 @@ class Engine:
                     forced,
                     self._allowed(tracked, logits.device) if self._guided else None,
                 )
+                if shared:
+                    share_tokens(self.runner.vocab_shard, tokens.ids, shared, logits.device)
                 logprobs = verify = None
                 if wanted := [row for row, t in enumerate(tracked) if t.params.logprobs is not None]:
                     k = max(tracked[row].params.logprobs for row in wanted)
@@ -369,12 +374,16 @@ class Engine:
                     verify = VerifyStep(tuple(drafted), drafts, verdicts)
         except Exception as exc:
             if self._is_fatal(exc):
+                if self.workers is not None:  # stopped: they may wait in this step's exchange of tokens
+                    error = self.workers.abandon(exc)
+                    if error is not exc:
+                        raise error from exc
                 raise
             read()
             batch = [t for c in output.chunks if (t := self._tracked.get(c.request.request_id)) is not None]
             return None, done + self._fail(batch, "the model step running this request failed", exc)
         ids = {t.request.request_id: row for row, t in enumerate(tracked)}
-        everywhere = self.workers is None or sharded
+        everywhere = self.workers is None or sharded or bool(shared)
         return _Launched(output, tracked, tokens, ids, logprobs, prompt_logprobs, verify, everywhere), done
 
     def _matcher(self, constraint: StructuredOutput) -> Any:
@@ -690,6 +699,7 @@ class Engine:
         sampling: ShardedSampling | None = None,
         generators: Sequence[torch.Generator | None] | None = None,
         settle: bool = False,
+        shared: int | None = None,
     ) -> Any:
         """The step's logits, whole rows; or at tp > 1 with `sampling`, its (token ids, row maxima).
         At tp > 1 the device is waited for later, when the step's tokens are read (`_read`), unless
@@ -697,7 +707,7 @@ class Engine:
         if self._closed:
             raise RuntimeError("the engine is closed")
         if self.workers is not None:
-            return self.workers.step(self.runner, chunks, all_logits, sampling, generators, sampled, settle)
+            return self.workers.step(self.runner, chunks, all_logits, sampling, generators, sampled, settle, shared)
         return self.runner.execute(chunks, all_logits, sampled=sampled)
 
     def _read(self, launched: _Launched) -> list[int | None]:

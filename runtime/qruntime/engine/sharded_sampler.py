@@ -271,6 +271,15 @@ def finish_step(
     return ids, peaks
 
 
+def share_tokens(shard: VocabShard, ids: torch.Tensor | None, count: int, device: torch.device) -> torch.Tensor:
+    """Rank 0's `count` token ids (int64 on the device), on every rank: rank 0 passes them, the others
+    None. For a step whose rows rank 0 sampled alone (gathered rows: top_p, penalties, ...), so that
+    every rank holds its tokens for the next step's pending ids (async scheduling). Through the
+    exchange, as fp32: exact, ids being below MAX_SHARDED_VOCAB."""
+    mine = torch.zeros(count, dtype=torch.float32, device=device) if ids is None else ids.to(torch.float32)
+    return shard.exchange(mine)[0].to(torch.int64)
+
+
 def warm_up(shard: VocabShard, columns: int, dtype: torch.dtype, device: torch.device) -> None:
     """Sample a greedy and a seeded row from zero logits of this rank's shard, on every rank together
     (a collective: build_rank calls it on each), so that the first step builds no kernel."""

@@ -3,12 +3,13 @@
 Messages, over the worker's pipe to rank 0 (engine/workers.py has rank 0's side):
   worker -> rank 0: `(tag, None)` at each build checkpoint ("loaded", "planned", "ready");
                     `("error", Report)` when it raises, then it exits.
-  rank 0 -> worker: `("step", chunks, all_logits, sampling)` (StepChunk tuples, pickled once by
-                    rank 0 for every worker; sampling: ShardedSampling or None, for a rank that
-                    holds a vocabulary shard), `("close",)`; end of file means rank 0 is gone.
-                    A chunk's pending id (step_chunk.pending: async scheduling) names a row of the
-                    tokens this rank's step before sampled with the others: rank 0 sends one only
-                    after a sharded-sampling step, whose tokens every rank holds.
+  rank 0 -> worker: `("step", chunks, all_logits, sampling, shared)` (StepChunk tuples, pickled
+                    once by rank 0 for every worker; sampling: ShardedSampling or None, for a rank
+                    that holds a vocabulary shard; shared: how many token ids rank 0 sends after
+                    sampling gathered rows alone, else None), `("close",)`; end of file means rank 0
+                    is gone. A chunk's pending id (step_chunk.pending: async scheduling) names a row
+                    of the tokens of this rank's step before: sampled with the others from the
+                    shards, or shared by rank 0; rank 0 sends one only after such a step.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from qruntime.engine.model_runner import ModelRunner
-from qruntime.engine.sharded_sampler import finish_step
+from qruntime.engine.sharded_sampler import finish_step, share_tokens
 from qruntime.rank import GROUP_TIMEOUT, RankConfig, build_rank
 
 MAX_REPORT = 16384  # characters of a traceback sent: a small pipe write never blocks a dying worker
@@ -61,7 +62,7 @@ def _serve(conn: Connection, runner: ModelRunner) -> None:
             return
         if message[0] == "close":
             return
-        _, chunks, all_logits, sampling = message
+        _, chunks, all_logits, sampling, shared = message
         sampled = None
         if any(c.token_ids[-1] < 0 for c in chunks):  # async scheduling: tokens sampled by the step before
             if last is None:
@@ -72,7 +73,9 @@ def _serve(conn: Connection, runner: ModelRunner) -> None:
         # for the next step), else the logits, which it gathers from the vocabulary shards or already
         # has (a replicated head computes them on every rank)
         result = finish_step(runner.vocab_shard, logits, sampling, in_flight=last)
-        if all_logits is not True:  # a scoring pass (Engine.score) samples nothing and leaves the step before's
+        if shared:  # rank 0 sampled the gathered rows alone and sends this rank its tokens
+            last = share_tokens(runner.vocab_shard, None, shared, logits.device)
+        elif all_logits is not True:  # a scoring pass (Engine.score) samples nothing and leaves the step before's
             last = result[0] if sampling is not None else None
 
 

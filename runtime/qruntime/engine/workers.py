@@ -281,6 +281,7 @@ class Workers:
         generators: Sequence[torch.Generator | None] | None = None,
         sampled: torch.Tensor | None = None,
         settle: bool = True,
+        shared: int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Send the step to every worker, then run it on rank 0's runner: rank 0's logits, whole rows
         (gathered from the ranks when each holds a vocabulary shard); or with `sampling` (sharded
@@ -289,13 +290,14 @@ class Workers:
         `sampled`: rank 0's token ids of the step before, which the chunks' pending ids name (each
         worker holds its own copy of them: async scheduling). `settle`: wait for the device here, so
         that a failed collective or a dead worker is raised by this call; without it the caller
-        waits later, through `settle()`."""
+        waits later, through `settle()`. `shared`: rank 0 will send the workers its `shared` sampled
+        token ids of this step (sharded_sampler.share_tokens) once it has sampled the gathered rows."""
         if self.closed:
             raise RuntimeError(f"the tensor-parallel engine is closed{f' ({self.failure})' if self.failure else ''}")
         try:
             if wait([p.sentinel for p in self._state.processes], 0):
                 raise self._find_failure(FAILURE_GRACE_S) or RuntimeError("a worker process ended")
-            message = pickle.dumps(("step", tuple(chunks), all_logits, sampling), pickle.HIGHEST_PROTOCOL)
+            message = pickle.dumps(("step", tuple(chunks), all_logits, sampling, shared), pickle.HIGHEST_PROTOCOL)
             for rank, _, conn in self._ranks():
                 try:
                     conn.send_bytes(message)
