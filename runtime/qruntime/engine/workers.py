@@ -30,7 +30,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -292,11 +292,8 @@ class Workers:
         that a failed collective or a dead worker is raised by this call; without it the caller
         waits later, through `settle()`. `shared`: rank 0 will send the workers its `shared` sampled
         token ids of this step (sharded_sampler.share_tokens) once it has sampled the gathered rows."""
-        if self.closed:
-            raise RuntimeError(f"the tensor-parallel engine is closed{f' ({self.failure})' if self.failure else ''}")
-        try:
-            if wait([p.sentinel for p in self._state.processes], 0):
-                raise self._find_failure(FAILURE_GRACE_S) or RuntimeError("a worker process ended")
+        with self._as_step():
+            self._check_alive()
             message = pickle.dumps(("step", tuple(chunks), all_logits, sampling, shared), pickle.HIGHEST_PROTOCOL)
             for rank, _, conn in self._ranks():
                 try:
@@ -308,34 +305,40 @@ class Workers:
             if settle:
                 self._settled(logits)
             return result
-        except BaseException as exc:
-            error = self.abandon(exc)
-            if error is exc:
-                raise
-            raise error from exc
 
     def settle(self, read: Callable[[], T]) -> T:
         """`read()` (the host's wait for a step launched with settle=False, e.g. its tokens' copy)
         as part of the step: an error in it, or a worker that died meanwhile, stops the workers and
         is raised as the step's would be (a WorkerError naming the failed rank)."""
-        if self.closed:
-            raise RuntimeError(f"the tensor-parallel engine is closed{f' ({self.failure})' if self.failure else ''}")
-        try:
+        with self._as_step():
             value = read()
             self._settled(None)
             return value
+
+    @contextlib.contextmanager
+    def _as_step(self) -> Iterator[None]:
+        """Run the body as part of a step: refused once closed; any error in it stops the workers and
+        is raised as `abandon` says (the failed worker's WorkerError when a worker failed)."""
+        if self.closed:
+            raise RuntimeError(f"the tensor-parallel engine is closed{f' ({self.failure})' if self.failure else ''}")
+        try:
+            yield
         except BaseException as exc:
             error = self.abandon(exc)
             if error is exc:
                 raise
             raise error from exc
 
+    def _check_alive(self) -> None:
+        """Raise the failure of a worker whose process has ended."""
+        if wait([p.sentinel for p in self._state.processes], 0):
+            raise self._find_failure(FAILURE_GRACE_S) or RuntimeError("a worker process ended")
+
     def _settled(self, logits: torch.Tensor | None) -> None:
         """Wait for the device (CUDA `logits`), then raise if a worker died meanwhile."""
         if logits is not None and logits.is_cuda:  # a failed collective surfaces here, not in the sampler
             torch.cuda.current_stream(logits.device).synchronize()
-        if wait([p.sentinel for p in self._state.processes], 0):  # released, not finished, by on_death
-            raise self._find_failure(FAILURE_GRACE_S) or RuntimeError("a worker process ended")
+        self._check_alive()  # released, not finished, by on_death
 
     def _find_failure(self, grace: float, known: WorkerError | None = None) -> WorkerError | None:
         """The worker failure that explains the others: a worker's own error, or its death without a
