@@ -32,7 +32,7 @@ def summarize(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
         count = math.prod(info["shape"])  # the whole tensor's (at tp > 1 too)
         stored = [count] if tp == 1 else [math.prod(rank["shape"]) for rank in info["ranks"]]
         by_dtype[info["dtype"]] += sum(stored) * DTYPES[info["dtype"]].itemsize
-        if info["role"] != "scale":  # packed int4 holds 8 parameters a word
+        if info["role"] not in ("scale", "zero_point"):  # packed int4 holds 8 parameters a word
             params += math.prod(get_scheme(info["scheme"]).logical_shape(tuple(info["shape"])))
     quantized = sorted({name.rsplit(".", 1)[0] for name, info in tensors.items() if info["role"] == "scale"})
     # the tables the manifest lists (the runtime reads no other): named, not opened

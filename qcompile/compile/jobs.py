@@ -21,7 +21,8 @@ Layout = list[list[tuple[str, int, int]]]  # per slice: (source, first row, end 
 @dataclass(frozen=True)
 class WeightJob:
     """Artifact tensor `{name}.weight` (and `{name}.weight_scale` when quantized; packed int4 is
-    `{name}.weight_packed`, as compressed-tensors names it).
+    `{name}.weight_packed`, as compressed-tensors names it, and asymmetric int4 adds the zero points
+    `{name}.weight_zero_point`, uint8 codes shaped like the scale).
 
     `sources[s]` lists the source tensors whose rows are concatenated (in order) to make slice `s`;
     with `stacked` the slices are stacked along a new first axis ([E, rows, cols], experts), without
@@ -53,6 +54,16 @@ class WeightJob:
     @property
     def scale_name(self) -> str | None:
         return f"{self.name}.weight_scale" if self.quant.quantized else None
+
+    @property
+    def zero_point_name(self) -> str | None:
+        return f"{self.name}.weight_zero_point" if self.quant.zero_point else None
+
+    @property
+    def quant_names(self) -> tuple[str, ...]:
+        """The tensors a linear op reads for this weight, in its input order: weight, scale, zero point."""
+        names = (self.weight_name, self.scale_name, self.zero_point_name)
+        return tuple(n for n in names if n is not None)
 
     def source_names(self) -> Iterator[str]:
         for group in self.sources:
@@ -92,6 +103,8 @@ class WeightJob:
             scale = self.quant.scale_shape(shape[-2:])
             assert scale is not None
             out.append(OutputTensor(self.scale_name, model_dtype, (*shape[:-2], *scale)))
+            if self.zero_point_name is not None:
+                out.append(OutputTensor(self.zero_point_name, torch.uint8, (*shape[:-2], *scale)))
         return out
 
 

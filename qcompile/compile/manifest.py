@@ -58,7 +58,11 @@ def tensor_table(plan: TensorPlan) -> dict[str, dict[str, Any]]:
             entry |= {
                 "dtype": DTYPE_NAMES[out.dtype],
                 "shape": list(out.shape),
-                "role": job.role if out.name == job.weight_name else "scale",
+                "role": job.role
+                if out.name == job.weight_name
+                else "zero_point"
+                if out.name == job.zero_point_name
+                else "scale",
                 "scheme": job.scheme,
             }
             if out.name == job.weight_name:

@@ -92,6 +92,12 @@ def make_plan(
                     f"{stored.weight.name!r} as {stored.format.scheme!r} ({stored.format.describe()}); a stored "
                     "quantized weight is copied, never dequantized or re-quantized"
                 )
+            if stored is None and job.quant.zero_point and len(shapes[name]) == 2:
+                raise PlanError(
+                    f"weight {job.weight_name!r} is to be {job.scheme!r}, but its source {name!r} is not stored "
+                    f"quantized: scheme {job.scheme!r} (int4 with zero points) is read from pre-quantized "
+                    "checkpoints only; quantize the unquantized checkpoint with recipe w4a16 instead"
+                )
             used.add(name)
     leftover = sorted(set(shapes) - used - set(checkpoint.unused))
     if leftover:

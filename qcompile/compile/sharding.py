@@ -178,6 +178,8 @@ class Sharding:
         out = {job.weight_name: _packed_split(job, weight, job.weight_shape(shapes))}
         if job.scale_name is not None:
             out[job.scale_name] = _scale_split(job, weight, job.weight_shape(shapes))
+        if job.zero_point_name is not None:  # one per scale: split as the scale is
+            out[job.zero_point_name] = out[job.scale_name]
         return out
 
     def _weight_split(self, job: WeightJob, shapes: Mapping[str, tuple[int, ...]]) -> Split:

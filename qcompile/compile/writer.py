@@ -124,8 +124,9 @@ def _run_task(
     weight_shape = job.weight_shape(plan.source_shapes)
     fused_rows = weight_shape[1] if job.stacked else weight_shape[0]
     stored = checkpoint.stored.get(task.source)
+    zero_point = None
     if stored is not None:  # already quantized: copied, its scales checked
-        q, scale = stored.read_rows(task.start, task.stop)
+        q, scale, zero_point = stored.read_rows(task.start, task.stop)
         row_bytes = stored.row_bytes
     else:
         entry = checkpoint.entry(task.source)
@@ -141,6 +142,9 @@ def _run_task(
         align = job.quant.row_align
         scale_rows_total = -(-fused_rows // align)
         _write_rows(writers, plan, job.scale_name, job.stacked, task.slice_index, scale_rows_total, row // align, scale)
+    if job.zero_point_name is not None:  # one per scale (w4a16-zp: read from the checkpoint, row_align 1)
+        assert zero_point is not None
+        _write_rows(writers, plan, job.zero_point_name, job.stacked, task.slice_index, fused_rows, row, zero_point)
     return row_bytes * (task.stop - task.start)
 
 

@@ -120,7 +120,7 @@ class GraphBuilder:
             self._check_groups(job, scheme, int(self.shape(x)[1]))
             return self.node(
                 scheme.linear_op,
-                [x, job.weight_name, job.scale_name],
+                [x, *job.quant_names],
                 [self.act(out, (rows, out_features))],
                 {"group_size": scheme.int4.group_size},
                 name=module,

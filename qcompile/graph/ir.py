@@ -123,7 +123,7 @@ class Graph:
     def weight_names(self) -> set[str]:
         """Names of the tensors the weight jobs write (cheaper than `weight_tensors` when types are not needed)."""
         names = {job.weight_name for job in self.weights.values()}
-        names.update(job.scale_name for job in self.weights.values() if job.scale_name is not None)
+        names.update(name for job in self.weights.values() for name in job.quant_names)
         return names
 
     def op_types(self) -> set[tuple[str, str]]:

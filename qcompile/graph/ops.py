@@ -52,8 +52,11 @@ SIGNATURES: Mapping[str, OpSignature] = MappingProxyType(
         "BlockFP8Linear": OpSignature(
             (("xq", "F8"), ("xs", "F32"), ("w", "F8"), ("ws", "T")), (("y", "T"),), {"block_n": int, "block_k": int}
         ),
-        # int4 weights packed 8 to an int32 along K, one scale per row and group_size columns (w4a16)
-        "W4A16Linear": OpSignature((("x", "T"), ("w", "I32"), ("ws", "T")), (("y", "T"),), {"group_size": int}),
+        # int4 weights packed 8 to an int32 along K, one scale per row and group_size columns (w4a16), and
+        # with zero points one 4-bit code per scale (w4a16-zp)
+        "W4A16Linear": OpSignature(
+            (("x", "T"), ("w", "I32"), ("ws", "T"), ("wz?", "U8")), (("y", "T"),), {"group_size": int}
+        ),
         "RoPE": OpSignature((("x", "T"), ("positions", "I64")), (("y", "T"),), {"theta": float, "head_dim": int}),
         "KVCacheWrite": OpSignature((("k", "T"), ("v", "T"), ("slot_mapping", "I64")), (("kv_ready", "U8"),), _KV),
         "PagedAttention": OpSignature(
@@ -100,7 +103,16 @@ SIGNATURES: Mapping[str, OpSignature] = MappingProxyType(
             {**_KV, "num_heads": int, "num_kv_heads": int, "head_dim": int, "epsilon": float, "theta": float},
         ),
         "MoE": OpSignature(
-            (("x", "T"), ("router_w", "T"), ("w13", "W"), ("w13_scale?", "T"), ("w2", "W"), ("w2_scale?", "T")),
+            (
+                ("x", "T"),
+                ("router_w", "T"),
+                ("w13", "W"),
+                ("w13_scale?", "T"),
+                ("w2", "W"),
+                ("w2_scale?", "T"),
+                ("w13_zero_point?", "U8"),
+                ("w2_zero_point?", "U8"),
+            ),
             (("y", "T"),),
             {
                 "num_experts": int,

@@ -79,6 +79,13 @@ def export_compressed_tensors(
     check_target(output, force)
     if output.resolve() == root.resolve() or output.resolve() in root.resolve().parents:
         raise ExportError(f"{output}: the export would replace the artifact it reads; choose another directory")
+    zero_points = sorted(n for n, t in manifest["tensors"].items() if t["role"] == "zero_point")
+    if zero_points:
+        raise ExportError(
+            f"{root}: its int4 weights have zero points (scheme 'w4a16-zp', e.g. {zero_points[0]!r}); the "
+            "compressed-tensors export of asymmetric int4 is not supported yet: export its source checkpoint "
+            "as it is (it already is AutoAWQ or compressed-tensors)"
+        )
     require_verified(root, manifest, progress, ExportError, "exported")
     groups, kv_values = _layout(manifest)
     shards = _shards(groups, max_shard_bytes)

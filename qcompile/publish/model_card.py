@@ -139,6 +139,12 @@ def describe_scheme(name: str) -> str:
     if not scheme.quantized:
         return f"`{name}`: not quantized, weights in the model dtype"
     w = scheme.weights
+    if isinstance(w, PerGroupInt4) and w.zero_point:
+        return (
+            f"`{name}`: int4 weights with zero points (asymmetric), one scale and one zero point per "
+            f"{w.group_size} input columns of a row, copied from the pre-quantized source; activations in the "
+            "model dtype"
+        )
     if isinstance(w, PerGroupInt4):
         text = (
             f"`{name}`: int4 weights (symmetric, round to nearest), one scale per {w.group_size} input columns "
@@ -214,7 +220,9 @@ def _inside(inputs: CardInputs) -> str:
     m = inputs.manifest
     spec, recipe, tensors = m["spec"], m["recipe"], m["tensors"]
     params = sum(
-        math.prod(_logical(t["scheme"], t["shape"])) for t in tensors.values() if t["role"] != "scale"
+        math.prod(_logical(t["scheme"], t["shape"]))
+        for t in tensors.values()
+        if t["role"] not in ("scale", "zero_point")
     )  # packed int4 weights count their 8 values a word
     quantized = sum(1 for t in tensors.values() if t["role"] == "scale")
     moe = spec.get("moe") or {}

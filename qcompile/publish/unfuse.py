@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from qruntime.artifact import ArtifactFormatError, artifact_path, read_manifest
+from qruntime.manifest_schema import QUANT_PARAM_ROLES
 from safetensors import SafetensorError, safe_open
 
 from qcompile.compile.jobs import split_rows
@@ -66,7 +67,7 @@ def split_with_schemes(root: str | Path) -> Iterator[tuple[str, torch.Tensor, to
             ) from exc
 
     for name, info in tensors.items():
-        if info["role"] == "scale":
+        if info["role"] in QUANT_PARAM_ROLES:
             continue
         scale_name = scale_of(name)
         scale = load(scale_name) if scale_name in tensors else None
@@ -76,6 +77,26 @@ def split_with_schemes(root: str | Path) -> Iterator[tuple[str, torch.Tensor, to
             if scheme.per_tensor and srows is not None:
                 srows = _one_value(srows, scale_name, source)
             yield ("lm_head.weight" if info["role"] == "lm_head" else source), weight, srows, scheme
+
+
+def split_zero_points(root: str | Path) -> dict[str, torch.Tensor]:
+    """{source tensor name: its zero-point rows (uint8 codes [rows, cols / group_size])} for every
+    weight of an asymmetric int4 artifact (scheme `w4a16-zp`); empty for any other."""
+    root = Path(root)
+    tensors = read_manifest(root)["tensors"]
+    out: dict[str, torch.Tensor] = {}
+    for name, info in tensors.items():
+        zp_name = name.rpartition(".")[0] + ".weight_zero_point"
+        if info["role"] in QUANT_PARAM_ROLES or zp_name not in tensors:
+            continue
+        file = artifact_path(root, tensors[zp_name]["file"], listed=read_manifest(root)["files"])
+        with safe_open(str(file), framework="pt") as handle:
+            zp = handle.get_tensor(zp_name)
+        layout = [[tuple(part) for part in group] for group in info["parts"]]
+        for source, (_, rows) in split_rows(layout, info["stacked"], 1, zp, zp).items():
+            assert rows is not None
+            out["lm_head.weight" if info["role"] == "lm_head" else source] = rows.clone()
+    return out
 
 
 def scale_of(weight: str) -> str:

@@ -9,6 +9,12 @@ for Qwen3), as compressed-tensors computes it:
 Packing: q + 8 as a 4-bit code, eight codes to an int32, column j of a row in bits 4 (j mod 8) of
 int32 j // 8 (the first column in the low nibble). `unpack_int4` inverts it; `dequantize` gives
 q * scale in D, what a W4A16 linear multiplies by.
+
+Asymmetric int4 (scheme `w4a16-zp`, read from pre-quantized checkpoints only) adds one zero point
+per group, kept as its 4-bit code z in [0, 15] (uint8, the weight codes' offset: compressed-tensors'
+signed zero point + 8, AutoAWQ's as stored): the weight is (code - z) * scale, rounded once to D.
+Symmetric int4 is the case z = 8. `pack_rows_int4` / `unpack_rows_int4` are compressed-tensors' packing
+of zero points along the rows (eight rows of one group to an int32).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import torch
 BITS = 4
 Q_MIN, Q_MAX = -8, 7
 PER_INT32 = 32 // BITS
+CODE_MAX = (1 << BITS) - 1
+SYMMETRIC_ZERO = -Q_MIN  # the code of 0: symmetric int4's zero point
 HALF_RANGE = (Q_MAX - Q_MIN) / 2  # 7.5, exact in bf16 / fp16 / fp32
 
 
@@ -68,9 +76,33 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return (codes.reshape(*packed.shape[:-1], -1) + Q_MIN).to(torch.int8)
 
 
-def dequantize(packed: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
-    """q * scale [rows, cols] in the scale's dtype (compressed-tensors' dequantization)."""
+def dequantize(
+    packed: torch.Tensor, scale: torch.Tensor, group_size: int, zero_point: torch.Tensor | None = None
+) -> torch.Tensor:
+    """q * scale [rows, cols] in the scale's dtype (compressed-tensors' dequantization), or with
+    zero-point codes [rows, cols / group_size] (uint8 in [0, 15]) (code - zero_point) * scale."""
     q = unpack_int4(packed)
     rows, cols = q.shape
-    groups = q.reshape(rows, cols // group_size, group_size).to(scale.dtype)
-    return (groups * scale[..., None]).reshape(rows, cols)
+    groups = q.reshape(rows, cols // group_size, group_size).to(torch.int16)
+    if zero_point is not None:
+        groups = groups - (zero_point.to(torch.int16) - SYMMETRIC_ZERO)[..., None]  # exact: |q - z| <= 15
+    return (groups.to(scale.dtype) * scale[..., None]).reshape(rows, cols)
+
+
+def pack_rows_int4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [rows, cols] in [0, 15] -> int32 [ceil(rows / 8), cols]: row r of a column in bits
+    4 (r mod 8) of word r // 8, the last word's missing rows 0 (compressed-tensors' zero-point packing)."""
+    rows, cols = codes.shape
+    words = -(-rows // PER_INT32)
+    padded = torch.zeros(words * PER_INT32, cols, dtype=torch.int64)
+    padded[:rows] = codes.to(torch.int64)
+    shifts = torch.arange(0, 32, BITS, dtype=torch.int64)[None, :, None]
+    packed = (padded.reshape(words, PER_INT32, cols) << shifts).sum(1)
+    return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+
+
+def unpack_rows_int4(packed: torch.Tensor, rows: int) -> torch.Tensor:
+    """`pack_rows_int4`'s inverse: int32 [ceil(rows / 8), cols] -> uint8 codes [rows, cols]."""
+    shifts = torch.arange(0, 32, BITS, dtype=torch.int32, device=packed.device)
+    codes = (packed[:, None, :] >> shifts[None, :, None]) & CODE_MAX  # [words, 8, cols]
+    return codes.reshape(-1, packed.shape[1])[:rows].to(torch.uint8)

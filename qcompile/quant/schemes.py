@@ -36,10 +36,13 @@ class PerBlock:
 
 @dataclass(frozen=True)
 class PerGroupInt4:
-    """Symmetric int4 weights, one scale per `group_size` consecutive input columns of a row, packed
-    eight to an int32 along the row (compressed-tensors' `pack-quantized`; qcompile.quant.int4)."""
+    """int4 weights, one scale per `group_size` consecutive input columns of a row, packed eight to an
+    int32 along the row (compressed-tensors' `pack-quantized`; qcompile.quant.int4). Symmetric, or with
+    `zero_point`: one 4-bit zero point per group beside each scale (asymmetric int4, as AutoAWQ and
+    compressed-tensors' `symmetric: false` store it), read from pre-quantized checkpoints only."""
 
     group_size: int = 128
+    zero_point: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,11 @@ class QuantScheme:
     def int4(self) -> PerGroupInt4 | None:
         """The int4 group layout of a w4a16-style scheme, else None."""
         return self.weights if isinstance(self.weights, PerGroupInt4) else None
+
+    @property
+    def zero_point(self) -> bool:
+        """Whether each int4 group has its own zero point (`{name}.weight_zero_point`, uint8 codes)."""
+        return self.int4 is not None and self.int4.zero_point
 
     @property
     def weight_key(self) -> str:
@@ -134,8 +142,10 @@ class QuantScheme:
             return q, scale.expand(w.shape[0], 1)
         if isinstance(self.weights, PerBlock):
             return fp8.quantize_per_block(w, (self.weights.block_n, self.weights.block_k))
-        if isinstance(self.weights, PerGroupInt4):
+        if isinstance(self.weights, PerGroupInt4) and not self.weights.zero_point:
             return int4.quantize_int4(w, self.weights.group_size)
+        if isinstance(self.weights, PerGroupInt4):
+            raise TypeError(f"scheme {self.name!r} is read from pre-quantized checkpoints only, never quantized here")
         raise TypeError(f"scheme {self.name!r} does not quantize")
 
 
@@ -149,6 +159,9 @@ SCHEMES = MappingProxyType(
         "block-fp8": QuantScheme("block-fp8", PerBlock(128, 128), 128, "BlockFP8Linear", "FP8_BLOCK"),
         # int4 weights in groups of 128 along K, activations in the model dtype (weight-only)
         "w4a16": QuantScheme("w4a16", PerGroupInt4(128), None, "W4A16Linear", "W4A16"),
+        # the same with a zero point per group (asymmetric int4: AutoAWQ GEMM, compressed-tensors
+        # `symmetric: false`), transcoded from pre-quantized checkpoints only
+        "w4a16-zp": QuantScheme("w4a16-zp", PerGroupInt4(128, zero_point=True), None, "W4A16Linear", None),
         "none": QuantScheme("none", None, 0, "Gemm", None),
     }
 )

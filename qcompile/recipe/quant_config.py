@@ -22,6 +22,7 @@ def _args(
     group: int | None = None,
     num_bits: int = 8,
     kind: str = "float",
+    symmetric: bool = True,
 ) -> dict[str, Any]:
     return {
         "actorder": None,
@@ -33,7 +34,7 @@ def _args(
         "observer_kwargs": {},
         "scale_dtype": None,
         "strategy": strategy,
-        "symmetric": True,
+        "symmetric": symmetric,
         "type": kind,
         "zp_dtype": None,
     }
@@ -55,7 +56,14 @@ def quantization_config(
         weights = _args("block", dynamic=False, block=[scheme.weights.block_n, scheme.weights.block_k])
         activations = _args("group", dynamic=True, group=scheme.activation_group)
     elif isinstance(scheme.weights, PerGroupInt4):  # W4A16: int weights packed, activations as they are
-        weights = _args("group", dynamic=False, group=scheme.weights.group_size, num_bits=4, kind="int")
+        weights = _args(
+            "group",
+            dynamic=False,
+            group=scheme.weights.group_size,
+            num_bits=4,
+            kind="int",
+            symmetric=not scheme.weights.zero_point,  # w4a16-zp: compressed-tensors' W4A16_ASYM
+        )
         activations = None
     elif kv_cache_scheme is None:
         return None

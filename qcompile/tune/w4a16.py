@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from qruntime.manifest_schema import QUANT_PARAM_ROLES
 
 from qcompile.compile.manifest import rank_tensors
 from qcompile.errors import QCompileError
@@ -35,7 +36,7 @@ def w4a16_shapes(manifest: dict[str, Any]) -> list[tuple[int, int, int]]:
     shapes: dict[tuple[int, int], int] = {}
     for name, info in rank_tensors(manifest).items():
         scheme = get_scheme(info["scheme"])
-        if scheme.linear_op != "W4A16Linear" or info["role"] == "scale" or len(info["shape"]) != 2:
+        if scheme.linear_op != "W4A16Linear" or info["role"] in QUANT_PARAM_ROLES or len(info["shape"]) != 2:
             continue
         n, words = info["shape"]
         group = scheme.int4.group_size

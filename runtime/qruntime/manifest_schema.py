@@ -31,8 +31,9 @@ DTYPE_SIZES: Mapping[str, int] = {
     "BF16": 2, "F16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1,
     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
 }  # fmt: skip
-SCHEMES = ("ptpc-fp8", "tensor-fp8", "block-fp8", "w4a16", "none")
-ROLES = ("embedding", "norm", "linear", "router", "lm_head", "scale")
+SCHEMES = ("ptpc-fp8", "tensor-fp8", "block-fp8", "w4a16", "w4a16-zp", "none")
+ROLES = ("embedding", "norm", "linear", "router", "lm_head", "scale", "zero_point")
+QUANT_PARAM_ROLES = ("scale", "zero_point")  # a weight's quantization parameters, not weights themselves
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 
 

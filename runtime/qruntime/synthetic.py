@@ -41,6 +41,7 @@ from qruntime.weights import load_initializers, runtime_dtype
 FP8_SPREAD = 32.0  # std of the FP8 codes (e4m3 reaches 448)
 INT4_SPREAD = 17.5**0.5  # std of the symmetric int4 codes (see the module doc)
 INT4_PACKED, INT4_SCALE = "weight_packed", "weight_scale"  # compressed-tensors' names of an int4 weight
+INT4_ZERO_POINT = "weight_zero_point"  # and of its zero points (uint8 codes in an artifact)
 WEIGHT_STD = 0.02
 QK_NORM_SCALE = 6.0  # the attention's q/k RMSNorm weights (see the module doc)
 QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
@@ -97,6 +98,8 @@ def random_tensor(
         return _fill_normal(out, 0.0, FP8_SPREAD, generator)
     if dtype == torch.int32 and name.endswith(INT4_PACKED):
         return _fill_int4_words(out, generator)
+    if dtype == torch.uint8 and name.endswith(INT4_ZERO_POINT):  # asymmetric int4: around the middle code
+        return out.copy_(torch.randint(6, 11, shape, generator=generator, device=device, dtype=torch.uint8))
     if not dtype.is_floating_point:
         raise ArtifactFormatError(f"graph.onnx initializer {name!r}: a synthetic artifact has no {dtype} weights")
     if name.endswith(INT4_SCALE):

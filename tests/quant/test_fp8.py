@@ -112,7 +112,12 @@ def test_per_tensor_chunks_with_the_prepass_amax_equal_whole_tensor():
 
 
 def test_registry():
-    assert set(SCHEMES) == {"ptpc-fp8", "tensor-fp8", "block-fp8", "w4a16", "none"}
+    assert set(SCHEMES) == {"ptpc-fp8", "tensor-fp8", "block-fp8", "w4a16", "w4a16-zp", "none"}
+    zp = get_scheme("w4a16-zp")  # w4a16 plus one uint8 zero-point code per scale, read from checkpoints only
+    assert zp.zero_point and not get_scheme("w4a16").zero_point and zp.linear_op == "W4A16Linear"
+    assert zp.stored_shape((10, 256)) == (10, 32) and zp.scale_shape((10, 256)) == (10, 2)
+    with pytest.raises(TypeError, match="pre-quantized checkpoints only"):
+        zp.quantize(torch.ones(4, 128, dtype=torch.bfloat16))
     int4 = get_scheme("w4a16")  # weight-only: packed int32 words of 8 columns, one scale per 128 columns
     assert int4.quantized and not int4.quantizes_activations and int4.linear_op == "W4A16Linear"
     assert int4.weight_key == "weight_packed" and int4.weight_dtype(torch.bfloat16) == torch.int32

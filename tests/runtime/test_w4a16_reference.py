@@ -94,6 +94,38 @@ def test_w4a16_linear_refuses_what_does_not_fit_at_bind():
     W4A16Linear({"group_size": 128}, ENV, (None, w, ws))
 
 
+@pytest.mark.parametrize("rows", [1, 7])
+def test_w4a16_linear_with_zero_points_is_x_times_code_minus_zero_times_scale(rng, rows):
+    """Asymmetric int4 (w4a16-zp): (code - z) * scale, against the same independent unpacking with
+    its -8 replaced by -z; z = 8 everywhere is the symmetric op; the compiler's dequantize agrees."""
+    torch.manual_seed(rng.randrange(1 << 30))
+    group, (n, k) = rng.choice([32, 128]), rng.choice([(48, 256), (40, 384)])
+    w = torch.randint(-(1 << 31), 1 << 31, (n, k // 8), dtype=torch.int64).to(torch.int32)
+    ws = (torch.rand(n, k // group) * 0.1 + 1e-3).to(torch.bfloat16)
+    wz = torch.randint(0, 16, (n, k // group), dtype=torch.uint8)
+    x = (torch.randn(rows, k) * (torch.rand(rows, 1) * 4 + 0.1)).to(torch.bfloat16)
+    op = W4A16Linear({"group_size": group}, ENV, (None, w, ws, wz))
+    shift = (wz.double() - 8).repeat_interleave(group, 1) * ws.double().repeat_interleave(group, 1)
+    weight = (_independent_dequant(w, ws, group) - shift).to(torch.bfloat16)  # exact, then one rounding
+    assert torch.equal(op(None, x, w, ws, wz), torch.nn.functional.linear(x, weight))
+    assert torch.equal(fn.dequantize_int4(w, ws, group, wz), dequantize(w, ws, group, wz))
+    eight = torch.full_like(wz, 8)
+    assert torch.equal(op(None, x, w, ws, eight), op(None, x, w, ws))
+
+
+def test_zero_points_that_do_not_fit_are_refused_at_bind():
+    w, ws = torch.zeros(8, 32, dtype=torch.int32), torch.ones(8, 2)
+    for wz in (torch.zeros(8, 2, dtype=torch.int32), torch.zeros(8, 1, dtype=torch.uint8)):
+        with pytest.raises(ValueError, match=r"wz \(zero points\) must be uint8 shaped like the scales \[8, 2\]"):
+            W4A16Linear({"group_size": 128}, ENV, (None, w, ws, wz))
+    attrs = {"num_experts": 2, "top_k": 1, "norm_topk_prob": 1, "linear": "W4A16Linear", "group_size": 128}
+    w13, s13 = torch.zeros(2, 8, 32, dtype=torch.int32), torch.ones(2, 8, 2)
+    with pytest.raises(ValueError, match=r"w2_zero_point \(zero points\) must be uint8"):
+        MoE(attrs, ENV, (None, None, w13, s13, w13, s13, torch.zeros(2, 8, 2, dtype=torch.uint8), s13))
+    with pytest.raises(ValueError, match="zero points are read by linear W4A16Linear only"):
+        MoE({**attrs, "linear": "Gemm"}, ENV, (None, None, None, None, None, None, torch.zeros(1, dtype=torch.uint8)))
+
+
 def test_moe_with_w4a16_experts_is_the_unfused_sum(rng):
     t, h, inter, experts, top_k = 11, 128, 128, 5, 2
     x = torch.randn(t, h) * (torch.rand(t, 1) * 3)

@@ -78,7 +78,7 @@ def fuse_linears(rw: Rewrite, pass_name: str, layer: int, modules: Sequence[str]
     job = WeightJob(fused, (tuple(s for part in parts for s in part.source_names()),), False, scheme.name, "linear")
     outs = [rw.type_of(node.outputs[0]) for node in nodes]
     sizes = [int(t.shape[-1]) for t in outs]
-    weight_inputs = (job.weight_name,) if job.scale_name is None else (job.weight_name, job.scale_name)
+    weight_inputs = job.quant_names
     at = min(indices)
     rw.remove(indices)
     rw.insert(

@@ -70,7 +70,11 @@ def fuse_moe_experts(graph: Graph) -> Graph:
         }
         if scheme.row_align > 1:
             attrs.update(block_n=scheme.weights.block_n, block_k=scheme.weights.block_k)  # type: ignore[union-attr]
-        inputs = (x, router.weight_name, w13.weight_name, w13.scale_name or "", w2.weight_name, w2.scale_name or "")
+        inputs: tuple[str, ...] = (x, router.weight_name, w13.weight_name, w13.scale_name or "")
+        inputs += (w2.weight_name, w2.scale_name or "")
+        if scheme.zero_point:  # asymmetric int4: the stacks' zero points, last
+            assert w13.zero_point_name is not None and w2.zero_point_name is not None
+            inputs += (w13.zero_point_name, w2.zero_point_name)
         rw.remove(members)
         rw.insert(min(members), Node("MoE", DOMAIN, inputs, (output,), attrs, f"{hf.layer_prefix(i)}.mlp"))
         rw.replace_jobs([job.name for job in jobs], w13, w2)

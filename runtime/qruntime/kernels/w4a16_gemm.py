@@ -2,15 +2,18 @@
 
 x [M,K] bf16/fp16, rows contiguous; w int32 [N,K/8], eight 4-bit codes to a word along K, column j
 of a row in bits 4 (j mod 8) of word j // 8 (compressed-tensors `pack-quantized`); ws [N,K/G] one
-scale per row and group of G columns. dequant(w)[n,k] = (code - 8) * ws[n, k // G], rounded to x's
-dtype as the reference rounds it (qruntime.ops.functional.w4a16_linear: the weight is formed in the
+scale per row and group of G columns; optionally wz [N,K/G] uint8, one zero-point code per scale
+(asymmetric int4). dequant(w)[n,k] = (code - z) * ws[n, k // G], z = wz[n, k // G] or 8 without
+zero points (a constexpr switch: the symmetric kernel is unchanged), rounded to x's dtype as the
+reference rounds it (qruntime.ops.functional.w4a16_linear: the weight is formed in the
 model dtype, then a Gemm), then multiplied in fp32 on the tensor cores.
 
 One program computes a [BLOCK_M, BLOCK_N] output tile over one K range. Per K tile it reads the
 weight words [BLOCK_N, BLOCK_K/8] (BLOCK_K/2 bytes of each row), repeats each word 8 times along
 K in registers (three interleaves: column j then holds word j // 8), shifts column j right by
 4 (j mod 8) and masks, so column j holds its code; the code becomes a float exactly through its
-bits (code | 0x4B000000 is the fp32 2^23 + code), minus 2^23 + 8 gives code - 8. Times the group's
+bits (code | 0x4B000000 is the fp32 2^23 + code), minus 2^23 + 8 (or 2^23 + z) gives code - 8 (or
+code - z). Times the group's
 scale in fp32 (exact: 4 by 8 or 11 significant bits) and one rounding to the model dtype gives the
 reference's weight to the bit; tl.dot with the x tile accumulates in fp32. A tile lies inside one
 group (G a multiple of BLOCK_K: one scale per row) or holds whole groups (BLOCK_K a multiple of G).
@@ -118,16 +121,16 @@ def sweep_configs(m: int, n: int, k: int, group_size: int = 128) -> list[W4A16Co
 
 
 @triton.jit
-def _dequant_tile(words, scale, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, HW: tl.constexpr):
-    """int32 words [BN, BLOCK_K/8] and fp32 scales (broadcastable to [BN, BLOCK_K]) -> the weight
-    tile [BN, BLOCK_K], (code - 8) * scale rounded once to DTYPE: in DTYPE on a GPU, as fp32 holding
-    the DTYPE values under the interpreter (whose fp32 -> bf16 cast truncates)."""
+def _dequant_tile(words, scale, offset, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, HW: tl.constexpr):
+    """int32 words [BN, BLOCK_K/8], fp32 scales and offsets 2^23 + z (each broadcastable to
+    [BN, BLOCK_K]) -> the weight tile [BN, BLOCK_K], (code - z) * scale rounded once to DTYPE: in DTYPE
+    on a GPU, as fp32 holding the DTYPE values under the interpreter (whose fp32 -> bf16 cast truncates)."""
     wide = tl.interleave(words, words)
     wide = tl.interleave(wide, wide)
     wide = tl.interleave(wide, wide)  # [BN, BLOCK_K]: column j holds word j // 8
     shifts = (tl.arange(0, BLOCK_K) % 8) * 4
     codes = (wide >> shifts[None, :]) & 0xF  # the arithmetic shift's sign bits are masked off
-    q = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # (2^23 + code) - (2^23 + 8), exact
+    q = (codes | 0x4B000000).to(tl.float32, bitcast=True) - offset  # (2^23 + code) - (2^23 + z), exact
     w = q * scale  # exact in fp32
     if HW:
         return w.to(DTYPE)  # cvt.rn
@@ -140,6 +143,7 @@ def _w4a16_gemm_kernel(
     x_ptr,  # [M, K] bf16 / fp16
     w_ptr,  # [N, K/8] int32
     s_ptr,  # [N, K/GROUP]
+    z_ptr,  # [N, K/GROUP] uint8 zero-point codes (HAS_ZP only)
     c_ptr,  # [M, N] out dtype
     part_ptr,  # [SPLIT_K, M, N] fp32 (split-K only)
     M,
@@ -148,6 +152,7 @@ def _w4a16_gemm_kernel(
     stride_xm,
     stride_wn,
     stride_sn,
+    stride_zn,
     stride_cm,
     K_PER_SPLIT,  # a multiple of BLOCK_K
     GROUP: tl.constexpr,  # columns per scale: a multiple of BLOCK_K, or BLOCK_K a multiple of it
@@ -157,6 +162,7 @@ def _w4a16_gemm_kernel(
     SPLIT_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks
+    HAS_ZP: tl.constexpr,  # zero points per group (asymmetric int4); else 8, symmetric
     HW: tl.constexpr,  # hardware rounding (the interpreter's fp32 -> bf16 cast truncates)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
@@ -184,15 +190,22 @@ def _w4a16_gemm_kernel(
         else:
             x = tl.load(x_ptrs, mask=mask_m & ((k + offs_k)[None, :] < K), other=0.0)
             words = tl.load(w_ptrs, mask=((k + offs_kw * 8) < K)[None, :], other=0)
+        offset = 8388616.0  # 2^23 + 8: symmetric
         if BLOCK_K <= GROUP:  # the tile lies inside one group: one scale per row
             scale = tl.load(s_ptr + rn * stride_sn + k // GROUP).to(tl.float32)[:, None]  # [BLOCK_N, 1]
+            if HAS_ZP:
+                z = tl.load(z_ptr + rn * stride_zn + k // GROUP).to(tl.float32)[:, None]  # [BLOCK_N, 1]
+                offset = z + 8388608.0
         else:  # whole groups: each row's BLOCK_K / GROUP scales, repeated over their columns
             offs_g = k // GROUP + tl.arange(0, BLOCK_K // GROUP)
-            s = tl.load(
-                s_ptr + rn[:, None] * stride_sn + offs_g[None, :], mask=(offs_g * GROUP < K)[None, :], other=0.0
-            ).to(tl.float32)  # [BLOCK_N, BLOCK_K / GROUP]
+            mask_g = (offs_g * GROUP < K)[None, :]
+            s = tl.load(s_ptr + rn[:, None] * stride_sn + offs_g[None, :], mask=mask_g, other=0.0).to(tl.float32)
             scale = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP)), (BLOCK_N, BLOCK_K))
-        w = _dequant_tile(words, scale, BLOCK_K, x_ptr.dtype.element_ty, HW)  # [BLOCK_N, BLOCK_K]
+            if HAS_ZP:
+                z = tl.load(z_ptr + rn[:, None] * stride_zn + offs_g[None, :], mask=mask_g, other=0).to(tl.float32)
+                z = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP)), (BLOCK_N, BLOCK_K))
+                offset = z + 8388608.0
+        w = _dequant_tile(words, scale, offset, BLOCK_K, x_ptr.dtype.element_ty, HW)  # [BLOCK_N, BLOCK_K]
         if HW:  # noqa: SIM108 (two launch paths read better as branches in a kernel)
             acc = tl.dot(x, tl.trans(w), acc)  # fp32 accumulation
         else:  # the interpreter's dot of a loaded bf16 tile with a cast one is wrong: in fp32, the same products
@@ -228,7 +241,14 @@ def _splitk_sum_kernel(
     tl.store(c_ptr + offs, y.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, group_size: int, out_dtype: torch.dtype) -> None:
+def _check(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    ws: torch.Tensor,
+    group_size: int,
+    out_dtype: torch.dtype,
+    wz: torch.Tensor | None = None,
+) -> None:
     if x.dtype not in _DTYPES:
         raise ValueError(f"x must be bfloat16 or float16, got {x.dtype}")
     if w.dtype != torch.int32:
@@ -250,8 +270,14 @@ def _check(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, group_size: int, 
         raise ValueError(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
     if k > 0 and (x.stride(1) != 1 or w.stride(1) != 1 or ws.stride(1) != 1):
         raise ValueError(f"x, w and ws need contiguous rows, got strides {x.stride()}, {w.stride()}, {ws.stride()}")
-    if len({t.device for t in (x, w, ws)}) != 1:
-        raise ValueError(f"all inputs must be on one device, got {[str(t.device) for t in (x, w, ws)]}")
+    if wz is not None and (wz.dtype != torch.uint8 or wz.shape != ws.shape or (k > 0 and wz.stride(1) != 1)):
+        raise ValueError(
+            f"wz must be uint8 [N, K/group_size] like ws {tuple(ws.shape)} with contiguous rows, got {wz.dtype} "
+            f"{tuple(wz.shape)}"
+        )
+    inputs = (x, w, ws) if wz is None else (x, w, ws, wz)
+    if len({t.device for t in inputs}) != 1:
+        raise ValueError(f"all inputs must be on one device, got {[str(t.device) for t in inputs]}")
 
 
 def w4a16_gemm(
@@ -263,9 +289,11 @@ def w4a16_gemm(
     *,
     out_dtype: torch.dtype | None = None,
     pdl: bool = False,
+    wz: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """W4A16 linear: x [M,K] times the int4 weight w [N,K/8] with scales ws [N,K/group_size],
-    transposed -> [M,N] in out_dtype (default x's dtype; float32 gives the fp32 sum unrounded).
+    """W4A16 linear: x [M,K] times the int4 weight w [N,K/8] with scales ws [N,K/group_size] (and
+    zero-point codes wz, uint8 [N,K/group_size], when given: asymmetric int4), transposed -> [M,N]
+    in out_dtype (default x's dtype; float32 gives the fp32 sum unrounded).
 
     x: bf16/fp16, rows contiguous; ws: any float dtype, cast to x's (the reference rounds the
     weight in x's dtype, with the scale in x's dtype). config: tile sizes, split-K and launch
@@ -274,7 +302,7 @@ def w4a16_gemm(
     whose K tile neither lies inside a group nor holds whole groups.
     """
     out_dtype = out_dtype or x.dtype
-    _check(x, w, ws, group_size, out_dtype)
+    _check(x, w, ws, group_size, out_dtype, wz)
     (m, k), n = x.shape, w.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
@@ -296,6 +324,7 @@ def w4a16_gemm(
         x,
         w,
         ws,
+        ws if wz is None else wz,  # never read without zero points
         out,
         part,
         m,
@@ -304,6 +333,7 @@ def w4a16_gemm(
         x.stride(0),
         w.stride(0),
         ws.stride(0),
+        0 if wz is None else wz.stride(0),
         out.stride(0),
         tiles_per_split * cfg.block_k,
         GROUP=group_size,
@@ -313,6 +343,7 @@ def w4a16_gemm(
         SPLIT_K=split,
         GROUP_M=8,
         EVEN_K=k % cfg.block_k == 0,
+        HAS_ZP=wz is not None,
         HW=hw,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

@@ -78,18 +78,24 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return (codes.reshape(*packed.shape[:-1], -1) - 8).to(torch.int8)
 
 
-def dequantize_int4(w: torch.Tensor, ws: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Packed int4 w [N, K/8] and scales ws [N, K/group_size] -> q * scale [N, K] in ws's dtype."""
+def dequantize_int4(w: torch.Tensor, ws: torch.Tensor, group_size: int, wz: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed int4 w [N, K/8] and scales ws [N, K/group_size] -> q * scale [N, K] in ws's dtype; with
+    zero-point codes wz (uint8 [N, K/group_size], 0..15) (code - wz) * scale, code = q + 8."""
     q = unpack_int4(w)
     n, k = q.shape
-    return (q.reshape(n, k // group_size, group_size).to(ws.dtype) * ws[..., None]).reshape(n, k)
+    groups = q.reshape(n, k // group_size, group_size)
+    if wz is not None:  # q - (wz - 8) = code - wz: an integer in [-15, 15], exact in any float dtype
+        groups = groups.to(torch.int16) - (wz.to(torch.int16) - 8)[..., None]
+    return (groups.to(ws.dtype) * ws[..., None]).reshape(n, k)
 
 
-def w4a16_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, group_size: int) -> torch.Tensor:
+def w4a16_linear(
+    x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, group_size: int, wz: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [T, K] (model dtype) times the dequantized int4 weight [N, K], transposed -> [T, N], a Gemm
-    in x's dtype: the weight's values q * scale rounded to that dtype, as compressed-tensors
-    dequantizes them."""
-    return torch.nn.functional.linear(x, dequantize_int4(w, ws.to(x.dtype), group_size))
+    in x's dtype: the weight's values q * scale (with zero points (code - wz) * scale) rounded to that
+    dtype, as compressed-tensors dequantizes them."""
+    return torch.nn.functional.linear(x, dequantize_int4(w, ws.to(x.dtype), group_size, wz))
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, head_dim: int) -> torch.Tensor:

@@ -31,8 +31,8 @@ class BlockFP8Linear(Op):
 
 
 class W4A16Linear(Op):
-    """int4 weights packed 8 to an int32 along K with one scale per row and `group_size` columns;
-    activations in the model dtype: y = x · dequant(w)ᵀ."""
+    """int4 weights packed 8 to an int32 along K with one scale (and, optionally, one zero-point code
+    wz) per row and `group_size` columns; activations in the model dtype: y = x · dequant(w)ᵀ."""
 
     attrs = ("group_size",)
 
@@ -41,7 +41,7 @@ class W4A16Linear(Op):
         group = self.a["group_size"]
         if group <= 0 or group % 8:
             raise OpBindError(f"group_size {group} is not a positive multiple of 8 (int4 values per int32)")
-        w, ws = (consts + (None, None, None))[1:3]
+        w, ws, wz = (consts + (None, None, None, None))[1:4]
         if w is not None and ws is not None:
             if w.dtype != torch.int32 or w.dim() != 2 or ws.dim() != 2:
                 raise OpBindError(
@@ -52,9 +52,21 @@ class W4A16Linear(Op):
                 raise OpBindError(
                     f"w {list(w.shape)} (K = {w.shape[1] * 8}) and ws {list(ws.shape)} do not fit group_size {group}"
                 )
+            check_zero_point(wz, ws, "wz")
 
-    def __call__(self, step, x, w, ws):
-        return fn.w4a16_linear(x, w, ws, self.a["group_size"])
+    def __call__(self, step, x, w, ws, wz=None):
+        return fn.w4a16_linear(x, w, ws, self.a["group_size"], wz)
+
+
+def check_zero_point(wz: torch.Tensor | None, ws: torch.Tensor | None, what: str) -> None:
+    """OpBindError unless the zero points `wz` (when given) are uint8 shaped like their scales `ws`."""
+    if wz is None or ws is None:
+        return
+    if wz.dtype != torch.uint8 or tuple(wz.shape) != tuple(ws.shape):
+        raise OpBindError(
+            f"{what} (zero points) must be uint8 shaped like the scales {list(ws.shape)}, got {wz.dtype} "
+            f"{list(wz.shape)}"
+        )
 
 
 class AddRMSNorm(Op):

@@ -169,10 +169,10 @@ class W4A16Linear(quant.W4A16Linear):
             self.configs[m] = config
         return self.configs[m]
 
-    def __call__(self, step, x, w, ws):
+    def __call__(self, step, x, w, ws, wz=None):
         if self.kernel is None or x.dtype != self.env.dtype:
-            return super().__call__(step, x, w, ws)
-        return self.kernel(x, w, ws, self.a["group_size"], self._config(x.shape[0]), pdl=self.env.pdl)
+            return super().__call__(step, x, w, ws, wz)
+        return self.kernel(x, w, ws, self.a["group_size"], self._config(x.shape[0]), pdl=self.env.pdl, wz=wz)
 
 
 class MoE(moe.MoE):
@@ -214,9 +214,9 @@ class MoE(moe.MoE):
                 self.configs[tokens] = self.default(tokens, num_experts, inter2 // 2, hidden, self.a["top_k"])
         return self.configs[tokens]
 
-    def __call__(self, step, x, router_w, w13, w13_scale, w2, w2_scale):
-        if self.kernel is None:
-            return super().__call__(step, x, router_w, w13, w13_scale, w2, w2_scale)
+    def __call__(self, step, x, router_w, w13, w13_scale, w2, w2_scale, *zero_points):
+        if self.kernel is None:  # zero points (W4A16Linear only) never reach the fused kernel
+            return super().__call__(step, x, router_w, w13, w13_scale, w2, w2_scale, *zero_points)
         top_k, norm = self.a["top_k"], bool(self.a["norm_topk_prob"])
         config = self._config(x.shape[0], w13)
         if x.shape[0] == 1 and self.expert_counts is None and router_w.dtype == x.dtype:

@@ -32,8 +32,13 @@ def operands(m: int, n: int, k: int, group: int, dtype: torch.dtype = torch.bflo
     return x, w, ws
 
 
-def assert_fp32_close(y: torch.Tensor, x, w, ws, group: int) -> None:
-    weight = dequantize_int4(w, ws.to(x.dtype), group).float()  # the reference's weight, exact in fp32
+def zero_points(n: int, k: int, group: int) -> torch.Tensor:
+    """Fresh random zero-point codes [N, K/group] over all of 0..15 (8 is symmetric int4's)."""
+    return torch.randint(0, 16, (n, k // group), dtype=torch.uint8).to(DEVICE)
+
+
+def assert_fp32_close(y: torch.Tensor, x, w, ws, group: int, wz=None) -> None:
+    weight = dequantize_int4(w, ws.to(x.dtype), group, wz).float()  # the reference's weight, exact in fp32
     ref = x.float() @ weight.T
     bound = x.float().abs() @ weight.abs().T  # [M, N] sum of |terms|
     k = x.shape[1]
@@ -188,27 +193,100 @@ def test_bad_inputs_raise() -> None:
     assert_fp32_close(w4a16_gemm(x48, w48, ws48, 48, out_dtype=torch.float32), x48, w48, ws48, 48)
 
 
+# ------------------------------------------------------------ asymmetric int4: a zero point per group
+
+
+@pytest.fixture
+def fresh_torch(rng) -> None:
+    """torch's generator seeded from the printed fresh seed of `rng`: new operands every run."""
+    torch.manual_seed(rng.randrange(1 << 30))
+
+
+@pytest.mark.usefixtures("fresh_torch")
+@pytest.mark.parametrize("block_k", [64, 256])
+@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("n,k", [(40, 384), (96, 128)])
+@pytest.mark.parametrize("m", [1, 17])
+def test_zero_points_match_reference_fp32(m: int, n: int, k: int, split_k: int, group: int, block_k: int) -> None:
+    """(code - z) * scale: the tile inside a group (block_k 64) and whole groups (256, K tail at 384)."""
+    x, w, ws = operands(m, n, k, group)
+    wz = zero_points(n, k, group)
+    y = w4a16_gemm(x, w, ws, group, W4A16Config(16, 32, block_k, split_k, 4, 2), out_dtype=torch.float32, wz=wz)
+    assert_fp32_close(y, x, w, ws, group, wz)
+
+
+@pytest.mark.usefixtures("fresh_torch")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,n,k,group", [(1, 96, 256, 128), (17, 48, 512, 64), (5, 80, 384, 128)])
+def test_zero_points_within_one_ulp_of_the_reference_op(m: int, n: int, k: int, group: int, dtype) -> None:
+    x, w, ws = operands(m, n, k, group, dtype)
+    wz = zero_points(n, k, group)
+    y = w4a16_gemm(x, w, ws, group, W4A16Config(16, 32, 64, 2, 4, 2), wz=wz)
+    ref = w4a16_linear(x, w, ws, group, wz)
+    diff = (y.float() - ref.float()).abs()
+    sums = 2 * k * 2**-24 * (x.float().abs() @ dequantize_int4(w, ws, group, wz).float().abs().T)
+    assert (diff <= ulp(torch.maximum(y.float().abs(), ref.float().abs()), dtype) + sums).all(), diff.max()
+
+
+@pytest.mark.usefixtures("fresh_torch")
+@pytest.mark.parametrize("group", [64, 128])
+def test_zero_points_unit_rows_read_back_every_weight_exactly(group: int) -> None:
+    """x = the identity: each code, scale and zero point read back one by one, bit for bit; all zero
+    points 8 give the symmetric kernel's result, and the reference shifts by z - 8."""
+    k, n = 256, 40
+    _, w, ws = operands(1, n, k, group)
+    wz = zero_points(n, k, group)
+    x = torch.eye(k, device=DEVICE, dtype=torch.bfloat16)
+    for config in (W4A16Config(16, 32, 64, 1, 4, 2), W4A16Config(32, 16, 256, 2, 4, 2)):
+        y = w4a16_gemm(x, w, ws, group, config, wz=wz)
+        assert torch.equal(y.T, dequantize_int4(w, ws, group, wz))
+        eight = torch.full_like(wz, 8)
+        assert torch.equal(w4a16_gemm(x, w, ws, group, config, wz=eight), w4a16_gemm(x, w, ws, group, config))
+    q = (dequantize_int4(w, torch.ones_like(ws), group) - dequantize_int4(w, torch.ones_like(ws), group, wz)).float()
+    assert torch.equal(q, (wz.float() - 8).repeat_interleave(group, 1))
+
+
+@pytest.mark.usefixtures("fresh_torch")
+def test_bad_zero_points_raise() -> None:
+    m, n, k, group = 3, 32, 256, 128
+    x, w, ws = operands(m, n, k, group)
+    wz = zero_points(n, k, group)
+    for bad in (wz.to(torch.int32), wz[:, :1], wz.T.contiguous().T):
+        with pytest.raises(ValueError, match="wz must be uint8"):
+            w4a16_gemm(x, w, ws, group, wz=bad)
+
+
 # --------------------------------------------------------------- the hardware branch, compiled for sm_90
 
 WAIT, RELEASE = re.compile(r"griddepcontrol\.wait\s*;"), re.compile(r"griddepcontrol\.launch_dependents\s*;")
 MEMORY = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:(?:ld|st|atom|red)\.global|cp\.async)", re.MULTILINE)
-GEMM_TYPES = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "c_ptr": "*bf16", "part_ptr": "*fp32"} | {
-    name: "i32" for name in ("M", "N", "K", "stride_xm", "stride_wn", "stride_sn", "stride_cm", "K_PER_SPLIT")
+GEMM_TYPES = {
+    "x_ptr": "*bf16",
+    "w_ptr": "*i32",
+    "s_ptr": "*bf16",
+    "z_ptr": "*u8",
+    "c_ptr": "*bf16",
+    "part_ptr": "*fp32",
+} | {
+    name: "i32"
+    for name in ("M", "N", "K", "stride_xm", "stride_wn", "stride_sn", "stride_zn", "stride_cm", "K_PER_SPLIT")
 }
 
 
+@pytest.mark.parametrize("has_zp", [False, True], ids=["symmetric", "zero-points"])
 @pytest.mark.parametrize(
     "tile",
     [(16, 32, 256, 128, 4, 4), (16, 32, 256, 64, 4, 4), (128, 128, 64, 128, 8, 3)],
     ids=["decode", "decode-whole-groups", "prefill"],
 )
-def test_hopper_build_waits_for_its_inputs_before_reading(tile):
+def test_hopper_build_waits_for_its_inputs_before_reading(tile, has_zp):
     """The GPU branch (hardware casts, bf16 tensor-core dots: mma.sync at 16 rows, wgmma at 128)
     compiles for an H100 with the Triton here; with PDL it waits before its first global access
     and releases the next kernel after, without PDL neither is there."""
     block_m, block_n, block_k, group, warps, stages = tile
     fixed = {"GROUP": group, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": 2}
-    fixed |= {"GROUP_M": 8, "EVEN_K": True, "HW": True}
+    fixed |= {"GROUP_M": 8, "EVEN_K": True, "HW": True, "HAS_ZP": has_zp}
     ptx = hopper_ptx("qruntime.kernels.w4a16_gemm", "_w4a16_gemm_kernel", GEMM_TYPES, fixed | {"PDL": True}, warps)
     assert len(WAIT.findall(ptx)) == 1 and len(RELEASE.findall(ptx)) == 1
     wait = WAIT.search(ptx).start()
