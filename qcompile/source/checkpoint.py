@@ -55,10 +55,19 @@ MAX_NAME_BYTES = 255  # of a shard's file name (NAME_MAX: a longer one makes is_
 CARD_FILE = "README.md"  # the model card; its YAML front matter may name the license
 # names of the tensors quantizers add beside a weight: found in a checkpoint whose config.json says nothing
 # of quantization, they (and FP8 weights) get NO_CONFIG_HINT
-QUANTIZED_KEYS = (".weight_scale", ".weight_scale_inv", ".weight_packed", ".weight_shape", ".input_scale", ".qweight")
+QUANTIZED_KEYS = (
+    ".weight_scale",
+    ".weight_scale_inv",
+    ".weight_packed",
+    ".weight_shape",
+    ".weight_zero_point",
+    ".input_scale",
+    ".qweight",
+    ".qzeros",
+)
 NO_CONFIG_HINT = (
     "; it looks quantized, but config.json has no quantization_config saying how (a pre-quantized "
-    "checkpoint is read from its compressed-tensors or Qwen fp8 quantization_config)"
+    "checkpoint is read from its compressed-tensors, Qwen fp8 or AutoAWQ quantization_config)"
 )
 
 log = logging.getLogger(__name__)

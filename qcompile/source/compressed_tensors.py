@@ -2,11 +2,13 @@
 
 A checkpoint it wrote (`quantization_status: compressed`) stores each quantized linear as the
 artifact of one of our schemes stores it, byte for byte: FP8 `weight` + `weight_scale`
-(float-quantized) or packed int4 `weight_packed` + `weight_scale` + `weight_shape` (pack-quantized).
+(float-quantized) or packed int4 `weight_packed` + `weight_scale` + `weight_shape` (pack-quantized),
+asymmetric int4 (`symmetric: false`) adding `weight_zero_point`, int32 [ceil(rows / 8), groups]:
+the zero points (signed, stored + 8 as the weights are) packed eight rows of a group to a word.
 Accepted are exactly the configs qcompile writes itself (qcompile.recipe.quant_config): one config
 group targeting Linear whose weights and input activations are those of one of our schemes.
-Anything else (static activation scales, asymmetric int4, several groups, a quantized KV cache,
-sparsity or transforms) is a CheckpointError saying what the config holds and what is read.
+Anything else (static activation scales, several groups, a quantized KV cache, sparsity or
+transforms) is a CheckpointError saying what the config holds and what is read.
 """
 
 from __future__ import annotations
@@ -45,7 +47,14 @@ def _expected(scheme: QuantScheme) -> tuple[dict[str, Any], dict[str, Any] | Non
         block = {"strategy": "block", "block_structure": [w.block_n, w.block_k]}
         return {**fp8, **block}, {**fp8, "strategy": "group", "group_size": scheme.activation_group, "dynamic": True}
     if isinstance(w, PerGroupInt4):
-        return {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": w.group_size}, None
+        symmetric = not w.zero_point
+        return {
+            "num_bits": 4,
+            "type": "int",
+            "symmetric": symmetric,
+            "strategy": "group",
+            "group_size": w.group_size,
+        }, None
     raise ValueError(f"scheme {scheme.name!r} is not a quantized scheme")
 
 
@@ -110,7 +119,17 @@ def read_compressed_tensors(qc: dict[str, Any], where: str) -> StoredFormat:
         raise CheckpointError(f"{where}.ignore must be a list of module names or 're:' patterns")
     if scheme.int4:
         aux = ("weight_shape", "weight_g_idx") if actorder == "group" else ("weight_shape",)
-        return StoredFormat(METHOD, fmt, scheme.name, tuple(ignore), "weight_packed", aux_keys=aux, actorder=actorder)
+        zero_point = "weight_zero_point" if scheme.zero_point else None
+        return StoredFormat(
+            METHOD,
+            fmt,
+            scheme.name,
+            tuple(ignore),
+            "weight_packed",
+            aux_keys=aux,
+            actorder=actorder,
+            zero_point_key=zero_point,
+        )
     return StoredFormat(METHOD, fmt, scheme.name, tuple(ignore))
 
 
@@ -128,7 +147,7 @@ def _match_scheme(weights: dict[str, Any], activations: dict[str, Any] | None, a
             " (static activation scales, input_scale, are not supported: qcompile quantizes activations at run time)"
         )
     elif found_w.get("type") == "int" and not found_w.get("symmetric"):
-        reason = " (asymmetric int weights, with zero points, are not supported)"
+        reason = " (asymmetric int weights, with zero points, are read as 4-bit groups of 128 only: w4a16-zp)"
     supported = "; ".join(f"{n}: {WHAT[n]}" for n in SCHEMES)
     raise CheckpointError(
         f"{at}: weights {shown(found_w)} with input_activations {shown(found_a)} match no qcompile scheme{reason}. "

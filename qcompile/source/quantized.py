@@ -1,8 +1,9 @@
 """Pre-quantized checkpoints: config.json's `quantization_config` read into the format its weights are stored in.
 
 Each `quant_method` qcompile reads has a reader returning a StoredFormat (qcompile.source.stored_format):
-llm-compressor's compressed-tensors (FP8 per channel / tensor / block, W4A16 pack-quantized) and
-Qwen's own FP8 checkpoints (`fp8`, 128x128 blocks). The checkpoint's quantized linears are then
+llm-compressor's compressed-tensors (FP8 per channel / tensor / block, W4A16 pack-quantized, symmetric
+or with zero points), Qwen's own FP8 checkpoints (`fp8`, 128x128 blocks) and AutoAWQ's GEMM checkpoints
+(`awq`, int4 with zero points). The checkpoint's quantized linears are then
 copied into the artifact of the matching scheme, never re-quantized (qcompile.source.stored).
 """
 
@@ -15,13 +16,17 @@ from typing import Any
 from qruntime.shown import shown
 
 from qcompile.errors import CheckpointError
-from qcompile.source import compressed_tensors, qwen_fp8
+from qcompile.source import awq, compressed_tensors, qwen_fp8
 from qcompile.source.stored_format import SCHEMES, StoredFormat
 
 __all__ = ["READERS", "SCHEMES", "StoredFormat", "read_format"]
 
 READERS: MappingProxyType[str, Callable[[dict[str, Any], str], StoredFormat]] = MappingProxyType(
-    {compressed_tensors.METHOD: compressed_tensors.read_compressed_tensors, qwen_fp8.METHOD: qwen_fp8.read_qwen_fp8}
+    {
+        compressed_tensors.METHOD: compressed_tensors.read_compressed_tensors,
+        qwen_fp8.METHOD: qwen_fp8.read_qwen_fp8,
+        awq.METHOD: awq.read_awq,
+    }
 )
 
 
@@ -40,6 +45,6 @@ def read_format(config: dict[str, Any], source: str = "config.json") -> StoredFo
         raise CheckpointError(
             f"{where}.quant_method {shown(method)} is not supported; qcompile reads pre-quantized checkpoints "
             f"of quant_method {' or '.join(repr(m) for m in READERS)} (llm-compressor's compressed-tensors, Qwen's "
-            "FP8); compile the unquantized (bf16) checkpoint instead"
+            "FP8, AutoAWQ GEMM); compile the unquantized (bf16) checkpoint instead"
         )
     return reader(qc, where)

@@ -20,11 +20,13 @@ from qruntime.shown import shown
 
 from qcompile.errors import CheckpointError, RecipeError, TensorValueError
 from qcompile.io.safetensors_stream import DTYPE_NAMES, TensorEntry
+from qcompile.quant import int4
 from qcompile.quant.fp8 import FP8_DTYPE
 from qcompile.recipe.ignore_list import IgnoreList
+from qcompile.source import awq
 from qcompile.source.model import EMBED, LM_HEAD, expected_tensors
 from qcompile.source.spec import ModelSpec
-from qcompile.source.stored_format import StoredFormat
+from qcompile.source.stored_format import AWQ_GEMM, StoredFormat
 
 _INDEX_DTYPES = ("I64", "I32")  # compressed-tensors writes weight_shape as int64, weight_g_idx as int32
 _FP8_NAN = 0x7F  # e4m3fn has no Inf; S.1111.111 is its NaN
@@ -36,10 +38,11 @@ class StoredWeight:
 
     name: str  # the logical source name, `{module}.weight`
     shape: tuple[int, int]  # logical [rows, cols]
-    weight: TensorEntry  # FP8 [rows, cols] or packed int32 [rows, cols / 8]
+    weight: TensorEntry  # FP8 [rows, cols] or packed int32 [rows, cols / 8] (AutoAWQ: [cols, rows / 8])
     scale: TensorEntry
     format: StoredFormat
     aux: tuple[TensorEntry, ...] = ()
+    zero_point: TensorEntry | None = None  # asymmetric int4: packed int32 zero points
 
     @property
     def file(self) -> Path:
@@ -47,22 +50,36 @@ class StoredWeight:
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one stored weight row (what a chunk of rows reads, scales aside)."""
-        return self.weight.row_bytes
+        """Bytes of one logical weight row as stored (what a chunk of rows reads, scales aside)."""
+        return self.weight.nbytes // self.shape[0]
 
     @property
     def nbytes(self) -> int:
         return self.weight.nbytes + self.scale.nbytes
 
     def entries(self) -> tuple[TensorEntry, ...]:
-        return (self.weight, self.scale, *self.aux)
+        return (self.weight, self.scale, *self.aux, *([self.zero_point] if self.zero_point is not None else []))
 
-    def read_rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stored weight rows [start, stop) and their scales as the artifact holds them: per-tensor
-        repeated on each row ([rows, 1]), block scales the bands the rows cover (`start` a multiple of
-        the block). TensorValueError naming the tensor on a NaN/Inf, zero or negative scale or an FP8 NaN."""
-        weight = self.weight.read_rows(start, stop)
+    def read_rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Stored weight rows [start, stop), their scales and (asymmetric int4) zero-point codes as the
+        artifact holds them: per-tensor scales repeated on each row ([rows, 1]), block scales the bands
+        the rows cover (`start` a multiple of the block), zero points uint8 [rows, groups]. An AutoAWQ
+        linear is read whole (its rows are its tensors' columns) and transposed. TensorValueError naming
+        the tensor on a NaN/Inf, zero or negative scale or an FP8 NaN."""
         quant = self.format.quant
+        zero_point = None
+        if self.format.layout == AWQ_GEMM:
+            assert self.zero_point is not None
+            weight, scale, zero_point = awq.to_rows(
+                self.weight.read(), self.scale.read(), self.zero_point.read(), start, stop
+            )
+            self._check_scales(scale.T, start, transposed=True)
+            return weight, scale, zero_point
+        weight = self.weight.read_rows(start, stop)
+        if self.zero_point is not None:  # rows packed eight to a word (compressed-tensors)
+            first = start // int4.PER_INT32
+            words = self.zero_point.read_rows(first, -(-stop // int4.PER_INT32))
+            zero_point = int4.unpack_rows_int4(words, stop - first * int4.PER_INT32)[start - first * int4.PER_INT32 :]
         if quant.per_tensor:
             scale = self.scale.read().reshape(1, 1).expand(stop - start, 1).contiguous()
         elif quant.row_align > 1:
@@ -70,15 +87,7 @@ class StoredWeight:
             scale = self.scale.read_rows(start // align, -(-stop // align))
         else:
             scale = self.scale.read_rows(start, stop)
-        bad = ~(torch.isfinite(scale) & (scale > 0))
-        if bool(bad.any()):
-            index = [int(i) for i in bad.nonzero()[0]]
-            value = scale[tuple(index)].item()
-            index = [0] if quant.per_tensor else [index[0] + start // quant.row_align, *index[1:]]
-            raise TensorValueError(
-                f"{self.scale.file.name}: tensor {self.scale.name!r} holds {value} at index {index}; every scale "
-                "must be a finite positive number (the checkpoint is corrupt)"
-            )
+        self._check_scales(scale, start)
         # e4m3fn's NaN has every exponent and mantissa bit set: the masked bytes' max finds one (a
         # max is ~20x faster than comparing every byte on a CPU; the index is looked for only then)
         if (
@@ -93,7 +102,27 @@ class StoredWeight:
                 f"{self.weight.file.name}: tensor {self.weight.name!r} holds an FP8 NaN at index {index} "
                 "(the checkpoint is corrupt)"
             )
-        return weight, scale
+        return weight, scale, zero_point
+
+    def _check_scales(self, scale: torch.Tensor, start: int, transposed: bool = False) -> None:
+        """TensorValueError naming the scale tensor and the index of a NaN/Inf, zero or negative scale in
+        `scale`, the stored tensor's rows (columns when `transposed`) from `start` on."""
+        bad = ~(torch.isfinite(scale) & (scale > 0))
+        if not bool(bad.any()):
+            return
+        quant = self.format.quant
+        index = [int(i) for i in bad.nonzero()[0]]
+        value = scale[tuple(index)].item()
+        if quant.per_tensor:
+            index = [0]
+        elif transposed:
+            index = [index[0], index[1] + start]
+        else:
+            index = [index[0] + start // quant.row_align, *index[1:]]
+        raise TensorValueError(
+            f"{self.scale.file.name}: tensor {self.scale.name!r} holds {value} at index {index}; every scale "
+            "must be a finite positive number (the checkpoint is corrupt)"
+        )
 
 
 def linear_modules(spec: ModelSpec) -> list[str]:
@@ -173,6 +202,7 @@ def _quantized_modules(tensors: Mapping[str, TensorEntry], fmt: StoredFormat) ->
     """module -> the first of its tensors that marks it quantized: a scale, an aux tensor, a packed or
     FP8 weight (an FP8 `weight` is quantized whatever its neighbours)."""
     keys = {fmt.scale_key, *fmt.aux_keys} | ({fmt.weight_key} if fmt.weight_key != "weight" else set())
+    keys |= {fmt.zero_point_key} if fmt.zero_point_key else set()
     modules: dict[str, TensorEntry] = {}
     for name, entry in tensors.items():
         module, _, key = name.rpartition(".")
@@ -197,8 +227,15 @@ def _stored_weight(
                 + " + ".join(f"{module}.{k}" for k in (fmt.weight_key, fmt.scale_key, *fmt.aux_keys))
             )
         if entry.dtype not in dtypes:
+            why = ""
+            if key == fmt.scale_key and entry.dtype in DTYPE_NAMES.values():
+                why = (
+                    f" (the model dtype, config.json's torch_dtype: scales in another float type would change "
+                    f"the weights when converted; a {entry.dtype} checkpoint says so in config.json)"
+                )
             raise CheckpointError(
-                f"{entry.file.name}: tensor {name!r} is {entry.dtype}; {fmt.method} {fmt.format} stores it as {' or '.join(dtypes)}"
+                f"{entry.file.name}: tensor {name!r} is {entry.dtype}; {fmt.method} {fmt.format} stores it as "
+                f"{' or '.join(dtypes)}{why}"
             )
         return entry
 
@@ -215,19 +252,22 @@ def _stored_weight(
             f"{weight.file.name}: tensor {weight.name!r} has shape {list(weight.shape)}; a quantized linear's "
             "weight is 2-D [rows, columns]"
         )
-    shape = fmt.quant.logical_shape(weight.shape)
-    shape = (shape[0], shape[1])
+    shape = fmt.logical_shape(weight.shape)
     scale = need(fmt.scale_key, (model_dtype,))
     check_shape(scale, fmt.scale_shape(shape))
     aux = tuple(need(key, _INDEX_DTYPES) for key in fmt.aux_keys)
     for entry in aux:
         _check_aux(entry, shape, weight, fmt, check_shape)
+    zero_point = None
+    if fmt.zero_point_key is not None:
+        zero_point = need(fmt.zero_point_key, ("I32",))
+        check_shape(zero_point, fmt.zero_point_shape(shape))
     if fmt.weight_key != "weight" and f"{module}.weight" in tensors:
         raise CheckpointError(
             f"{tensors[f'{module}.weight'].file.name}: tensor {module + '.weight'!r} is stored beside "
             f"{weight.name!r}; a quantized linear holds its weight once"
         )
-    return StoredWeight(f"{module}.weight", shape, weight, scale, fmt, aux)
+    return StoredWeight(f"{module}.weight", shape, weight, scale, fmt, aux, zero_point)
 
 
 def _check_aux(

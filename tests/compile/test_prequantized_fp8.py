@@ -372,7 +372,7 @@ def _group(config: dict) -> dict:
             r"static activation scales, input_scale, are not supported",
         ),
         (lambda c: _group(c)["weights"].update(strategy="group", group_size=32), r"match no qcompile scheme"),
-        (lambda c: c["quantization_config"].update(quant_method="awq"), r"quant_method 'awq' is not supported"),
+        (lambda c: c["quantization_config"].update(quant_method="gptq"), r"quant_method 'gptq' is not supported"),
         (lambda c: c["quantization_config"].update(quantization_status="frozen"), r"only 'compressed' checkpoints"),
         (lambda c: c["quantization_config"].update(kv_cache_scheme={"num_bits": 8}), r"kv_cache_scheme is set"),
         (lambda c: _group(c).update(targets=["re:.*q_proj"]), r"targets must be \['Linear'\]"),
@@ -386,7 +386,7 @@ def _group(config: dict) -> dict:
             r"q_proj is stored quantized .* lists it in 'ignore'",
         ),
     ],
-    ids=["static-acts", "group-fp8", "awq", "frozen", "kv-cache", "targets", "format", "two-groups", "ignore"],
+    ids=["static-acts", "group-fp8", "gptq", "frozen", "kv-cache", "targets", "format", "two-groups", "ignore"],
 )
 def test_configs_we_cannot_honour_are_refused_naming_the_key(edit, message, hostile, tmp_path):
     ckpt = hostile()
