@@ -105,6 +105,7 @@ def run_one(
         max_num_batched_tokens=max(args.input_len, 256),
         kv_cache_memory=8 << 30,
         custom_all_reduce=custom_all_reduce,
+        pdl=False if args.no_pdl else None,
     )
     engine.async_scheduling = engine.async_scheduling and async_scheduling
     timings["load_s"] = round(time.perf_counter() - start, 2)
@@ -113,6 +114,7 @@ def run_one(
         "tp": tp,
         "custom_all_reduce": custom_all_reduce,
         "async_scheduling": engine.async_scheduling,
+        "pdl": not args.no_pdl,
         "weights": SYNTHETIC,
         "engine": engine.description,
         "timings": timings,
@@ -208,6 +210,11 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="profile a batch-1 decode step by kernel")
     parser.add_argument(
         "--profile-graphs", action="store_true", help="at tp = 1 too, profile the decode graph's kernels (not eager)"
+    )
+    parser.add_argument(
+        "--no-pdl",
+        action="store_true",
+        help="load without programmatic dependent launch: --profile's kernel times are then each kernel's own",
     )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--run-timeout", type=float, default=300, help="seconds one PRESET:TP run may take")

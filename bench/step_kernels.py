@@ -200,6 +200,12 @@ def main() -> None:
         help="How mixed steps run, comma-separated, each shape measured with each: mixed (whole-step graphs, "
         "the default engine), piecewise (the mixed graphs set aside: attention eager between captured pieces).",
     )
+    parser.add_argument(
+        "--no-pdl",
+        action="store_true",
+        help="Load without programmatic dependent launch: each kernel's profiled time is then its own (with PDL "
+        "a kernel starts early and its span includes its wait for the one before, so spans overlap).",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if set(args.graphs.split(",")) - {"mixed", "piecewise"}:
@@ -216,7 +222,9 @@ def main() -> None:
         max_num_seqs=max([*batches, 96]) + 32,
         max_num_batched_tokens=4096,
         kv_cache_memory=16 << 30,
+        pdl=False if args.no_pdl else None,
     )
+    report["pdl"] = not args.no_pdl
     report["engine"] = engine.description
     report["timings"] = timings
     report["decode"] = []
