@@ -13,8 +13,8 @@ the device computes. The launched step's decodes read the tokens the step before
 device (scheduler.py: pending tokens). At tp > 1 every rank must hold those tokens (each worker
 keeps its copy): a step sampled from the vocabulary shards leaves them on every rank, and rank 0
 sends the workers the tokens of a step whose rows it samples alone (top_p, penalties, logprobs,
-structured output) through the same exchange. Without a vocabulary-parallel head there is no
-exchange, and every step is read before the next is launched. A request that stops on a token its next step has
+structured output) through the same exchange; without a vocabulary-parallel head there is no
+exchange, and async scheduling is off. A request that stops on a token its next step has
 already been launched for gets no more from that step (its one extra token is dropped); requests
 that end by max_tokens or the model length are not scheduled past it. Sampling, greedy or not, is
 queued on the device with the step (engine/sampler.py). While a request with structured output is
@@ -106,8 +106,8 @@ class _Launched:
     # (request, its first prompt position scored, how many), in the order of the prompt logprobs' rows
     prompt_logprobs: tuple[list[tuple[_Tracked, int, int]], DeviceLogprobs] | None = None
     verify: VerifyStep | None = None  # the drafts its chunks carried and their verdicts (speculative decoding)
-    # whether every rank holds its tokens (tp > 1: sampled from the vocabulary shards), so that the
-    # next step may name them by pending ids before rank 0 has read them; at tp = 1, always
+    # whether every rank holds its tokens (tp > 1: sampled from the vocabulary shards, or sent by rank
+    # 0), so that the next step may name them by pending ids before rank 0 has read them; at tp = 1, always
     everywhere: bool = True
 
 
@@ -141,8 +141,8 @@ class Engine:
         if speculator is not None:
             speculator.attach(runner)
         # launch a step before reading the last one's tokens; not while speculating (a draft needs the
-        # newest token on the host), nor at tp > 1 without a vocabulary-parallel head (only the ranks'
-        # sharded sampling leaves a step's tokens on every rank, for the next step to read)
+        # newest token on the host), nor at tp > 1 without a vocabulary-parallel head (its exchange is
+        # what leaves a step's tokens on every rank, for the next step to read)
         self.async_scheduling = (
             async_scheduling and self.speculator is None and (workers is None or runner.vocab_shard is not None)
         )
