@@ -14,8 +14,10 @@ Tensors carry the source checkpoint's names again: fused and stacked weights spl
 `split_to_sources` (losslessly: fusing only moves rows), FP8 `<linear>.weight` with its
 `<linear>.weight_scale` (model dtype: [out, 1] per channel, [1] per tensor, [ceil(out/128),
 ceil(in/128)] per block), int4 (`w4a16`, `pack-quantized`) `<linear>.weight_packed` int32 [out, in/8]
-with `weight_scale` [out, in/128] and `weight_shape` (int64 [out, in]), everything unquantized as it was. An FP8 lm_head of a tied model is its
-own `lm_head.weight` and config.json says `tie_word_embeddings: false` (as llm-compressor unties
+with `weight_scale` [out, in/128] and `weight_shape` (int64 [out, in]); with zero points (`w4a16-zp`,
+`symmetric: false`) also `weight_zero_point` int32 [ceil(out/8), in/128], the codes packed eight rows
+to a word as compressed-tensors packs them; everything unquantized as it was. An FP8 lm_head of a
+tied model is its own `lm_head.weight` and config.json says `tie_word_embeddings: false` (as llm-compressor unties
 it). An FP8 KV cache adds `model.layers.{i}.self_attn.k_scale` / `v_scale` ([1], model dtype) and
 the `kv_cache_scheme`.
 
@@ -40,6 +42,7 @@ import torch
 import yaml
 from qruntime import bounded_json
 from qruntime.artifact import ArtifactFormatError, artifact_path
+from qruntime.manifest_schema import QUANT_PARAM_ROLES
 
 from qcompile.compile.manifest import read_compiled, require_verified
 from qcompile.errors import ExportError
@@ -47,8 +50,9 @@ from qcompile.io.atomic import atomic_output_dir, check_free_space, check_target
 from qcompile.io.safetensors_stream import DTYPES, OutputTensor, StreamingWriter
 from qcompile.progress import progress_bar
 from qcompile.publish.model_card import base_model_name, describe_scheme
-from qcompile.publish.unfuse import compressed_names, scale_of, split_with_schemes
+from qcompile.publish.unfuse import compressed_names, scale_of, split_with_schemes, zero_point_of
 from qcompile.quant import get_scheme
+from qcompile.quant.int4 import PER_INT32, pack_rows_int4
 from qcompile.recipe.quant_config import fp8_kv_cache_scheme, quantization_config
 from qcompile.recipe.schema import recipe_from_dict
 from qcompile.source.checkpoint import GENERATION_FILE, TOKENIZER_FILES
@@ -79,13 +83,6 @@ def export_compressed_tensors(
     check_target(output, force)
     if output.resolve() == root.resolve() or output.resolve() in root.resolve().parents:
         raise ExportError(f"{output}: the export would replace the artifact it reads; choose another directory")
-    zero_points = sorted(n for n, t in manifest["tensors"].items() if t["role"] == "zero_point")
-    if zero_points:
-        raise ExportError(
-            f"{root}: its int4 weights have zero points (scheme 'w4a16-zp', e.g. {zero_points[0]!r}); the "
-            "compressed-tensors export of asymmetric int4 is not supported yet: export its source checkpoint "
-            "as it is (it already is AutoAWQ or compressed-tensors)"
-        )
     require_verified(root, manifest, progress, ExportError, "exported")
     groups, kv_values = _layout(manifest)
     shards = _shards(groups, max_shard_bytes)
@@ -135,7 +132,7 @@ def _layout(manifest: dict[str, Any]) -> tuple[list[Group], dict[str, torch.Tens
     tensors = manifest["tensors"]
     groups: list[Group] = []
     for name, info in tensors.items():
-        if info["role"] == "scale":
+        if info["role"] in QUANT_PARAM_ROLES:  # a scale or zero point: placed with its weight
             continue
         _check_parts(name, info)
         scheme, scale = get_scheme(info["scheme"]), tensors.get(scale_of(name))
@@ -152,6 +149,10 @@ def _layout(manifest: dict[str, Any]) -> tuple[list[Group], dict[str, torch.Tens
                     group.append(OutputTensor(scale_name, DTYPES[scale["dtype"]], tuple(scale_shape)))
                 if shape_name is not None:
                     group.append(OutputTensor(shape_name, torch.int64, (2,)))
+                if scheme.zero_point:  # one code per group scale, packed along the rows eight to a word
+                    rows, cols = scheme.logical_shape(part)
+                    zp_shape = (-(-rows // PER_INT32), cols // scheme.int4.group_size)
+                    group.append(OutputTensor(zero_point_of(weight_name), torch.int32, zp_shape))
                 groups.append(tuple(group))
     kv = manifest["kv_cache"]
     values: dict[str, torch.Tensor] = {}
@@ -205,13 +206,15 @@ def _shards(groups: list[Group], max_bytes: int) -> dict[str, Group]:
 
 
 def _sources(root: Path, kv_values: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, weight, scale, scheme in split_with_schemes(root):
+    for name, weight, scale, scheme, zero_point in split_with_schemes(root):
         weight_name, scale_name, shape_name = compressed_names(name, scheme)
         yield weight_name, weight
         if scale is not None:
             yield scale_name, scale
         if shape_name is not None:  # compressed-tensors' record of the unpacked [rows, columns]
             yield shape_name, torch.tensor(scheme.logical_shape(tuple(weight.shape)), dtype=torch.int64)
+        if zero_point is not None:
+            yield zero_point_of(weight_name), pack_rows_int4(zero_point)
     yield from kv_values.items()
 
 

@@ -5,8 +5,9 @@ source tensor comes back with exactly the bytes (and scale) it was quantized to.
 `qcompile export` builds on, and how tests compare us with llm-compressor byte for byte. Scales come
 back as compressed-tensors stores them: per-tensor scales, which the artifact repeats on each row
 of their source's part, as the one value of shape [1]. Packed int4 weights (w4a16) come back packed,
-their rows of int32 words; `compressed_names` gives the names compressed-tensors stores them under
-(`weight_packed`, `weight_scale` and the logical `weight_shape`).
+their rows of int32 words, and with zero points (w4a16-zp) each source's rows of uint8 zero-point
+codes; `compressed_names` gives the names compressed-tensors stores them under (`weight_packed`,
+`weight_scale`, the logical `weight_shape` and `weight_zero_point`).
 """
 
 from __future__ import annotations
@@ -31,12 +32,15 @@ def split_to_sources(root: str | Path) -> Iterator[tuple[str, torch.Tensor, torc
     An FP8 lm_head made from tied embeddings is reported as `lm_head.weight`, beside the
     embedding table itself. A packed int4 weight comes as its packed rows (int32 [rows, cols / 8]).
     """
-    for name, weight, scale, _ in split_with_schemes(root):
+    for name, weight, scale, _, _ in split_with_schemes(root):
         yield name, weight, scale
 
 
-def split_with_schemes(root: str | Path) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None, QuantScheme]]:
-    """`split_to_sources`, each source with the scheme its weight was stored in."""
+def split_with_schemes(
+    root: str | Path,
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None, QuantScheme, torch.Tensor | None]]:
+    """`split_to_sources`, each source with the scheme its weight was stored in and its zero-point
+    rows (uint8 codes [rows, cols / group_size]; None but for scheme `w4a16-zp`)."""
     root = Path(root)
     manifest = read_manifest(root)
     if manifest.get("tp", 1) != 1:
@@ -69,39 +73,34 @@ def split_with_schemes(root: str | Path) -> Iterator[tuple[str, torch.Tensor, to
     for name, info in tensors.items():
         if info["role"] in QUANT_PARAM_ROLES:
             continue
-        scale_name = scale_of(name)
+        scale_name, zp_name = scale_of(name), zero_point_of(name)
         scale = load(scale_name) if scale_name in tensors else None
+        zero_point = load(zp_name) if zp_name in tensors else None
         layout = [[tuple(part) for part in group] for group in info["parts"]]
         scheme = get_scheme(info["scheme"])
+        # one code per group scale, so the same rows (zero points are 1/64 of the packed weight's bytes)
+        zsplit = {} if zero_point is None else split_rows(layout, info["stacked"], 1, zero_point, None)
         for source, (weight, srows) in split_rows(layout, info["stacked"], scheme.row_align, load(name), scale).items():
             if scheme.per_tensor and srows is not None:
                 srows = _one_value(srows, scale_name, source)
-            yield ("lm_head.weight" if info["role"] == "lm_head" else source), weight, srows, scheme
+            zrows = zsplit[source][0] if source in zsplit else None
+            yield ("lm_head.weight" if info["role"] == "lm_head" else source), weight, srows, scheme, zrows
 
 
 def split_zero_points(root: str | Path) -> dict[str, torch.Tensor]:
     """{source tensor name: its zero-point rows (uint8 codes [rows, cols / group_size])} for every
     weight of an asymmetric int4 artifact (scheme `w4a16-zp`); empty for any other."""
-    root = Path(root)
-    tensors = read_manifest(root)["tensors"]
-    out: dict[str, torch.Tensor] = {}
-    for name, info in tensors.items():
-        zp_name = name.rpartition(".")[0] + ".weight_zero_point"
-        if info["role"] in QUANT_PARAM_ROLES or zp_name not in tensors:
-            continue
-        file = artifact_path(root, tensors[zp_name]["file"], listed=read_manifest(root)["files"])
-        with safe_open(str(file), framework="pt") as handle:
-            zp = handle.get_tensor(zp_name)
-        layout = [[tuple(part) for part in group] for group in info["parts"]]
-        for source, (_, rows) in split_rows(layout, info["stacked"], 1, zp, zp).items():
-            assert rows is not None
-            out["lm_head.weight" if info["role"] == "lm_head" else source] = rows.clone()
-    return out
+    return {name: zp for name, _, _, _, zp in split_with_schemes(root) if zp is not None}
 
 
 def scale_of(weight: str) -> str:
     """The artifact's name of the scale of weight tensor `weight` (`X.weight` or `X.weight_packed`)."""
     return weight.rpartition(".")[0] + ".weight_scale"
+
+
+def zero_point_of(weight: str) -> str:
+    """The artifact's (and compressed-tensors') name of the zero points of weight tensor `weight`."""
+    return weight.rpartition(".")[0] + ".weight_zero_point"
 
 
 def compressed_names(source: str, scheme: QuantScheme) -> tuple[str, str, str | None]:
