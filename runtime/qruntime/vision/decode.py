@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_IMAGE_PIXELS = 64 * 1024 * 1024  # decoded width * height; 4x Qwen3-VL's own max_pixels
 DEFAULT_MAX_IMAGE_BYTES = 64 * 1024 * 1024  # encoded size (file, bytes, or base64 once decoded)
-FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "AVIF", "MPO")
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "AVIF")
 
 ImageSource = Union["Image.Image", str, os.PathLike, bytes, bytearray, memoryview]
 
