@@ -14,7 +14,8 @@ The steps, in transformers' order:
    rows ordered by merge window (grid_h/m, grid_w/m, m, m) and each row flattened as
    [channel, temporal, patch_y, patch_x].
 
-Everything after decoding runs on `device` (CPU or GPU) with the same result.
+Everything after decoding runs on `device`; integer resizing and IEEE float32/float64 arithmetic
+should make a GPU's result equal the CPU's (tested on CPU so far: tests/runtime/vision).
 """
 
 from __future__ import annotations
