@@ -129,7 +129,7 @@ def test_a_hugging_face_snapshot_may_link_to_its_blobs_only(tmp_path, rng):
 
 def test_the_schema_names_what_the_compiler_writes():
     assert set(SCHEMES) == set(COMPILER_SCHEMES)
-    assert set(ROLES) == {*COMPILER_ROLES, "scale"}
+    assert set(ROLES) == {*COMPILER_ROLES, "scale", "zero_point"}  # the last two: compile/manifest.py's quant params
     assert {name: dtype.itemsize for name, dtype in DTYPES.items()} == DTYPE_SIZES
 
 

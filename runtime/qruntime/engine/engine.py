@@ -374,7 +374,7 @@ class Engine:
                     verify = VerifyStep(tuple(drafted), drafts, verdicts)
         except Exception as exc:
             if self._is_fatal(exc):
-                if self.workers is not None:  # stopped: they may wait in this step's exchange of tokens
+                if self.workers is not None and not self._closed:  # stopped: they may wait in its exchange
                     error = self.workers.abandon(exc)
                     if error is not exc:
                         raise error from exc
