@@ -1,13 +1,16 @@
 """Bicubic resize of uint8 images in torch, bit for bit what Pillow's `Image.resize(..., BICUBIC)` gives.
 
 Why Pillow's and not `torch.nn.functional.interpolate`: transformers 5.17 resizes Qwen-VL images in one
-of two ways. Its PIL backend (`Qwen2VLImageProcessorPil`, the one it picks when torchvision is absent)
-calls `PIL.Image.resize(size, BICUBIC)` on the uint8 RGB image; its torchvision backend calls
-`torchvision.transforms.v2.functional.resize(..., BICUBIC, antialias=True)`, which on the CPU runs
-torch's native uint8 antialiased kernel and on a GPU interpolates in float32, then clamps and rounds.
-The two differ from each other (and the torchvision one between CPU and GPU) by one level of 255 on
-some pixels. Pillow's result is the one that does not depend on the device, so this module computes
-it exactly, anywhere torch runs:
+of two ways. Its torchvision-free class (`Qwen2VLImageProcessorPil`) calls
+`PIL.Image.resize(size, BICUBIC)` on the uint8 RGB image; its torchvision backend (the default of
+`AutoImageProcessor`, which refuses to load without torchvision) calls
+`torchvision.transforms.v2.functional.resize(..., BICUBIC, antialias=True)`: on the CPU torch's native
+uint8 antialiased kernel, on a GPU a float32 interpolation, then clamped and rounded. These differ
+from Pillow's (the float path neither rounds nor clips between its two passes). Measured here
+(torch 2.13, Pillow 13.0.0, torch's interpolate standing in for torchvision): on smooth images up to
+2 levels of 255 on 7-17 % of values; on random noise, whose ringing overshoots 0..255, up to 27 levels
+on 6-20 %. Pillow's result does not depend on the device, so this module computes it exactly,
+anywhere torch runs:
 
 - separable: one pass per axis, the first one's result rounded to uint8, in the order Pillow picks
   (`vertical_first`);

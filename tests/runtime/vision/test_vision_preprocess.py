@@ -4,8 +4,8 @@ The reference is `Qwen2VLImageProcessorPil`, the processor transformers builds f
 checkpoint when torchvision is absent (as here), built from a config dict (no hub). Its resize is
 Pillow's BICUBIC and its arithmetic numpy's; ours reproduces both, so pixel_values are compared for
 exact equality (no tolerance) and image_grid_thw too. transformers' torchvision backend (not
-installed here) resizes with torch's own antialiased bicubic instead and differs from Pillow — and
-between its CPU and GPU paths — by one level of 255 on some pixels; we follow Pillow.
+installed here) resizes with torch's own antialiased bicubic instead, which differs from Pillow
+(resample.py gives the measured sizes); we follow Pillow.
 
 Images are random (fresh seed per run, printed by the `rng` fixture): noise, the worst case for
 rounding, at tiny, ordinary, large and extreme-aspect sizes, in RGB, RGBA, L, P and CMYK modes.
