@@ -38,7 +38,7 @@ def _pil():
     try:
         from PIL import Image, ImageOps
     except ImportError as e:  # pragma: no cover - pillow is installed wherever images are used
-        raise ImportError("images need Pillow: pip install pillow") from e
+        raise ImportError("images need Pillow: pip install 'qcompile-runtime[vision]'") from e
     return Image, ImageOps
 
 
