@@ -15,6 +15,7 @@ import pytest
 import qruntime
 import torch
 from click.testing import CliRunner
+from int4_shapes import INT4_SHAPES
 from llmc_reference import (
     MODEL_FREE_IGNORE,
     OBSERVER,
@@ -33,15 +34,6 @@ from qcompile.quant.int4 import dequantize
 
 def sqnr_db(reference: torch.Tensor, other: torch.Tensor) -> float:
     return float(10 * torch.log10(reference.pow(2).mean() / (reference - other).pow(2).mean()))
-
-
-INT4_SHAPES = {
-    "hidden_size": 128,
-    "head_dim": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 256,
-}
 
 
 def run(*args):

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import qruntime
 import torch
+from int4_shapes import INT4_SHAPES
 from llmc_reference import IGNORE, MODEL_FREE_IGNORE, assert_identical, read_tensors
 from prequantized_inputs import (
     assert_same_artifact,
@@ -37,13 +38,6 @@ from qcompile.errors import CheckpointError, RecipeError, TensorValueError
 from qcompile.publish.unfuse import split_to_sources
 from qcompile.recipe.prequantized import default_recipe
 
-INT4_SHAPES = {
-    "hidden_size": 128,
-    "head_dim": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 256,
-}
 PRESETS = {
     "dense": ("tiny", INT4_SHAPES),
     "tied": ("tiny-tied", INT4_SHAPES),

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import qruntime
 import torch
+from int4_shapes import INT4_SHAPES
 from llmc_reference import (
     IGNORE,
     OBSERVER,
@@ -47,13 +48,6 @@ from qcompile.publish.unfuse import split_to_sources, split_zero_points
 from qcompile.quant.int4 import dequantize
 from qcompile.recipe.prequantized import default_recipe
 
-INT4_SHAPES = {
-    "hidden_size": 128,
-    "head_dim": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 256,
-}
 PRESETS = {
     "dense": ("tiny", INT4_SHAPES),
     "moe": ("tiny-moe", {**INT4_SHAPES, "moe_intermediate_size": 256}),

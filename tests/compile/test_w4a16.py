@@ -20,6 +20,7 @@ from pathlib import Path
 import onnx
 import pytest
 import torch
+from int4_shapes import INT4_SHAPES
 from llmc_reference import (
     BF16,
     IGNORE,
@@ -46,14 +47,6 @@ from qcompile.recipe.schema import load_recipe
 from qcompile.source.checkpoint import Checkpoint
 from qcompile.source.model import expected_tensors
 
-# hidden 128, q 4 x 64 = 256, kv 2 x 64, intermediate 256: every K a multiple of 128, also per rank at tp=2
-INT4_SHAPES = {
-    "hidden_size": 128,
-    "head_dim": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 256,
-}
 MOE_SHAPES = {**INT4_SHAPES, "moe_intermediate_size": 256}
 PRESETS = {"dense": ("tiny", INT4_SHAPES), "tied": ("tiny-tied", INT4_SHAPES), "moe": ("tiny-moe", MOE_SHAPES)}
 

@@ -7,20 +7,13 @@ from __future__ import annotations
 import qruntime
 import torch
 from click.testing import CliRunner
+from int4_shapes import INT4_SHAPES
 from qruntime.ops.functional import dequantize_int4, unpack_int4
 from qruntime.synthetic import INT4_SPREAD, WEIGHT_STD, random_tensor
 
 from qcompile.cli import main
 from qcompile.compile.pipeline import compile_checkpoint, prepare
 from qcompile.recipe.schema import load_recipe
-
-INT4_SHAPES = {
-    "hidden_size": 128,
-    "head_dim": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 256,
-}
 
 
 def test_random_int4_words_have_symmetric_codes():

@@ -17,6 +17,7 @@ import pytest
 import qruntime
 import torch
 from hf_reference import hf_logits, hf_model
+from int4_shapes import INT4_SHAPES
 from qruntime import SamplingParams
 from qruntime.artifact import ArtifactFormatError
 from qruntime.kv_cache import KVCacheSpec
@@ -30,13 +31,6 @@ from safetensors.torch import save_file
 from qcompile.publish.unfuse import split_to_sources
 from qcompile.quant.int4 import dequantize, quantize_int4
 
-INT4_SHAPES = {
-    "hidden_size": 128,
-    "head_dim": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 256,
-}
 PRESETS = {
     "dense": ("tiny", INT4_SHAPES),
     "tied": ("tiny-tied", INT4_SHAPES),

@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from int4_shapes import INT4_SHAPES
 from qruntime.artifact import read_manifest
 from qruntime.kernel_configs import KernelTable
 from qruntime.kernels.w4a16_gemm import W4A16Config, sweep_configs
@@ -17,14 +18,6 @@ from qruntime.ops.base import OpEnv
 
 from qcompile.errors import QCompileError
 from qcompile.tune.w4a16 import table_key, tune_w4a16, w4a16_shapes
-
-INT4_SHAPES = {
-    "hidden_size": 128,
-    "head_dim": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 256,
-}
 
 
 def test_w4a16_shapes_of_an_artifact(make_ckpt, compiled):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from int4_shapes import INT4_SHAPES
 from qruntime.kernel_configs import KernelTable
 from qruntime.kernels.w4a16_gemm import W4A16Config, default_config
 from qruntime.kv_cache import KVCache
@@ -16,15 +17,6 @@ from qruntime.ops.registry import reference_ops
 from qruntime.ops.registry import triton_ops as fast_table
 from qruntime.plan import Plan
 from test_kernel_fast_plan import load_artifact, two_steps
-
-# hidden and intermediate sizes multiples of the int4 group (128)
-INT4_SHAPES = {
-    "hidden_size": 128,
-    "head_dim": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 256,
-}
 
 
 @pytest.fixture(scope="module")
