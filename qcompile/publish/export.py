@@ -301,7 +301,22 @@ def _readme(manifest: dict[str, Any], config: dict[str, Any]) -> str:
         f"{kept}"
         f"- {cache}\n"
         f"- Made by qcompile {manifest['toolchain'].get('qcompile')}\n\n"
+        f"{_loads_with(get_scheme(scheme), config)}\n"
+    )
+
+
+def _loads_with(scheme: Any, config: dict[str, Any]) -> str:
+    """What the README says loads the export. Asymmetric int4 experts are the exception: transformers
+    5.17 builds each expert without its weight_zero_point and refuses the checkpoint (llm-compressor's
+    own W4A16_ASYM MoE checkpoints alike; tests/compile/test_prequantized_w4a16_zp.py checks both)."""
+    if scheme.zero_point and config.get("num_experts"):
+        return (
+            "Asymmetric int4 experts (`weight_zero_point`): transformers 5.17 does not load this checkpoint "
+            "(its expert decompression drops the zero points; llm-compressor's own asymmetric MoE checkpoints "
+            "fail the same way). Loading by vLLM or SGLang has not been tested."
+        )
+    return (
         "Loads with transformers (`pip install compressed-tensors`; "
         "`AutoModelForCausalLM.from_pretrained(path)`), vLLM (`vllm serve path`) and SGLang "
-        "(`python -m sglang.launch_server --model-path path`).\n"
+        "(`python -m sglang.launch_server --model-path path`)."
     )

@@ -397,6 +397,9 @@ def test_transformers_loads_no_asymmetric_moe_experts_not_even_llmcompressors(in
     for path in (inputs("moe"), exported(compiled(inputs("moe")))):
         with pytest.raises(RuntimeError, match="automatic conversion of the weights"):
             AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    # and the export's README says so, where a dense export's says transformers loads it
+    assert "transformers 5.17 does not load" in (exported(compiled(inputs("moe"))) / "README.md").read_text()
+    assert "Loads with transformers" in (exported(compiled(inputs("dense"))) / "README.md").read_text()
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
