@@ -41,6 +41,20 @@ def compile_to(ckpt: Path, out: Path, recipe: str | None = None, overrides: Iter
     return out
 
 
+def cached_compiler(workdir: Path) -> Callable[..., Path]:
+    """`compiled(ckpt, recipe=None, *overrides)`: compile_to into `workdir`, each artifact once (a test
+    module's `compiled` fixture)."""
+    made: dict[tuple, Path] = {}
+
+    def get(ckpt: Path, recipe: str | None = None, *overrides: str) -> Path:
+        key = (str(ckpt), recipe, overrides)
+        if key not in made:
+            made[key] = compile_to(ckpt, workdir / f"art-{len(made)}", recipe, overrides)
+        return made[key]
+
+    return get
+
+
 def artifact_files(art: Path) -> dict[str, bytes]:
     """The bytes of every weight file and graph of an artifact, by relative path."""
     files = sorted(art.glob("weights/**/*.safetensors")) + sorted(art.glob("graph*.onnx"))

@@ -24,6 +24,7 @@ from click.testing import CliRunner
 from llmc_reference import BF16, FP8, IGNORE, MODEL_FREE_IGNORE, TENSOR_FP8, assert_identical, read_tensors
 from prequantized_inputs import (
     assert_same_artifact,
+    cached_compiler,
     compile_to,
     copy_checkpoint,
     edit_config,
@@ -97,15 +98,7 @@ def quantized(ckpts, workdir) -> Callable[..., Path]:
 @pytest.fixture(scope="module")
 def compiled(workdir) -> Callable[..., Path]:
     """`compiled(ckpt, recipe=None, *overrides)`: the artifact (cached)."""
-    made: dict[tuple, Path] = {}
-
-    def get(ckpt: Path, recipe: str | None = None, *overrides: str) -> Path:
-        key = (str(ckpt), recipe, overrides)
-        if key not in made:
-            made[key] = compile_to(ckpt, workdir / f"art-{len(made)}", recipe, overrides)
-        return made[key]
-
-    return get
+    return cached_compiler(workdir)
 
 
 # ------------------------------------------------------------------------------ byte for byte

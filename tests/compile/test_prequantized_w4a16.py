@@ -25,6 +25,7 @@ from int4_shapes import INT4_SHAPES
 from llmc_reference import IGNORE, MODEL_FREE_IGNORE, assert_identical, read_tensors
 from prequantized_inputs import (
     assert_same_artifact,
+    cached_compiler,
     compile_to,
     copy_checkpoint,
     edit_config,
@@ -73,15 +74,7 @@ def quantized(ckpts, workdir) -> Callable[..., Path]:
 
 @pytest.fixture(scope="module")
 def compiled(workdir) -> Callable[..., Path]:
-    made: dict[tuple, Path] = {}
-
-    def get(ckpt: Path, recipe: str | None = None, *overrides: str) -> Path:
-        key = (str(ckpt), recipe, overrides)
-        if key not in made:
-            made[key] = compile_to(ckpt, workdir / f"art-{len(made)}", recipe, overrides)
-        return made[key]
-
-    return get
+    return cached_compiler(workdir)
 
 
 @pytest.mark.parametrize(("kind", "tool"), [(k, "oneshot") for k in PRESETS] + [("moe", "model_free")])

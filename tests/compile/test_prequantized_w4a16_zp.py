@@ -33,6 +33,7 @@ from llmc_reference import (
 )
 from prequantized_inputs import (
     assert_same_artifact,
+    cached_compiler,
     compile_to,
     copy_checkpoint,
     edit_config,
@@ -87,15 +88,7 @@ def inputs(ckpts, workdir) -> Callable[[str, str], Path]:
 
 @pytest.fixture(scope="module")
 def compiled(workdir) -> Callable[..., Path]:
-    made: dict[tuple, Path] = {}
-
-    def get(ckpt: Path, recipe: str | None = None, *overrides: str) -> Path:
-        key = (str(ckpt), recipe, overrides)
-        if key not in made:
-            made[key] = compile_to(ckpt, workdir / f"art-{len(made)}", recipe, overrides)
-        return made[key]
-
-    return get
+    return cached_compiler(workdir)
 
 
 def artifact_weights(art: Path) -> dict[str, torch.Tensor]:
