@@ -2,6 +2,15 @@
 (resample), turned into the vision tower's patches (preprocess)."""
 
 from qruntime.vision.decode import ImageInputError, load_image
+from qruntime.vision.positions import (
+    MRopeConfig,
+    MRopePositions,
+    VisionTokenConfig,
+    batch_mrope_positions,
+    decode_positions,
+    mrope_cos_sin,
+    mrope_positions,
+)
 from qruntime.vision.preprocess import QWEN3_VL, VisionInputs, VisionPreprocessConfig, preprocess_images, smart_resize
 from qruntime.vision.tower import VisionTower, load_vision_tower
 from qruntime.vision.tower_config import VisionTowerConfig
@@ -10,12 +19,19 @@ from qruntime.vision.tower_weights import tower_tensor_shapes
 __all__ = [
     "QWEN3_VL",
     "ImageInputError",
+    "MRopeConfig",
+    "MRopePositions",
     "VisionInputs",
     "VisionPreprocessConfig",
+    "VisionTokenConfig",
     "VisionTower",
     "VisionTowerConfig",
+    "batch_mrope_positions",
+    "decode_positions",
     "load_image",
     "load_vision_tower",
+    "mrope_cos_sin",
+    "mrope_positions",
     "preprocess_images",
     "smart_resize",
     "tower_tensor_shapes",
