@@ -1,13 +1,13 @@
 """Multimodal rotary positions (M-RoPE) of Qwen3-VL's text model, as transformers 5.17 computes them.
 
 Every token has three positions, (temporal, height, width):
-- a text token has all three equal, one more than the previous token's largest position (the first
-  token: 0);
+- a text token has all three equal to the next text position, which starts at 0 and grows by one
+  per text token;
 - the tokens of one image (a run of image tokens, t * h * w / merge² of them, in the vision tower's
   merge-window order) take the grid positions (start + i_t, start + i_h, start + i_w) over the
-  merged (t, h/merge, w/merge) grid, where `start` is the text position that would come next; the
-  text after the image then continues from start + max(h, w) / merge (transformers 5.17 advances by
-  the spatial grid alone, whatever t);
+  merged (t, h/merge, w/merge) grid, `start` being the next text position; after the image the
+  next text position is start + max(h, w) / merge (transformers 5.17 advances by the spatial grid
+  alone, whatever t; the processor's images all have t = 1);
 - a video is cut into its frames (the processor writes "<1.5 seconds><vision_start><video
   tokens><vision_end>" per frame): each frame is a run of video tokens placed like an image of grid
   (1, h, w), the timestamps between frames being ordinary text.
@@ -199,12 +199,12 @@ def _pending(
     return _Pending(images), _Pending(_frames(_grid_rows(video_grid_thw, "video"), tokens.spatial_merge_size))
 
 
-def _as_ids(input_ids: IntSequence | torch.Tensor, ndim: int) -> torch.Tensor:
-    ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(list(input_ids), dtype=torch.long)
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise ValueError(f"input_ids must hold integers, got dtype {ids.dtype}")
+def _as_ids(input_ids: IntSequence, ndim: int) -> torch.Tensor:
+    ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(list(input_ids))
     if ids.ndim != ndim or ids.numel() == 0:
         raise ValueError(f"input_ids must be a non-empty {ndim}-d sequence of token ids, got shape {list(ids.shape)}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must hold integers, got dtype {ids.dtype}")
     return ids.to("cpu", torch.long)
 
 
@@ -296,7 +296,13 @@ class MRopeConfig:
         if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 1:
             raise ValueError(f"text config: rope_theta must be a finite number above 1, got {shown(theta)}")
         section = self.mrope_section
-        if len(section) != 3 or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in section):
+        if isinstance(section, list):  # a config's JSON list; kept as a tuple so the config stays hashable
+            object.__setattr__(self, "mrope_section", section := tuple(section))
+        if (
+            not isinstance(section, tuple)
+            or len(section) != 3
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in section)
+        ):
             raise ValueError(f"text config: mrope_section must be three positive integers (t, h, w), got {section}")
         half = self.head_dim // 2
         if sum(section) != half:
@@ -321,7 +327,7 @@ class MRopeConfig:
         reads it: `rope_parameters` (rope_type, rope_theta, mrope_section, mrope_interleaved), or the
         checkpoints' older spelling, `rope_scaling` plus a top-level `rope_theta`. Missing values take
         transformers' defaults (rope_theta 500000, mrope_section [24, 20, 20], head_dim 128); a
-        rope_type other than "default" is refused."""
+        rope_type other than "default" is refused, and so is a null head_dim (as transformers does)."""
         key = "rope_parameters" if text_config.get("rope_parameters") is not None else "rope_scaling"
         rope = text_config.get(key)
         rope = {} if rope is None else rope

@@ -3,13 +3,14 @@
 The references are a tiny random Qwen3VLModel's (and Qwen3VLMoeModel's) `get_rope_index` and
 `compute_3d_position_ids`, and Qwen3VLTextRotaryEmbedding (and the MoE's). Prompts are random (fresh
 seed per test, printed by the `rng` fixture): text with 0, 1 or 3 images of different grids, videos
-cut into timestamped frames, batches with left padding. Token types are derived from the ids as
-transformers' processor does (`create_mm_token_type_ids`: image token 1, video token 2).
+cut into timestamped frames, batches with left padding. transformers' token types come from its
+processor's own `create_mm_token_type_ids` (image token 1, video token 2).
 """
 
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from qruntime.vision.positions import (
     mrope_cos_sin,
     mrope_positions,
 )
-from transformers import Qwen3VLConfig, Qwen3VLModel, Qwen3VLMoeConfig, Qwen3VLMoeModel
+from transformers import ProcessorMixin, Qwen3VLConfig, Qwen3VLModel, Qwen3VLMoeConfig, Qwen3VLMoeModel
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLTextConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
 from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeTextConfig
@@ -42,6 +43,7 @@ TEXT = dict(
 )
 VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=16, patch_size=4)
 VISION |= dict(deepstack_visual_indexes=[0], num_position_embeddings=16)
+PROCESSOR = SimpleNamespace(image_token_ids=[IMAGE], video_token_ids=[VIDEO], audio_token_ids=[])
 IDS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
 
 
@@ -91,7 +93,7 @@ def random_prompt(
 def hf_rope_index(model, ids: torch.Tensor, merge: int, images, videos, mask=None):
     """transformers' positions [3, B, T] and deltas [B] for a batch."""
     model.config.vision_config.spatial_merge_size = merge
-    types = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
+    types = torch.tensor(ProcessorMixin.create_mm_token_type_ids(PROCESSOR, ids))  # the processor's types
     grid = lambda g: torch.tensor(g, dtype=torch.long).reshape(-1, 3) if g else None  # noqa: E731
     positions, deltas = model.get_rope_index(ids, types, grid(images), grid(videos), attention_mask=mask)
     return positions, deltas.reshape(-1)
@@ -208,6 +210,7 @@ def test_mrope_config_reads_both_spellings() -> None:
     assert ours == MRopeConfig(128, 5_000_000.0, (24, 20, 20), True)
     assert MRopeConfig.from_dict(Qwen3VLTextConfig(**legacy).to_dict()) == ours
     assert MRopeConfig.from_dict({}) == MRopeConfig(128, 500_000.0, (24, 20, 20), True)  # transformers' defaults
+    assert MRopeConfig(64, 5e6, [24, 4, 4]).mrope_section == (24, 4, 4)  # a JSON list kept as a tuple
     tokens = VisionTokenConfig.from_dict(Qwen3VLConfig(vision_config=dict(spatial_merge_size=3)).to_dict())
     assert tokens == VisionTokenConfig(151655, 151656, 151652, 3)
 
@@ -225,6 +228,7 @@ def test_mrope_config_reads_both_spellings() -> None:
         ({"rope_parameters": {"rope_theta": -1.0}}, "rope_theta"),
         ({"rope_theta": float("nan")}, "rope_theta"),
         ({"head_dim": 127}, "head_dim"),
+        ({"head_dim": None, "hidden_size": 2048, "num_attention_heads": 16}, "head_dim must be"),
         ({"rope_parameters": "default"}, "rope_parameters must be a dict"),
         ({"rope_parameters": {"mrope_section": "24,20,20"}}, "mrope_section must be a list"),
     ],
@@ -277,6 +281,8 @@ def test_bad_inputs_are_refused() -> None:
         mrope_positions([], tokens)
     with pytest.raises(ValueError, match="input_ids must hold integers"):
         mrope_positions(torch.tensor([1.0, 2.0]), tokens)
+    with pytest.raises(ValueError, match="input_ids must hold integers"):
+        mrope_positions([1, 2.5], tokens)
     batch = torch.tensor([[PAD, *_image([1, 2, 2])], [PAD, 5, 6, 7]])
     with pytest.raises(ValueError, match="attention_mask shape"):
         batch_mrope_positions(batch, tokens, grids, attention_mask=torch.ones(2, 5))
@@ -314,3 +320,13 @@ def test_text_after_image_continues_from_the_larger_side() -> None:
         ]
     )
     assert torch.equal(result.positions, expected) and result.delta == 8 - 12
+
+
+def test_vision_start_check_is_optional_and_ids_may_be_any_integer_tensor() -> None:
+    ids = [7, IMAGE, IMAGE, 9]
+    unchecked = VisionTokenConfig(IMAGE, VIDEO, None, 2)
+    result = mrope_positions(
+        torch.tensor(ids, dtype=torch.int32), unchecked, torch.tensor([[1, 2, 4]], dtype=torch.int32)
+    )
+    assert torch.equal(result.positions, torch.tensor([[0, 1, 1, 3], [0, 1, 1, 3], [0, 1, 2, 3]]))
+    assert result.positions.dtype == torch.int64 and result.delta == 0
