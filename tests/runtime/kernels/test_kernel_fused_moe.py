@@ -218,14 +218,17 @@ def test_one_token_is_laid_out_by_its_routing_launch(num_experts, top_k, block_m
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("num_experts", "top_k", "hidden"), [(128, 8, 200), (10, 3, 72), (5, 1, 48), (40, 4, 64)])
+@pytest.mark.parametrize(
+    ("num_experts", "top_k", "hidden"), [(128, 8, 200), (10, 3, 72), (5, 1, 48), (40, 4, 64), (6, 2, 4500)]
+)
 def test_one_tokens_router_runs_in_its_routing_launch(num_experts, top_k, hidden, dtype):
-    """moe_router_one: the router GEMV over ~32 programs, the last to finish routing, quantizing and
-    laying out: what F.linear + moe_route_quant_one give (the logits' sums in another order: the same
-    experts, weights to fp32 rounding), for three routers in a row (its counter goes back to zero;
-    a program that routed early would read the logits another router left in the scratch)."""
+    """moe_router_one: the router GEMV a program per router row, each quantizing its slice of x (H =
+    4500: x read in two tiles), the last to finish routing and laying out: what F.linear +
+    moe_route_quant_one give (the logits' sums in another order: the same experts, weights to fp32
+    rounding; x's codes and scale bit for bit), for three routers in a row (its counter goes back to
+    zero; a program that routed early would read the logits another router left in the scratch)."""
     counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    assert router_one_programs(num_experts)[1] > 1 or num_experts < 2
+    assert router_one_programs(num_experts, hidden)[1] == num_experts
     for _ in range(3):
         x = torch.randn(1, hidden).to(dtype)
         router_w = untied_router(x, num_experts, top_k)
