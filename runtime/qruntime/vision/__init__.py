@@ -1,5 +1,7 @@
 """Vision inputs for Qwen3-VL: images decoded and bounded (decode), resized as Pillow does
-(resample), turned into the vision tower's patches (preprocess)."""
+(resample), turned into the vision tower's patches (preprocess); the vision tower as a torch
+reference (tower, tower_config, tower_grid, tower_weights); the text model's multimodal rotary
+positions and their cos / sin (positions)."""
 
 from qruntime.vision.decode import ImageInputError, load_image
 from qruntime.vision.positions import (
