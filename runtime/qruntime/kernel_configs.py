@@ -31,6 +31,7 @@ BACKENDS = ("triton", "cublaslt")
 # key prefix -> {config key: (least, most)} of the powers of two it holds; num_stages is any count in STAGES
 _GEMM = {"block_m": (16, 512), "block_n": (16, 512), "block_k": (16, 512), "split_k": (1, 1024), "num_warps": (1, 16)}
 _TILE = {"block_n": (16, 512), "block_k": (32, 512), "num_warps": (1, 16)}
+_GEMV_TILE = {"block_n": (1, 256), "block_k": (16, 8192), "num_warps": (1, 16)}
 POW2_KEYS: Mapping[str, Mapping[str, tuple[int, int]]] = MappingProxyType(
     {
         "PTPCLinear": MappingProxyType(_GEMM),
@@ -38,6 +39,8 @@ POW2_KEYS: Mapping[str, Mapping[str, tuple[int, int]]] = MappingProxyType(
         "MoE": MappingProxyType(
             {"block_m": (16, 512)} | {f"{g}_{k}": r for g in ("w13", "w2") for k, r in _TILE.items()}
         ),
+        # a MoE record with `gemv: 1`: one token's projections as GEMVs (kernels/moe_gemv.py)
+        "MoEGemv": MappingProxyType({f"{g}_{k}": r for g in ("up", "down") for k, r in _GEMV_TILE.items()}),
     }
 )
 STAGE_KEYS = MappingProxyType(
@@ -101,6 +104,12 @@ def check_config(key: str, cfg: Any, where: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"{where}.backend must be one of {', '.join(BACKENDS)} (got {str(backend)[:40]!r})")
     op = key.split(":", 1)[0]
+    if op == "MoE" and "gemv" in cfg:
+        if cfg["gemv"] != 1 or isinstance(cfg["gemv"], bool):
+            raise ValueError(
+                f"{where}.gemv must be 1 (one token's GEMV path) when present (got {str(cfg['gemv'])[:40]})"
+            )
+        op = "MoEGemv"
     if op == "PTPCLinear" and "folded" in cfg:  # the choice when the reader sums the split-K partials
         folded = cfg["folded"]
         if isinstance(folded, dict) and "folded" in folded:

@@ -9,10 +9,15 @@ quantization and the pairs' layout being one launch (moe_routing.moe_router_one)
     moe_down          act quantized on load, grouped w2 GEMM, x weight      [max_blocks x H / BLOCK_N]
     moe_combine       each token's k rows added in slot order               [T x H / 1024]
 
+A single token's projections run by default as GEMVs (moe_gemv.py: moe_up_one, moe_down_one over
+the k slots directly, no pair list), which reach more of the bandwidth at one token than the
+grouped GEMMs' 16-row tiles; a MoEGemvConfig selects them, a MoEConfig the grouped GEMMs.
+
 Every buffer and grid is a function of T (static shapes, no host sync: CUDA-graph capturable).
 The reference is qruntime.ops.moe.MoE; each kernel's module says how its arithmetic follows it.
-MoEConfig is the launch configuration the tuner records per token bucket (kernels/<device>.json,
-key table_key(...)); default_config is the heuristic used where nothing was tuned.
+MoEConfig (or at one token MoEGemvConfig) is the launch configuration the tuner records per token
+bucket (kernels/<device>.json, key table_key(...); config_from_dict reads either); default_config
+is the heuristic used where nothing was tuned.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from qruntime.kernels.dynamic_quant import check_model_dtype
 from qruntime.kernels.moe_align import moe_align
 from qruntime.kernels.moe_combine import PairRows, moe_combine
 from qruntime.kernels.moe_gemm import PairBlocks, moe_down, moe_up_silu
+from qruntime.kernels.moe_gemv import MoEGemvConfig, default_gemv_config, gemv_sweep, moe_down_one, moe_up_one
 from qruntime.kernels.moe_routing import moe_route_quant, moe_route_quant_one, moe_router_one
 
 _NUM_SMS_H100 = 132  # the heuristic's target; the tuner replaces it per device
@@ -109,13 +115,26 @@ def _decode_tile(blocks: int, n: int, k: int, widths: tuple[int, ...]) -> TileCo
     return TileConfig(widths[-1], block_k, 4, 4)
 
 
-def default_config(tokens: int, num_experts: int, inter: int, hidden: int, top_k: int) -> MoEConfig:
+def config_from_dict(d: dict[str, Any]) -> MoEConfig | MoEGemvConfig:
+    """A tuned table record: MoEGemvConfig where it says gemv (one token), else MoEConfig."""
+    return MoEGemvConfig.from_dict(d) if d.get("gemv") else MoEConfig.from_dict(d)
+
+
+def default_config(tokens: int, num_experts: int, inter: int, hidden: int, top_k: int) -> MoEConfig | MoEGemvConfig:
     """Heuristic config by the pairs per hit expert (H100-sized: 132 SMs).
 
+    - 1 token: the GEMV path (moe_gemv.default_gemv_config).
     - <= 16 (decode): 16-row blocks (mma.sync); the widest column tile that still gives >= 132
       programs over the expected hit experts, deep pipelines of 128-256 wide K steps.
     - <= 64: 32-row blocks, 64-wide tiles.
     - more (prefill): 64-row blocks; up 64 wide (two accumulators: gate and up), down 128 wide."""
+    if tokens == 1:
+        return default_gemv_config(inter, hidden, top_k)
+    return grouped_config(tokens, num_experts, inter, hidden, top_k)
+
+
+def grouped_config(tokens: int, num_experts: int, inter: int, hidden: int, top_k: int) -> MoEConfig:
+    """default_config's grouped-GEMM config (also what a GEMV config falls back to above one token)."""
     pairs = tokens * top_k
     per_expert = pairs / min(num_experts, max(1, pairs))
     if per_expert <= 16:
@@ -130,9 +149,13 @@ def default_config(tokens: int, num_experts: int, inter: int, hidden: int, top_k
     return MoEConfig(64, TileConfig(64, 128, 4, 3), TileConfig(128, 128, 4, 3))
 
 
-def sweep_configs(tokens: int, num_experts: int, inter: int, hidden: int, top_k: int) -> list[MoEConfig]:
-    """A small candidate list for the tuner to time; default_config comes first."""
-    cands = [default_config(tokens, num_experts, inter, hidden, top_k)]
+def sweep_configs(
+    tokens: int, num_experts: int, inter: int, hidden: int, top_k: int
+) -> list[MoEConfig | MoEGemvConfig]:
+    """A small candidate list for the tuner to time; default_config comes first (at one token the
+    GEMV candidates, then the grouped GEMMs' own)."""
+    cands: list[MoEConfig | MoEGemvConfig] = gemv_sweep(inter, hidden, top_k) if tokens == 1 else []
+    cands.append(grouped_config(tokens, num_experts, inter, hidden, top_k))
     pairs = tokens * top_k
     per_expert = pairs / min(num_experts, max(1, pairs))
     if per_expert <= 16:
@@ -176,7 +199,7 @@ def fused_moe(
     w2_scale: torch.Tensor,
     top_k: int,
     norm_topk_prob: bool,
-    config: MoEConfig | None = None,
+    config: MoEConfig | MoEGemvConfig | None = None,
     router: tuple[torch.Tensor, torch.Tensor] | None = None,
     *,
     pdl: bool = False,
@@ -185,7 +208,8 @@ def fused_moe(
     """The MoE op (PTPC FP8 experts, per-token FP8 activations): x [T, H] bf16 | fp16 | fp32,
     router_logits [T, E] = x · router_wᵀ, w13 [E, 2I, H] fp8 (gate rows then up rows), w13_scale
     [E, 2I, 1], w2 [E, H, I] fp8, w2_scale [E, H, 1] -> y [T, H] in x's dtype.
-    config: default_config(T, E, I, H, k) when None. router: (router_w [E, H], a zero int32
+    config: default_config(T, E, I, H, k) when None; a MoEGemvConfig runs one token's projections
+    as GEMVs (above one token it stands for grouped_config's). router: (router_w [E, H], a zero int32
     counter), for a single token the router GEMV then runs in its routing launch (router_logits may
     be None then; moe_routing.moe_router_one). pdl: every launch with programmatic dependent launch
     (kernels/pdl.py). defer_combine: with k > 1, return the PairRows without the combine launch, for
@@ -207,22 +231,28 @@ def fused_moe(
     if tokens == 0:
         return torch.zeros_like(x)
     cfg = config or default_config(tokens, num_experts, inter, hidden, top_k)
+    if isinstance(cfg, MoEGemvConfig) and tokens != 1:
+        cfg = grouped_config(tokens, num_experts, inter, hidden, top_k)
+    gemv = isinstance(cfg, MoEGemvConfig)
+    block_m = 16 if gemv else cfg.block_m  # the one-token layout below, unread on the GEMV path
     if fused_router:  # batch-1 decode: router GEMV, routing, quant and the pairs' layout in one launch
         (weights, ids, xq, xs), layout = moe_router_one(
-            x, router[0], top_k, norm_topk_prob, cfg.block_m, router[1], pdl=pdl
+            x, router[0], top_k, norm_topk_prob, block_m, router[1], pdl=pdl
         )
         sorted_ids, block_expert, num_padded, amax = layout
     elif tokens == 1:  # the routing launch lays out the k pairs itself
-        (weights, ids, xq, xs), layout = moe_route_quant_one(
-            router_logits, x, top_k, norm_topk_prob, cfg.block_m, pdl=pdl
-        )
+        (weights, ids, xq, xs), layout = moe_route_quant_one(router_logits, x, top_k, norm_topk_prob, block_m, pdl=pdl)
         sorted_ids, block_expert, num_padded, amax = layout
     else:
         weights, ids, xq, xs = moe_route_quant(router_logits, x, top_k, norm_topk_prob, pdl=pdl)
-        sorted_ids, block_expert, num_padded, amax = moe_align(ids, num_experts, cfg.block_m, pdl=pdl)
-    blocks = PairBlocks(sorted_ids, block_expert, num_padded, amax, cfg.block_m, top_k, tokens * top_k)
-    act = moe_up_silu(xq, xs, w13, w13_scale, blocks, x.dtype, **_launch(cfg.w13), pdl=pdl)
-    out_pairs = moe_down(act, w2, w2_scale, weights, blocks, **_launch(cfg.w2), pdl=pdl)
+        sorted_ids, block_expert, num_padded, amax = moe_align(ids, num_experts, block_m, pdl=pdl)
+    if gemv:  # one token: the k slots' experts straight from the routing, no pair list
+        act = moe_up_one(xq, xs, w13, w13_scale, ids, x.dtype, cfg.up, pdl=pdl)
+        out_pairs = moe_down_one(act, w2, w2_scale, weights, ids, cfg.down, pdl=pdl)
+    else:
+        blocks = PairBlocks(sorted_ids, block_expert, num_padded, amax, block_m, top_k, tokens * top_k)
+        act = moe_up_silu(xq, xs, w13, w13_scale, blocks, x.dtype, **_launch(cfg.w13), pdl=pdl)
+        out_pairs = moe_down(act, w2, w2_scale, weights, blocks, **_launch(cfg.w2), pdl=pdl)
     if defer_combine and top_k > 1:
         return PairRows(out_pairs, top_k, pdl)
     return moe_combine(out_pairs, top_k, pdl=pdl)

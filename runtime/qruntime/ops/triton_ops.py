@@ -194,11 +194,11 @@ class MoE(moe.MoE):
             # a single token's router runs in its routing launch, whose last program counts here
             self.counter = torch.zeros(1, dtype=torch.int32, device=env.device)
         self.config_from, self.default, self.table_key = (
-            fused_moe.MoEConfig.from_dict,
+            fused_moe.config_from_dict,
             fused_moe.default_config,
             fused_moe.table_key,
         )
-        self.configs: dict[int, object] = {}  # tokens -> MoEConfig, filled on first use
+        self.configs: dict[int, object] = {}  # tokens -> MoEConfig | MoEGemvConfig, filled on first use
         # the node after this one adds each token's expert rows itself (fold_split_k_reductions)
         self.defer_combine = False
         self.expert_counts: torch.Tensor | None = None  # [E] int64: set it to count tokens per expert (benches)
