@@ -1,7 +1,8 @@
 """Vision inputs for Qwen3-VL: images decoded and bounded (decode), resized as Pillow does
 (resample), turned into the vision tower's patches (preprocess); the vision tower as a torch
 reference (tower, tower_config, tower_grid, tower_weights); the text model's multimodal rotary
-positions and their cos / sin (positions)."""
+positions and their cos / sin (positions); a whole model's forward as a torch reference
+(reference, reference_config, reference_text, reference_weights)."""
 
 from qruntime.vision.decode import ImageInputError, load_image
 from qruntime.vision.positions import (
@@ -14,6 +15,7 @@ from qruntime.vision.positions import (
     mrope_positions,
 )
 from qruntime.vision.preprocess import QWEN3_VL, VisionInputs, VisionPreprocessConfig, preprocess_images, smart_resize
+from qruntime.vision.reference import Qwen3VLReference, load_reference
 from qruntime.vision.tower import VisionTower, load_vision_tower
 from qruntime.vision.tower_config import VisionTowerConfig
 from qruntime.vision.tower_weights import tower_tensor_shapes
@@ -23,6 +25,7 @@ __all__ = [
     "ImageInputError",
     "MRopeConfig",
     "MRopePositions",
+    "Qwen3VLReference",
     "VisionInputs",
     "VisionPreprocessConfig",
     "VisionTokenConfig",
@@ -31,6 +34,7 @@ __all__ = [
     "batch_mrope_positions",
     "decode_positions",
     "load_image",
+    "load_reference",
     "load_vision_tower",
     "mrope_cos_sin",
     "mrope_positions",
