@@ -40,11 +40,20 @@ POW2_KEYS: Mapping[str, Mapping[str, tuple[int, int]]] = MappingProxyType(
             {"block_m": (16, 512)} | {f"{g}_{k}": r for g in ("w13", "w2") for k, r in _TILE.items()}
         ),
         # a MoE record with `gemv: 1`: one token's projections as GEMVs (kernels/moe_gemv.py)
+        # a PTPCLinear record with `block_m: 1`: the one-token GEMV (kernels/fp8_gemm.py)
+        "PTPCGemv": MappingProxyType(
+            {"block_m": (1, 1), "block_n": (1, 256), "block_k": (16, 8192), "split_k": (1, 1), "num_warps": (1, 16)}
+        ),
         "MoEGemv": MappingProxyType({f"{g}_{k}": r for g in ("up", "down") for k, r in _GEMV_TILE.items()}),
     }
 )
 STAGE_KEYS = MappingProxyType(
-    {"PTPCLinear": ("num_stages",), "W4A16Linear": ("num_stages",), "MoE": ("w13_num_stages", "w2_num_stages")}
+    {
+        "PTPCLinear": ("num_stages",),
+        "PTPCGemv": ("num_stages",),
+        "W4A16Linear": ("num_stages",),
+        "MoE": ("w13_num_stages", "w2_num_stages"),
+    }
 )
 # key prefix -> {config key: (least, most)} of the integers it holds
 # (each rank maps two data halves of the larger AllReduce limit)
@@ -115,6 +124,8 @@ def check_config(key: str, cfg: Any, where: str) -> None:
         if isinstance(folded, dict) and "folded" in folded:
             raise ValueError(f"{where}.folded must not hold another 'folded'")
         check_config(key, folded, f"{where}.folded")
+    if op == "PTPCLinear" and cfg.get("block_m") == 1:
+        op = "PTPCGemv"
     if backend == "cublaslt":
         if op != "PTPCLinear":
             raise ValueError(f"{where}.backend: cublaslt runs PTPCLinear only, not {op[:40]!r}")

@@ -14,7 +14,7 @@ from qruntime.kernels.fp8_gemm import GemmConfig, SplitKPartials
 
 from qcompile.tune.gemm import tune_gemm
 
-N, K = 64, 2048  # at one token every candidate splits K in 2 or 4 (few N tiles; K / (2 block_k) >= 4)
+N, K = 64, 2048  # at one token every tiled candidate splits K in 2 or 4 (few N tiles; K / (2 block_k) >= 4)
 
 
 def test_the_folded_entry_is_timed_without_the_reduction(monkeypatch):
@@ -28,7 +28,9 @@ def test_the_folded_entry_is_timed_without_the_reduction(monkeypatch):
     def timer(calls):
         result = calls[0]()
         config, deferred = launched[-1]
-        assert isinstance(result, SplitKPartials) == deferred
+        assert isinstance(result, SplitKPartials) == (deferred and config.block_m > 1)
+        if config.block_m == 1:  # the one-token GEMV (no split, nothing to fold): timed out of the race
+            return 10.0
         return 1.0 / config.split_k if deferred else float(config.split_k)  # the reduction costs more than it saves
 
     monkeypatch.setattr(fp8_gemm, "ptpc_fp8_gemm", recorded)

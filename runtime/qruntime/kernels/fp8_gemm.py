@@ -22,6 +22,15 @@ casts. Measured on an H100 at M <= 16 in CUDA graphs against (a) fp32 atomic_add
 (an atomic counter) reduces: the workspace + reduce kernel was as fast or faster (by 0-5%); (a)
 needs a memset and a third launch, (b) a memset of its counters plus a serial tail in the GEMM; at
 M <= 16 the [S, M, N] partials are a few hundred KB and stay in L2.
+
+One token (M = 1, batch-1 decode) runs by default as a GEMV (GemmConfig block_m 1,
+_ptpc_fp8_gemv_kernel): a program takes BLOCK_N weight rows and all of K, its K steps unrolled so
+every load is in flight at once, products of the fp8 codes on the CUDA cores in fp32 (exact; the
+sum in another order than the tensor cores'), no split-K and so no partials. With PDL a program
+first asks L2 for all of its rows (the weights do not depend on the previous kernel), so the
+weight stream starts during that kernel. Measured on an H200 in CUDA graphs against the best
+tensor-core config with its split-K reduction: qwen3-30b-a3b qkv 5.3 vs 7.3 µs, o_proj 4.7 vs 6.9,
+qwen3-8b qkv 8.7 vs 10.5, o_proj 6.4 vs 8.6, down 14.8 vs 16.7 (bench/gemv_bench.py measures it).
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ _ACC_PROMOTE_K = 128
 class GemmConfig:
     """Launch configuration of ptpc_fp8_gemm (the JSON record of the tuner)."""
 
-    block_m: int
+    block_m: int  # 1: the one-token GEMV, else the tile height
     block_n: int
     block_k: int
     split_k: int = 1
@@ -56,7 +65,17 @@ class GemmConfig:
     num_stages: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "block_k"):
+        if self.block_m == 1:  # the one-token GEMV (_ptpc_fp8_gemv_kernel): BLOCK_N weight rows, all of K
+            if not 1 <= self.block_n <= 256 or self.block_n & (self.block_n - 1):
+                raise ValueError(
+                    f"{type(self).__name__}.block_n of a GEMV must be a power of two in 1..256, got {self.block_n}"
+                )
+            if self.block_k < 16 or self.block_k & (self.block_k - 1) or self.split_k != 1:
+                raise ValueError(
+                    f"{type(self).__name__}: a GEMV takes block_k a power of two >= 16 and split_k 1, "
+                    f"got {self.block_k} and {self.split_k}"
+                )
+        for name in ("block_m", "block_n", "block_k") if self.block_m != 1 else ():
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"{type(self).__name__}.{name} must be a power of two >= 16, got {v}")
@@ -75,6 +94,19 @@ class GemmConfig:
         return cls(**{k: int(d[k]) for k in ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages")})
 
 
+MAX_GEMV_UNROLL = 32  # K steps a GEMV program unrolls at most (block_k is raised to keep within it)
+MAX_GEMV_PREFETCH = 16384  # bytes of each weight row a GEMV program asks L2 for before its PDL wait
+
+
+def gemv_steps(k: int, block_k: int) -> tuple[int, int]:
+    """(block_k, unrolled steps) of a GEMV over K: block_k no wider than K needs, raised until the
+    steps fit MAX_GEMV_UNROLL."""
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    while triton.cdiv(k, block_k) > MAX_GEMV_UNROLL:
+        block_k *= 2
+    return block_k, triton.cdiv(k, block_k)
+
+
 def split_for(tiles: int, k: int, block_k: int, target: int) -> int:
     """Smallest power-of-two split that gives >= target programs, keeping >= 4 K tiles per split."""
     split = 1
@@ -87,18 +119,31 @@ def _waves(m: int, n: int, block_m: int, block_n: int) -> int:
     return triton.cdiv(triton.cdiv(m, block_m) * triton.cdiv(n, block_n), _NUM_SMS_H100)
 
 
+def default_gemv(n: int, k: int) -> GemmConfig:
+    """The one-token GEMV's config: 4 rows a program (the fastest on an H200 at every qwen3-8b /
+    30b-a3b attention shape measured, 2-8 warps within 0.3 µs), 4 warps, 512-wide K steps."""
+    return GemmConfig(1, 4, 512, 1, 4, 1)
+
+
+def _tensor_core_decode(n: int, k: int) -> GemmConfig:
+    bn, bk = 32, 256
+    return GemmConfig(16, bn, bk, split_for(triton.cdiv(n, bn), k, bk, _NUM_SMS_H100), 4, 4)
+
+
 def default_config(m: int, n: int, k: int) -> GemmConfig:
     """Heuristic config per token-count bucket (H100-sized: 132 SMs; measured choices, see the bench).
 
+    - m == 1: the GEMV (default_gemv).
     - m <= 16 (decode): streaming the N*K weight bytes is the whole cost. 16x32x256 tiles (mma.sync
       at BLOCK_M 16), 4 stages in flight, and split-K until the programs cover every SM (o and down
       at N=4096: 128 N tiles -> split 2; qkv and gate_up have enough N tiles).
     - m <= 64: 64x64x128, split-K only when the tiles fill less than half of the SMs.
     - m <= 512: 64x128x128, 4 warps.
     - larger: 256x128x128 with 8 warps, or 64x128x128 where its finer tiles waste fewer SM-waves."""
+    if m == 1:
+        return default_gemv(n, k)
     if m <= 16:
-        bn, bk = 32, 256
-        return GemmConfig(16, bn, bk, split_for(triton.cdiv(n, bn), k, bk, _NUM_SMS_H100), 4, 4)
+        return _tensor_core_decode(n, k)
     if m <= 64:
         bn, bk = 64, 128
         tiles = triton.cdiv(m, 64) * triton.cdiv(n, bn)
@@ -112,6 +157,9 @@ def default_config(m: int, n: int, k: int) -> GemmConfig:
 def sweep_configs(m: int, n: int, k: int) -> list[GemmConfig]:
     """A small candidate list for the tuner to time at (m, n, k); default_config comes first."""
     cands: list[GemmConfig] = [default_config(m, n, k)]
+    if m == 1:  # the GEMV's, then the 16-row tiles' below
+        for bn, bk, warps in ((4, 1024, 2), (4, 1024, 4), (8, 512, 4)):
+            cands.append(GemmConfig(1, bn, bk, 1, warps, 1))
     if m <= 16:
         for bn, bk, stages in ((16, 256, 4), (32, 256, 4), (32, 256, 6), (32, 128, 8), (64, 256, 4), (64, 128, 6)):
             tiles = triton.cdiv(n, bn)
@@ -216,6 +264,46 @@ def _ptpc_fp8_gemm_kernel(
         ws = tl.load(bs_ptr + rn * stride_bs).to(tl.float32)  # [BLOCK_N]
         y = acc * xs[:, None] * ws[None, :]
         tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], y.to(c_ptr.dtype.element_ty), mask=mask_c)
+
+
+@triton.jit
+def _ptpc_fp8_gemv_kernel(
+    a_ptr,  # [1, K] fp8
+    as_ptr,  # [1, 1] fp32
+    b_ptr,  # [N, K] fp8
+    bs_ptr,  # [N, 1]
+    c_ptr,  # [1, N] out dtype
+    N,
+    K,
+    stride_bn,
+    stride_bs,
+    NUM_K: tl.constexpr,  # K steps, unrolled
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
+    PREFETCH_K: tl.constexpr,  # with PDL: bytes of each of its weight rows a program asks L2 for before the wait
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = tl.where(offs_n < N, offs_n, 0)  # rows past N read row 0 (never stored)
+    offs_k = tl.arange(0, BLOCK_K)
+    b_ptrs = b_ptr + rn[:, None].to(tl.int64) * stride_bn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    if PDL and PREFETCH_K > 0:  # the weights do not depend on the previous kernel: start reading them
+        lines = tl.arange(0, PREFETCH_K // 128) * 128  # 128-byte L2 lines
+        prefetch_l2(b_ptr + rn[:, None].to(tl.int64) * stride_bn + tl.minimum(lines, K - 1)[None, :])
+    wait_for_inputs(PDL)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for step in tl.static_range(NUM_K):
+        k = step * BLOCK_K
+        if EVEN_K:
+            a = tl.load(a_ptr + k + offs_k).to(tl.float32)
+            b = tl.load(b_ptrs + k).to(tl.float32)
+        else:
+            a = tl.load(a_ptr + k + offs_k, mask=k + offs_k < K, other=0.0).to(tl.float32)
+            b = tl.load(b_ptrs + k, mask=(k + offs_k < K)[None, :], other=0.0).to(tl.float32)
+        acc += b * a[None, :]  # fp8 codes widened: exact products, fp32 sums
+    y = tl.sum(acc, axis=1) * tl.load(as_ptr) * tl.load(bs_ptr + rn * stride_bs).to(tl.float32)
+    tl.store(c_ptr + offs_n, y.to(c_ptr.dtype.element_ty), mask=offs_n < N)
 
 
 @triton.jit
@@ -380,7 +468,8 @@ def ptpc_fp8_gemm(
     w: [N,K] float8_e4m3fn, rows contiguous; ws: [N,1] bf16/fp16/fp32 per-channel scales.
     config: tile sizes, split-K and launch parameters; default_config(M, N, K) when None.
     pdl: programmatic dependent launch (kernels/pdl.py); with it, each program first asks L2 for
-    the first `prefetch_k` bytes (a multiple of 128; 0: none) of its weight rows, before the wait.
+    the first `prefetch_k` bytes (a multiple of 128; 0: none) of its weight rows, before the wait
+    (a GEMV program, with prefetch_k > 0, for all of its rows up to MAX_GEMV_PREFETCH bytes).
     defer_reduce: when the config splits K, return the SplitKPartials without the reduction launch.
     Raises ValueError on a dtype, shape, stride or device mismatch.
     """
@@ -394,6 +483,18 @@ def ptpc_fp8_gemm(
     if k == 0:
         return out.zero_()
     cfg = config or default_config(m, n, k)
+    if cfg.block_m == 1 and m != 1:  # a GEMV config stands for the tiled default above one token
+        cfg = default_config(m, n, k)
+    if cfg.block_m == 1:
+        block_k, steps = gemv_steps(k, cfg.block_k)
+        _ptpc_fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+            xq, xs, w, ws, out, n, k, w.stride(0), ws.stride(0),
+            NUM_K=steps, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+            num_warps=cfg.num_warps,
+            PREFETCH_K=min(MAX_GEMV_PREFETCH, max(128, triton.next_power_of_2(k))) if pdl and prefetch_k else 0,
+            **launch_options(pdl),
+        )  # fmt: skip
+        return out
     k_tiles = triton.cdiv(k, cfg.block_k)
     tiles_per_split = triton.cdiv(k_tiles, min(cfg.split_k, k_tiles))
     split = triton.cdiv(k_tiles, tiles_per_split)  # no empty split

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from qruntime.kernels.fp8_gemm import GemmConfig, default_config, ptpc_fp8_gemm, sweep_configs
+from qruntime.kernel_configs import KernelTable
+from qruntime.kernels.fp8_gemm import GemmConfig, default_config, gemv_steps, ptpc_fp8_gemm, sweep_configs
 from qruntime.ops.functional import ptpc_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -91,13 +92,61 @@ def test_default_config_end_to_end_decode_split() -> None:
     assert_fp32_close(ptpc_fp8_gemm(xq, xs, w, ws, torch.float32), xq, xs, w, ws)
 
 
+@pytest.mark.parametrize(
+    "config", [GemmConfig(1, 1, 16, 1, 1, 1), GemmConfig(1, 4, 64, 1, 2, 1), GemmConfig(1, 8, 32, 1, 4, 1)]
+)
+@pytest.mark.parametrize("n,k", [(48, 64), (96, 160), (37, 1000), (256, 128)])
+def test_gemv_matches_reference(n: int, k: int, config: GemmConfig) -> None:
+    """The one-token GEMV (block_m 1): N and K off its tiles (masked rows and K tail; K = 1000 at
+    block_k 16 unrolls 32 steps of 32), fp32 to summation order, bf16 within one ulp; at three
+    tokens its config stands for the tiled default."""
+    xq, xs, w, ws = operands(1, n, k)
+    assert_fp32_close(ptpc_fp8_gemm(xq, xs, w, ws, torch.float32, config), xq, xs, w, ws)
+    y = ptpc_fp8_gemm(xq, xs, w, ws, torch.bfloat16, config)
+    ref = ptpc_linear(xq, xs, w, ws, torch.bfloat16)
+    diff = (y.float() - ref.float()).abs()
+    assert (diff <= bf16_ulp(torch.maximum(y.float().abs(), ref.float().abs()))).all(), diff.max()
+    xq, xs, w, ws = operands(3, n, k)
+    assert_fp32_close(ptpc_fp8_gemm(xq, xs, w, ws, torch.float32, config), xq, xs, w, ws)
+
+
+def test_gemv_is_the_one_token_default_and_unrolls_a_bounded_loop() -> None:
+    for n, k in QWEN3_8B:
+        assert default_config(1, n, k).block_m == 1 and default_config(2, n, k).block_m == 16
+        assert sum(c.block_m == 1 for c in sweep_configs(1, n, k)) >= 4
+        assert any(c.block_m == 16 for c in sweep_configs(1, n, k))  # the tuner also times the tiles
+    assert gemv_steps(4096, 512) == (512, 8)
+    assert gemv_steps(1000, 16) == (32, 32) and gemv_steps(12288, 128) == (512, 24)
+    assert gemv_steps(40, 1024) == (64, 1)
+
+
+def test_gemv_configs_are_checked() -> None:
+    gemv = GemmConfig(1, 4, 512, 1, 4, 1)
+    assert GemmConfig.from_dict(gemv.to_dict()) == gemv
+    with pytest.raises(ValueError, match="block_n"):
+        GemmConfig(1, 3, 512)
+    with pytest.raises(ValueError, match="split_k 1"):
+        GemmConfig(1, 4, 512, split_k=2)
+    tiled = GemmConfig(16, 32, 256, 2, 4, 4).to_dict()
+
+    def table(record):
+        return KernelTable.from_dict({"device": "d", "entries": {"PTPCLinear:64x64": {"1": record}}}, "t")
+
+    table(gemv.to_dict() | {"folded": tiled})  # a GEMV beside the split-K tile its reader would fold
+    for bad, match in (({"block_n": 512}, "block_n"), ({"split_k": 2}, "split_k"), ({"block_k": 8}, "block_k")):
+        with pytest.raises(ValueError, match=match):
+            table(gemv.to_dict() | bad)
+    with pytest.raises(ValueError, match=r"folded\.block_n"):
+        table(tiled | {"folded": gemv.to_dict() | {"block_n": 3}})
+
+
 def test_empty_token_batch() -> None:
     xq, xs, w, ws = operands(0, 32, 64)
     assert ptpc_fp8_gemm(xq, xs, w, ws).shape == (0, 32)
 
 
 @pytest.mark.parametrize("n,k", QWEN3_8B)
-@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("m", [4, 16])
 def test_default_config_decode_streams_weight_on_all_sms(m: int, n: int, k: int) -> None:
     cfg = default_config(m, n, k)
     assert cfg.block_m == 16
