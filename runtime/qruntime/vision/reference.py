@@ -46,7 +46,9 @@ class Qwen3VLReference:
         """`state_dict`: the checkpoint's tensors by name, exactly this config's (errors name the tensor)."""
         self.config = config
         self.weights = MappingProxyType(text_weights(state_dict, config, device))
-        tower_tensors = {k: v.to(device, torch.float32) for k, v in state_dict.items() if k.startswith(TOWER_PREFIX)}
+        tower_tensors = {
+            k: v.to(device, torch.float32, copy=True) for k, v in state_dict.items() if k.startswith(TOWER_PREFIX)
+        }
         self.tower: VisionTower = load_vision_tower(tower_tensors, config.tower)
         self.device = torch.device(device)
 

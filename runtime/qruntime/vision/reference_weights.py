@@ -148,4 +148,6 @@ def _checked(
             tensor = tensor.transpose(1, 2)
         else:
             raise ValueError(f"checkpoint: tensor {name} has shape {tuple(tensor.shape)}, expected {shape}")
-    return tensor.to(device, torch.float32).contiguous()
+    # A copy in memory of our own: CPU matmuls round differently by the data's alignment, which the
+    # file's layout would otherwise decide (a sharded copy of a checkpoint gave other last bits).
+    return tensor.to(device, torch.float32, copy=True).contiguous()

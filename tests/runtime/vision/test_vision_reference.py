@@ -232,3 +232,18 @@ def test_prompts_that_disagree_with_the_grids_are_refused(checkpoint) -> None:
         model(ids, pixel_values, None)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         model(torch.tensor([1, 2, 500]))
+
+
+def test_attention_bias_and_sparse_step(tmp_path) -> None:
+    """Other settings the published configs leave at their defaults: q/k/v/o biases, a MoE block
+    every second layer (decoder_sparse_step 2)."""
+    gen = _seeded()
+    text = dict(MOE_TEXT, attention_bias=True, decoder_sparse_step=2, mlp_only_layers=[])
+    model = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(vision_config=VISION, text_config=text, **IDS))
+    _randomize(model, gen)
+    model.save_pretrained(tmp_path)
+    ids, pixel_values, grid_thw = _inputs(3, gen)
+    expected = _transformers_logits(model.eval(), ids, pixel_values, grid_thw)
+    ours = load_reference(tmp_path)
+    assert ours.config.text.attention_bias and [ours.config.text.is_sparse(i) for i in range(3)] == [False, True, False]
+    assert _relative(ours(ids, pixel_values, grid_thw), expected) < TOLERANCE
