@@ -27,10 +27,12 @@ One token (M = 1, batch-1 decode) runs by default as a GEMV (GemmConfig block_m 
 _ptpc_fp8_gemv_kernel): a program takes BLOCK_N weight rows and all of K, its K steps unrolled so
 every load is in flight at once, products of the fp8 codes on the CUDA cores in fp32 (exact; the
 sum in another order than the tensor cores'), no split-K and so no partials. With PDL a program
-first asks L2 for all of its rows (the weights do not depend on the previous kernel), so the
-weight stream starts during that kernel. Measured on an H200 in CUDA graphs against the best
-tensor-core config with its split-K reduction: qwen3-30b-a3b qkv 5.3 vs 7.3 µs, o_proj 4.7 vs 6.9,
-qwen3-8b qkv 8.7 vs 10.5, o_proj 6.4 vs 8.6, down 14.8 vs 16.7 (bench/gemv_bench.py measures it).
+of a small weight (a rank's slice at tp > 1) first asks L2 for all of its rows (the weights do not
+depend on the previous kernel), so the weight stream starts during that kernel (_gemv_prefetch).
+Measured with bench/gemv_bench.py on an H100 (f81ec31, CUDA graphs, weights rotated past L2) it
+beats the tiles with their split-K reduction at most attention shapes (qwen3-30b-a3b tp 4 qkv 2.2
+vs 4.1 µs, o 2.2 vs 2.8; qwen3-8b o 7.8 vs 9.1), but not the tiles whose partials the next kernel
+adds (folded: qwen3-8b qkv 9.2 vs 10.8, qwen3-30b-a3b o 4.0 vs 5.4): the tuner times all three.
 """
 
 from __future__ import annotations
@@ -96,6 +98,20 @@ class GemmConfig:
 
 MAX_GEMV_UNROLL = 32  # K steps a GEMV program unrolls at most (block_k is raised to keep within it)
 MAX_GEMV_PREFETCH = 16384  # bytes of each weight row a GEMV program asks L2 for before its PDL wait
+GEMV_PREFETCH_ALL = 4 << 20  # weights up to this many bytes: a GEMV prefetches its whole rows
+
+
+def _gemv_prefetch(n: int, k: int, prefetch_k: int) -> int:
+    """Bytes of each weight row a GEMV program asks L2 for before its PDL wait: all of them for a
+    weight of at most GEMV_PREFETCH_ALL bytes, else prefetch_k (the tiled GEMM's). Measured on an
+    H100 (bench/gemv_bench.py, f81ec31: full rows against no PDL at all): qwen3-30b-a3b tp 4's qkv
+    and o (2-3 MB) 3.3 -> 2.2 and 2.9 -> 2.2 µs, but qwen3-8b's qkv and down (25 and 50 MB, half
+    of L2 and more, evicted before use) 10.8 -> 12.3 and 20.9 -> 23.2 µs."""
+    if prefetch_k == 0:
+        return 0
+    if n * k <= GEMV_PREFETCH_ALL:
+        return min(MAX_GEMV_PREFETCH, max(128, triton.next_power_of_2(k)))
+    return prefetch_k
 
 
 def gemv_steps(k: int, block_k: int) -> tuple[int, int]:
@@ -469,7 +485,8 @@ def ptpc_fp8_gemm(
     config: tile sizes, split-K and launch parameters; default_config(M, N, K) when None.
     pdl: programmatic dependent launch (kernels/pdl.py); with it, each program first asks L2 for
     the first `prefetch_k` bytes (a multiple of 128; 0: none) of its weight rows, before the wait
-    (a GEMV program, with prefetch_k > 0, for all of its rows up to MAX_GEMV_PREFETCH bytes).
+    (a GEMV program of a weight of at most GEMV_PREFETCH_ALL bytes, with prefetch_k > 0, for all of
+    its rows up to MAX_GEMV_PREFETCH bytes).
     defer_reduce: when the config splits K, return the SplitKPartials without the reduction launch.
     Raises ValueError on a dtype, shape, stride or device mismatch.
     """
@@ -491,7 +508,7 @@ def ptpc_fp8_gemm(
             xq, xs, w, ws, out, n, k, w.stride(0), ws.stride(0),
             NUM_K=steps, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
             num_warps=cfg.num_warps,
-            PREFETCH_K=min(MAX_GEMV_PREFETCH, max(128, triton.next_power_of_2(k))) if pdl and prefetch_k else 0,
+            PREFETCH_K=_gemv_prefetch(n, k, prefetch_k) if pdl else 0,
             **launch_options(pdl),
         )  # fmt: skip
         return out

@@ -6,9 +6,10 @@ the pair list of moe_align; here a program takes BLOCK_N weight rows of one slot
 of K, its K steps unrolled (NUM_K constexpr) so that every weight load is in flight at once, and
 multiplies on the CUDA cores (fp8 codes widened to fp32: each product is exact, sums in fp32). At
 one token the weight bytes are the whole cost and the unrolled loads reach more of the bandwidth:
-measured on an H200 in CUDA graphs (qwen3-30b-a3b shapes, k = 8) the up projection took 9.6 µs
-against the grouped GEMM's 11.3 at tp = 1 and 4.7 against 8.3 at tp = 4 (I = 192), the down
-projection 6.7 against 9.5 and 3.5 against 5.3 (bench/moe_decode_kernels.py measures both).
+measured with bench/moe_decode_kernels.py on an H100 (f81ec31, CUDA graphs, k = 8, other experts
+each call) against the best grouped config, the up projection took 10.95 against 12.91 µs at
+qwen3-30b-a3b tp = 1, 4.52 against 8.36 at tp = 4 (I = 192) and 10.57 against 13.70 at
+qwen3-235b-a22b tp = 4; the down projection 7.09 against 9.85, 3.39 against 5.73, 7.49 against 9.68.
 
 The math per slot s (expert e = topk_ids[0, s]) is the grouped GEMMs', in the model dtype D:
 - up: h = D(xq · w13[e]ᵀ · xs · ws) for the gate and up rows, act[s] = D(D(g * D(sigmoid(g))) * u);
