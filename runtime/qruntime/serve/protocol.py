@@ -15,6 +15,8 @@ template and the replies' <tool_call> blocks come back as tool_calls (qruntime.t
 generates b sequences per prompt and returns the n with the highest mean token logprob (OpenAI's
 "highest log probability per token"; not streamed when b > n). `max_thinking_tokens` (this
 server's extra) caps each <think> block: after that many tokens in it, the next is </think>.
+Chat content parts: text parts are joined; image parts are checked (qruntime.vision.prompt) and
+then refused, the served models being text-only.
 
 Logprobs: completions' `logprobs` k, chat's `logprobs` + `top_logprobs` k (0 to 20), and completions'
 `echo` (the prompt's text, and with logprobs its tokens' logprobs, before the completion's); they
@@ -23,6 +25,7 @@ are the model's raw logprobs (engine/logprobs.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -38,6 +41,8 @@ from qruntime.serve.errors import APIError, invalid
 from qruntime.serve.limits import RequestLimits
 from qruntime.shown import shown
 from qruntime.tokenizer import TokenIdsOnly, Tokenizer, TokenizerError
+from qruntime.vision.prompt import ImageLimits, PromptImageError, split_images
+from qruntime.vision.prompt_images import probe_images
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_SEED = 1 << 63
@@ -57,6 +62,9 @@ OPEN_TAIL_TOKENS = 8  # the prompt's last tokens, decoded to see whether its tem
 REASONING_PARSERS = ("qwen3",)
 # template variables the server sets itself; chat_template_kwargs may set any other
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt"})
+# image parts are checked (and then refused: no served model takes images yet) within these; a
+# client's image is never a local path, and the body cap (--max-body-bytes) bounds the bytes first
+IMAGE_LIMITS = ImageLimits(allow_local_files=False)
 
 
 @dataclass(frozen=True)
@@ -276,6 +284,28 @@ def _text_content(content: Any, index: int) -> Any:
     return "".join(texts)
 
 
+def _refuse_images(messages: list[Any], model: ServedModel) -> None:
+    """A 400 for content parts other than text. The served models are text-only, so image parts
+    are refused; each is checked first (qruntime.vision.prompt: its shape, data URL, base64, bytes,
+    count, header and pixels, no pixel decoded) so that a malformed one is named as such."""
+    if not any(
+        isinstance(m, Mapping)
+        and isinstance(m.get("content"), list)
+        and any(not (isinstance(p, Mapping) and p.get("type") == "text") for p in m["content"])
+        for m in messages
+    ):
+        return
+    text_only = "this model does not take images: send text parts only"
+    try:
+        split = split_images(messages, IMAGE_LIMITS)
+        with contextlib.suppress(ImportError):  # no Pillow (the `vision` extra): the headers go unread
+            probe_images(split, IMAGE_LIMITS)
+    except PromptImageError as exc:
+        raise invalid("messages", f"{exc}; besides, {text_only}") from None
+    first = split.images[0].where if split.images else "messages"
+    raise invalid("messages", f"{first} is an image, and {text_only} ({model.name} is a text-only model)")
+
+
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
 
 
@@ -364,6 +394,7 @@ def chat_prompt(body: Mapping[str, Any], model: ServedModel, tools: list[Any] | 
             "chat_template_kwargs",
             f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them from the request",
         )
+    _refuse_images(messages, model)
     rendered = []
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
