@@ -205,9 +205,10 @@ def build_rank(
     if group is not None and config.sharded_sampling and (sharded := logits_shard(plan)) is not None:
         plan, shard = sharded, VocabShard(rank, config.tp, group, reducer)
     if config.backend == "triton":
-        from qruntime.ops.triton_ops import fold_split_k_reductions
+        from qruntime.ops.triton_ops import fold_dynamic_quant, fold_split_k_reductions
 
         fold_split_k_reductions(plan)
+        fold_dynamic_quant(plan)
     blocks, capturable = _local_blocks(config, device), plan.capturable
     checkpoint("planned")
     if group is not None:

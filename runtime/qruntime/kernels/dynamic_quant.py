@@ -26,6 +26,7 @@ hardware path when run on a GPU.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
@@ -209,3 +210,16 @@ def dynamic_quant(
         **launch_options(pdl),
     )
     return xq, xs
+
+
+@dataclass(frozen=True)
+class DeferredQuant:
+    """The DynamicQuant op's output left to its reader (ops/triton_ops.fold_dynamic_quant): one
+    token's row x [1, K], which a PTPC GEMV quantizes as it reads it (fp8_gemm.ptpc_fp8_gemv_quant,
+    the same codes and scale); `quantize()` is the dynamic_quant launch for any other reader."""
+
+    x: torch.Tensor
+    pdl: bool = False
+
+    def quantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return dynamic_quant(self.x, pdl=self.pdl)

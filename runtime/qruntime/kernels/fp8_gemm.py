@@ -45,7 +45,14 @@ import triton
 import triton.language as tl
 
 from qruntime.kernels.deferred_sum import deferred_value
-from qruntime.kernels.dynamic_quant import round_to, use_hw_casts
+from qruntime.kernels.dynamic_quant import (
+    MAX_BLOCK,
+    check_model_dtype,
+    fp8_e4m3_code,
+    quant_scale,
+    round_to,
+    use_hw_casts,
+)
 from qruntime.kernels.pdl import launch_options, prefetch_l2, wait_for_inputs
 
 _SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -284,8 +291,8 @@ def _ptpc_fp8_gemm_kernel(
 
 @triton.jit
 def _ptpc_fp8_gemv_kernel(
-    a_ptr,  # [1, K] fp8
-    as_ptr,  # [1, 1] fp32
+    a_ptr,  # [1, K] fp8; QUANT: [1, K] model dtype, quantized here
+    as_ptr,  # [1, 1] fp32 (not read with QUANT)
     b_ptr,  # [N, K] fp8
     bs_ptr,  # [N, 1]
     c_ptr,  # [1, N] out dtype
@@ -299,6 +306,10 @@ def _ptpc_fp8_gemv_kernel(
     EVEN_K: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
     PREFETCH_K: tl.constexpr,  # with PDL: bytes of each of its weight rows a program asks L2 for before the wait
+    QUANT: tl.constexpr = False,  # a_ptr is the unquantized row: dynamic_quant's codes and scale made here
+    BLOCK_X: tl.constexpr = 16,  # QUANT: the row's tile for its max |x| (NUM_X of them)
+    NUM_X: tl.constexpr = 1,
+    HW: tl.constexpr = False,  # QUANT: hardware casts (dynamic_quant.use_hw_casts)
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = tl.where(offs_n < N, offs_n, 0)  # rows past N read row 0 (never stored)
@@ -308,6 +319,16 @@ def _ptpc_fp8_gemv_kernel(
         lines = tl.arange(0, PREFETCH_K // 128) * 128  # 128-byte L2 lines
         prefetch_l2(b_ptr + rn[:, None].to(tl.int64) * stride_bn + tl.minimum(lines, K - 1)[None, :])
     wait_for_inputs(PDL)
+    if QUANT:  # every program takes the row's max |x| itself (the row is a few KB, from L2)
+        cols = tl.arange(0, BLOCK_X)
+        amax = tl.zeros((BLOCK_X,), dtype=tl.float32)
+        for chunk in tl.static_range(NUM_X):
+            x = tl.load(a_ptr + chunk * BLOCK_X + cols, mask=chunk * BLOCK_X + cols < K, other=0.0)
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        scale = quant_scale(tl.max(amax, axis=0))
+        inv_scale = tl.math.div_rn(1.0, scale)
+    else:
+        scale = tl.load(as_ptr)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for step in tl.static_range(NUM_K):
         k = step * BLOCK_K
@@ -317,8 +338,10 @@ def _ptpc_fp8_gemv_kernel(
         else:
             a = tl.load(a_ptr + k + offs_k, mask=k + offs_k < K, other=0.0).to(tl.float32)
             b = tl.load(b_ptrs + k, mask=(k + offs_k < K)[None, :], other=0.0).to(tl.float32)
+        if QUANT:
+            a = fp8_e4m3_code(a, scale, inv_scale, HW).to(tl.float8e4nv, bitcast=True).to(tl.float32)
         acc += b * a[None, :]  # fp8 codes widened: exact products, fp32 sums
-    y = tl.sum(acc, axis=1) * tl.load(as_ptr) * tl.load(bs_ptr + rn * stride_bs).to(tl.float32)
+    y = tl.sum(acc, axis=1) * scale * tl.load(bs_ptr + rn * stride_bs).to(tl.float32)
     tl.store(c_ptr + offs_n, y.to(c_ptr.dtype.element_ty), mask=offs_n < N)
 
 
@@ -444,6 +467,58 @@ def _reduce(part: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor, out: torch.T
     )
 
 
+def _gemv(a, xs, w, ws, out, cfg: GemmConfig, pdl: bool, prefetch_k: int, quant: bool = False) -> None:
+    """Launch the GEMV of one token: a [1, K] fp8 codes with scale xs, or (quant) the model-dtype row."""
+    n, k = w.shape
+    block_k, steps = gemv_steps(k, cfg.block_k)
+    block_x = min(triton.next_power_of_2(k), MAX_BLOCK)
+    _ptpc_fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        a, xs, w, ws, out, n, k, w.stride(0), ws.stride(0),
+        NUM_K=steps, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        num_warps=cfg.num_warps,
+        PREFETCH_K=_gemv_prefetch(n, k, prefetch_k) if pdl else 0,
+        QUANT=quant, BLOCK_X=block_x, NUM_X=triton.cdiv(k, block_x), HW=use_hw_casts(a),
+        **launch_options(pdl),
+    )  # fmt: skip
+
+
+def ptpc_fp8_gemv_quant(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    ws: torch.Tensor,
+    out_dtype: torch.dtype,
+    config: GemmConfig,
+    *,
+    pdl: bool = False,
+    prefetch_k: int = 0,
+) -> torch.Tensor:
+    """ptpc_fp8_gemm(*dynamic_quant(x), w, ws, ...) of one token in one launch: x [1, K] bf16 | fp16 |
+    fp32, config a GEMV's (block_m 1). Each program takes the row's max |x| and quantizes the row as
+    it reads it (dynamic_quant's scale and codes, bit for bit), so the result is the two launches'
+    bit for bit. Raises ValueError on a shape, dtype or config mismatch."""
+    check_model_dtype("x", x)
+    if x.dim() != 2 or x.shape[0] != 1 or x.stride(1) != 1:
+        raise ValueError(f"x must be one token's row [1, K] with unit column stride, got {tuple(x.shape)}")
+    if config.block_m != 1:
+        raise ValueError(f"ptpc_fp8_gemv_quant runs a GEMV config (block_m 1), got block_m {config.block_m}")
+    if w.dtype != torch.float8_e4m3fn or w.dim() != 2 or w.shape[1] != x.shape[1] or w.stride(1) != 1:
+        raise ValueError(
+            f"w must be float8_e4m3fn [N, {x.shape[1]}] with contiguous rows, got {w.dtype} {tuple(w.shape)}"
+        )
+    if ws.dtype not in _SCALE_DTYPES or tuple(ws.shape) != (w.shape[0], 1):
+        raise ValueError(f"ws must be bf16/fp16/fp32 [N,1] = [{w.shape[0]},1], got {ws.dtype} {tuple(ws.shape)}")
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
+    if len({t.device for t in (x, w, ws)}) != 1:
+        raise ValueError(f"all inputs must be on one device, got {[str(t.device) for t in (x, w, ws)]}")
+    out = torch.empty((1, w.shape[0]), dtype=out_dtype, device=x.device)
+    if w.shape[0] and x.shape[1]:
+        _gemv(x, x, w, ws, out, config, pdl, prefetch_k, quant=True)  # (no scale to pass: x stands in)
+    elif w.shape[0]:
+        out.zero_()
+    return out
+
+
 def _check(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, out_dtype: torch.dtype) -> None:
     if xq.dtype != torch.float8_e4m3fn or w.dtype != torch.float8_e4m3fn:
         raise ValueError(f"xq and w must be float8_e4m3fn, got {xq.dtype} and {w.dtype}")
@@ -503,14 +578,7 @@ def ptpc_fp8_gemm(
     if cfg.block_m == 1 and m != 1:  # a GEMV config stands for the tiled default above one token
         cfg = default_config(m, n, k)
     if cfg.block_m == 1:
-        block_k, steps = gemv_steps(k, cfg.block_k)
-        _ptpc_fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-            xq, xs, w, ws, out, n, k, w.stride(0), ws.stride(0),
-            NUM_K=steps, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-            num_warps=cfg.num_warps,
-            PREFETCH_K=_gemv_prefetch(n, k, prefetch_k) if pdl else 0,
-            **launch_options(pdl),
-        )  # fmt: skip
+        _gemv(xq, xs, w, ws, out, cfg, pdl, prefetch_k)
         return out
     k_tiles = triton.cdiv(k, cfg.block_k)
     tiles_per_split = triton.cdiv(k_tiles, min(cfg.split_k, k_tiles))

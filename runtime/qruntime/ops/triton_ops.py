@@ -30,12 +30,20 @@ SDPA_BACKENDS = (
 class DynamicQuant(quant.DynamicQuant):
     def __init__(self, attrs, env, consts=()) -> None:
         super().__init__(attrs, env, consts)
-        from qruntime.kernels.dynamic_quant import dynamic_quant
+        from qruntime.kernels.dynamic_quant import DeferredQuant, dynamic_quant
 
         self.kernel = dynamic_quant if self.a["group_size"] == 0 else None
+        self.deferred = DeferredQuant
+        # the PTPCLinear after this node quantizes one token's row itself (fold_dynamic_quant)
+        self.defer = False
 
     def __call__(self, step, x):
-        return self.kernel(x, pdl=self.env.pdl) if self.kernel is not None else super().__call__(step, x)
+        if self.kernel is None:
+            return super().__call__(step, x)
+        if self.defer and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1:
+            row = self.deferred(x, self.env.pdl)
+            return row, row  # (xq, xs): the reader takes both as the one row
+        return self.kernel(x, pdl=self.env.pdl)
 
 
 class AddRMSNorm(quant.AddRMSNorm):
@@ -96,9 +104,11 @@ class PTPCLinear(quant.PTPCLinear):
 
     def __init__(self, attrs, env, consts=()) -> None:
         super().__init__(attrs, env, consts)
-        from qruntime.kernels.fp8_gemm import GemmConfig, default_config, ptpc_fp8_gemm
+        from qruntime.kernels.dynamic_quant import DeferredQuant
+        from qruntime.kernels.fp8_gemm import GemmConfig, default_config, ptpc_fp8_gemm, ptpc_fp8_gemv_quant
 
         self.gemm, self.config_from, self.default = ptpc_fp8_gemm, GemmConfig.from_dict, default_config
+        self.gemv_quant, self.deferred = ptpc_fp8_gemv_quant, DeferredQuant
         w, ws = (consts + (None,) * 4)[2:4]
         if w is None or ws is None:
             raise OpBindError("PTPCLinear's weight and scale must be graph initializers")
@@ -123,6 +133,13 @@ class PTPCLinear(quant.PTPCLinear):
         return self.plans[m]
 
     def __call__(self, step, xq, xs, w, ws):
+        if isinstance(xq, self.deferred):  # one token's row, its DynamicQuant folded in (fold_dynamic_quant)
+            backend, config = self._plan(1)
+            if backend == "triton" and config.block_m == 1:
+                return self.gemv_quant(
+                    xq.x, w, ws, self.env.dtype, config, pdl=self.env.pdl, prefetch_k=self.prefetch_k
+                )
+            xq, xs = xq.quantize()  # the tuned kernel is not the GEMV: quantize in a launch first
         backend, config = self._plan(xq.shape[0])
         if backend == "cublaslt":
             return torch._scaled_mm(xq, w.T, scale_a=xs, scale_b=self.ws_row, out_dtype=self.env.dtype)
@@ -421,6 +438,31 @@ def fold_split_k_reductions(plan) -> int:
             folded += 1
         elif type(node.op) is MoE and node.op.kernel is not None and type(reader.op) in PAIR_ROWS_READERS:
             node.op.defer_combine = True
+            folded += 1
+    return folded
+
+
+def fold_dynamic_quant(plan) -> int:
+    """Let each Triton DynamicQuant (per-token) whose two outputs only the next node reads, a
+    PTPCLinear (o_proj after attention), hand it one token's unquantized row (DeferredQuant) at
+    batch-1 decode: where that GEMM runs the GEMV, the GEMV quantizes the row as it reads it
+    (fp8_gemm.ptpc_fp8_gemv_quant: the same codes and scale, so the same bits), saving the
+    quantization's launch; otherwise the GEMM quantizes it in that launch first. Returns the ops changed."""
+    readers: dict[str, list[int]] = {}
+    for index, node in enumerate(plan.nodes):
+        for name in node.inputs:
+            readers.setdefault(name, []).append(index)
+    folded = 0
+    for index, (node, reader) in enumerate(zip(plan.nodes, plan.nodes[1:], strict=False)):
+        outs = tuple(node.outputs[:2])
+        if (
+            type(node.op) is DynamicQuant
+            and node.op.kernel is not None
+            and type(reader.op) is PTPCLinear
+            and tuple(reader.inputs[:2]) == outs
+            and all(readers.get(out) == [index + 1] and out != plan.output for out in outs)
+        ):
+            node.op.defer = True
             folded += 1
     return folded
 

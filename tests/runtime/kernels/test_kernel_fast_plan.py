@@ -171,3 +171,47 @@ def test_a_moe_combine_folds_into_the_next_norm_to_the_same_bits(tiny_moe_ckpt, 
     for feeds, meta in steps:
         logits = [plan.run(StepContext(cache, meta), feeds) for plan, cache in zip(plans[:2], caches, strict=True)]
         assert torch.equal(logits[0].view(torch.int16), logits[1].view(torch.int16))
+
+
+@pytest.mark.parametrize("o_proj", ["gemv", "tiles"])
+def test_o_proj_quantization_folds_into_the_gemv_to_the_same_bits(tiny_ckpt, compiled, o_proj, monkeypatch):
+    """Each DynamicQuant whose outputs only the next PTPCLinear reads (attention output -> o_proj)
+    hands one token's row to it: a batch-1 decode step gives the unfolded plan's logits and cache bits,
+    whether o_proj runs the GEMV (which quantizes the row itself, no quantization launch) or tiles
+    (which quantize it in a launch first); the prefill step (7 tokens) is not deferred."""
+    from qruntime.kernels.dynamic_quant import DeferredQuant
+    from qruntime.kernels.fp8_gemm import GemmConfig
+    from qruntime.ops.triton_ops import DynamicQuant, PTPCLinear, fold_dynamic_quant
+
+    artifact = compiled(tiny_ckpt, "ptpc-fp8")
+    graph, spec, weights, env = load_artifact(artifact)
+    plans = [Plan.build(graph, weights, env, triton_ops()) for _ in range(2)]
+    assert fold_dynamic_quant(plans[1]) == spec.num_layers
+    folded = [(n, m) for n, m in zip(plans[1].nodes, plans[1].nodes[1:], strict=False) if getattr(n.op, "defer", 0)]
+    assert all(type(n.op) is DynamicQuant and type(m.op) is PTPCLinear for n, m in folded)
+    vocab = int(read_manifest(artifact)["spec"]["vocab_size"])
+    prompt, table = torch.randint(0, vocab, (7,)).tolist(), [[2]]
+    steps = [_step([(prompt, 0)], table, 64), _step([([5], 7)], table, 64)]
+    gemv = GemmConfig(1, 4, 32, 1, 2, 1)
+    deferred: list[int] = []
+    call = PTPCLinear.__call__
+
+    def counted(op, step, xq, *rest):
+        deferred.append(len(xq.x) if isinstance(xq, DeferredQuant) else 0)
+        return call(op, step, xq, *rest)
+
+    monkeypatch.setattr(PTPCLinear, "__call__", counted)
+    caches = [KVCache(spec, 4, torch.bfloat16, torch.device("cpu")) for _ in plans]
+    for feeds, meta in steps:
+        for plan in plans:
+            for node in plan.nodes:
+                if isinstance(node.op, PTPCLinear):  # every linear the GEMV at one token; o_proj as asked
+                    tiles = o_proj == "tiles" and any(node is m for _, m in folded)
+                    node.op.plans[1] = ("triton", GemmConfig(16, 32, 32, 1, 4, 2) if tiles else gemv)
+                    node.op.plans[7] = ("triton", GemmConfig(16, 32, 32, 1, 4, 2))
+        logits = [plan.run(StepContext(cache, meta), feeds) for plan, cache in zip(plans, caches, strict=True)]
+        assert torch.equal(logits[0].view(torch.int16), logits[1].view(torch.int16))
+        for layer in range(spec.num_layers):
+            assert torch.equal(caches[0].k[layer].view(torch.int16), caches[1].k[layer].view(torch.int16))
+            assert torch.equal(caches[0].v[layer].view(torch.int16), caches[1].v[layer].view(torch.int16))
+    assert sum(deferred) == spec.num_layers  # one token's row, to each o_proj of the decode step

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 from qruntime.kernel_configs import KernelTable
-from qruntime.kernels.fp8_gemm import GemmConfig, default_config, gemv_steps, ptpc_fp8_gemm, sweep_configs
+from qruntime.kernels.dynamic_quant import dynamic_quant
+from qruntime.kernels.fp8_gemm import (
+    GemmConfig,
+    default_config,
+    gemv_steps,
+    ptpc_fp8_gemm,
+    ptpc_fp8_gemv_quant,
+    sweep_configs,
+)
 from qruntime.ops.functional import ptpc_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -108,6 +116,23 @@ def test_gemv_matches_reference(n: int, k: int, config: GemmConfig) -> None:
     assert (diff <= bf16_ulp(torch.maximum(y.float().abs(), ref.float().abs()))).all(), diff.max()
     xq, xs, w, ws = operands(3, n, k)
     assert_fp32_close(ptpc_fp8_gemm(xq, xs, w, ws, torch.float32, config), xq, xs, w, ws)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n,k", [(40, 72), (24, 9000)])  # K = 9000: the row's max over two 8192 tiles
+def test_gemv_quantizing_its_row_gives_the_two_launches_bits(n: int, k: int, dtype: torch.dtype) -> None:
+    x = (torch.randn(1, k, device=DEVICE) * torch.rand(1, k, device=DEVICE) * 30).to(dtype)
+    _, _, w, ws = operands(1, n, k)
+    config = GemmConfig(1, 8, 64, 1, 2, 1)
+    want = ptpc_fp8_gemm(*dynamic_quant(x), w, ws, torch.bfloat16, config)
+    got = ptpc_fp8_gemv_quant(x, w, ws, torch.bfloat16, config)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    with pytest.raises(ValueError, match="one token"):
+        ptpc_fp8_gemv_quant(x.repeat(2, 1), w, ws, torch.bfloat16, config)
+    with pytest.raises(ValueError, match="GEMV config"):
+        ptpc_fp8_gemv_quant(x, w, ws, torch.bfloat16, GemmConfig(16, 32, 64))
+    with pytest.raises(ValueError, match="w must be"):
+        ptpc_fp8_gemv_quant(x, w[:, :-16], ws, torch.bfloat16, config)
 
 
 def test_gemv_is_the_one_token_default_and_unrolls_a_bounded_loop() -> None:
