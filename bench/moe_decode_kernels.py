@@ -34,32 +34,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from compile_bench import gpu_report_header
 
 from qcompile.synth import get_preset
+from qcompile.tune.gemm import time_us
 
 
-def graph_us(calls: list, replays: int = 10, rounds: int = 5) -> float:
-    """µs per call of `calls` captured back to back in one CUDA graph (best of `rounds`)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls[:2]:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / (replays * len(calls)))
-    return best
+def graph_us(calls: list) -> float:
+    """µs per call of `calls` captured back to back in one CUDA graph (the tuner's timer)."""
+    return time_us(calls, replays=20)
 
 
 def shape_of(preset: str, tp: int) -> dict[str, int]:

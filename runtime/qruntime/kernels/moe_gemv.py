@@ -28,10 +28,10 @@ import triton
 import triton.language as tl
 
 from qruntime.kernels.dynamic_quant import fp8_e4m3_code, quant_scale, round_to, use_hw_casts
+from qruntime.kernels.fp8_gemm import gemv_steps
 from qruntime.kernels.moe_gemm import _silu_mul
 from qruntime.kernels.pdl import launch_options, wait_for_inputs
 
-MAX_UNROLL = 32  # K steps a program unrolls at most (block_k is raised to keep within it)
 _TILE_KEYS = ("block_n", "block_k", "num_warps")
 _GEMVS = ("up", "down")
 
@@ -93,14 +93,6 @@ def gemv_sweep(inter: int, hidden: int, top_k: int) -> list[MoEGemvConfig]:
     downs = [default.down] + [GemvTile(n, k, w) for n, k, w in ((8, 128, 2), (32, 64, 4), (32, 128, 4))]
     cands = [default] + [MoEGemvConfig(u, default.down) for u in ups] + [MoEGemvConfig(default.up, d) for d in downs]
     return list(dict.fromkeys(cands))
-
-
-def _steps(k: int, block_k: int) -> tuple[int, int]:
-    """(block_k, unrolled steps): block_k no wider than K needs, raised until the steps fit MAX_UNROLL."""
-    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    while triton.cdiv(k, block_k) > MAX_UNROLL:
-        block_k *= 2
-    return block_k, triton.cdiv(k, block_k)
 
 
 @triton.jit
@@ -250,7 +242,7 @@ def moe_up_one(
     _check_one("w13", w13, w13_scale, 2 * inter, hidden)
     top_k = _check_ids(topk_ids)
     act = torch.empty(top_k, inter, dtype=out_dtype, device=xq.device)
-    block_k, steps = _steps(hidden, tile.block_k)
+    block_k, steps = gemv_steps(hidden, tile.block_k)
     _moe_up_one_kernel[(top_k, triton.cdiv(inter, tile.block_n))](
         xq, xs, w13, w13_scale, topk_ids, act, hidden, inter,
         w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
@@ -284,7 +276,7 @@ def moe_down_one(
     if topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != (1, top_k):
         raise ValueError(f"topk_weights must be float32 [1, {top_k}], got {topk_weights.dtype}")
     out = torch.empty(top_k, hidden, dtype=act.dtype, device=act.device)
-    block_k, steps = _steps(inter, tile.block_k)
+    block_k, steps = gemv_steps(inter, tile.block_k)
     _moe_down_one_kernel[(top_k, triton.cdiv(hidden, tile.block_n))](
         act, w2, w2_scale, topk_ids, topk_weights.contiguous(), out, hidden, inter,
         w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),

@@ -411,6 +411,15 @@ SPLIT_K_READERS = (AddRMSNorm, AddRMSNormQuant, SiluMulQuant, QKNormRoPEKVWrite)
 PAIR_ROWS_READERS: tuple[type, ...] = ()
 
 
+def _readers(plan) -> dict[str, list[int]]:
+    """Activation name -> the indices of the plan's nodes that read it."""
+    readers: dict[str, list[int]] = {}
+    for index, node in enumerate(plan.nodes):
+        for name in node.inputs:
+            readers.setdefault(name, []).append(index)
+    return readers
+
+
 def fold_split_k_reductions(plan) -> int:
     """Let each Triton GEMM (and fused MoE) whose output only the next node reads, a kernel that can
     add it up (SPLIT_K_READERS; PAIR_ROWS_READERS for the MoE; as bound: not their all-reduce
@@ -419,10 +428,7 @@ def fold_split_k_reductions(plan) -> int:
     instead of launching the combine. That kernel adds them as the saved launch would, to the same
     bits. The two nodes are adjacent, so no piecewise-graph boundary falls between them. Returns
     the ops changed."""
-    readers: dict[str, list[int]] = {}
-    for index, node in enumerate(plan.nodes):
-        for name in node.inputs:
-            readers.setdefault(name, []).append(index)
+    readers = _readers(plan)
     folded = 0
     for index, (node, reader) in enumerate(zip(plan.nodes, plan.nodes[1:], strict=False)):
         out = node.outputs[0]
@@ -448,10 +454,7 @@ def fold_dynamic_quant(plan) -> int:
     batch-1 decode: where that GEMM runs the GEMV, the GEMV quantizes the row as it reads it
     (fp8_gemm.ptpc_fp8_gemv_quant: the same codes and scale, so the same bits), saving the
     quantization's launch; otherwise the GEMM quantizes it in that launch first. Returns the ops changed."""
-    readers: dict[str, list[int]] = {}
-    for index, node in enumerate(plan.nodes):
-        for name in node.inputs:
-            readers.setdefault(name, []).append(index)
+    readers = _readers(plan)
     folded = 0
     for index, (node, reader) in enumerate(zip(plan.nodes, plan.nodes[1:], strict=False)):
         outs = tuple(node.outputs[:2])
