@@ -24,6 +24,7 @@ from transformers import (
     Qwen3VLMoeConfig,
     Qwen3VLMoeForConditionalGeneration,
 )
+from vision_random_models import randomize, seeded
 
 TOLERANCE = 1e-5  # max |ours - reference| / max |reference|
 IMAGE, VIDEO, START, END = 120, 121, 122, 123
@@ -58,37 +59,17 @@ MOE_TEXT = dict(TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_siz
 GRIDS = {0: [], 1: [(1, 4, 6)], 3: [(1, 8, 8), (2, 4, 4), (1, 2, 10)]}  # (t, h, w) in patches
 
 
-def _seeded() -> torch.Generator:
-    seed = random.randrange(1 << 30)
-    print(f"seed {seed}")
-    return torch.Generator().manual_seed(seed)
-
-
-def _randomize(model: torch.nn.Module, gen: torch.Generator) -> None:
-    """Every parameter from `gen`: norm weights near 1 (nothing at its neutral init), the rest small."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            is_norm = ("norm" in name or "layernorm" in name) and name.endswith(".weight")
-            if is_norm:
-                param.copy_(1 + 0.2 * noise)
-            elif "pos_embed" in name or "embed_tokens" in name:
-                param.copy_(noise)
-            else:
-                param.copy_(0.2 * noise)
-
-
 @pytest.fixture(scope="module", params=["dense", "moe"])
 def checkpoint(request, tmp_path_factory):
     """(checkpoint dir, its transformers model): dense with a tied head, MoE with its own."""
-    gen = _seeded()
+    gen = seeded()
     if request.param == "dense":
         config = Qwen3VLConfig(vision_config=VISION, text_config=TEXT, tie_word_embeddings=True, **IDS)
         model = Qwen3VLForConditionalGeneration(config)
     else:
         config = Qwen3VLMoeConfig(vision_config=VISION, text_config=MOE_TEXT, tie_word_embeddings=False, **IDS)
         model = Qwen3VLMoeForConditionalGeneration(config)
-    _randomize(model, gen)
+    randomize(model, gen)
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     return path, model.eval()
@@ -131,7 +112,7 @@ def _relative(ours: torch.Tensor, reference: torch.Tensor) -> float:
 def test_logits_match_transformers(checkpoint, images: int) -> None:
     path, model = checkpoint
     ours_model = load_reference(path)
-    ids, pixel_values, grid_thw = _inputs(images, _seeded())
+    ids, pixel_values, grid_thw = _inputs(images, seeded())
     expected = _transformers_logits(model, ids, pixel_values, grid_thw)
     logits = ours_model(ids, pixel_values, grid_thw)
     assert logits.shape == expected.shape == (len(ids), TEXT["vocab_size"])
@@ -151,7 +132,7 @@ def test_published_expert_layout_gives_the_same_logits(checkpoint, tmp_path) -> 
     assert any(swapped[k].shape != tensors[k].shape for k in tensors)
     save_file(swapped, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
-    ids, pixel_values, grid_thw = _inputs(1, _seeded())
+    ids, pixel_values, grid_thw = _inputs(1, seeded())
     expected = _transformers_logits(model, ids, pixel_values, grid_thw)
     assert _relative(load_reference(tmp_path)(ids, pixel_values, grid_thw), expected) < TOLERANCE
     reloaded = Qwen3VLMoeForConditionalGeneration.from_pretrained(tmp_path).eval()  # transformers reads it so too
@@ -162,7 +143,7 @@ def test_sharded_checkpoint_reads_the_same(checkpoint, tmp_path) -> None:
     path, model = checkpoint
     model.save_pretrained(tmp_path, max_shard_size="50KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
-    ids, pixel_values, grid_thw = _inputs(1, _seeded())
+    ids, pixel_values, grid_thw = _inputs(1, seeded())
     assert torch.equal(
         load_reference(tmp_path)(ids, pixel_values, grid_thw), load_reference(path)(ids, pixel_values, grid_thw)
     )
@@ -225,7 +206,7 @@ def test_head_tying_follows_the_config(checkpoint, tmp_path) -> None:
 
 def test_prompts_that_disagree_with_the_grids_are_refused(checkpoint) -> None:
     model = load_reference(checkpoint[0])
-    ids, pixel_values, grid_thw = _inputs(1, _seeded())
+    ids, pixel_values, grid_thw = _inputs(1, seeded())
     with pytest.raises(ValueError, match="image 0"):
         model(ids[ids != IMAGE], pixel_values, grid_thw)  # the image's tokens left out
     with pytest.raises(ValueError, match="give both or neither"):
@@ -237,10 +218,10 @@ def test_prompts_that_disagree_with_the_grids_are_refused(checkpoint) -> None:
 def test_attention_bias_and_sparse_step(tmp_path) -> None:
     """Other settings the published configs leave at their defaults: q/k/v/o biases, a MoE block
     every second layer (decoder_sparse_step 2)."""
-    gen = _seeded()
+    gen = seeded()
     text = dict(MOE_TEXT, attention_bias=True, decoder_sparse_step=2, mlp_only_layers=[])
     model = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(vision_config=VISION, text_config=text, **IDS))
-    _randomize(model, gen)
+    randomize(model, gen)
     model.save_pretrained(tmp_path)
     ids, pixel_values, grid_thw = _inputs(3, gen)
     expected = _transformers_logits(model.eval(), ids, pixel_values, grid_thw)

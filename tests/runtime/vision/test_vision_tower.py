@@ -12,7 +12,6 @@ feature must agree within 1e-5 of the reference's largest value, in float32 on t
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ from transformers import (
 )
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+from vision_random_models import randomize, seeded
 
 TOLERANCE = 1e-5  # max |ours - reference| / max |reference|
 
@@ -57,21 +57,6 @@ MOE_TEXT = {**TEXT, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediat
 GRIDS = [(1, 4, 6), (1, 8, 8), (1, 2, 10), (2, 4, 4)]  # (t, h, w) in patches; the last has two frames
 
 
-def _seeded() -> torch.Generator:
-    seed = random.randrange(1 << 30)
-    print(f"seed {seed}")
-    return torch.Generator().manual_seed(seed)
-
-
-def _randomize(model: torch.nn.Module, gen: torch.Generator) -> None:
-    """Every parameter from `gen`: LayerNorm weights near 1, the rest small (blocks stay well scaled)."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            is_norm_weight = ".norm" in name and name.endswith(".weight")
-            param.copy_(1 + 0.2 * noise if is_norm_weight else (noise if "pos_embed" in name else 0.2 * noise))
-
-
 def _inputs(config: VisionTowerConfig, grids: list[tuple[int, int, int]], gen: torch.Generator):
     grid_thw = torch.tensor(grids, dtype=torch.int64)
     patches = int(grid_thw.prod(dim=1).sum())
@@ -99,12 +84,12 @@ def _assert_matches(tower: VisionTower, reference: torch.nn.Module, pixel_values
 @pytest.fixture(scope="module", params=["dense", "moe"])
 def checkpoint(request, tmp_path_factory):
     """(checkpoint dir, its transformers model) for Qwen3VL / Qwen3VLMoe ForConditionalGeneration."""
-    gen = _seeded()
+    gen = seeded()
     if request.param == "dense":
         model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(vision_config=VISION, text_config=TEXT))
     else:
         model = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(vision_config=VISION, text_config=MOE_TEXT))
-    _randomize(model, gen)
+    randomize(model, gen)
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     return path, model.eval()
@@ -120,14 +105,14 @@ def test_checkpoint_tower_matches_transformers(checkpoint):
     config, tensors = _read(path)
     assert any(not name.startswith("model.visual.") for name in tensors)  # the text model's are passed over
     tower = load_vision_tower(tensors, config)
-    _assert_matches(tower, model.model.visual, *_inputs(config, GRIDS, _seeded()))
+    _assert_matches(tower, model.model.visual, *_inputs(config, GRIDS, seeded()))
 
 
 def test_each_image_alone_equals_its_rows_in_a_batch(checkpoint):
     """Attention and position embeddings stay within an image: batching changes no image's tokens."""
     config, tensors = _read(checkpoint[0])
     tower = load_vision_tower(tensors, config)
-    pixel_values, grid_thw = _inputs(config, GRIDS, _seeded())
+    pixel_values, grid_thw = _inputs(config, GRIDS, seeded())
     batch, batch_deepstack = tower(pixel_values, grid_thw)
     start = merged_start = 0
     for grid in GRIDS:
@@ -170,9 +155,9 @@ def test_each_image_alone_equals_its_rows_in_a_batch(checkpoint):
     ],
 )
 def test_bare_vision_model_matches_transformers(overrides, grids):
-    gen = _seeded()
+    gen = seeded()
     reference = Qwen3VLVisionModel(Qwen3VLVisionConfig(**{**VISION, **overrides})).eval()
-    _randomize(reference, gen)
+    randomize(reference, gen)
     config = VisionTowerConfig.from_dict({**VISION, **overrides})
     tower = load_vision_tower(reference.state_dict(), config, prefix="")
     _assert_matches(tower, reference, *_inputs(config, grids, gen))
@@ -237,7 +222,7 @@ def test_legacy_rope_theta_is_read():
 @pytest.fixture
 def tensors() -> tuple[VisionTowerConfig, dict[str, torch.Tensor]]:
     config = VisionTowerConfig.from_dict(VISION)
-    gen = _seeded()
+    gen = seeded()
     state = {
         "model.visual." + name: torch.randn(shape, generator=gen) for name, shape in tower_tensor_shapes(config).items()
     }
@@ -278,7 +263,7 @@ def test_state_dict_mixed_dtypes_refused(tensors):
 def test_dtype_follows_the_weights(tensors):
     config, state = tensors
     tower = load_vision_tower({name: t.to(torch.bfloat16) for name, t in state.items()}, config)
-    embeddings, deepstack = tower(*_inputs(config, [(1, 2, 4)], _seeded()))
+    embeddings, deepstack = tower(*_inputs(config, [(1, 2, 4)], seeded()))
     assert embeddings.dtype == torch.bfloat16 and all(d.dtype == torch.bfloat16 for d in deepstack)
     assert embeddings.shape == (2, 48)
 
