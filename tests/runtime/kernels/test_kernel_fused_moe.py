@@ -98,6 +98,13 @@ def sqnr_db(ref: torch.Tensor, y: torch.Tensor) -> float:
     return float(10 * torch.log10(ref.pow(2).mean() / noise))
 
 
+def token_sqnr_db(ref: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """sqnr_db of each token's row [T]."""
+    ref, y = ref.float().cpu(), y.float().cpu()
+    noise = (ref - y).pow(2).mean(-1).clamp(min=1e-30)
+    return 10 * torch.log10(ref.pow(2).mean(-1) / noise)
+
+
 # ---- routing + quantization of x ----------------------------------------------------------------
 
 
@@ -388,9 +395,15 @@ def test_fused_moe_op_matches_the_reference_op(
     assert y.dtype == dtype and y.shape == (tokens, hidden)
     if one_expert:
         assert torch.all(fn.moe_routing(F.linear(x, router_w), top_k, norm)[1] == 2)
-    # bf16: the reference adds the k contributions in bf16, the kernel in fp32 (~2^-9 relative);
-    # fp32: summation order only
-    assert sqnr_db(ref, y) > (40 if dtype == torch.bfloat16 else 100)
+    # bf16: the reference adds the k contributions in bf16, the kernel in fp32 (~2^-9 relative).
+    # fp32: summation order only, except where it moves a value of act (SiLU(gate) * up) across an
+    # fp8 rounding boundary: one code then differs by an fp8 step and that token's whole row by
+    # ~60-70 dB (CI at a6c53dd saw 67.6 dB over all 27 rows). So every row must be > 40 dB (a wrong
+    # expert, weight or scale is ~0 dB) and all but one > 100 dB.
+    rows = token_sqnr_db(ref, y)
+    assert bool((rows > 40).all()), rows
+    if dtype == torch.float32:
+        assert int((rows <= 100).sum()) <= 1, rows
     if top_k == 1:  # one contribution per token, no adds: the same roundings (on a GPU, an exp's
         # last bit may flip an fp8 rounding of act and so move a few outputs)
         assert rounding_misses(y, ref, ulps=0) <= 0.01
