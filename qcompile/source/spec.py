@@ -40,6 +40,26 @@ class MoESpec:
 
 
 @dataclass(frozen=True)
+class VisionSpec:
+    """The Qwen3-VL parts of a model beside its Qwen3 text decoder (docs/vision.md, "Artifacts"): the
+    interleaved multimodal RoPE, the token ids that mark images, how many decoder layers take a
+    DeepStack feature, and the vision tower's config (config.json's vision_config as canonical JSON,
+    which qruntime.vision.VisionTowerConfig.from_dict reads)."""
+
+    mrope_section: tuple[int, int, int]  # rotary frequencies per axis (t, h, w); sum = head_dim / 2
+    image_token_id: int
+    video_token_id: int | None
+    vision_start_token_id: int | None
+    spatial_merge_size: int
+    deepstack_layers: int  # decoder layers 0 .. n-1 each add one DeepStack feature to the image rows
+    tower_config: str  # vision_config, canonical JSON (sorted keys)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> VisionSpec:
+        return cls(**{**data, "mrope_section": tuple(data["mrope_section"])})
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Everything about the model's shapes that the compiler and runtime need."""
 
@@ -57,6 +77,7 @@ class ModelSpec:
     max_position_embeddings: int
     tie_word_embeddings: bool
     moe: MoESpec | None = None
+    vision: VisionSpec | None = None  # Qwen3-VL: the text decoder's M-RoPE, image tokens, DeepStack, tower
 
     @property
     def is_moe(self) -> bool:
@@ -81,11 +102,11 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelSpec:
-        moe = data.get("moe")
-        fields = {k: v for k, v in data.items() if k != "moe"}
+        moe, vision = data.get("moe"), data.get("vision")
+        fields = {k: v for k, v in data.items() if k not in ("moe", "vision")}
         if moe is not None:
             moe = MoESpec(**{**moe, "mlp_only_layers": tuple(moe["mlp_only_layers"])})
-        return cls(**fields, moe=moe)
+        return cls(**fields, moe=moe, vision=None if vision is None else VisionSpec.from_dict(vision))
 
     @classmethod
     def from_config(cls, config: dict[str, Any], source: str = "config.json") -> ModelSpec:
