@@ -12,6 +12,8 @@ DOMAIN = "qcompile"
 DOMAIN_VERSION = 1
 
 STANDARD_OPS = frozenset({"Gather", "RMSNormalization", "Add", "Mul", "Sigmoid", "Split", "Reshape", "Gemm"})
+# Qwen3-VL (docs/vision.md, "Artifacts"): the image rows merged into the text graph, and the vision graph's
+VISION_STANDARD_OPS = frozenset({"ScatterND", "LayerNormalization", "Gelu", "Concat"})
 
 # element types of op parameters: T = the model dtype, W = a weight (model dtype, fp8, or packed int4 in int32)
 TYPE_PARAMS = MappingProxyType(
@@ -57,7 +59,13 @@ SIGNATURES: Mapping[str, OpSignature] = MappingProxyType(
         "W4A16Linear": OpSignature(
             (("x", "T"), ("w", "I32"), ("ws", "T"), ("wz?", "U8")), (("y", "T"),), {"group_size": int}
         ),
-        "RoPE": OpSignature((("x", "T"), ("positions", "I64")), (("y", "T"),), {"theta": float, "head_dim": int}),
+        # mrope_section (Qwen3-VL): [s_t, s_h, s_w] interleaved M-RoPE, positions [3, T] (docs/vision.md)
+        "RoPE": OpSignature(
+            (("x", "T"), ("positions", "I64")),
+            (("y", "T"),),
+            {"theta": float, "head_dim": int, "mrope_section": tuple},
+            optional_attrs=frozenset({"mrope_section"}),
+        ),
         "KVCacheWrite": OpSignature((("k", "T"), ("v", "T"), ("slot_mapping", "I64")), (("kv_ready", "U8"),), _KV),
         "PagedAttention": OpSignature(
             (
@@ -100,7 +108,23 @@ SIGNATURES: Mapping[str, OpSignature] = MappingProxyType(
         "QKNormRoPEKVWrite": OpSignature(
             (("qkv", "T"), ("q_norm_w", "T"), ("k_norm_w", "T"), ("positions", "I64"), ("slot_mapping", "I64")),
             (("q", "T"), ("kv_ready", "U8")),
-            {**_KV, "num_heads": int, "num_kv_heads": int, "head_dim": int, "epsilon": float, "theta": float},
+            {
+                **_KV,
+                "num_heads": int,
+                "num_kv_heads": int,
+                "head_dim": int,
+                "epsilon": float,
+                "theta": float,
+                "mrope_section": tuple,
+            },
+            optional_attrs=frozenset({"mrope_section"}),
+        ),
+        # the Qwen3-VL vision graph (docs/vision.md, "Artifacts")
+        "PositionGrid": OpSignature((("table", "T"), ("index", "I64"), ("weight", "F32")), (("y", "T"),)),
+        "VisionAttention": OpSignature(
+            (("qkv", "T"), ("cos", "F32"), ("sin", "F32"), ("cu_seqlens", "I32")),
+            (("o", "T"),),
+            {"num_heads": int, "head_dim": int, "scale": float},
         ),
         "MoE": OpSignature(
             (
@@ -145,7 +169,9 @@ SIMPLE_OPS = frozenset(SIGNATURES) - FUSED_OPS
 COLLECTIVE_OPS = frozenset({"AllReduce", "AllReduceAddRMSNorm", "AllReduceAddRMSNormQuant", "AllGather"})
 
 # op type -> domain ('' is the ONNX default domain)
-OP_DOMAINS = MappingProxyType({**{op: "" for op in STANDARD_OPS}, **{op: DOMAIN for op in SIGNATURES}})
+OP_DOMAINS = MappingProxyType(
+    {**{op: "" for op in STANDARD_OPS | VISION_STANDARD_OPS}, **{op: DOMAIN for op in SIGNATURES}}
+)
 
 # the linear op of each weight layout, and where its weight sits among its inputs
 LINEAR_OPS = MappingProxyType({"Gemm": 1, "PTPCLinear": 2, "BlockFP8Linear": 2, "W4A16Linear": 1})
@@ -169,6 +195,8 @@ def check_signature(
         return f"attributes: unknown {unknown}, missing {missing}"
     for key, value in attrs.items():
         kind = sig.attrs[key]
+        if kind is tuple and not (isinstance(value, tuple) and all(type(v) is int for v in value)):
+            return f"attribute {key!r} must be a tuple of ints, got {value!r}"
         if isinstance(value, bool) or not isinstance(value, kind):
             return f"attribute {key!r} must be {kind.__name__}, got {value!r}"
     return None

@@ -14,7 +14,12 @@ from onnx.defs import OpSchema
 from qcompile.graph.ops import DOMAIN, DOMAIN_VERSION, FIXED_TYPES, SIGNATURES, TYPE_PARAMS, OpSignature
 
 _ATTR_TYPES = MappingProxyType(
-    {int: OpSchema.AttrType.INT, float: OpSchema.AttrType.FLOAT, str: OpSchema.AttrType.STRING}
+    {
+        int: OpSchema.AttrType.INT,
+        float: OpSchema.AttrType.FLOAT,
+        str: OpSchema.AttrType.STRING,
+        tuple: OpSchema.AttrType.INTS,
+    }
 )
 
 
