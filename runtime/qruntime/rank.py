@@ -177,6 +177,17 @@ def logits_shard(plan: Plan) -> Plan | None:
     return Plan(plan.nodes[:-1], plan.weights, last.inputs[0])
 
 
+def vision_inputs(graph: onnx.GraphProto, dtype: torch.dtype) -> tuple[bool, tuple[int, torch.dtype] | None]:
+    """A Qwen3-VL graph's (docs/vision.md): whether positions are [3, T] (M-RoPE), and the width and
+    dtype of its vision_embeds input (None: a graph without one)."""
+    dims = {i.name: [d.dim_value or d.dim_param for d in i.type.tensor_type.shape.dim] for i in graph.input}
+    mrope = len(dims.get("positions", ())) == 2
+    width = dims.get("vision_embeds", [None, None])[1]
+    if "vision_embeds" in dims and not (isinstance(width, int) and width > 0):
+        raise ArtifactFormatError(f"graph input vision_embeds has no fixed width ({dims['vision_embeds']})")
+    return mrope, None if width is None else (width, dtype)
+
+
 def build_rank(
     config: RankConfig, rank: int = 0, store: dist.Store | None = None, checkpoint: Checkpoint = _no_checkpoint
 ) -> Rank:
@@ -230,16 +241,18 @@ def build_rank(
     # one block more than the scheduler hands out: the scratch block padded graph rows write to
     kv_cache = KVCache(spec, blocks + int(cuda_graphs), config.dtype, device)
     graphs = piecewise = mixed = None
+    mrope, vision = vision_inputs(graph, config.dtype)
     if cuda_graphs:  # every rank captures the same buckets in the same order: the graphs hold the all-reduces
         buckets = [b for b in DEFAULT_BUCKETS if b <= config.max_num_seqs] or [config.max_num_seqs]
-        graphs = DecodeGraphs(plan, kv_cache, blocks, max_model_len, buckets)
-        # a plan that mixes rows (per-tensor activation scales) runs its other steps eagerly instead
-        if unfit_reason(plan) is None:
+        graphs = DecodeGraphs(plan, kv_cache, blocks, max_model_len, buckets, mrope=mrope, vision=vision)
+        # a plan that mixes rows (per-tensor activation scales) runs its other steps eagerly instead, as
+        # do Qwen3-VL graphs' for now (their steps with prefill: positions [3, T], image rows)
+        if unfit_reason(plan) is None and not mrope:
             tokens = token_buckets(config.max_num_batched_tokens)
             piecewise = PiecewiseGraphs(plan, kv_cache, tokens, blocks, max_model_len)
             if mixed_unfit_reason(plan) is None:  # whole-step graphs where attention launches from bounds
                 mixed = MixedGraphs(plan, kv_cache, tokens, blocks, max_model_len, config.max_num_seqs)
-    runner = ModelRunner(plan, kv_cache, device, max_model_len, graphs, piecewise, shard)
+    runner = ModelRunner(plan, kv_cache, device, max_model_len, graphs, piecewise, shard, mrope=mrope, vision=vision)
     if cuda_graphs:  # every rank runs them (their collectives pair up): the kernels of mixed steps build now
         # without the mixed graphs (their kernels built at capture): the piecewise and eager steps'
         # variants, which fresh long prompts and all-logits steps still meet, build here

@@ -41,7 +41,11 @@ class DecodeGraphs:
         max_context_len: int,
         buckets: Sequence[int],
         max_sampled: int = 0,
+        mrope: bool = False,
+        vision: tuple[int, torch.dtype] | None = None,
     ) -> None:
+        """mrope, vision: a Qwen3-VL graph's positions [3, B] and its image-row inputs, fed empty (a decode
+        row is never an image token: ModelRunner runs steps with image rows eagerly)."""
         self.plan, self.kv_cache = plan, kv_cache
         self.buckets = tuple(sorted(buckets))
         self.block_size = kv_cache.spec.block_size
@@ -49,13 +53,17 @@ class DecodeGraphs:
         self.max_blocks = -(-max_context_len // self.block_size)
         self.meta = AttentionMetadata((), (), (), max_q_len=1, max_context_len=max_context_len)
         device, size = kv_cache.k[0].device, self.buckets[-1]
-        self.inputs = DecodeInputs(size, self.max_blocks, self.block_size, scratch_block, pin=True)
+        self.inputs = DecodeInputs(size, self.max_blocks, self.block_size, scratch_block, pin=True, mrope=mrope)
         self.wide, self.narrow = self.inputs.twin(device)  # the buffers the graphs read, as views below
         self.buffers = {
             **self.inputs.views(self.wide, self.narrow),
             "query_start_loc": torch.arange(size + 1, dtype=torch.int32, device=device),
             "logits_indices": torch.arange(size, dtype=torch.int64, device=device),
         }
+        if vision is not None:
+            width, dtype = vision
+            self.buffers["vision_rows"] = torch.zeros((0, 1), dtype=torch.int64, device=device)
+            self.buffers["vision_embeds"] = torch.zeros((0, width), dtype=dtype, device=device)
         # the previous step's sampled ids, for pending rows: as many as a step samples (max_sampled)
         self.sampled = torch.zeros(max(size, max_sampled), dtype=torch.int64, device=device)
         self.copied = torch.cuda.Event()  # recorded after each step's copies out of self.inputs
@@ -65,7 +73,7 @@ class DecodeGraphs:
             self.graphs[batch] = self._capture(batch, pool)
 
     def _feeds(self, batch: int) -> dict[str, torch.Tensor]:
-        feeds = {name: buf[:batch] for name, buf in self.buffers.items()}
+        feeds = {name: buf[..., :batch] if name == "positions" else buf[:batch] for name, buf in self.buffers.items()}
         feeds["query_start_loc"] = self.buffers["query_start_loc"][: batch + 1]
         return feeds
 

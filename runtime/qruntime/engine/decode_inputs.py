@@ -26,11 +26,14 @@ NAMES = ("input_ids", "positions", "slot_mapping", "context_lens", "block_tables
 class DecodeInputs:
     """Host buffers for decode batches of up to `size` sequences of at most `max_blocks` KV blocks."""
 
-    def __init__(self, size: int, max_blocks: int, block_size: int, scratch_block: int, pin: bool) -> None:
+    def __init__(
+        self, size: int, max_blocks: int, block_size: int, scratch_block: int, pin: bool, mrope: bool = False
+    ) -> None:
         self.size, self.max_blocks = size, max_blocks
         self.block_size, self.scratch_block = block_size, scratch_block
+        self.mrope = mrope  # Qwen3-VL: positions [3, size] (M-RoPE), a row per axis
         # two spans, each copied in one call: the int64 rows, and the int32 lengths followed by the tables
-        self.wide = torch.zeros(3, size, dtype=torch.int64, pin_memory=pin)
+        self.wide = torch.zeros(5 if mrope else 3, size, dtype=torch.int64, pin_memory=pin)
         self.narrow = torch.full((size * (1 + max_blocks),), scratch_block, dtype=torch.int32, pin_memory=pin)
         self.tensors = self.views(self.wide, self.narrow)
         self.tensors["slot_mapping"].fill_(scratch_block * block_size)
@@ -43,8 +46,8 @@ class DecodeInputs:
         size = self.size
         return {
             "input_ids": wide[0],
-            "positions": wide[1],
-            "slot_mapping": wide[2],
+            "positions": wide[1:4] if self.mrope else wide[1],
+            "slot_mapping": wide[-1],
             "context_lens": narrow[:size],
             "block_tables": narrow[size:].view(size, self.max_blocks),
         }
@@ -54,7 +57,7 @@ class DecodeInputs:
         return self.wide.to(device), self.narrow.to(device)
 
     def spans(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a step of `bucket` rows must copy into the twin: all of `wide` (3 x size int64) and
+        """What a step of `bucket` rows must copy into the twin: all of `wide` (3 or 5 x size int64) and
         the front of `narrow` (every length, the first `bucket` tables): two contiguous copies."""
         return self.wide, self.narrow[: self.size + bucket * self.max_blocks]
 
@@ -74,7 +77,7 @@ class DecodeInputs:
                     f"(got {chunk.num_tokens} tokens at position {pos}, {n} blocks, at most {self.max_blocks})"
                 )
             ids[b] = chunk.token_ids[0]
-            positions[b] = pos
+            positions[..., b] = pos if chunk.mrope is None else [axis[0] for axis in chunk.mrope]
             slots[b] = table[pos // bs] * bs + pos % bs
             lens[b] = pos + 1
             tables[b, :n] = table
@@ -82,7 +85,7 @@ class DecodeInputs:
                 tables[b, n : row_len[b]] = scratch
             row_len[b] = n
         for b in range(len(chunks), bucket):
-            ids[b] = positions[b] = 0
+            ids[b] = positions[..., b] = 0
             slots[b] = scratch * bs
             lens[b] = 1
             if row_len[b]:

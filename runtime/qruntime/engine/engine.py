@@ -47,6 +47,15 @@ import torch
 from qruntime.engine.block_manager import NoFreeBlocks
 from qruntime.engine.logprobs import DeviceLogprobs
 from qruntime.engine.model_runner import ModelRunner
+from qruntime.engine.multimodal import (
+    ImagePrompt,
+    PreparedPrompt,
+    RequestImages,
+    VisionModel,
+    encode_pending,
+    image_prompt_ids,
+    request_images,
+)
 from qruntime.engine.outputs import InvalidRequest, RequestOutput, StreamDelta, Timings, TokenLogprob
 from qruntime.engine.prefix_cache import PrefixCacheStats
 from qruntime.engine.request import Request
@@ -63,6 +72,7 @@ from qruntime.engine.structured import Grammars, StructuredOutput, StructuredOut
 from qruntime.engine.thinking import ThinkingState
 from qruntime.engine.transfer import device_tensor, to_device
 from qruntime.tokenizer import IncrementalDetokenizer, TokenIdsOnly, Tokenizer, TokenizerError
+from qruntime.vision.prompt_images import MultimodalPrompt, encode_prompt
 
 if TYPE_CHECKING:
     from qruntime.engine.workers import Workers
@@ -70,7 +80,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | ImagePrompt | MultimodalPrompt | PreparedPrompt
 Messages = Sequence[Mapping[str, Any]]
 
 
@@ -92,6 +102,7 @@ class _Tracked:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.. (params.prompt_logprobs)
     thinking: ThinkingState | None = None  # params.max_thinking_tokens: where its <think> block stands
     matcher: Any = None  # params.structured: its llguidance matcher, which has seen every token generated
+    images: RequestImages | None = None  # Qwen3-VL: its prompt's images (engine/multimodal.py)
 
 
 @dataclass(eq=False)
@@ -127,6 +138,7 @@ class Engine:
         workers: Workers | None = None,
         async_scheduling: bool = True,
         speculator: Speculator | None = None,
+        vision: VisionModel | None = None,
     ) -> None:
         self.runner = runner  # rank 0's at tp > 1
         self.workers = workers  # the other ranks' processes (tp > 1), which run every step with rank 0
@@ -138,6 +150,9 @@ class Engine:
         if speculator is not None and workers is not None:
             raise ValueError("speculative decoding runs at tp = 1 only")
         self.speculator = speculator
+        self.vision = vision  # Qwen3-VL: the vision encoder and image settings (None: a text model)
+        if vision is not None and (speculator is not None or workers is not None):
+            raise ValueError("a Qwen3-VL engine runs at tp = 1 without speculative decoding for now")
         if speculator is not None:
             speculator.attach(runner)
         # launch a step before reading the last one's tokens; not while speculating (a draft needs the
@@ -175,7 +190,8 @@ class Engine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be a SamplingParams (got {type(params).__name__})")
-        token_ids = self._prompt_ids(prompt)
+        prepared = prompt if isinstance(prompt, PreparedPrompt) else self._prepare(prompt)
+        token_ids = prepared.token_ids
         if unknown := [token for token, _ in params.logit_bias if token >= self.vocab_size]:
             raise InvalidRequest(
                 f"logit_bias: {unknown[0]} is not a token id (the model's vocabulary is ids 0..{self.vocab_size - 1})"
@@ -205,6 +221,8 @@ class Engine:
         elif not params.greedy:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         request = Request(request_id, token_ids, params.max_tokens, reuse_cached=params.prompt_logprobs is None)
+        if prepared.images is not None:
+            request.image_keys = prepared.images.keys
         detok = None
         if detokenize:
             detok = IncrementalDetokenizer(
@@ -215,7 +233,14 @@ class Engine:
                 min_tokens=params.min_tokens,
             )
         self._tracked[request_id] = _Tracked(
-            request, params, detok, generator, time.perf_counter(), thinking=thinking, matcher=matcher
+            request,
+            params,
+            detok,
+            generator,
+            time.perf_counter(),
+            thinking=thinking,
+            matcher=matcher,
+            images=prepared.images,
         )
         if params.prompt_logprobs is not None:
             self._scoring.add(request_id)
@@ -285,7 +310,11 @@ class Engine:
         tracked = [self._tracked[output.chunks[i].request.request_id] for i in rows]
         try:
             pending_rows = previous.rows if previous is not None else {}
-            chunks = [StepChunk.of(c, pending_rows.get(c.request.request_id)) for c in output.chunks]
+            images = self._step_images(output) if self.vision is not None else {}
+            chunks = [
+                StepChunk.of(c, pending_rows.get(c.request.request_id), images.get(c.request.request_id))
+                for c in output.chunks
+            ]
             sampled = previous.tokens.ids if pending_rows and any(c.token_ids[-1] < 0 for c in chunks) else None
             scored = tuple(map(self._scores_prompt, output.chunks)) if self._scoring else ()
             scoring = any(scored)
@@ -624,12 +653,13 @@ class Engine:
         its index, and nothing runs."""
         batch = self._as_batch(prompts)
         params_list = as_list(params, len(batch))
+        prepared = []
         for index, prompt in enumerate(batch):
             try:
-                self._prompt_ids(prompt)
+                prepared.append(self._prepare(prompt))
             except InvalidRequest as exc:
                 raise InvalidRequest(f"prompt {index}: {exc}") from None
-        ids = [self.add_request(p, sp) for p, sp in zip(batch, params_list, strict=True)]
+        ids = [self.add_request(p, sp) for p, sp in zip(prepared, params_list, strict=True)]
         outputs: dict[str, RequestOutput] = {}
         try:
             while len(outputs) < len(ids):
@@ -666,11 +696,26 @@ class Engine:
         """Generate replies to chat conversations (a list of {role, content} messages, or a list of them)
         rendered with the artifact's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
-        prompts = []
+        prompts: list[Prompt] = []
         for index, conversation in enumerate(conversations):
             try:
-                prompts.append(self.tokenizer.encode_chat(conversation, **template_kwargs))
-            except ValueError as exc:
+                if self.vision is None:
+                    prompts.append(self.tokenizer.encode_chat(conversation, **template_kwargs))
+                else:  # content parts with images: the checkpoint's template, each image's tokens expanded
+                    v = self.vision
+                    device = self.runner.device
+                    prompts.append(
+                        encode_prompt(
+                            conversation,
+                            self.tokenizer,
+                            v.tokens,
+                            v.preprocess,
+                            v.limits,
+                            device=device,
+                            **template_kwargs,
+                        )
+                    )
+            except ValueError as exc:  # ImageInputError included
                 raise InvalidRequest(f"conversation {index}: {exc}") from None
         return self.generate(prompts, params)
 
@@ -744,9 +789,58 @@ class Engine:
             raise RuntimeError("the scheduler has unfinished requests but scheduled nothing, with no step in flight")
         return deltas
 
+    def _step_images(self, output: SchedulerOutput) -> dict[str, RequestImages]:
+        """The images of the step's requests that have any, each request's embeddings computed first if
+        its chunk holds image tokens: one encoder call for every such request of the step."""
+        images = {}
+        for c in output.chunks:
+            state = self._tracked[c.request.request_id].images
+            if state is not None:
+                images[c.request.request_id] = state
+        pending = [
+            images[c.request.request_id]
+            for c in output.chunks
+            if c.request.request_id in images
+            and images[c.request.request_id].needs_encoder(c.start, c.start + c.num_tokens)
+        ]
+        if pending:
+            encode_pending(pending, self.vision, self.runner.device)
+        return images
+
+    def _prepare(self, prompt: Prompt) -> PreparedPrompt:
+        """A prompt checked and turned into token ids; with images (a Qwen3-VL engine), their tokens
+        expanded, preprocessed on the engine's device, and the prompt's M-RoPE positions."""
+        if isinstance(prompt, PreparedPrompt):
+            return prompt
+        vision = None
+        if isinstance(prompt, ImagePrompt | MultimodalPrompt):
+            if self.vision is None:
+                raise InvalidRequest("this model does not take images (it is not a Qwen3-VL artifact)")
+            try:
+                if isinstance(prompt, ImagePrompt):
+                    encode = self.tokenizer.encode
+                    ids, vision = image_prompt_ids(prompt, self.vision, encode, self.runner.device)
+                else:
+                    ids, vision = prompt.token_ids, prompt.vision
+            except (ValueError, TokenizerError) as exc:  # ImageInputError is a ValueError
+                raise InvalidRequest(f"images: {exc}") from None
+            prompt = ids
+        ids = self._prompt_ids(prompt)
+        if self.vision is None:
+            return PreparedPrompt(ids)
+        if vision is None:  # text alone: every token at its index on the three axes, as in Qwen3
+            marks = {self.vision.tokens.image_token_id, self.vision.tokens.video_token_id}
+            if not marks.isdisjoint(ids):
+                raise InvalidRequest("the prompt holds image or video tokens but no images (use ImagePrompt or chat)")
+            return PreparedPrompt(ids)
+        try:
+            return PreparedPrompt(ids, request_images(ids, vision, self.vision.tokens))
+        except ValueError as exc:  # runs of image tokens that disagree with the grids
+            raise InvalidRequest(f"images: {exc}") from None
+
     @staticmethod
     def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-        if isinstance(prompts, str):
+        if isinstance(prompts, str | ImagePrompt | MultimodalPrompt | PreparedPrompt):
             return [prompts]
         prompts = list(prompts)
         if prompts and all(isinstance(p, int) for p in prompts):

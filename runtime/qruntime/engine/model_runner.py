@@ -41,6 +41,8 @@ class ModelRunner:
         piecewise_graphs: PiecewiseGraphs | None = None,
         vocab_shard: VocabShard | None = None,
         mixed_graphs: MixedGraphs | None = None,
+        mrope: bool = False,
+        vision: tuple[int, torch.dtype] | None = None,
     ) -> None:
         self.plan = plan
         self.kv_cache = kv_cache
@@ -53,6 +55,10 @@ class ModelRunner:
         # tp > 1 with a vocabulary-parallel head: `execute` returns this rank's columns of the logits,
         # which engine/sharded_sampler.py samples or gathers with the other ranks
         self.vocab_shard = vocab_shard
+        # Qwen3-VL graphs (docs/vision.md): positions [3, T] (M-RoPE), and the image rows' embeddings
+        # [Nv, width] of the compute dtype fed with their rows (Nv = 0 in a step without image tokens)
+        self.mrope = mrope
+        self.vision = vision
 
     def drop_graphs(self) -> None:
         """Forget the captured graphs, decode, mixed and piecewise, once the device has finished with
@@ -83,15 +89,16 @@ class ModelRunner:
         tables = np.zeros((count, max(len(c.block_table) for c in chunks)), np.int32)
         for b, chunk in enumerate(chunks):
             tables[b, : len(chunk.block_table)] = chunk.block_table
-        wide = pack(
-            {
-                "input_ids": np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64, tokens),
-                "positions": positions,
-                "slot_mapping": tables[seq, positions // bs].astype(np.int64) * bs + positions % bs,
-                "logits_indices": _logit_rows(all_logits, lens, starts, seq),
-            },
-            self.device,
-        )
+        wide = {
+            "input_ids": np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64, tokens),
+            "positions": _mrope_rows(chunks, positions, starts) if self.mrope else positions,
+            "slot_mapping": tables[seq, positions // bs].astype(np.int64) * bs + positions % bs,
+            "logits_indices": _logit_rows(all_logits, lens, starts, seq),
+        }
+        if self.vision is not None:  # [Nv, 1]: the step's rows holding image tokens
+            rows = [starts[b] + np.asarray(c.vision_rows, np.int64) for b, c in enumerate(chunks) if c.vision_rows]
+            wide["vision_rows"] = (np.concatenate(rows) if rows else np.zeros(0, np.int64))[:, None]
+        wide = pack(wide, self.device)
         narrow = pack(
             {
                 "block_tables": tables,
@@ -101,6 +108,8 @@ class ModelRunner:
             self.device,
         )
         feeds = {**wide, **narrow}
+        if self.vision is not None:
+            feeds["vision_embeds"] = self._vision_embeds(chunks)
         lens_tuple = tuple(context_lens.tolist())
         meta = AttentionMetadata(
             query_start=tuple(starts.tolist()),
@@ -110,6 +119,14 @@ class ModelRunner:
             max_context_len=self.max_context_len,
         )
         return feeds, meta
+
+    def _vision_embeds(self, chunks: Sequence[StepChunk]) -> torch.Tensor:
+        """vision_embeds [Nv, width]: the image rows' embeddings, in step order (already on the device)."""
+        width, dtype = self.vision
+        parts = [c.vision_embeds for c in chunks if c.vision_rows]
+        if not parts:
+            return torch.zeros((0, width), dtype=dtype, device=self.device)
+        return torch.cat(parts).to(self.device, dtype)
 
     @torch.inference_mode()
     def execute(
@@ -126,17 +143,30 @@ class ModelRunner:
         `sampled`: the previous step's sampled ids on the device, which the chunks' pending ids
         (step_chunk.pending) name by row. With a vocab_shard, the logits are this rank's columns."""
         every = all_logits if isinstance(all_logits, bool) else any(all_logits)
-        if self.decode_graphs is not None and not every and self.decode_graphs.fits(chunks, sampled):
+        images = any(c.vision_rows for c in chunks)  # graphs were captured without image rows: eager
+        if self.decode_graphs is not None and not every and not images and self.decode_graphs.fits(chunks, sampled):
             return self.decode_graphs.run(chunks, sampled)
         feeds, meta = self.prepare(chunks, all_logits)
         if sampled is not None:
             feeds["input_ids"] = resolve_pending(feeds["input_ids"], sampled)
+        if images:
+            return self.plan.run(StepContext(self.kv_cache, meta), feeds)
         if all_logits is not True and self.mixed_graphs is not None and self.mixed_graphs.fits(feeds, meta):
             return self.mixed_graphs.run(feeds, meta)
         piecewise = self.piecewise_graphs
         if piecewise is not None and all_logits is not True and piecewise.fits(len(feeds["input_ids"])):
             return piecewise.run(feeds, meta)
         return self.plan.run(StepContext(self.kv_cache, meta), feeds)
+
+
+def _mrope_rows(chunks: Sequence[StepChunk], positions: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """positions [3, T]: each token's position on all three axes, but a chunk's own M-RoPE rows where
+    it carries them (a request with images)."""
+    rows = np.repeat(positions[None], 3, axis=0)
+    for b, chunk in enumerate(chunks):
+        if chunk.mrope is not None:
+            rows[:, starts[b] : starts[b + 1]] = chunk.mrope
+    return rows
 
 
 def _logit_rows(all_logits: bool | Sequence[bool], lens: np.ndarray, starts: np.ndarray, seq: np.ndarray) -> np.ndarray:

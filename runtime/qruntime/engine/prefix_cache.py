@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SALT_DOMAIN = b"qruntime prefix cache v1\0"  # changes whenever the encoding below does
+IMAGE_MARK = b"qruntime image\0"  # an image's digest taken into a chain (a different length: never a block's bytes)
 
 
 def kv_salt(identity: Mapping[str, Any]) -> bytes:
@@ -32,15 +33,29 @@ def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
     return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
 
 
-def extend_chain(chain: list[bytes], salt: bytes, token_ids: Sequence[int], block_size: int) -> list[bytes]:
+def extend_chain(
+    chain: list[bytes],
+    salt: bytes,
+    token_ids: Sequence[int],
+    block_size: int,
+    image_keys: Sequence[tuple[int, bytes]] = (),
+) -> list[bytes]:
     """Append to `chain` (the hashes of the first len(chain) blocks of a sequence) the hashes of the
     next full blocks of `token_ids`, the sequence's tokens from position len(chain) * block_size on;
-    returns chain."""
+    returns chain. `image_keys` (Qwen3-VL): (position, digest) of the sequence's images, each taken
+    into the parent of the block holding its first token (sha256(IMAGE_MARK, parent, digest)), so that
+    block and every later one are named by the images' pixels too, not only by their token ids."""
     parent = chain[-1] if chain else salt
+    first = len(chain)
     count = len(token_ids) // block_size
+    mixins: dict[int, list[bytes]] = {}
+    for position, digest in image_keys:
+        mixins.setdefault(position // block_size, []).append(digest)
     # hash_block's bytes, packed once for every block (a 2,064-token prompt: one pack, not 129)
     data, width = struct.pack(f"<{count * block_size}q", *token_ids[: count * block_size]), 8 * block_size
     for i in range(count):
+        for digest in mixins.get(first + i, ()):
+            parent = hashlib.sha256(IMAGE_MARK + parent + digest).digest()
         parent = hashlib.sha256(parent + data[i * width : (i + 1) * width]).digest()
         chain.append(parent)
     return chain

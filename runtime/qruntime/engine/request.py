@@ -28,6 +28,9 @@ class Request:
     num_preemptions: int = 0
     num_cached_prompt_tokens: int | None = None  # prompt tokens whose KV the prefix cache had at first admission
     reuse_cached: bool = True  # False: computes every prompt token (its prompt logprobs need each position's logits)
+    # Qwen3-VL: (prompt position of an image's first token, digest of its pixels) per image, which the
+    # prefix cache's hash chain takes in at that block: every image token has the same id
+    image_keys: tuple[tuple[int, bytes], ...] = ()
 
     @property
     def all_token_ids(self) -> list[int]:

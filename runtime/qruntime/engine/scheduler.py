@@ -373,7 +373,7 @@ class Scheduler:
             start, end = len(chain) * bs, num_blocks * bs
             # sliced from the prompt and the outputs, not their concatenation: O(new tokens)
             ids = request.prompt_token_ids[start:end] + request.output_token_ids[max(start - n, 0) : max(end - n, 0)]
-            extend_chain(chain, self.config.kv_salt, ids, bs)
+            extend_chain(chain, self.config.kv_salt, ids, bs, request.image_keys)
         return chain
 
     def _preempt(self, request: Request) -> None:

@@ -5,9 +5,10 @@ it to the other ranks (hence its small `__reduce__`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from qruntime.engine.multimodal import RequestImages
     from qruntime.engine.scheduler import ScheduledChunk
 
 
@@ -19,16 +20,27 @@ class StepChunk:
     token_ids: tuple[int, ...]
     start: int
     block_table: tuple[int, ...]
+    # Qwen3-VL (engine/multimodal.py), for a request with images: its tokens' M-RoPE positions (three
+    # rows: temporal, height, width; None: each token's position on all three), the chunk's rows that
+    # hold image tokens, and those rows' vision embeddings [rows, (1 + D) * H] on the device
+    mrope: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None
+    vision_rows: tuple[int, ...] = ()
+    vision_embeds: Any = None  # torch.Tensor | None (no torch import here: the scheduler's side is plain)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
     def __reduce__(self) -> tuple:
-        return StepChunk, (self.token_ids, self.start, self.block_table)  # 2x faster than the dataclass default
+        if self.mrope is None and self.vision_embeds is None:
+            return StepChunk, (self.token_ids, self.start, self.block_table)  # 2x faster than the dataclass default
+        args = (self.token_ids, self.start, self.block_table, self.mrope, self.vision_rows, self.vision_embeds)
+        return StepChunk, args
 
     @classmethod
-    def of(cls, chunk: ScheduledChunk, pending_row: int | None = None) -> StepChunk:
+    def of(
+        cls, chunk: ScheduledChunk, pending_row: int | None = None, images: RequestImages | None = None
+    ) -> StepChunk:
         """The step data of a scheduled chunk: its request's token ids of this step (sliced from the
         prompt and the outputs, not from their concatenation: a decode step costs O(1), not O(context)).
 
@@ -46,7 +58,12 @@ class StepChunk:
                     f"{'with no sampled row to read' if pending_row is None else 'only its last one may be'}"
                 )
             ids.append(pending(pending_row))
-        return cls((*ids, *chunk.draft), start, chunk.block_table)
+        if images is None:
+            return cls((*ids, *chunk.draft), start, chunk.block_table)
+        if chunk.draft:
+            raise ValueError(f"request {request.request_id!r}: a request with images does not draft tokens")
+        mrope, rows, embeds = images.chunk_parts(start, start + chunk.num_tokens)
+        return cls(tuple(ids), start, chunk.block_table, mrope, rows, embeds)
 
 
 def pending(row: int) -> int:
