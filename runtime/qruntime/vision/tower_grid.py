@@ -70,11 +70,29 @@ def position_embeddings(
     (align_corners=True) to each patch's image grid and read at its (row, col): [patches, hidden]
     float32 (the four taps weighted in float32, as transformers does)."""
     side = round(table.shape[0] ** 0.5)
+    index, weight = position_taps(rows, cols, heights, widths, side)  # [N, 4] each
+    return (table[index] * weight[:, :, None]).sum(dim=1)  # [N, hidden]
+
+
+def position_taps(
+    rows: torch.Tensor, cols: torch.Tensor, heights: torch.Tensor, widths: torch.Tensor, side: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The four bilinear taps (align_corners=True) of each patch into the side x side position grid:
+    (index [patches, 4] int64 rows of the flattened grid, weight [patches, 4] float32)."""
     row_taps, row_weights = _bilinear_taps(rows, heights, side)  # [N, 2]
     col_taps, col_weights = _bilinear_taps(cols, widths, side)
     index = (row_taps[:, :, None] * side + col_taps[:, None, :]).reshape(-1, 4)  # [N, 4]
     weight = (row_weights[:, :, None] * col_weights[:, None, :]).reshape(-1, 4)  # [N, 4]
-    return (table[index] * weight[:, :, None]).sum(dim=1)  # [N, hidden]
+    return index, weight
+
+
+def frame_bounds(grids: list[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
+    """cu_seqlens of the frames: [frames + 1] int32, the first patch row of each frame of each image
+    (an image of t frames is t segments of h * w rows), then the patch count."""
+    sizes = [h * w for t, h, w in grids for _ in range(t)]
+    bounds = torch.zeros(len(sizes) + 1, dtype=torch.int64)
+    bounds[1:] = torch.tensor(sizes, dtype=torch.int64).cumsum(0)
+    return bounds.to(device=device, dtype=torch.int32)
 
 
 def rotary_cos_sin(
