@@ -32,12 +32,14 @@ from qcompile.compile.draft_layers import DraftLayers, parse_draft_layers, searc
 from qcompile.compile.kvcache import kv_cache_spec
 from qcompile.compile.manifest import file_table, tensor_table, toolchain, write_manifest
 from qcompile.compile.plan import TensorPlan, make_plan
+from qcompile.compile.vision_entry import VISION_GRAPH_FILE, vision_entry
 from qcompile.compile.writer import SPARSE_DIGEST, write_sparse_weights, write_weights
 from qcompile.errors import ArtifactError, PlanError
 from qcompile.graph.build import build_graph
 from qcompile.graph.ir import Graph
 from qcompile.graph.onnx_export import TensorLocation, write_onnx
 from qcompile.graph.passes import apply_passes
+from qcompile.graph.vision_tower import build_vision_graph
 from qcompile.io.atomic import atomic_output_dir, check_free_space
 from qcompile.io.safetensors_stream import read_header
 from qcompile.progress import progress_bar
@@ -67,6 +69,7 @@ class Prepared:
     tokenizer: bool = True  # false: compiled with --no-tokenizer, no tokenizer files in the artifact
     speculative: DraftLayers | None = None  # --draft-layers: the self-speculative draft's skipped layers
     awq: AwqScales | None = None  # quantization.method awq: the scales applied to the source while writing
+    vision: Graph | None = None  # Qwen3-VL: the vision tower's graph (vision.onnx), its weights in the plan
 
 
 def prepare(
@@ -135,7 +138,9 @@ def prepare(
             f"{exc} ({checkpoint.path} is pre-quantized: which linears are quantized is fixed by its stored "
             "tensors, so leave the pass out: --set passes=[…])"
         ) from exc
-    plan = make_plan(checkpoint, graph.weights, recipe.max_shard_mb << 20, recipe.tp)
+    vision = _vision_graph(checkpoint, recipe)
+    weights = {**graph.weights, **(vision.weights if vision is not None else {})}
+    plan = make_plan(checkpoint, weights, recipe.max_shard_mb << 20, recipe.tp)
     kv = kv_cache_spec(checkpoint.spec, recipe, scales)
     awq = None
     if recipe.quantization.method == "awq" and calibrate:  # after the plan: its errors come before the search
@@ -143,7 +148,20 @@ def prepare(
 
         with progress_bar(checkpoint.spec.num_hidden_layers, "awq search", progress, unit="layer") as bar:
             awq = search_awq(checkpoint, recipe, Path(calib), progress=lambda: bar.update(1))
-    return Prepared(checkpoint, recipe, graph, plan, kv, tokenizer, speculative, awq)
+    return Prepared(checkpoint, recipe, graph, plan, kv, tokenizer, speculative, awq, vision)
+
+
+def _vision_graph(checkpoint: Checkpoint, recipe: Recipe) -> Graph | None:
+    """A Qwen3-VL checkpoint's vision graph (None for Qwen3); its manifest entry is checked here too, so
+    a bad preprocessor_config.json stops the compile before any weight is written."""
+    if checkpoint.spec.vision is None:
+        return None
+    if recipe.tp > 1:
+        raise PlanError(
+            f"Qwen3-VL ({checkpoint.spec.architecture}) compiles at tp = 1 only for now (recipe tp = {recipe.tp})"
+        )
+    vision_entry(checkpoint.spec, checkpoint.path)
+    return build_vision_graph(checkpoint.spec)
 
 
 def _draft_layers(
@@ -209,6 +227,8 @@ def compile_checkpoint(
         for rank, file in enumerate(graphs):
             ranked = {} if plan.tp == 1 else {"rank": str(rank)}
             write_onnx(prepared.graph, _locations(tmp, plan, rank), tmp / file, metadata=ranked)
+        if prepared.vision is not None:
+            write_onnx(prepared.vision, _locations(tmp, plan), tmp / VISION_GRAPH_FILE)
         _write_config(tmp, prepared)
         for path in checkpoint.side_files(tokenizer=prepared.tokenizer):
             shutil.copyfile(path, tmp / path.name)
@@ -242,6 +262,8 @@ def compile_checkpoint(
             manifest["speculative"] = prepared.speculative.to_dict()
         if prepared.awq is not None:
             manifest["awq"] = prepared.awq.to_dict()
+        if prepared.vision is not None:
+            manifest["vision"] = vision_entry(checkpoint.spec, checkpoint.path)
         write_manifest(tmp, manifest)
     return manifest
 

@@ -18,6 +18,7 @@ from qruntime.artifact import (
     verify_files,
 )
 from qruntime.engine.engine import Engine
+from qruntime.engine.multimodal import VisionModel
 from qruntime.engine.prefix_cache import kv_salt
 from qruntime.engine.scheduler import Scheduler, SchedulerConfig
 from qruntime.engine.speculative.config import SpeculativeConfig
@@ -38,6 +39,8 @@ from qruntime.tokenizer import (
     Tokenizer,
     TokenizerError,
 )
+from qruntime.vision.positions import VisionTokenConfig
+from qruntime.vision.preprocess import VisionPreprocessConfig
 
 MAX_CPU_TP = 8  # ranks a CPU (gloo) engine may spawn: one process each
 # what Tokenizer.from_dir reads when present: each must be a file the manifest lists, reached by no link
@@ -311,6 +314,8 @@ def load(
         sharded_sampling=sharded_sampling,
         pdl=pdl,
     )
+    if "vision" in manifest and (tp > 1 or speculative is not None):
+        raise ValueError(f"{root}: a Qwen3-VL artifact runs at tp = 1 without speculative decoding for now")
     speculator = None
     if speculative is not None:  # first: a draft model then loads before the target takes the GPU's memory
         draft_layers = manifest.get("speculative", {}).get("draft_layers")
@@ -320,6 +325,12 @@ def load(
     except BaseException:
         if speculator is not None:
             speculator.close()
+        raise
+    try:
+        vision = _vision_model(root, manifest, config) if "vision" in manifest else None
+    except BaseException:
+        if workers is not None:
+            workers.close()
         raise
     try:
         scheduler = Scheduler(
@@ -374,7 +385,24 @@ def load(
         description=description,
         workers=workers,
         speculator=speculator,
+        vision=vision,
     )
+
+
+def _vision_model(root: Path, manifest: dict, config: RankConfig) -> VisionModel:
+    """A Qwen3-VL artifact's vision side (manifest["vision"]): the encoder bound to its graph and
+    weights, the image settings; every config checked (errors name the manifest field)."""
+    from qruntime.vision.encoder import load_vision_encoder
+
+    entry = manifest["vision"]
+    try:
+        tokens = VisionTokenConfig(**entry["tokens"])
+        preprocess = VisionPreprocessConfig.from_dict(entry["preprocessor"])
+    except (TypeError, ValueError) as exc:
+        raise ArtifactFormatError(f"{root / 'manifest.json'}: vision: {exc}") from exc
+    encoder = load_vision_encoder(root, entry, config.device, config.dtype, listed=config.listed)
+    width = (1 + entry["deepstack_layers"]) * manifest["spec"]["hidden_size"]
+    return VisionModel(encoder, tokens, preprocess, width)
 
 
 def _speculator(

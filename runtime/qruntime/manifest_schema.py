@@ -32,7 +32,7 @@ DTYPE_SIZES: Mapping[str, int] = {
     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
 }  # fmt: skip
 SCHEMES = ("ptpc-fp8", "tensor-fp8", "block-fp8", "w4a16", "w4a16-zp", "none")
-ROLES = ("embedding", "norm", "linear", "router", "lm_head", "scale", "zero_point")
+ROLES = ("embedding", "norm", "linear", "router", "lm_head", "vision", "scale", "zero_point")
 QUANT_PARAM_ROLES = ("scale", "zero_point")  # a weight's quantization parameters, not weights themselves
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -287,6 +287,27 @@ MANIFEST_SCHEMA = Obj(
                 "calibration": Opt(Obj({"file": Str(), "sha256": Str(max_len=128), "tokens": Int(lo=0, hi=1 << 40)})),
             },
             ("draft_layers",),
+        ),
+        # Qwen3-VL (docs/vision.md, "Artifacts"): the vision graph, the tower's and the image
+        # preprocessor's configs, the token ids that mark images, and the DeepStack layer count
+        "vision": Obj(
+            {
+                "graph": Str(),
+                "tower_config": Obj({}),  # checked by VisionTowerConfig.from_dict at load
+                "preprocessor": Obj({}),  # checked by VisionPreprocessConfig.from_dict at load
+                "tokens": Obj(
+                    {
+                        "image_token_id": Int(lo=0, hi=1 << 30),
+                        "video_token_id": Opt(Int(lo=0, hi=1 << 30)),
+                        "vision_start_token_id": Opt(Int(lo=0, hi=1 << 30)),
+                        "spatial_merge_size": Int(lo=1, hi=64),
+                    },
+                    ("image_token_id", "spatial_merge_size"),
+                ),
+                "deepstack_layers": Int(lo=0, hi=1 << 16),
+                "mrope_section": List(Int(lo=0, hi=1 << 16), max_len=3),
+            },
+            ("graph", "tower_config", "preprocessor", "tokens", "deepstack_layers", "mrope_section"),
         ),
         "source": Obj(
             {

@@ -719,11 +719,14 @@ class Engine:
                 raise InvalidRequest(f"conversation {index}: {exc}") from None
         return self.generate(prompts, params)
 
-    def score(self, token_ids: Sequence[int]) -> torch.Tensor:
+    def score(self, token_ids: Sequence[int] | ImagePrompt | MultimodalPrompt) -> torch.Tensor:
         """Logits [len(token_ids), V] (fp32, on the engine's device) of the next token after every
         prefix of token_ids: one forward pass over the sequence, for evaluation (perplexity, KL).
+        A Qwen3-VL engine also scores a prompt with images (its image tokens expanded: as many rows).
         Uses the engine's cache blocks for its duration; runs beside queued requests."""
-        ids = self._prompt_ids(list(token_ids))
+        images = isinstance(token_ids, ImagePrompt | MultimodalPrompt)
+        prepared = self._prepare(token_ids if images else list(token_ids))
+        ids = prepared.token_ids
         scratch = Request(f"score-{next(self._ids)}", ids, 1)
         manager = self.scheduler.block_manager
         try:
@@ -731,7 +734,11 @@ class Engine:
         except NoFreeBlocks:
             raise InvalidRequest(f"{len(ids)} tokens do not fit in the free KV blocks now") from None
         try:
-            return self._execute([StepChunk(tuple(ids), 0, table)], all_logits=True, settle=True).float()
+            chunk = StepChunk(tuple(ids), 0, table)
+            if prepared.images is not None:
+                encode_pending([prepared.images], self.vision, self.runner.device)
+                chunk = StepChunk(tuple(ids), 0, table, *prepared.images.chunk_parts(0, len(ids)))
+            return self._execute([chunk], all_logits=True, settle=True).float()
         finally:
             manager.free(scratch.request_id)
 

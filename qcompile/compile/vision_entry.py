@@ -1,0 +1,80 @@
+"""The manifest's `vision` entry of a Qwen3-VL artifact (docs/vision.md, "Artifacts"): the vision graph's
+file, the tower's config, the image preprocessor's, the token ids that mark images, the DeepStack
+layer count and the M-RoPE section: what the runtime needs besides the two graphs and the weights.
+
+The preprocessor's settings come from the checkpoint's preprocessor_config.json (bounded JSON, as
+every file of a checkpoint is read). A checkpoint without one (transformers' save_pretrained of a
+bare model writes none) gets Qwen3-VL's published settings with the patch, temporal patch and merge
+sizes of its own tower, so an image is cut into the patches that tower takes. Either way they are
+checked here, and their patch sizes held to the tower's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from qruntime.vision.preprocess import QWEN3_VL, VisionPreprocessConfig
+from qruntime.vision.tower_config import VisionTowerConfig
+
+from qcompile.errors import CheckpointError
+from qcompile.source.spec import ModelSpec, read_json
+
+PREPROCESSOR_FILE = "preprocessor_config.json"
+VISION_GRAPH_FILE = "vision.onnx"
+MAX_PREPROCESSOR_BYTES = 1 << 20
+
+
+def preprocessor_config(checkpoint_dir: Path, tower: VisionTowerConfig) -> dict[str, Any]:
+    """The image preprocessor's settings (preprocessor_config.json's keys), checked against `tower`."""
+    path = checkpoint_dir / PREPROCESSOR_FILE
+    if path.is_file():
+        config = read_json(path, MAX_PREPROCESSOR_BYTES)
+        where = str(path)
+    else:
+        config = {
+            **{k: v for k, v in asdict(QWEN3_VL).items() if k not in ("min_pixels", "max_pixels")},
+            "size": {"shortest_edge": QWEN3_VL.min_pixels, "longest_edge": QWEN3_VL.max_pixels},
+            "patch_size": tower.patch_size,
+            "temporal_patch_size": tower.temporal_patch_size,
+            "merge_size": tower.spatial_merge_size,
+        }
+        where = f"{checkpoint_dir} (no {PREPROCESSOR_FILE}: Qwen3-VL's settings with the tower's patch sizes)"
+    try:
+        parsed = VisionPreprocessConfig.from_dict(config)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{where}: {exc}") from exc
+    for key, want in (
+        ("patch_size", tower.patch_size),
+        ("temporal_patch_size", tower.temporal_patch_size),
+        ("merge_size", tower.spatial_merge_size),
+    ):
+        if getattr(parsed, key) != want:
+            raise CheckpointError(
+                f"{where}: {key} {getattr(parsed, key)} is not the vision tower's ({want}, config.json vision_config)"
+            )
+    return json.loads(json.dumps(config))  # plain JSON values (tuples become lists)
+
+
+def vision_entry(spec: ModelSpec, checkpoint_dir: Path) -> dict[str, Any]:
+    """manifest["vision"] for a spec with `vision` set."""
+    vision = spec.vision
+    if vision is None:
+        raise ValueError(f"{spec.architecture} has no vision part")
+    tower_dict = json.loads(vision.tower_config)
+    tower = VisionTowerConfig.from_dict(tower_dict)
+    return {
+        "graph": VISION_GRAPH_FILE,
+        "tower_config": tower_dict,
+        "preprocessor": preprocessor_config(checkpoint_dir, tower),
+        "tokens": {
+            "image_token_id": vision.image_token_id,
+            "video_token_id": vision.video_token_id,
+            "vision_start_token_id": vision.vision_start_token_id,
+            "spatial_merge_size": vision.spatial_merge_size,
+        },
+        "deepstack_layers": vision.deepstack_layers,
+        "mrope_section": list(vision.mrope_section),
+    }
