@@ -9,6 +9,7 @@ from qcompile.compile.kvcache import KVScales
 from qcompile.compile.sharding import check_tp, vocab_parallel
 from qcompile.errors import PlanError
 from qcompile.graph.builder import GraphBuilder
+from qcompile.graph.image_rows import POSITIONS_SHAPE, check_vision, scatter_rows, vision_inputs
 from qcompile.graph.ir import Graph
 from qcompile.graph.layers import attention, dense_mlp, sparse_moe
 from qcompile.recipe.schema import Recipe
@@ -34,12 +35,14 @@ def build_graph(spec: ModelSpec, recipe: Recipe, kv_scales: KVScales | None = No
     Raises PlanError when the recipe cannot be applied to this model (KV layout constraints, an unknown
     scheme, a tensor-parallel degree the model does not divide by). At tp > 1 it is the graph of every
     rank: each rank's share of the heads and intermediate dims, an AllReduce after each row-parallel
-    output (qcompile.compile.sharding).
+    output (qcompile.compile.sharding). A Qwen3-VL model (`spec.vision`) takes M-RoPE positions [3, T]
+    and the image rows' embeddings and DeepStack features (qcompile.graph.image_rows).
     """
     check_plan(spec, recipe)
     b = GraphBuilder(spec, recipe, kv_scales)
     for name, dtype, shape in GRAPH_INPUTS:
-        b.input(name, dtype, shape)
+        b.input(name, dtype, POSITIONS_SHAPE if name == "positions" and spec.vision else shape)
+    image, features = vision_inputs(b) if spec.vision else ("", ())
     embed = b.job(hf.EMBED, ((f"{hf.EMBED}.weight",),), "none", "embedding")
     (hidden,) = b.node(
         "Gather",
@@ -48,6 +51,8 @@ def build_graph(spec: ModelSpec, recipe: Recipe, kv_scales: KVScales | None = No
         {"axis": 0},
         name=hf.EMBED,
     )
+    if spec.vision:
+        hidden = scatter_rows(b, hidden, image, "embeds.merged", "none")
     for i in range(spec.num_hidden_layers):
         p = f"layers.{i}."
         x = b.rms_norm(hidden, hf.norm(i, "input_layernorm"), p + "attn_norm")
@@ -55,6 +60,8 @@ def build_graph(spec: ModelSpec, recipe: Recipe, kv_scales: KVScales | None = No
         x = b.rms_norm(h, hf.norm(i, "post_attention_layernorm"), p + "mlp_norm")
         mlp = sparse_moe if spec.is_sparse_layer(i) else dense_mlp
         hidden = b.binary("Add", mlp(b, i, x, p + "mlp_out"), h, p + "hidden")
+        if i < len(features):
+            hidden = scatter_rows(b, hidden, features[i], p + "hidden.deepstack", "add")
     normed = b.rms_norm(hidden, hf.FINAL_NORM, "final_norm")
     (rows,) = b.node(
         "Gather",
@@ -72,6 +79,8 @@ def build_graph(spec: ModelSpec, recipe: Recipe, kv_scales: KVScales | None = No
     }
     if recipe.tp > 1:
         metadata["tp"] = str(recipe.tp)
+    if spec.vision:
+        metadata["vision"] = f"mrope_section={list(spec.vision.mrope_section)}/deepstack_layers={len(features)}"
     return b.finish([LOGITS], metadata)
 
 
@@ -108,6 +117,7 @@ def check_plan(spec: ModelSpec, recipe: Recipe) -> None:
         ) from exc
     _check_ignore(spec, recipe)
     _check_tp(spec, recipe)
+    check_vision(spec, recipe)
 
 
 def _check_ignore(spec: ModelSpec, recipe: Recipe) -> None:

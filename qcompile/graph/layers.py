@@ -11,6 +11,7 @@ import torch
 
 from qcompile.compile.sharding import local_heads
 from qcompile.graph.builder import GraphBuilder
+from qcompile.graph.image_rows import mrope_attrs
 from qcompile.source import model as hf
 
 KV_READY = torch.uint8
@@ -48,7 +49,7 @@ def attention(b: GraphBuilder, layer: int, x: str) -> str:
             "RoPE",
             [normed, "positions"],
             [b.act(f"{p}{name}_rope", b.shape(normed))],
-            {"theta": spec.rope_theta, "head_dim": d},
+            {"theta": spec.rope_theta, "head_dim": d, **mrope_attrs(spec)},
         )[0]
     (ready,) = b.node(
         "KVCacheWrite",

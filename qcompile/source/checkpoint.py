@@ -8,13 +8,17 @@ A pre-quantized checkpoint (config.json's quantization_config: qcompile.source.q
 its quantized linears as weight + scale tensors; they are checked and grouped into StoredWeights
 (qcompile.source.stored) under the logical names a bf16 checkpoint gives them, with their logical
 shapes, so the rest of the compiler asks `source_shapes()` and finds the same names either way.
+
+A Qwen3-VL checkpoint (qcompile.source.qwen3_vl) is read the same way under Qwen3's names, its stacked
+experts as per-expert tensors; its vision tower's tensors (`model.visual.*`) are checked with the rest
+but are not sources of the text graph (`tower_tensors()`, not `source_shapes()`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +30,7 @@ from qruntime.shown import shown
 from qcompile.errors import CheckpointError
 from qcompile.io import bounded_yaml
 from qcompile.io.safetensors_stream import DTYPE_NAMES, TensorEntry, read_header
+from qcompile.source import qwen3_vl
 from qcompile.source.directory import check_checkpoint_dir
 from qcompile.source.model import LM_HEAD, count_expected, expected_tensors, iter_expected
 from qcompile.source.quantized import read_format
@@ -77,7 +82,8 @@ log = logging.getLogger(__name__)
 class Checkpoint:
     """A validated checkpoint: its spec, raw config and where every tensor lives.
 
-    `tensors` holds every tensor of the shards as stored; for a pre-quantized checkpoint `stored`
+    `tensors` holds every tensor of the shards as stored (a Qwen3-VL checkpoint's under the names the
+    compiler reads: qcompile.source.qwen3_vl); for a pre-quantized checkpoint `stored`
     holds its quantized linears by logical name (`{module}.weight`) and `quantization` their format."""
 
     path: Path
@@ -97,6 +103,8 @@ class Checkpoint:
         quantization = read_format(config, source=str(root / "config.json"))
         shards, index = _shard_files(root)
         tensors = _read_headers(shards, index)
+        if spec.vision is not None:
+            tensors = qwen3_vl.text_view(spec, tensors)
         plain: Mapping[str, TensorEntry | StoredWeight] = tensors
         stored: dict[str, StoredWeight] = {}
         if quantization is not None:
@@ -119,12 +127,22 @@ class Checkpoint:
         return self.tensors[name]
 
     def source_shapes(self) -> dict[str, tuple[int, ...]]:
-        """name -> shape of every source tensor the compiler reads: a stored quantized linear once,
-        under its logical name and shape (its scale and other tensors are part of it)."""
+        """name -> shape of every source tensor the text graph reads: a stored quantized linear once,
+        under its logical name and shape (its scale and other tensors are part of it); a Qwen3-VL
+        checkpoint's vision tower is not among them (`tower_tensors`)."""
         parts = {e.name for s in self.stored.values() for e in s.entries()}
-        shapes = {name: entry.shape for name, entry in self.tensors.items() if name not in parts}
+        shapes = {
+            name: entry.shape
+            for name, entry in self.tensors.items()
+            if name not in parts and not name.startswith(qwen3_vl.TOWER_PREFIX)
+        }
         shapes.update({name: s.shape for name, s in self.stored.items()})
         return shapes
+
+    def tower_tensors(self) -> dict[str, TensorEntry]:
+        """name -> entry of a Qwen3-VL checkpoint's vision tower tensors (`model.visual.*`, checked
+        complete at open against the tower's vision_config); empty for a Qwen3 checkpoint."""
+        return {name: e for name, e in self.tensors.items() if name.startswith(qwen3_vl.TOWER_PREFIX)}
 
     def require_tokenizer(self) -> None:
         """Refuse a checkpoint without the files qruntime needs to turn text into token ids
@@ -253,42 +271,57 @@ def _check_complete(
 
     Counted before it is listed: when the config implies more tensors than the shards hold, the
     first one missing is found by walking the expected names lazily (at most one past the count held)."""
-    want = count_expected(spec)
+    want = count_expected(spec) + qwen3_vl.tower_count(spec)
     if want > len(tensors):
-        first = next(name for name, _ in iter_expected(spec) if name not in tensors)
+        first = next(name for name, _ in _iter_all_expected(spec) if name not in tensors)
         raise CheckpointError(
-            f"tensor {first!r} is missing from the checkpoint "
+            f"tensor {_missing(spec, first)} is missing from the checkpoint "
             f"(config.json implies {want} tensors, the shards hold {len(tensors)})"
         )
-    expected = expected_tensors(spec)
+    expected = {**expected_tensors(spec), **dict(qwen3_vl.tower_expected(spec))}
     want_dtype = DTYPE_NAMES[getattr(torch, spec.dtype)]
     missing = [n for n in expected if n not in tensors]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"tensor {missing[0]!r} is missing from the checkpoint{more}")
+        raise CheckpointError(f"tensor {_missing(spec, missing[0])} is missing from the checkpoint{more}")
     unused: list[str] = []
     for name, entry in tensors.items():
         # a stored quantized linear is named by its weight tensor; its shape is the logical one it holds
         stored = isinstance(entry, StoredWeight)
         shown_name, has = (entry.weight.name, "holds a linear of shape") if stored else (name, "has shape")
+        # a Qwen3-VL tensor is named by its stored name and the one it is read as
+        held = entry.weight if stored else entry
+        named = qwen3_vl.label(shown_name, held)
         if name not in expected:
             if spec.tie_word_embeddings and name == f"{LM_HEAD}.weight":
                 unused.append(name)
                 continue
             hint = "" if described or not name.endswith(QUANTIZED_KEYS) else NO_CONFIG_HINT
             raise CheckpointError(
-                f"{entry.file.name}: unexpected tensor {shown(shown_name)} for {spec.architecture} with this "
-                f"config.json{hint}"
+                f"{entry.file.name}: unexpected tensor {qwen3_vl.label(shown_name, held, shown)} for "
+                f"{spec.architecture} with this config.json{hint}"
             )
         if entry.shape != expected[name]:
             raise CheckpointError(
-                f"{entry.file.name}: tensor {shown_name!r} {has} {list(entry.shape)}, "
+                f"{entry.file.name}: tensor {named} {has} {list(entry.shape)}, "
                 f"config.json implies {list(expected[name])}"
             )
         if name not in quantized and entry.dtype != want_dtype:
             hint = "" if described or not entry.dtype.startswith("F8_") else NO_CONFIG_HINT
             raise CheckpointError(
-                f"{entry.file.name}: tensor {name!r} is {entry.dtype}, config.json says {spec.dtype} ({want_dtype})"
+                f"{entry.file.name}: tensor {named} is {entry.dtype}, config.json says {spec.dtype} ({want_dtype})"
                 + hint
             )
     return tuple(unused)
+
+
+def _iter_all_expected(spec: ModelSpec) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """iter_expected(spec), then a Qwen3-VL spec's vision tower tensors."""
+    yield from iter_expected(spec)
+    yield from qwen3_vl.tower_expected(spec)
+
+
+def _missing(spec: ModelSpec, name: str) -> str:
+    """A missing expected tensor as errors name it: for Qwen3-VL, the stored tensor it is read from."""
+    stored = qwen3_vl.stored_name(name) if spec.vision is not None else name
+    return repr(name) if stored == name else f"{stored!r} (read as {name!r})"

@@ -12,6 +12,7 @@ from qruntime.shown import shown
 from qcompile.errors import CheckpointError
 from qcompile.io.safetensors_stream import TensorEntry
 from qcompile.source.model import EMBED, attn_proj, expert_of, expert_proj, layer_of, mlp_proj, norm, router
+from qcompile.source.qwen3_vl import label
 from qcompile.source.spec import ModelSpec
 
 
@@ -67,6 +68,6 @@ def _expect(tensors: dict[str, TensorEntry], name: str, shape: tuple[int, ...], 
         raise CheckpointError(f"tensor {name!r} is missing from the checkpoint (needed to check {source}'s {keys})")
     if entry.shape != shape:
         raise CheckpointError(
-            f"{entry.file.name}: tensor {name!r} has shape {list(entry.shape)}, config.json implies {list(shape)} "
+            f"{entry.file.name}: tensor {label(name, entry)} has shape {list(entry.shape)}, config.json implies {list(shape)} "
             f"(from {keys} in {source})"
         )

@@ -13,8 +13,9 @@ from qruntime import bounded_json
 from qruntime.shown import shown
 
 from qcompile.errors import CheckpointError
+from qcompile.source.qwen3_vl_spec import VL_ARCHITECTURES, vl_fields
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *VL_ARCHITECTURES)
 _DTYPES = ("bfloat16", "float16", "float32")
 # Every size in config.json is at most this (int32: token ids, positions and ONNX shapes); the sizes
 # a tensor shows (qcompile.source.model.check_sizes) are then held to the checkpoint's tensors.
@@ -124,6 +125,8 @@ class ModelSpec:
                 f"{source}: architecture {shown(arch)} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if arch in VL_ARCHITECTURES:
+            return cls._from_vl_config(config, arch, source)
         if config.get("hidden_act", "silu") != "silu":
             raise CheckpointError(f"{source}: hidden_act {shown(config['hidden_act'])} is not supported (only 'silu')")
         if config.get("attention_bias", False):
@@ -188,6 +191,27 @@ class ModelSpec:
             tie_word_embeddings=reader.boolean("tie_word_embeddings", default=False),
             moe=moe,
         )
+
+    @classmethod
+    def _from_vl_config(cls, config: dict[str, Any], arch: str, source: str) -> ModelSpec:
+        """Qwen3VLForConditionalGeneration / Qwen3VLMoeForConditionalGeneration: text_config + vision_config."""
+        fields = vl_fields(config, arch, source)
+        return cls.from_dict(_vl_sizes_checked(fields, config["text_config"], source))
+
+
+def _vl_sizes_checked(fields: dict[str, Any], text: dict[str, Any], source: str) -> dict[str, Any]:
+    """A Qwen3-VL spec's fields (qwen3_vl_spec.vl_fields) with text_config's sizes held to MAX_SIZE and
+    the dtype to the supported ones, as a Qwen3 config's are."""
+    reader = _ConfigReader(text, f"{source} text_config")
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
+        reader.positive_int(key)
+    sizes = {key: reader.positive_int(key) for key in ("intermediate_size", "max_position_embeddings", "head_dim")}
+    if fields["moe"] is not None:
+        for key in ("num_experts_per_tok", "moe_intermediate_size"):
+            reader.positive_int(key)
+        reader.positive_int("num_experts", alias="num_local_experts")
+    dtype = _ConfigReader({"dtype": fields["dtype"]}, source).dtype()
+    return {**fields, **sizes, "dtype": dtype}
 
 
 def load_config(path: Path) -> dict[str, Any]:

@@ -9,11 +9,13 @@ from qcompile.graph.rewrite import Rewrite
 
 NAME = "fuse_qknorm_rope_kvwrite"
 KV_ATTRS = ("layer", "layout", "block_size", "kv_dtype", "k_scale", "v_scale")
+ROPE_OPTIONAL = ("mrope_section",)  # Qwen3-VL's M-RoPE (positions [3, T]), carried over as it is
 
 
 def fuse_qknorm_rope_kvwrite(graph: Graph) -> Graph:
     """Replace q, k, v = Split(qkv); per-head Reshape; q/k RMSNormalization; q/k RoPE; KVCacheWrite(k, v)
-    by one QKNormRoPEKVWrite(qkv, q_norm_w, k_norm_w, positions, slot_mapping) -> (q, kv_ready)."""
+    by one QKNormRoPEKVWrite(qkv, q_norm_w, k_norm_w, positions, slot_mapping) -> (q, kv_ready); the
+    RoPE's `mrope_section` (a Qwen3-VL model's) goes onto the fused op."""
     rw = Rewrite(graph)
     for index, split in enumerate(graph.nodes):
         match = _match(rw, index, split)
@@ -31,6 +33,7 @@ def fuse_qknorm_rope_kvwrite(graph: Graph) -> Graph:
             "head_dim": int(q_heads[2]),
             "epsilon": q_norm.attrs["epsilon"],
             "theta": q_rope.attrs["theta"],
+            **{key: q_rope.attrs[key] for key in ROPE_OPTIONAL if key in q_rope.attrs},
         }
         inputs = (split.inputs[0], q_norm.inputs[1], k_norm.inputs[1], q_rope.inputs[1], write.inputs[2])
         name = f"layers.{write.attrs['layer']}.qk_norm_rope_kv_write"
