@@ -14,6 +14,8 @@ heads, which shares the RoPE angles of the token and makes fewer, wider CTAs (a 
 fill an SM: 32 CTAs at most); _launch_config picks HEADS and num_warps by T (measured on an H100). A head is a [2, d/2] tile (row 0 the first half of the head dim, row 1
 the second), and RoPE's rotate-half partner is a second load of the same (cached) row with the
 halves swapped, so no cross-lane shuffle is needed and the d/2 angles broadcast over both rows.
+With mrope_section (Qwen3-VL) positions are [3, T] and the d/2 angles read each frequency's row
+(one vector load of the token's column instead of a scalar load); the angle arithmetic is unchanged.
 
 Pools are addressed by kv_addressing.pool_addressing (8 integers per pool, one formula for nhd, hnd
 and x-packed); the two split sizes (token-offset split, head-dim split) are constexpr, so `//` and
@@ -98,13 +100,14 @@ def _qknorm_rope_kvwrite_kernel(
     qkv_ptr,  # [T, (NH + 2 KVH) * D] model dtype, unit last stride; SPLIT: the qkv GEMM's fp32 partials
     q_norm_w_ptr,  # [D]
     k_norm_w_ptr,  # [D]
-    pos_ptr,  # [T] int
+    pos_ptr,  # [T] int, or MROPE: [3, T] (rows t, h, w at pos_row_stride)
     slot_ptr,  # [T] int
     q_ptr,  # [T, NH, D] out, contiguous
     k_pool_ptr,
     v_pool_ptr,
     qkv_stride,
     pos_stride,
+    pos_row_stride,
     slot_stride,
     eps,
     theta,
@@ -141,6 +144,9 @@ def _qknorm_rope_kvwrite_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     FP8: tl.constexpr,
     HW: tl.constexpr,  # hardware fp32 -> bf16 / e4m3 conversions (not under the interpreter)
+    MROPE: tl.constexpr,  # interleaved M-RoPE: frequency j reads its position from row 0, 1 or 2
+    S_H: tl.constexpr,  # MROPE: mrope_section[1], frequencies 1, 4, .. < 3 S_H read row 1
+    S_W: tl.constexpr,  # MROPE: mrope_section[2], frequencies 2, 5, .. < 3 S_W read row 2
     SPLIT: tl.constexpr,  # 0: qkv_ptr is qkv itself
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
@@ -164,7 +170,12 @@ def _qknorm_rope_kvwrite_kernel(
         e = tl.math.div_rn((2 * j).to(tl.float32), tl.full(j.shape, D, tl.float32))
     p = tl.exp2(e.to(tl.float64) * tl.log2(tl.cast(theta, tl.float64))).to(tl.float32)
     inv_freq = tl.math.div_rn(tl.full(p.shape, 1.0, tl.float32), p)
-    angle = tl.load(pos_ptr + t * pos_stride).to(tl.float32) * inv_freq
+    if MROPE:  # transformers' apply_interleaved_mrope: each frequency's row of positions
+        row_of = tl.where((j % 3 == 1) & (j < 3 * S_H), 1, tl.where((j % 3 == 2) & (j < 3 * S_W), 2, 0))
+        pos = tl.load(pos_ptr + row_of.to(tl.int64) * pos_row_stride + t * pos_stride, mask=j < HALF, other=0)
+    else:
+        pos = tl.load(pos_ptr + t * pos_stride)
+    angle = pos.to(tl.float32) * inv_freq
     cos = tl.cos(angle)
     sin = tl.sin(angle)
 
@@ -228,6 +239,14 @@ def _addressing(
     return pool_addressing(dims, shape, strides, block_size, head_dim)
 
 
+def _check_section(section: tuple[int, int, int], head_dim: int) -> None:
+    """ValueError unless section is three non-negative integers summing to head_dim / 2."""
+    ok = isinstance(section, (tuple, list)) and len(section) == 3
+    ok = ok and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in section)
+    if not ok or sum(section) != head_dim // 2:
+        raise ValueError(f"mrope_section must be 3 non-negative integers summing to {head_dim // 2}, got {section!r}")
+
+
 def qknorm_rope_kvwrite(
     qkv: torch.Tensor,
     q_norm_w: torch.Tensor,
@@ -249,6 +268,7 @@ def qknorm_rope_kvwrite(
     heads_per_program: int | None = None,
     num_warps: int | None = None,
     pdl: bool = False,
+    mrope_section: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """Per-head RMSNorm + RoPE of q and k, k and v written to one layer's cache; returns q.
 
@@ -264,6 +284,11 @@ def qknorm_rope_kvwrite(
     heads_per_program must be a power of two dividing num_heads and num_kv_heads. pdl: programmatic
     dependent launch (kernels/pdl.py). qkv may be the qkv GEMM's SplitKPartials (fp8_gemm.py),
     reduced in this launch.
+
+    mrope_section (Qwen3-VL's interleaved M-RoPE, [s_t, s_h, s_w] summing to head_dim / 2): positions
+    is then [3, T] (any strides): rotary frequency j takes its position from row 1 when j mod 3 = 1 and
+    j < 3·s_h, from row 2 when j mod 3 = 2 and j < 3·s_w, else from row 0; the angle arithmetic is
+    the plain path's.
     """
     nh, kvh, d = num_heads, num_kv_heads, head_dim
     split = isinstance(qkv, SplitKPartials)
@@ -281,9 +306,12 @@ def qknorm_rope_kvwrite(
         if w.shape != (d,) or w.dtype != qkv.dtype or w.stride(0) != 1:
             raise ValueError(f"{name} must be a contiguous [{d}] {qkv.dtype} tensor, got {tuple(w.shape)} {w.dtype}")
     t = qkv.shape[0]
-    for name, x in (("positions", positions), ("slot_mapping", slot_mapping)):
-        if x.shape != (t,) or x.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"{name} must be an int64/int32 [{t}] tensor, got {tuple(x.shape)} {x.dtype}")
+    if mrope_section is not None:
+        _check_section(mrope_section, d)
+    pos_shape = (t,) if mrope_section is None else (3, t)
+    for name, x, shape in (("positions", positions, pos_shape), ("slot_mapping", slot_mapping, (t,))):
+        if x.shape != shape or x.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"{name} must be an int64/int32 {list(shape)} tensor, got {tuple(x.shape)} {x.dtype}")
     fp8 = k_pool.dtype == _FP8
     if v_pool.dtype != k_pool.dtype or not (fp8 or k_pool.dtype == qkv.dtype):
         raise ValueError(f"pools must both be float8_e4m3fn or {qkv.dtype}, got {k_pool.dtype} / {v_pool.dtype}")
@@ -311,13 +339,14 @@ def qknorm_rope_kvwrite(
     part, xs, ws, _, stride_xs, stride_ws = qkv.kernel_args() if split else (qkv, q, q, t, 0, 0)
     _qknorm_rope_kvwrite_kernel[(t, (nh + kvh) // heads)](
         part, q_norm_w, k_norm_w, positions, slot_mapping, q, *pools,
-        0 if split else qkv.stride(0), positions.stride(0), slot_mapping.stride(0),
+        0 if split else qkv.stride(0), positions.stride(-1), positions.stride(0), slot_mapping.stride(0),
         eps, theta, k_scale, v_scale, xs, ws, t, stride_xs, stride_ws,
         ka.block, ka.head, ka.tok_outer, ka.tok_inner, ka.dim_outer, ka.dim_inner,
         va.block, va.head, va.tok_outer, va.tok_inner, va.dim_outer, va.dim_inner,
         K_TOK_SPLIT=ka.tok_split, K_DIM_SPLIT=ka.dim_split, V_TOK_SPLIT=va.tok_split, V_DIM_SPLIT=va.dim_split,
         NH=nh, KVH=kvh, D=d, HALF_PAD=triton.next_power_of_2(d // 2), HEADS=heads,
         BLOCK_SIZE=block_size, FP8=fp8, HW=use_hw_casts(q), SPLIT=qkv.split if split else 0, num_warps=warps,
+        MROPE=mrope_section is not None, S_H=(mrope_section or (0, 0, 0))[1], S_W=(mrope_section or (0, 0, 0))[2],
         **launch_options(pdl),
     )  # fmt: skip
     return q

@@ -8,11 +8,29 @@ from qruntime.ops import functional as fn
 from qruntime.ops.base import KVOp, Op, OpBindError
 
 
+def _mrope_section(op: Op) -> tuple[int, int, int] | None:
+    """The node's optional mrope_section attribute, checked against head_dim (OpBindError naming it)."""
+    section = op.a["mrope_section"]
+    if section is None:
+        return None
+    try:
+        return fn.check_mrope_section(section, op.a["head_dim"])
+    except ValueError as exc:
+        raise OpBindError(f"attribute {exc}") from exc
+
+
 class RoPE(Op):
+    """Rotate-half RoPE; with mrope_section (Qwen3-VL) positions are [3, T] (fn.rope)."""
+
     attrs = ("theta", "head_dim")
+    optional_attrs = {"mrope_section": None}
+
+    def __init__(self, attrs, env, consts=()) -> None:
+        super().__init__(attrs, env, consts)
+        self.mrope_section = _mrope_section(self)
 
     def __call__(self, step, x, positions):
-        return fn.rope(x, positions, self.a["theta"], self.a["head_dim"])
+        return fn.rope(x, positions, self.a["theta"], self.a["head_dim"], self.mrope_section)
 
 
 class KVCacheWrite(KVOp):
@@ -62,12 +80,17 @@ class QKNormRoPEKVWrite(KVOp):
     """Split qkv, per-head RMSNorm of q and k, RoPE on both, write k and v to the cache; return q."""
 
     attrs = (*KVOp.attrs, "num_heads", "num_kv_heads", "head_dim", "epsilon", "theta")
+    optional_attrs = {"mrope_section": None}
+
+    def __init__(self, attrs, env, consts=()) -> None:
+        super().__init__(attrs, env, consts)
+        self.mrope_section = _mrope_section(self)
 
     def __call__(self, step, qkv, q_norm_w, k_norm_w, positions, slots):
-        a = self.a
+        a, section = self.a, self.mrope_section
         nh, kvh, d = a["num_heads"], a["num_kv_heads"], a["head_dim"]
         q, k, v = torch.split(qkv, [nh * d, kvh * d, kvh * d], -1)
-        q = fn.rope(fn.rms_norm(q.reshape(-1, nh, d), q_norm_w, a["epsilon"]), positions, a["theta"], d)
-        k = fn.rope(fn.rms_norm(k.reshape(-1, kvh, d), k_norm_w, a["epsilon"]), positions, a["theta"], d)
+        q = fn.rope(fn.rms_norm(q.reshape(-1, nh, d), q_norm_w, a["epsilon"]), positions, a["theta"], d, section)
+        k = fn.rope(fn.rms_norm(k.reshape(-1, kvh, d), k_norm_w, a["epsilon"]), positions, a["theta"], d, section)
         step.kv_cache.write(a["layer"], k, v.reshape(-1, kvh, d), slots, a["k_scale"], a["v_scale"])
         return q, qkv.new_empty(0, dtype=torch.uint8)

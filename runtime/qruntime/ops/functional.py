@@ -98,10 +98,51 @@ def w4a16_linear(
     return torch.nn.functional.linear(x, dequantize_int4(w, ws.to(x.dtype), group_size, wz))
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, head_dim: int) -> torch.Tensor:
-    """Rotate-half (NeoX) RoPE on x [T, heads, d], cos/sin in fp32."""
+def check_mrope_section(section, head_dim: int) -> tuple[int, int, int]:
+    """The interleaved M-RoPE section [s_t, s_h, s_w] as a tuple, or ValueError: three non-negative
+    integers summing to head_dim / 2 (docs/vision.md)."""
+    values = tuple(section) if isinstance(section, (list, tuple)) else None
+    if values is None or len(values) != 3 or not all(isinstance(s, int) and not isinstance(s, bool) for s in values):
+        raise ValueError(f"mrope_section must be three integers [s_t, s_h, s_w], got {section!r}")
+    if min(values) < 0 or sum(values) != head_dim // 2:
+        raise ValueError(f"mrope_section {list(values)} must be non-negative and sum to head_dim/2 = {head_dim // 2}")
+    return values  # type: ignore[return-value]
+
+
+def mrope_axes(section: tuple[int, int, int], half: int) -> list[int]:
+    """The positions row (0 t, 1 h, 2 w) each of the `half` rotary frequencies reads: j takes row 1
+    when j mod 3 = 1 and j < 3·s_h, row 2 when j mod 3 = 2 and j < 3·s_w, else row 0 (transformers'
+    apply_interleaved_mrope)."""
+    return [
+        1 if j % 3 == 1 and j < 3 * section[1] else 2 if j % 3 == 2 and j < 3 * section[2] else 0 for j in range(half)
+    ]
+
+
+def rope(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    theta: float,
+    head_dim: int,
+    mrope_section: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """Rotate-half (NeoX) RoPE on x [T, heads, d], cos/sin in fp32.
+
+    positions [T]; with mrope_section (Qwen3-VL's interleaved M-RoPE, see mrope_axes) positions
+    [3, T], each frequency's angle taking its position from one of the rows. The angle arithmetic is
+    the same either way: fp32(position) * inv_freq."""
+    t = x.shape[0]
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=x.device) / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None]  # [T, d/2]
+    if mrope_section is None:
+        if positions.shape != (t,):
+            raise ValueError(f"RoPE: positions must be [{t}] (no mrope_section), got {list(positions.shape)}")
+        freqs = positions.float()[:, None] * inv_freq[None]  # [T, d/2]
+    else:
+        if positions.shape != (3, t):
+            raise ValueError(
+                f"RoPE with mrope_section {list(mrope_section)}: positions must be [3, {t}], got {list(positions.shape)}"
+            )
+        axes = torch.tensor(mrope_axes(mrope_section, head_dim // 2), device=positions.device)
+        freqs = positions[axes].T.float() * inv_freq[None]  # [T, d/2]: each frequency's row of positions
     emb = torch.cat([freqs, freqs], -1)
     cos, sin = emb.cos()[:, None], emb.sin()[:, None]  # [T, 1, d]
     x32 = x.float()

@@ -278,6 +278,7 @@ class QKNormRoPEKVWrite(attention.QKNormRoPEKVWrite):
             k_scale=a["k_scale"],
             v_scale=a["v_scale"],
             pdl=self.env.pdl,
+            mrope_section=self.mrope_section,
         )
         return q, q.new_empty(0, dtype=torch.uint8)
 
