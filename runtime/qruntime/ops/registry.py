@@ -19,6 +19,7 @@ def reference_ops() -> Mapping[tuple[str, str], type[Op]]:
     """(domain, op_type) -> Op class, for every op the compiler emits."""
     standard_ops = [standard.Gather, standard.RMSNormalization, standard.Add, standard.Mul, standard.Sigmoid]
     standard_ops += [standard.Split, standard.Reshape, standard.Gemm]
+    standard_ops += [standard.ScatterND]  # Qwen3-VL's text graph (docs/vision.md)
     standard_ops += [vision.LayerNormalization, vision.Gelu, vision.Concat]
     qcompile_ops = [quant.DynamicQuant, quant.PTPCLinear, quant.BlockFP8Linear, quant.W4A16Linear, quant.AddRMSNorm]
     qcompile_ops += [quant.AddRMSNormQuant, quant.SiluMul, quant.SiluMulQuant]

@@ -84,3 +84,31 @@ class Gemm(Op):
 
     def __call__(self, step, x, w, bias=None):
         return F.linear(x, w, bias)
+
+
+class ScatterND(Op):
+    """Rows of `data` [T, H] replaced by (reduction "none") or added to ("add") `updates` [Nv, H] at
+    `indices` [Nv, 1] (ONNX ScatterND on axis 0): Qwen3-VL's image embeddings and DeepStack features
+    (docs/vision.md). Returns a new tensor, `data` untouched; with Nv = 0 returns `data` itself (no
+    copy, no launch). The rows are the caller's to keep in range (no device sync checks them)."""
+
+    optional_attrs = {"reduction": "none"}
+
+    def __init__(self, attrs, env, consts=()) -> None:
+        super().__init__(attrs, env, consts)
+        if self.a["reduction"] not in ("none", "add"):
+            raise OpBindError(f"ScatterND reduction {self.a['reduction']!r} (only 'none' and 'add' are implemented)")
+        self.accumulate = self.a["reduction"] == "add"
+
+    def __call__(self, step, data, indices, updates):
+        nv = indices.shape[0]
+        if indices.ndim != 2 or indices.shape[1] != 1 or tuple(updates.shape) != (nv, *data.shape[1:]):
+            raise ValueError(
+                f"ScatterND: indices must be [Nv, 1] and updates [Nv, {list(data.shape[1:])}] for data "
+                f"{list(data.shape)}, got indices {list(indices.shape)}, updates {list(updates.shape)}"
+            )
+        if updates.dtype != data.dtype:
+            raise ValueError(f"ScatterND: updates are {updates.dtype}, data {data.dtype}")
+        if nv == 0:
+            return data
+        return data.index_put((indices[:, 0],), updates, accumulate=self.accumulate)
