@@ -121,3 +121,22 @@ def test_mrope_rejects_bad_positions_and_sections(rng):
     for bad in ((16, 8, 9), (16, 8), (34, -1, -1), (16.0, 8, 8)):
         with pytest.raises(ValueError, match="mrope_section must be 3 non-negative integers summing to 32"):
             _run_kernel(cache, qkv, qw, kw, positions.expand(3, t), slots, attrs, mrope_section=bad)
+
+
+def test_fast_op_passes_the_section_on(rng):
+    """The fast path's op (ops/triton_ops.py) launches the M-RoPE kernel: its q equals the kernel's."""
+    from qruntime.ops import triton_ops
+
+    torch.manual_seed(rng.randrange(1 << 30))
+    nh, kvh, d, t, section = 4, 2, 64, 5, (16, 8, 8)
+    spec, (cache_op, cache_k), qkv, qw, kw, _, slots, attrs = _setup("nhd", "bf16", nh, kvh, d, 16, t)
+    positions = _mrope_positions(t)
+    for cache in (cache_op, cache_k):
+        cache.k, cache.v = [p.to(DEVICE) for p in cache.k], [p.to(DEVICE) for p in cache.v]
+    op = triton_ops.QKNormRoPEKVWrite(attrs | {"mrope_section": list(section)}, OpEnv(torch.bfloat16, DEVICE, spec))
+    args = (x.to(DEVICE) for x in (qkv, qw, kw, positions, slots))
+    q_op, _ = op(StepContext(cache_op, None), *args)
+    q = _run_kernel(cache_k, qkv, qw, kw, positions, slots, attrs, mrope_section=section)
+    assert torch.equal(_bits(q_op.cpu()), _bits(q))
+    plain = _run_kernel(cache_k, qkv, qw, kw, positions[0], slots, attrs)
+    assert not torch.equal(_bits(plain), _bits(q))  # the section made a difference
