@@ -73,7 +73,38 @@ def summarize(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
         "bytes": {"weights": weight_bytes, "by_dtype": dict(by_dtype), "files": len(manifest["files"])},
         "source": manifest["source"],
         "toolchain": manifest["toolchain"],
+        "vision": _vision(manifest.get("vision"), tensors),
     }
+
+
+def _vision(entry: dict[str, Any] | None, tensors: dict[str, Any]) -> dict[str, Any] | None:
+    """A Qwen3-VL artifact's vision part: the tower's shape, its weights, the image settings."""
+    if entry is None:
+        return None
+    tower, tokens, pre = entry["tower_config"], entry["tokens"], entry["preprocessor"]
+    size = pre.get("size") or {}
+    return {
+        "graph": entry["graph"],
+        "depth": tower.get("depth"),
+        "hidden_size": tower.get("hidden_size"),
+        "heads": tower.get("num_heads"),
+        "patch_size": tower.get("patch_size"),
+        "spatial_merge_size": tower.get("spatial_merge_size"),
+        "deepstack_layers": entry["deepstack_layers"],
+        "mrope_section": entry["mrope_section"],
+        "image_token_id": tokens["image_token_id"],
+        "pixels": [pre.get("min_pixels", size.get("shortest_edge")), pre.get("max_pixels", size.get("longest_edge"))],
+        "tower_tensors": sum(1 for name in tensors if name.startswith("model.visual.")),
+    }
+
+
+def _vision_row(v: dict[str, Any]) -> str:
+    return (
+        f"{v['graph']}: {v['depth']} blocks, hidden {v['hidden_size']}, {v['heads']} heads, patch {v['patch_size']}, "
+        f"merge {v['spatial_merge_size']}, {v['tower_tensors']} tensors; DeepStack into {v['deepstack_layers']} "
+        f"layers, M-RoPE {v['mrope_section']}, image token {v['image_token_id']}, "
+        f"{v['pixels'][0]}..{v['pixels'][1]} pixels an image"
+    )
 
 
 def summarize_checkpoint(root: Path) -> dict[str, Any]:
@@ -113,7 +144,20 @@ def summarize_checkpoint(root: Path) -> dict[str, Any]:
         "bytes": sum(shard.stat().st_size for shard in checkpoint.shards),
         "shards": len(checkpoint.shards),
         "tokenizer": (root / "tokenizer.json").is_file(),
+        "vision": _checkpoint_vision(spec),
     }
+
+
+def _checkpoint_vision(spec: Any) -> str | None:
+    """A Qwen3-VL checkpoint's vision tower, in words (None for Qwen3)."""
+    if spec.vision is None:
+        return None
+    tower = json.loads(spec.vision.tower_config)
+    return (
+        f"Qwen3-VL tower: {tower.get('depth')} blocks, hidden {tower.get('hidden_size')}, patch "
+        f"{tower.get('patch_size')}, merge {spec.vision.spatial_merge_size}; DeepStack into "
+        f"{spec.vision.deepstack_layers} layers, M-RoPE {list(spec.vision.mrope_section)}"
+    )
 
 
 def _print_checkpoint(info: dict[str, Any]) -> None:
@@ -137,6 +181,7 @@ def _print_checkpoint(info: dict[str, Any]) -> None:
         ("compiles as", f"recipe {info['recipe']}" + (" (its stored weights copied, not re-quantized)" if q else "")),
         ("files", f"{info['shards']} shard(s), {human_bytes(info['bytes'])}, {info['tensors']} tensors"),
         ("tokenizer", "tokenizer.json" if info["tokenizer"] else "none (compile with --no-tokenizer)"),
+        *([("vision", info["vision"])] if info["vision"] else []),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
@@ -213,6 +258,7 @@ def command(artifact: Path, as_json: bool) -> None:
             + ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(info["bytes"]["by_dtype"].items()))
             + ")",
         ),
+        *([("vision", _vision_row(info["vision"]))] if info["vision"] else []),
         ("tuned for", ", ".join(info["tuned_devices"]) or "none"),
         ("source", f"{info['source']['path']} (fingerprint {info['source']['fingerprint'][:16]}…)" + _stored(info)),
         ("made with", ", ".join(f"{k} {v}" for k, v in info["toolchain"].items() if v)),

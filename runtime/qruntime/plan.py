@@ -23,6 +23,7 @@ GRAPH_INPUTS = (
     "query_start_loc",
     "logits_indices",
 )
+VISION_INPUTS = ("vision_rows", "vision_embeds")  # a Qwen3-VL graph's image rows (docs/vision.md)
 # the inputs with a row per sequence of the step (the rest have a row per token)
 SEQUENCE_INPUTS = ("block_tables", "context_lens", "query_start_loc", "logits_indices")
 
@@ -80,8 +81,11 @@ class Plan:
         registry: Mapping[tuple[str, str], type[Op]],
     ) -> Plan:
         inputs = tuple(i.name for i in graph.input)
-        if inputs != GRAPH_INPUTS:
-            raise PlanError(f"graph inputs {list(inputs)} are not the format-1 step inputs {list(GRAPH_INPUTS)}")
+        if inputs not in (GRAPH_INPUTS, GRAPH_INPUTS + VISION_INPUTS):
+            raise PlanError(
+                f"graph inputs {list(inputs)} are not the format-1 step inputs {list(GRAPH_INPUTS)} "
+                f"(a Qwen3-VL graph's followed by {list(VISION_INPUTS)})"
+            )
         if len(graph.output) != 1:
             raise PlanError(f"graph has {len(graph.output)} outputs; format 1 has one (logits)")
         known = set(weights) | set(inputs)
