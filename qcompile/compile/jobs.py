@@ -14,7 +14,7 @@ import torch
 from qcompile.io.safetensors_stream import OutputTensor
 from qcompile.quant import QuantScheme, get_scheme
 
-ROLES = ("embedding", "norm", "linear", "router", "lm_head")
+ROLES = ("embedding", "norm", "linear", "router", "lm_head", "vision")  # vision: a tower tensor (vision.onnx)
 Layout = list[list[tuple[str, int, int]]]  # per slice: (source, first row, end row) of each part
 
 

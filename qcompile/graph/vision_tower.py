@@ -13,8 +13,8 @@ the merger (LayerNormalization per patch, then the Reshape, fc1, Gelu, fc2); the
 of [merger, deepstack 0, …].
 
 Every tower tensor is one unquantized weight job that writes it under its checkpoint name
-(`model.visual.…`, biases included), see TowerTensorJob; its role is that of its kind among
-jobs.ROLES (a LayerNorm's "norm", the position grid's "embedding", the rest "linear").
+(`model.visual.…`, biases included), see TowerTensorJob; role "vision", so nothing that reads the
+text model's roles (embedding bytes, unquantized linears) counts them.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ VISION_GRAPH_INPUTS = (
 )
 VISION_EMBEDS = "vision_embeds"
 LAYER_NORM_EPS = 1e-6  # every LayerNorm of the tower (transformers' Qwen3VLVisionModel)
+VISION_ROLE = "vision"  # the job role of every tower tensor (jobs.ROLES)
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ class _Builder:
         """The tower tensor `name` (without the prefix), declared as its own job."""
         full = DEFAULT_PREFIX + name
         if full not in self.weights:
-            self.weights[full] = TowerTensorJob(full, ((full,),), stacked=False, scheme="none", role=_role(name))
+            self.weights[full] = TowerTensorJob(full, ((full,),), stacked=False, scheme="none", role=VISION_ROLE)
         return full
 
     def constant(self, values: Sequence[int]) -> str:
@@ -148,14 +149,6 @@ class _Builder:
 
     def reshape(self, x: str, shape: tuple[int, ...], out: str, out_shape: tuple[Dim, ...]) -> str:
         return self.node("Reshape", [x, self.constant(shape)], out, out_shape)
-
-
-def _role(name: str) -> str:
-    """The job role of tower tensor `name` (without the prefix)."""
-    module = name.rsplit(".", 1)[0]
-    if module.endswith(("norm", "norm1", "norm2")):
-        return "norm"
-    return "embedding" if module == "pos_embed" else "linear"
 
 
 def build_vision_graph(spec: ModelSpec) -> VisionGraph:
