@@ -2,23 +2,28 @@
 Qwen3-VL's text decoder in plain torch (qruntime.vision.reference_text.decode_layers, M-RoPE cos / sin from
 qruntime.vision.positions.mrope_cos_sin) on the same weights: the image rows written over the token
 embeddings, each DeepStack feature added after its layer, M-RoPE positions [3, T]; fused and unfused, over
-chunked prefill steps (image rows in a later chunk, sequences without any) and a decode step (Nv = 0)."""
+chunked prefill steps (image rows in a later chunk, sequences without any) and a decode step (Nv = 0); the
+fused graph also through its ONNX export and the runtime's Plan."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 import pytest
 import torch
 from graph_helpers import PASS_NAMES, kv, random_sources, recipe
 from graph_reference import Reference, make_step
+from qruntime.ops.base import OpEnv
+from qruntime.ops.registry import reference_ops
+from qruntime.plan import Plan
 from qruntime.vision.positions import MRopeConfig, mrope_cos_sin
 from qruntime.vision.reference_config import MoeConfig, TextConfig
 from qruntime.vision.reference_text import decode_layers
 from vision_specs import vl_dense, vl_moe
 
-from qcompile.graph import compile_graph
+from qcompile.graph import Graph, TensorLocation, compile_graph, to_onnx
 from qcompile.source.spec import ModelSpec
 
 BLOCK, MAX_BLOCKS = 4, 4
@@ -134,15 +139,33 @@ def _torch_logits(spec: ModelSpec, w: dict[str, torch.Tensor], seq: Sequence, en
     return normed[-1] @ w["lm_head.weight"].T
 
 
-@pytest.mark.parametrize("passes", ["none", "all"])
+def _through_onnx(ref: Reference, graph: Graph) -> None:
+    """Make `ref` run the Plan qruntime binds to the exported graph.onnx instead of the IR's nodes: the
+    attributes (mrope_section as INTS, ScatterND's reduction as a string) and Split sizes as an artifact
+    carries them (the weights are ref's own; the locations only satisfy the exporter)."""
+    locations = {
+        name: TensorLocation("weights/w.safetensors", 0, math.prod(t.shape) * t.dtype.itemsize, t.dtype, t.shape)
+        for name, t in graph.weight_tensors.items()
+    }
+    model = to_onnx(graph, locations)
+    env = OpEnv(graph.model_dtype, torch.device("cpu"), ref.cache.spec)
+    plan = Plan.build(model.graph, ref.tensors, env, reference_ops())
+    ref.nodes = [(node.op, node) for node in plan.nodes]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("passes", "runner"), [("none", "ir"), ("all", "ir"), ("all", "onnx-plan")], ids=["none", "all", "all-onnx"]
+)
 @pytest.mark.parametrize("make_spec", [vl_dense, vl_moe], ids=["dense", "moe"])
-def test_vision_graph_computes_qwen3_vl(rng: random.Random, make_spec, passes: str) -> None:
+def test_vision_graph_computes_qwen3_vl(rng: random.Random, make_spec, passes: str, runner: str) -> None:
     torch.manual_seed(rng.randrange(1 << 30))
     spec = make_spec(dtype="float32")
     sources = random_sources(spec)
     rec = dataclasses.replace(recipe("bf16"), passes=PASS_NAMES if passes == "all" else (), kv_cache=kv(BLOCK))
     graph = compile_graph(spec, rec)
     ref = Reference(graph, sources, num_slots=len(CHUNKS) * MAX_BLOCKS * BLOCK)
+    if runner == "onnx-plan":
+        _through_onnx(ref, graph)
     seqs, w = _sequences(spec, rng), _reference_weights(spec, sources)
     starts = [0] * len(CHUNKS)
     for step in range(len(CHUNKS[0])):
