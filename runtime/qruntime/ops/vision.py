@@ -72,8 +72,8 @@ class VisionAttention(Op):
     float32 with cos / sin [P, d] (cast back), then softmax(q kᵀ · scale) v over the rows of each
     segment [cu_seqlens[s], cu_seqlens[s+1]) alone, without a mask inside it.
 
-    cu_seqlens is read on the host (one device-to-host sync per call) and the segments run one SDPA
-    each: not capturable in a CUDA graph."""
+    cu_seqlens is read on the host (one device-to-host sync per call) and the segments of one length
+    run as one batched SDPA (an image's frames, same-sized images): not capturable in a CUDA graph."""
 
     attrs = ("num_heads", "head_dim", "scale")
     capturable = False
@@ -89,11 +89,19 @@ class VisionAttention(Op):
         q, k, v = qkv.view(rows, 3, heads, head_dim).unbind(1)  # [P, nh, d] each
         q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
         bounds = cu_seqlens.tolist()
-        out = torch.empty_like(q)
+        by_length: dict[int, list[int]] = {}
         for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
             if stop > start:
-                seg = [x[start:stop].transpose(0, 1) for x in (q, k, v)]  # [nh, n, d]
-                out[start:stop] = F.scaled_dot_product_attention(*seg, scale=self.a["scale"]).transpose(0, 1)
+                by_length.setdefault(stop - start, []).append(start)
+        out = torch.empty_like(q)
+        for length, starts in by_length.items():
+            if len(starts) == 1:
+                rows_of = slice(starts[0], starts[0] + length)
+            else:  # [segments, length] row indices
+                offsets = torch.arange(length, device=qkv.device)
+                rows_of = torch.tensor(starts, device=qkv.device)[:, None] + offsets
+            seg = [x[rows_of].transpose(-3, -2) for x in (q, k, v)]  # [(segments,) nh, length, d]
+            out[rows_of] = F.scaled_dot_product_attention(*seg, scale=self.a["scale"]).transpose(-3, -2)
         return out.reshape(rows, heads * head_dim)
 
 
