@@ -13,7 +13,6 @@ import json
 from typing import Any
 
 from qruntime.shown import shown
-from qruntime.vision.reference_config import ReferenceConfig
 
 from qcompile.errors import CheckpointError
 
@@ -36,6 +35,9 @@ def vl_fields(config: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
     text = config.get("text_config")
     if isinstance(text, dict):
         _refuse_text_keys(text, source)
+    # imported here: qruntime.vision imports torch, which a config error must not wait for
+    from qruntime.vision.reference_config import ReferenceConfig
+
     try:
         ref = ReferenceConfig.from_dict(config)
     except ValueError as exc:

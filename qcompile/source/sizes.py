@@ -12,7 +12,7 @@ from qruntime.shown import shown
 from qcompile.errors import CheckpointError
 from qcompile.io.safetensors_stream import TensorEntry
 from qcompile.source.model import EMBED, attn_proj, expert_of, expert_proj, layer_of, mlp_proj, norm, router
-from qcompile.source.qwen3_vl import label
+from qcompile.source.qwen3_vl import label, stored_name
 from qcompile.source.spec import ModelSpec
 
 
@@ -28,6 +28,7 @@ def check_sizes(spec: ModelSpec, tensors: dict[str, TensorEntry], source: str = 
             f"{len(layers)} decoder layers ({held})"
         )
     h, d = spec.hidden_size, spec.head_dim
+    vl = spec.vision is not None
     kinds = [spec.is_sparse_layer(i) for i in range(spec.num_hidden_layers)]
     if spec.moe is not None:  # each layer sparse by the config's rule exactly when it holds a router
         for layer, sparse in enumerate(kinds):
@@ -48,24 +49,28 @@ def check_sizes(spec: ModelSpec, tensors: dict[str, TensorEntry], source: str = 
             (f"{mlp_proj(kinds.index(False), 'gate_proj')}.weight", (spec.intermediate_size, h), "'intermediate_size'")
         )
     for name, shape, keys in checks:
-        _expect(tensors, name, shape, keys, source)
+        _expect(tensors, name, shape, keys, source, vl)
     if spec.moe is not None and True in kinds:
         sparse = kinds.index(True)
         moe = spec.moe
-        _expect(tensors, f"{router(sparse)}.weight", (moe.num_experts, h), "'num_experts'", source)
+        _expect(tensors, f"{router(sparse)}.weight", (moe.num_experts, h), "'num_experts'", source, vl)
         held = {e for name in tensors if (e := expert_of(name, sparse)) is not None}
         if len(held) != moe.num_experts:
             raise CheckpointError(
                 f"{source}: 'num_experts' is {moe.num_experts} but layer {sparse}'s tensors hold {len(held)} experts"
             )
         gate = f"{expert_proj(sparse, 0, 'gate_proj')}.weight"
-        _expect(tensors, gate, (moe.moe_intermediate_size, h), "'moe_intermediate_size'", source)
+        _expect(tensors, gate, (moe.moe_intermediate_size, h), "'moe_intermediate_size'", source, vl)
 
 
-def _expect(tensors: dict[str, TensorEntry], name: str, shape: tuple[int, ...], keys: str, source: str) -> None:
+def _expect(
+    tensors: dict[str, TensorEntry], name: str, shape: tuple[int, ...], keys: str, source: str, vl: bool
+) -> None:
     entry = tensors.get(name)
     if entry is None:
-        raise CheckpointError(f"tensor {name!r} is missing from the checkpoint (needed to check {source}'s {keys})")
+        stored = stored_name(name) if vl else name  # a Qwen3-VL checkpoint stores it under another name
+        named = repr(name) if stored == name else f"{stored!r} (read as {name!r})"
+        raise CheckpointError(f"tensor {named} is missing from the checkpoint (needed to check {source}'s {keys})")
     if entry.shape != shape:
         raise CheckpointError(
             f"{entry.file.name}: tensor {label(name, entry)} has shape {list(entry.shape)}, config.json implies {list(shape)} "

@@ -24,7 +24,9 @@ from transformers import (
     Qwen3VLMoeForConditionalGeneration,
 )
 
+from qcompile.compile.pipeline import compile_checkpoint, prepare
 from qcompile.errors import CheckpointError
+from qcompile.recipe.schema import load_recipe
 from qcompile.source.checkpoint import Checkpoint
 from qcompile.source.model import expected_tensors
 from qcompile.source.spec import ModelSpec
@@ -188,6 +190,10 @@ def _experts_in_dense_layer(tensors):
         tensors[_stacked_of(proj, 1)] = tensors[_stacked_of(proj, 0)].clone()
 
 
+def _missing_embed(tensors):
+    del tensors["model.language_model.embed_tokens.weight"]
+
+
 def _bad_norm(tensors):
     tensors["model.language_model.layers.2.self_attn.q_norm.weight"] = torch.ones(15)
 
@@ -226,6 +232,10 @@ def _missing_tower(tensors):
             _bad_norm,
             r"tensor 'model.language_model.layers.2.self_attn.q_norm.weight' \(read as "
             r"'model.layers.2.self_attn.q_norm.weight'\) has shape \[15\], config.json implies \[16\]",
+        ),
+        (
+            _missing_embed,
+            r"tensor 'model.language_model.embed_tokens.weight' \(read as 'model.embed_tokens.weight'\) is missing",
         ),
         (_bad_tower, r"tensor 'model.visual.merger.linear_fc2.bias' has shape \[47\], config.json implies \[48\]"),
         (_missing_tower, "tensor 'model.visual.deepstack_merger_list.1.norm.weight' is missing"),
@@ -313,3 +323,43 @@ def test_architecture_and_model_type_must_agree():
     config["architectures"] = ["Qwen3VLMoeForConditionalGeneration"]
     with pytest.raises(CheckpointError, match="'model_type' is 'qwen3_vl'.*'qwen3_vl_moe'"):
         ModelSpec.from_config(config)
+
+
+@pytest.mark.parametrize("saved", ["moe", "moe-transposed"], indirect=True)
+def test_the_writer_reads_the_view_unchanged(saved, tmp_path):
+    """A bf16 compile (the writer's own reads, by row chunks) writes each sparse layer's fused experts
+    as transformers' stacked tensors, whichever layout the checkpoint stores them in."""
+    path, state = saved
+    prepared = prepare(path, load_recipe("bf16"), calibrate=False, tokenizer=False)
+    compile_checkpoint(prepared, tmp_path / "artifact", progress=False)
+    written: dict[str, torch.Tensor] = {}
+    for shard in sorted((tmp_path / "artifact").rglob("*.safetensors")):
+        written.update(load_file(shard))
+    for layer in (0, 2):
+        stacked = f"model.language_model.layers.{layer}.mlp.experts."
+        assert torch.equal(written[f"model.layers.{layer}.mlp.experts.w13.weight"], state[stacked + "gate_up_proj"])
+        assert torch.equal(written[f"model.layers.{layer}.mlp.experts.w2.weight"], state[stacked + "down_proj"])
+    same = [name for name in written if name in expected_tensors(prepared.checkpoint.spec)]
+    assert len(same) > 20
+    for name in same:
+        assert torch.equal(written[name], _want(name, state, prepared.checkpoint.spec)), name
+
+
+@pytest.mark.parametrize("saved", ["moe-transposed"], indirect=True)
+def test_a_sharded_checkpoint_reads_the_same(saved, tmp_path):
+    """Two shards and an index naming the stored tensors: the same view, the same bytes."""
+    path, _ = saved
+    out = tmp_path / "sharded"
+    shutil.copytree(path, out)
+    tensors = load_file(out / "model.safetensors")
+    (out / "model.safetensors").unlink()
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in halves.items():
+        save_file({n: tensors[n] for n in part}, out / file, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {n: f for f, part in halves.items() for n in part}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    one, two = Checkpoint.open(path), Checkpoint.open(out)
+    assert len(two.shards) == 2 and one.tensors.keys() == two.tensors.keys()
+    for name in one.tensors:
+        assert torch.equal(one.entry(name).read(), two.entry(name).read()), name
