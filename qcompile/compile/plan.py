@@ -77,7 +77,8 @@ def make_plan(
     (a job's weight and scale always share a file; a single larger job gets a file of its own);
     at tp > 1, each rank's slices over files of its own. A linear the checkpoint stores quantized
     (pre-quantized input) must be read by a job of its own scheme: its tensors are copied as they are."""
-    shapes = checkpoint.source_shapes()
+    # the text graph's sources and a Qwen3-VL checkpoint's tower tensors, which its vision graph reads
+    shapes = {**checkpoint.source_shapes(), **{name: e.shape for name, e in checkpoint.tower_tensors().items()}}
     model_dtype = getattr(torch, checkpoint.spec.dtype)
     jobs = tuple(weights.values())
     used: set[str] = set()

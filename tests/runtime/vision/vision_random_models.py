@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import torch
+from qwen3_vl_checkpoints import randomize  # noqa: F401  (the vision tests' one copy)
 
 
 def seeded() -> torch.Generator:
@@ -12,17 +13,3 @@ def seeded() -> torch.Generator:
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")
     return torch.Generator().manual_seed(seed)
-
-
-def randomize(model: torch.nn.Module, gen: torch.Generator) -> None:
-    """Every parameter from `gen`: norm weights near 1 (nothing at its neutral init), position and
-    token embeddings unit noise, the rest small (blocks stay well scaled)."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            if "norm" in name and name.endswith(".weight"):
-                param.copy_(1 + 0.2 * noise)
-            elif "pos_embed" in name or "embed_tokens" in name:
-                param.copy_(noise)
-            else:
-                param.copy_(0.2 * noise)
