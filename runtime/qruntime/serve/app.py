@@ -1,6 +1,7 @@
 """The ASGI app (Starlette): OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus
 /health and /metrics. Handlers parse and check a request (protocol), submit its sequences to the
-engine loop, and answer from the deltas that come back, streamed (SSE) or whole.
+engine loop, and answer from the deltas that come back, streamed (SSE) or whole. A Qwen3-VL model's
+chat requests may carry images (serve/images.py), decoded and preprocessed on a worker thread.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from qruntime.serve.engine_client import EngineClient, FailedRequest, Handle, In
 from qruntime.serve.engine_loop import QueueFull, ShuttingDown
 from qruntime.serve.engine_process import EngineProcess
 from qruntime.serve.errors import APIError, error_body
+from qruntime.serve.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGES, ServedVision, has_image_parts
 from qruntime.serve.limits import RequestLimits, check_api_key, check_content_type, read_json_body
 from qruntime.serve.metrics import CONTENT_TYPE, Metrics
 from qruntime.serve.protocol import REASONING_PARSERS, GenerationRequest, ServedModel, parse_chat, parse_completion
@@ -100,7 +102,9 @@ class OpenAIRoutes:
         # tokenizing (and rendering a chat template) off the event loop keeps other streams flowing; a
         # request with little text is parsed in place: the hand-over to a worker thread and back cost
         # more than its parse (a burst of 32 prompts of 2,064 token ids reached the engine over ~100 ms)
-        if _text_chars(body, INLINE_PARSE_CHARS) <= INLINE_PARSE_CHARS:
+        # (images are decoded and preprocessed there too, however small)
+        inline = _text_chars(body, INLINE_PARSE_CHARS) <= INLINE_PARSE_CHARS
+        if inline and not (self.model.vision is not None and has_image_parts(body)):
             parsed = parse(body, self.model)
         else:
             parsed = await anyio.to_thread.run_sync(parse, body, self.model)
@@ -113,6 +117,8 @@ class OpenAIRoutes:
             ) from None
         except ShuttingDown as exc:
             raise APIError(503, str(exc), code="unavailable") from None
+        if parsed.images:
+            self.metrics.on_images(parsed.images)
         builder = ResponseBuilder(parsed, request_id, self.model.name, int(time.time()), self.model.tokenizer)
         if parsed.stream:
             return SSEResponse(self._events(handle, builder), on_close=handle.close)
@@ -174,16 +180,23 @@ def build_app(
     limits: RequestLimits | None = None,
     api_key: str | None = None,
     reasoning_parser: str | None = None,
+    max_images: int = DEFAULT_MAX_IMAGES,
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
 ) -> Starlette:
     """The server's ASGI app over `engine`: an Engine of this process (stepped on a thread of it) or
     an EngineProcess (whose own max_waiting holds). Its lifespan starts the engine loop and stops it
     (aborting whatever is still running) at shutdown; `app.state.engine_loop` / `app.state.metrics`
     are there for tests. With `api_key`, every /v1/* route wants `Authorization: Bearer <api_key>`
     (401 otherwise). With `reasoning_parser` ("qwen3"), chat replies return their thinking apart,
-    as `reasoning_content` (qruntime.reasoning)."""
+    as `reasoning_content` (qruntime.reasoning). A Qwen3-VL engine (its `vision` set) takes chat image
+    parts, at most `max_images` per request of at most `max_image_bytes` each (serve/images.py); a
+    text model refuses them."""
     if api_key is not None and not api_key:
         raise ValueError("api_key is empty: give a key, or None for none")
     limits = limits if limits is not None else RequestLimits()
+    vision = ServedVision.of(getattr(engine, "vision", None))
+    if vision is not None:  # ValueError for a limit below 1
+        vision = vision.for_clients(max_images, max_image_bytes)
     loop: EngineClient
     if isinstance(engine, EngineProcess):
         loop, max_waiting = engine, engine.max_waiting
@@ -202,6 +215,7 @@ def build_app(
         max_waiting,
         limits,
         reasoning_parser,
+        vision,
     )
     routes = OpenAIRoutes(model, loop, metrics, limits)
 

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from qruntime.engine.engine import Engine
 from qruntime.engine.outputs import InvalidRequest, RequestOutput, StreamDelta
 from qruntime.serve.protocol import SequenceSpec
+from qruntime.vision.prompt_images import MultimodalPrompt
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,14 @@ class LoopMetrics(Protocol):
     def on_added(self, num_prompt_tokens: int) -> None: ...
     def on_step(self, num_sequences: int, num_tokens: int) -> None: ...
     def on_finished(self, output: RequestOutput, submitted: float) -> None: ...
+
+
+def _prompt(spec: SequenceSpec) -> list[int] | MultimodalPrompt:
+    """What the engine takes for a sequence: its ids, or with images (decoded and preprocessed on the
+    HTTP side, serve/images.py) the ids and the images' inputs."""
+    if spec.vision is None:
+        return list(spec.prompt_ids)
+    return MultimodalPrompt(list(spec.prompt_ids), spec.vision, (), ())
 
 
 def check_admission(waiting: int, adding: int, max_waiting: int) -> None:
@@ -256,7 +265,7 @@ class EngineLoop:
         try:
             for engine_id, spec in zip(live.engine_ids, submission.sequences, strict=True):
                 # the ids become text on the HTTP side (serve/engine_client.py's Handle), off this thread
-                self.engine.add_request(list(spec.prompt_ids), spec.params, request_id=engine_id, detokenize=False)
+                self.engine.add_request(_prompt(spec), spec.params, request_id=engine_id, detokenize=False)
                 self._live[engine_id] = (submission.request_id, spec.index)
                 if self.metrics is not None:
                     self.metrics.on_added(len(spec.prompt_ids))

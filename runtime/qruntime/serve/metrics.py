@@ -148,6 +148,11 @@ class Metrics:
         self.rejected = Counter(
             "qruntime_requests_rejected", "HTTP requests refused, by status code.", ["status"], registry=r
         )
+        self.images = Counter(
+            "qruntime_request_images",
+            "Images in accepted chat requests (a Qwen3-VL model's; each counted once, whatever n).",
+            registry=r,
+        )
         self.batch_size = Histogram(
             "qruntime_batch_size", "Sequences that got a token in one engine step.", buckets=BATCH_BUCKETS, registry=r
         )
@@ -182,6 +187,9 @@ class Metrics:
     # --- read by the HTTP side ----------------------------------------------------------------------
     def on_rejected(self, status: int) -> None:
         self.rejected.labels(str(status)).inc()
+
+    def on_images(self, count: int) -> None:
+        self.images.inc(count)
 
     def tokens_per_second(self) -> float:
         now = time.monotonic()

@@ -43,6 +43,8 @@ class ServeOptions:
     body_timeout: float = 30.0
     limit_concurrency: int = 1024
     http: str = "auto"
+    max_images_per_request: int = 16
+    max_image_bytes: int = 16 << 20
 
     @property
     def model_name(self) -> str:
@@ -188,6 +190,24 @@ def add_serve_parser(verbs: Any) -> None:
         choices=("auto", "httptools", "h11"),
         help="HTTP protocol implementation: httptools (C parser, the fast one) or h11 (pure Python); "
         "default auto: httptools when installed.",
+    )
+    add(
+        "--max-images-per-request",
+        type=int,
+        default=16,
+        metavar="N",
+        help="Qwen3-VL models: most images one chat request may carry, as image_url parts with data URLs "
+        "(data:image/png;base64,...; remote URLs and local files are refused); more is a 400 (default 16). "
+        "A text-only model refuses every image.",
+    )
+    add(
+        "--max-image-bytes",
+        type=int,
+        default=16 << 20,
+        metavar="N",
+        help="Qwen3-VL models: largest image, encoded (a data URL's base64 counted as the bytes it decodes to); "
+        "larger is a 400 (default 16 MiB). The whole body stays within --max-body-bytes: raise it to send large "
+        "images.",
     )
     add(
         "--log-format",

@@ -15,8 +15,10 @@ template and the replies' <tool_call> blocks come back as tool_calls (qruntime.t
 generates b sequences per prompt and returns the n with the highest mean token logprob (OpenAI's
 "highest log probability per token"; not streamed when b > n). `max_thinking_tokens` (this
 server's extra) caps each <think> block: after that many tokens in it, the next is </think>.
-Chat content parts: text parts are joined; image parts are checked (qruntime.vision.prompt) and
-then refused, the served models being text-only.
+Chat content parts: text parts are joined. Image parts (OpenAI's image_url, data URLs) are taken
+by a Qwen3-VL model (ServedModel.vision; serve/images.py: checked, then decoded and preprocessed
+here, each image's tokens expanded in the prompt, the pixel values sent with its sequences); a
+text-only model checks them (qruntime.vision.prompt) and then refuses them.
 
 Logprobs: completions' `logprobs` k, chat's `logprobs` + `top_logprobs` k (0 to 20), and completions'
 `echo` (the prompt's text, and with logprobs its tokens' logprobs, before the completion's); they
@@ -38,9 +40,17 @@ from qruntime.engine.sampling_params import MAX_LOGPROBS, InvalidSamplingParams,
 from qruntime.engine.structured import StructuredOutput, StructuredOutputError
 from qruntime.reasoning import prompt_opens_thinking
 from qruntime.serve.errors import APIError, invalid
+from qruntime.serve.images import (
+    ServedVision,
+    check_no_vision_tokens,
+    expand_chat_ids,
+    load_chat_images,
+    split_chat_images,
+)
 from qruntime.serve.limits import RequestLimits
 from qruntime.shown import shown
 from qruntime.tokenizer import TokenIdsOnly, Tokenizer, TokenizerError
+from qruntime.vision.preprocess import VisionInputs
 from qruntime.vision.prompt import ImageLimits, PromptImageError, split_images
 from qruntime.vision.prompt_images import probe_images
 
@@ -62,8 +72,8 @@ OPEN_TAIL_TOKENS = 8  # the prompt's last tokens, decoded to see whether its tem
 REASONING_PARSERS = ("qwen3",)
 # template variables the server sets itself; chat_template_kwargs may set any other
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt"})
-# image parts are checked (and then refused: no served model takes images yet) within these; a
-# client's image is never a local path, and the body cap (--max-body-bytes) bounds the bytes first
+# a text-only model's image parts are checked (and then refused) within these; a client's image is
+# never a local path, and the body cap (--max-body-bytes) bounds the bytes first
 IMAGE_LIMITS = ImageLimits(allow_local_files=False)
 
 
@@ -79,6 +89,7 @@ class ServedModel:
     max_sequences: int  # most sequences (prompts x n) one request may ask for: the server's --max-waiting
     limits: RequestLimits = RequestLimits()
     reasoning_parser: str | None = None  # --reasoning-parser: "qwen3" splits chat replies' <think> blocks off
+    vision: ServedVision | None = None  # a Qwen3-VL model's image settings (None: text-only, images refused)
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,7 @@ class SequenceSpec:
     prompt_index: int
     prompt_ids: tuple[int, ...]
     params: SamplingParams
+    vision: VisionInputs | None = None  # the prompt's images (CPU tensors), whose tokens prompt_ids holds
 
 
 @dataclass(frozen=True)
@@ -110,6 +122,7 @@ class GenerationRequest:
     parallel_tool_calls: bool = True  # False: a reply's first call only
     best_of: int = 1  # sequences generated per prompt (>= n): the n likeliest are returned (completions)
     prompt_logprobs: int | None = None  # vLLM's extra: each prompt token's logprob, rank and top k (None: none)
+    images: int = 0  # images in the request's prompt (a Qwen3-VL model's chat)
 
 
 # --- fields ---------------------------------------------------------------------------------------
@@ -269,6 +282,8 @@ def completion_prompts(value: Any, model: ServedModel) -> list[list[int]]:
             except TokenizerError as exc:
                 raise invalid("prompt", str(exc)) from None
         prompts.append(_check_ids(list(item), model, "prompt"))
+        if model.vision is not None:
+            check_no_vision_tokens(prompts[-1], model.vision, "prompt")
     return prompts
 
 
@@ -377,8 +392,20 @@ def _tool_calls(calls: Any, index: int) -> list[Mapping[str, Any]]:
     return calls
 
 
-def chat_prompt(body: Mapping[str, Any], model: ServedModel, tools: list[Any] | None = None) -> list[int]:
-    """`messages` rendered with the artifact's chat template (plus chat_template_kwargs and `tools`)."""
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat request's prompt: token ids (each image's tokens expanded) and its images' inputs."""
+
+    ids: list[int]
+    vision: VisionInputs | None = None
+    images: int = 0
+
+
+def chat_prompt(body: Mapping[str, Any], model: ServedModel, tools: list[Any] | None = None) -> ChatPrompt:
+    """`messages` rendered with the artifact's chat template (plus chat_template_kwargs and `tools`).
+    For a Qwen3-VL model (model.vision) each image part becomes the image's tokens, checked in this
+    order (serve/images.py): the parts and the images' headers, the prompt's length with the images'
+    tokens against max_model_len, then the images decoded and preprocessed."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid(
@@ -394,12 +421,22 @@ def chat_prompt(body: Mapping[str, Any], model: ServedModel, tools: list[Any] | 
             "chat_template_kwargs",
             f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them from the request",
         )
-    _refuse_images(messages, model)
+    images = None
+    if model.vision is None:
+        _refuse_images(messages, model)
+    else:  # as Engine.chat: add_vision_id labels the images, and is not the template's to see
+        if "add_vision_id" in kwargs:
+            kwargs = {k: v for k, v in kwargs.items() if k != "add_vision_id"}
+            add_vision_id = bool(body["chat_template_kwargs"]["add_vision_id"])
+        else:
+            add_vision_id = False
+        images = split_chat_images(messages, model.vision, add_vision_id=add_vision_id)
     rendered = []
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise invalid("messages", f"messages[{index}] must be an object (got {shown(message)})", "invalid_type")
-        entry = {**message, "content": _text_content(message.get("content"), index)}
+        content = images.split.messages[index]["content"] if images is not None else message.get("content")
+        entry = {**message, "content": _text_content(content, index)}
         if message.get("tool_calls") is not None:
             entry["tool_calls"] = _tool_calls(message["tool_calls"], index)
         rendered.append(entry)
@@ -409,7 +446,27 @@ def chat_prompt(body: Mapping[str, Any], model: ServedModel, tools: list[Any] | 
         ids = model.tokenizer.encode_chat(rendered, **kwargs)
     except TokenizerError as exc:
         raise invalid("messages", str(exc)) from None
-    return _check_ids(ids, model, "messages")
+    if images is None:
+        return ChatPrompt(_check_ids(ids, model, "messages"))
+    if not images.split.images:
+        return ChatPrompt(_check_ids(expand_chat_ids(ids, None, model.vision), model, "messages"))
+    _check_length(len(ids) - len(images.token_counts) + sum(images.token_counts), model)  # before any decoding
+    inputs = load_chat_images(images, model.vision)
+    return ChatPrompt(
+        _check_ids(expand_chat_ids(ids, inputs, model.vision), model, "messages"), inputs, len(images.token_counts)
+    )
+
+
+def _check_length(prompt_len: int, model: ServedModel) -> None:
+    """A 400 for a prompt that leaves no room to generate (its images' tokens counted)."""
+    if prompt_len >= model.max_model_len:
+        raise invalid(
+            "messages",
+            f"This model's maximum context length is {model.max_model_len} tokens (max_model_len), and the prompt "
+            f"with its images has {prompt_len} tokens: at most {model.max_model_len - 1} leave room to generate. "
+            "Send fewer or smaller images, or shorten the prompt.",
+            "context_length_exceeded",
+        )
 
 
 # --- whole requests -------------------------------------------------------------------------------
@@ -449,9 +506,10 @@ def _build(
     *,
     chat: bool,
     constraint: StructuredOutput | None = None,
+    vision: VisionInputs | None = None,
 ) -> GenerationRequest:
     """`constraint`: the one tool_choice sets (required / a named function), besides which the body
-    may set no other."""
+    may set no other. `vision`: the (one) prompt's images, sent with each of its sequences."""
     temperature = _number(body, "temperature", 1.0)
     if temperature < 0:
         raise invalid("temperature", f"temperature must be >= 0 (got {temperature:g})")
@@ -517,7 +575,7 @@ def _build(
                 raise invalid(exc.problems[0].field, str(exc.problems[0])) from None
             except ValueError as exc:
                 raise invalid(None, str(exc)) from None
-            sequences.append(SequenceSpec(p * best_of + j, p, tuple(ids), params))
+            sequences.append(SequenceSpec(p * best_of + j, p, tuple(ids), params, vision))
     return GenerationRequest(
         chat,
         tuple(sequences),
@@ -696,8 +754,13 @@ def parse_chat(body: Any, model: ServedModel) -> GenerationRequest:
     max_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     requested = _int(body, max_param, None, minimum=1)
     tools, parse_calls, constraint = _tools(body, model)
-    prompt = chat_prompt(body, model, tools)
-    request = _build(body, [prompt], max_param, requested, None, model, chat=True, constraint=constraint)
+    chat = chat_prompt(body, model, tools)
+    prompt = chat.ids
+    request = _build(
+        body, [prompt], max_param, requested, None, model, chat=True, constraint=constraint, vision=chat.vision
+    )
+    if chat.images:
+        request = dataclasses.replace(request, images=chat.images)
     if parse_calls:
         request = dataclasses.replace(request, tools=True, parallel_tool_calls=_bool(body, "parallel_tool_calls", True))
     if model.reasoning_parser is None:

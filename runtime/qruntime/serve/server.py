@@ -73,6 +73,8 @@ def serve(options: ServeOptions, err: TextIO | None = None) -> None:
         ("--header-timeout", options.header_timeout),
         ("--body-timeout", options.body_timeout),
         ("--limit-concurrency", options.limit_concurrency),
+        ("--max-images-per-request", options.max_images_per_request),
+        ("--max-image-bytes", options.max_image_bytes),
     ):
         if not value > 0:
             raise RunError(f"{flag} must be > 0 (got {value})")
@@ -135,6 +137,8 @@ def _serve_on(
             limits=limits,
             api_key=options.api_key,
             reasoning_parser=options.reasoning_parser,
+            max_images=options.max_images_per_request,
+            max_image_bytes=options.max_image_bytes,
         )
     except BaseException:
         if isinstance(engine, EngineProcess):
