@@ -35,6 +35,8 @@ def test_help_lists_the_options(capsys):
         "--body-timeout",
         "--limit-concurrency",
         "--no-prefix-cache",
+        "--max-images-per-request",
+        "--max-image-bytes",
     ):
         assert flag in out, flag
     assert main(["--help"]) == 0 and "serve" in capsys.readouterr().out
@@ -73,7 +75,14 @@ def test_user_errors_are_one_line(tmp_path, art):
     assert "loaded" not in result.stderr  # the port is bound before the model loads, not after
     result = serve(art, "--max-waiting", 0)
     assert result.returncode == 1 and "error: --max-waiting must be >= 1" in result.stderr
-    for flag in ("--max-body-bytes", "--header-timeout", "--body-timeout", "--limit-concurrency"):
+    for flag in (
+        "--max-body-bytes",
+        "--header-timeout",
+        "--body-timeout",
+        "--limit-concurrency",
+        "--max-images-per-request",
+        "--max-image-bytes",
+    ):
         result = serve(art, flag, 0)
         assert result.returncode == 1 and f"error: {flag} must be > 0" in result.stderr
 

@@ -1,4 +1,5 @@
-"""Chat requests with image parts, to a server whose model is text-only (every model served today):
+"""Chat requests with image parts, to a server whose model is text-only (a Qwen3-VL model's are
+test_serve_vision_protocol.py's and test_serve_vision_app.py's):
 a 400 saying the model does not take images, and a malformed image part a 400 naming its message
 and part (qruntime.vision.prompt checks it first); never a 500, and other requests unaffected.
 Text-only content parts still render as the joined text. Parsing is tested without a server

@@ -2,7 +2,8 @@
 compiled by qcompile, with a tokenizer): chat completions with data-URL images return the greedy
 tokens Engine.chat gives for the same messages, with the engine on a thread of the server
 (`--engine thread`) and in a process of its own (the images cross its pipe); /metrics counts the
-images; a bad image is a 400 naming its part while a good request beside it runs unchanged."""
+images; a bad image is a 400 naming its part while a good request beside it runs unchanged; and
+`qruntime serve`'s --max-images-per-request / --max-image-bytes reach the checks."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from PIL import Image
 from qruntime import SamplingParams
 from qruntime.serve.app import build_app
 from qruntime.serve.engine_process import EngineProcess
-from serve_harness import CPU_LOAD, ThreadedServer, metrics, random_text, torch_threads
+from serve_harness import CPU_LOAD, ServerProcess, ThreadedServer, metrics, random_text, torch_threads
 from vl_artifact import compile_vl_artifact
 
 MODEL = "tiny-vl"
@@ -150,3 +151,20 @@ def test_a_bad_image_is_a_400_while_a_good_request_beside_it_runs(thread_client,
     assert good.status_code == 200, good.text
     assert good.json()["choices"][0]["token_ids"] == list(_expected(reference, good_messages, tokens).token_ids)
     assert thread_client.get("/health").json() == {"status": "ok"}
+
+
+def test_the_serve_commands_image_limits_hold(art, rng):
+    small, large = _png(rng, 8, 8), _png(rng, 48, 48)
+    with ServerProcess(art, "--max-images-per-request", "2", "--max-image-bytes", str(len(large) - 1)) as server:
+        post = lambda parts: httpx.post(  # noqa: E731
+            f"{server.url}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": parts}], "max_tokens": 2},
+            timeout=120,
+        )
+        answer = post([_part(small), {"type": "text", "text": "x"}, _part(small)])
+        assert answer.status_code == 200, answer.text
+        answer = post([_part(small)] * 3)
+        assert answer.status_code == 400 and "messages[0].content[2]: more than 2 images" in answer.text
+        answer = post([_part(large)])
+        assert answer.status_code == 400 and "max_image_bytes" in answer.text
+        assert answer.json()["error"]["message"].startswith("messages[0].content[0]: ")
