@@ -5,7 +5,6 @@ activations, never the model (KV-cache calibration and the draft-layer search ru
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,7 +51,9 @@ class SourceLayers:
                 f"{what} runs the source model with transformers: pip install 'qcompile[reference]'"
             ) from exc
         self.checkpoint = checkpoint
-        self.config = AutoConfig.from_pretrained(Path(checkpoint.path))
+        self.config = (
+            _text_config(checkpoint) if checkpoint.spec.vision else AutoConfig.from_pretrained(checkpoint.path)
+        )
         self.config._attn_implementation = "sdpa"  # with no mask, sdpa attends causally
         self.config._experts_implementation = "eager"
         if checkpoint.spec.moe is not None:
@@ -82,3 +83,25 @@ class SourceLayers:
             module = self.layer(index)
             yield index, module
             del module
+
+
+def _text_config(checkpoint: Checkpoint) -> Any:
+    """A Qwen3-VL checkpoint's text decoder as a Qwen3 (or Qwen3-MoE) config: what calibration and the
+    draft-layer search run on text alone, where M-RoPE's three positions are equal and so its rotary is
+    plain RoPE at the same theta. transformers' Qwen3-VL MoE blocks always renormalize the top-k weights."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    spec = checkpoint.spec
+    text = {k: v for k, v in checkpoint.config["text_config"].items() if k not in _VL_ONLY_KEYS}
+    text.update(
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+        tie_word_embeddings=spec.tie_word_embeddings,
+        max_position_embeddings=spec.max_position_embeddings,
+    )
+    if spec.moe is None:
+        return Qwen3Config(**text)
+    return Qwen3MoeConfig(**text, norm_topk_prob=True)
+
+
+# text_config keys of a Qwen3-VL checkpoint that mean something else (or nothing) to a Qwen3 config
+_VL_ONLY_KEYS = frozenset({"model_type", "rope_scaling", "rope_parameters", "rope_theta", "architectures"})
