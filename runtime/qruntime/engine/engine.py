@@ -55,6 +55,7 @@ from qruntime.engine.multimodal import (
     encode_pending,
     image_prompt_ids,
     request_images,
+    step_images,
 )
 from qruntime.engine.outputs import InvalidRequest, RequestOutput, StreamDelta, Timings, TokenLogprob
 from qruntime.engine.prefix_cache import PrefixCacheStats
@@ -310,7 +311,9 @@ class Engine:
         tracked = [self._tracked[output.chunks[i].request.request_id] for i in rows]
         try:
             pending_rows = previous.rows if previous is not None else {}
-            images = self._step_images(output) if self.vision is not None else {}
+            images = {}
+            if self.vision is not None:  # the step's requests with images, their embeddings made first if needed
+                images = step_images(output.chunks, lambda i: self._tracked[i].images, self.vision, self.runner.device)
             chunks = [
                 StepChunk.of(c, pending_rows.get(c.request.request_id), images.get(c.request.request_id))
                 for c in output.chunks
@@ -795,24 +798,6 @@ class Engine:
         if not deltas and not self._scheduled and self._in_flight is None:  # every later step would be this one
             raise RuntimeError("the scheduler has unfinished requests but scheduled nothing, with no step in flight")
         return deltas
-
-    def _step_images(self, output: SchedulerOutput) -> dict[str, RequestImages]:
-        """The images of the step's requests that have any, each request's embeddings computed first if
-        its chunk holds image tokens: one encoder call for every such request of the step."""
-        images = {}
-        for c in output.chunks:
-            state = self._tracked[c.request.request_id].images
-            if state is not None:
-                images[c.request.request_id] = state
-        pending = [
-            images[c.request.request_id]
-            for c in output.chunks
-            if c.request.request_id in images
-            and images[c.request.request_id].needs_encoder(c.start, c.start + c.num_tokens)
-        ]
-        if pending:
-            encode_pending(pending, self.vision, self.runner.device)
-        return images
 
     def _prepare(self, prompt: Prompt) -> PreparedPrompt:
         """A prompt checked and turned into token ids; with images (a Qwen3-VL engine), their tokens

@@ -138,6 +138,29 @@ def encode_pending(pending: Sequence[RequestImages], model: VisionModel, device:
         start += r.rows.size
 
 
+def step_images(
+    chunks: Sequence[object],
+    images_of: Callable[[str], RequestImages | None],
+    model: VisionModel,
+    device: torch.device,
+) -> dict[str, RequestImages]:
+    """The images of a step's requests that have any (request id -> images), each one's embeddings
+    computed first if its chunk reaches an image token: one encoder call for all of them.
+    `chunks`: the scheduler's chunks (request, start, num_tokens)."""
+    images: dict[str, RequestImages] = {}
+    pending = []
+    for chunk in chunks:
+        request_id = chunk.request.request_id  # type: ignore[attr-defined]
+        state = images_of(request_id)
+        if state is None:
+            continue
+        images[request_id] = state
+        if state.needs_encoder(chunk.start, chunk.start + chunk.num_tokens):  # type: ignore[attr-defined]
+            pending.append(state)
+    encode_pending(pending, model, device)
+    return images
+
+
 @dataclass(frozen=True)
 class ImagePrompt:
     """A prompt with images for a Qwen3-VL engine: text (or token ids) holding, for each image in
