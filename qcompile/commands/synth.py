@@ -1,4 +1,4 @@
-"""`qcompile synth PRESET -o DIR`: write a random-weight Qwen3 checkpoint, no model hub needed."""
+"""`qcompile synth PRESET -o DIR`: write a random-weight Qwen3 (or Qwen3-VL) checkpoint, no model hub needed."""
 
 from __future__ import annotations
 
@@ -69,10 +69,11 @@ def command(
     recipe_name: str | None,
     tp: int | None,
 ) -> None:
-    """Write a random-weight Qwen3 checkpoint of PRESET, with a locally trained tokenizer.
+    """Write a random-weight Qwen3 or Qwen3-VL checkpoint of PRESET, with a locally trained tokenizer.
 
-    The directory is a Hugging Face checkpoint (config.json, safetensors shards, tokenizer files)
-    that transformers and `qcompile compile` load like a published one. Weights are bf16 random
+    The directory is a Hugging Face checkpoint (config.json, safetensors shards, tokenizer files; a
+    Qwen3-VL preset adds preprocessor_config.json and its vision tower under model.visual.) that
+    transformers and `qcompile compile` load like a published one. Weights are bf16 random
     values (normal(0, 0.02); norms around 1) fixed by --seed; nothing is downloaded.
 
     With --artifact it is instead a synthetic artifact, compiled from a sparse checkpoint of PRESET
@@ -97,7 +98,7 @@ def command(
     )
     with bar:
         result = write_checkpoint(
-            plan.config, output, seed=seed, max_shard_bytes=max_shard_bytes, progress=bar.update, force=force
+            preset, output, seed=seed, max_shard_bytes=max_shard_bytes, progress=bar.update, force=force
         )
     files = "1 file" if result.shards == 1 else f"{result.shards} shards"
     click.echo(

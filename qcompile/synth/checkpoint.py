@@ -2,7 +2,8 @@
 
 The directory holds what a published Qwen3 checkpoint holds: config.json, safetensors shards
 (`model.safetensors`, or `model-0000k-of-0000n.safetensors` + `model.safetensors.index.json`),
-tokenizer.json, tokenizer_config.json, special_tokens_map.json and generation_config.json. It
+tokenizer.json, tokenizer_config.json, special_tokens_map.json and generation_config.json (and a
+Qwen3-VL model's preprocessor_config.json). It
 appears at its path only when complete (`atomic_output_dir`).
 """
 
@@ -24,14 +25,16 @@ from qcompile.errors import ArtifactError
 from qcompile.io.atomic import atomic_output_dir, check_target
 from qcompile.io.safetensors_stream import OutputTensor
 from qcompile.source.checkpoint import INDEX_FILE, SINGLE_FILE
-from qcompile.source.model import expected_tensors
 from qcompile.source.spec import ModelSpec
 from qcompile.synth.presets import Preset, get_preset
 from qcompile.synth.tokenizer import write_tokenizer_files
+from qcompile.synth.vl_presets import published_preprocessor
+from qcompile.synth.vl_tensors import checkpoint_tensors
 from qcompile.synth.weights import Progress, write_shard
 from qcompile.units import human_bytes
 
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # Hugging Face's "5GB" default
+PREPROCESSOR_FILE = "preprocessor_config.json"
 SIDE_FILES_ALLOWANCE = 64 << 20  # config, tokenizer (~6 MB at Qwen's vocab size), headers, slack
 
 
@@ -42,6 +45,7 @@ class CheckpointPlan:
     config: dict[str, Any]
     spec: ModelSpec
     shards: tuple[Shard, ...]
+    preprocessor: dict[str, Any] | None = None  # preprocessor_config.json of a Qwen3-VL model
 
     @property
     def parameters(self) -> int:
@@ -88,7 +92,7 @@ def plan_checkpoint(
     dtype: torch.dtype = getattr(torch, spec.dtype)
     groups: list[list[OutputTensor]] = [[]]
     size = 0
-    for name, shape in expected_tensors(spec).items():
+    for name, shape in checkpoint_tensors(spec).items():
         tensor = OutputTensor(name, dtype, shape)
         if groups[-1] and size + tensor.nbytes > max_shard_bytes:
             groups.append([])
@@ -102,7 +106,18 @@ def plan_checkpoint(
         shards = tuple(
             Shard(f"model-{i:05d}-of-{count:05d}.safetensors", tuple(group)) for i, group in enumerate(groups, 1)
         )
-    return CheckpointPlan(config, spec, shards)
+    return CheckpointPlan(config, spec, shards, _preprocessor(preset_or_config, config))
+
+
+def _preprocessor(preset_or_config: str | Preset | Mapping[str, Any], config: dict[str, Any]) -> dict[str, Any] | None:
+    """A vision model's preprocessor_config.json: its preset's, else the published one with the
+    tower's patch sizes; None for a text model."""
+    if "vision_config" not in config:
+        return None
+    preset = get_preset(preset_or_config) if isinstance(preset_or_config, str) else preset_or_config
+    if isinstance(preset, Preset) and preset.preprocessor() is not None:
+        return preset.preprocessor()
+    return published_preprocessor(config["vision_config"])
 
 
 def check_free_space(target: Path, needed: int) -> None:
@@ -144,6 +159,8 @@ def write_checkpoint(
     preflight(plan, target, force)
     with atomic_output_dir(target, force) as tmp:
         _write_json(tmp / "config.json", plan.config)
+        if plan.preprocessor is not None:
+            _write_json(tmp / PREPROCESSOR_FILE, plan.preprocessor)
         write_tokenizer_files(plan.config, tmp)
         try:
             for shard in plan.shards:

@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import Any
 
 from qcompile.errors import QCompileError
+from qcompile.synth import vl_presets as vl
 
 QWEN_BOS_ID = 151643  # <|endoftext|>
 QWEN_EOS_ID = 151645  # <|im_end|>
@@ -36,14 +37,21 @@ class Preset:
     name: str
     source: str
     config_json: str  # the config as canonical JSON text, so the registry cannot be mutated
+    preprocessor_json: str | None = None  # a Qwen3-VL preset's preprocessor_config.json
 
     @classmethod
-    def of(cls, name: str, source: str, config: Mapping[str, Any]) -> Preset:
-        return cls(name, source, json.dumps(config))
+    def of(
+        cls, name: str, source: str, config: Mapping[str, Any], preprocessor: Mapping[str, Any] | None = None
+    ) -> Preset:
+        return cls(name, source, json.dumps(config), None if preprocessor is None else json.dumps(preprocessor))
 
     def config(self) -> dict[str, Any]:
         """A fresh copy of the config.json dict."""
         return json.loads(self.config_json)
+
+    def preprocessor(self) -> dict[str, Any] | None:
+        """A fresh copy of the preprocessor_config.json dict (None: not a vision model)."""
+        return None if self.preprocessor_json is None else json.loads(self.preprocessor_json)
 
 
 def _dense(hidden: int, inter: int, layers: int, heads: int, kv: int, tied: bool, **changed: Any) -> dict[str, Any]:
@@ -167,6 +175,42 @@ def _tiny_moe() -> dict[str, Any]:
     )
 
 
+def _tiny_vl(moe: bool) -> dict[str, Any]:
+    """Qwen3-VL at test size (tests/qwen3_vl_checkpoints.py's shapes over the tiny vocabulary): 3 text
+    layers, a 3-block tower of patch 4 with DeepStack after blocks 0 and 2; MoE: 4 experts, top 2,
+    layer 1 dense, its own head."""
+    specials = TINY_TRAINED_VOCAB
+    text = vl.text_config(
+        64,
+        128,
+        3,
+        4,
+        2,
+        bos=specials,
+        head_dim=16,
+        max_position_embeddings=4096,
+        rope_scaling={"mrope_interleaved": True, "mrope_section": [4, 2, 2], "rope_type": "default"},
+        rope_theta=10000.0,
+        vocab_size=_round_up(specials + TINY_SPECIALS, 32),
+    )
+    if moe:
+        text = vl.moe_text_config(text, 32, 4, 2, mlp_only_layers=[1])
+    tower = dict(depth=3, hidden_size=32, intermediate_size=48, deepstack_visual_indexes=[0, 2])
+    vision = vl.vision_config(tower, 64, num_heads=2, num_position_embeddings=16, patch_size=4)
+    return vl.vl_config(text, vision, tied=not moe)
+
+
+# images a few tokens each: sides multiples of 8 (patch 4 x merge 2), at most 48 x 48 pixels
+TINY_VL_PREPROCESSOR = {
+    "size": {"longest_edge": 48 * 48, "shortest_edge": 64},
+    "patch_size": 4,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
+
+
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -197,9 +241,15 @@ def _registry() -> Mapping[str, Preset]:
         Preset.of("qwen3-32b", hub + "32B", _dense(5120, 25600, 64, 64, 8, tied=False)),
         Preset.of("qwen3-30b-a3b", hub + "30B-A3B", _moe(2048, 6144, 768, 48, 32, 4)),
         Preset.of("qwen3-235b-a22b", hub + "235B-A22B", _moe(4096, 12288, 1536, 94, 64, 4)),
+        *(
+            Preset.of(name, repo, config, vl.published_preprocessor(config["vision_config"]))
+            for name, repo, config in vl.vl_presets()
+        ),
         Preset.of("tiny", "test", _tiny()),
         Preset.of("tiny-tied", "test", _tiny(tie_word_embeddings=True)),
         Preset.of("tiny-moe", "test", _tiny_moe()),
+        Preset.of("tiny-vl", "test", _tiny_vl(moe=False), TINY_VL_PREPROCESSOR),
+        Preset.of("tiny-vl-moe", "test", _tiny_vl(moe=True), TINY_VL_PREPROCESSOR),
         # non-power-of-two everything, and a vocabulary with no padding rows
         Preset.of(
             "tiny-odd",

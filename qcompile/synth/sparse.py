@@ -13,8 +13,7 @@ from pathlib import Path
 
 from qcompile.io.safetensors_stream import StreamingWriter
 from qcompile.source.checkpoint import INDEX_FILE
-from qcompile.synth.checkpoint import plan_checkpoint
-from qcompile.synth.presets import get_preset
+from qcompile.synth.checkpoint import PREPROCESSOR_FILE, plan_checkpoint
 from qcompile.synth.tokenizer import write_tokenizer_files
 
 SHARD_BYTES = 5_000_000_000
@@ -22,9 +21,11 @@ SHARD_BYTES = 5_000_000_000
 
 def write_sparse_checkpoint(preset: str, path: Path) -> int:
     """Headers and holes for PRESET at `path` (created): returns the checkpoint's apparent size in bytes."""
-    plan = plan_checkpoint(get_preset(preset).config(), SHARD_BYTES)
+    plan = plan_checkpoint(preset, SHARD_BYTES)
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps(plan.config, indent=2))
+    if plan.preprocessor is not None:
+        (path / PREPROCESSOR_FILE).write_text(json.dumps(plan.preprocessor, indent=2))
     write_tokenizer_files(plan.config, path)
     weight_map = {}
     for shard in plan.shards:

@@ -58,6 +58,13 @@ QWEN_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
     ("</think>", False),
 )
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+# a Qwen3-VL config.json's token ids -> the added token each names
+VISION_TOKENS = {
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+}
 MAX_TRAINED_VOCAB = 8192  # enough merges for realistic token counts; more would not train in a second
 SPLIT_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -143,8 +150,10 @@ class TokenizerLayout:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> TokenizerLayout:
-        """The layout whose ids match the config's bos/eos ids and fit in its vocab_size."""
-        bos, eos, vocab = config.get("bos_token_id"), config.get("eos_token_id"), config.get("vocab_size")
+        """The layout whose ids match the config's bos/eos ids and fit in its vocab_size (a Qwen3-VL
+        config's text_config ones), and, for Qwen3-VL, whose vision tokens are the config's ids."""
+        text = text_part(config)
+        bos, eos, vocab = text.get("bos_token_id"), text.get("eos_token_id"), text.get("vocab_size")
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in (bos, eos, vocab)):
             raise ArtifactError(
                 f"config needs integer bos_token_id, eos_token_id and vocab_size to lay out a tokenizer, "
@@ -163,6 +172,12 @@ class TokenizerLayout:
                 f"vocab_size {vocab} is too small for the tokenizer: its {len(QWEN_ADDED_TOKENS)} added "
                 f"tokens start at bos_token_id {bos}, so vocab_size must be at least {layout.size}"
             )
+        for key, token in VISION_TOKENS.items():
+            if key in config and config[key] != layout.token_id(token):
+                raise ArtifactError(
+                    f"{key} {config[key]!r} must be {layout.token_id(token)}, the id of {token} among the "
+                    f"added tokens that start at bos_token_id {bos}, as in Qwen's vocabulary"
+                )
         return layout
 
     @property
@@ -173,6 +188,13 @@ class TokenizerLayout:
     def token_id(self, content: str) -> int:
         names = [name for name, _ in QWEN_ADDED_TOKENS]
         return self.specials_start + names.index(content)
+
+
+def text_part(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The part of a config.json holding the text model's ids: a Qwen3-VL config's text_config, else
+    the config itself."""
+    text = config.get("text_config")
+    return text if isinstance(text, Mapping) else config
 
 
 def training_corpus(limit: int = CORPUS_BYTES) -> list[str]:
@@ -265,11 +287,12 @@ def tokenizer_config(layout: TokenizerLayout) -> dict[str, Any]:
 
 def generation_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """generation_config.json: stop on <|im_end|> or <|endoftext|>, greedy by default."""
-    bos = config["bos_token_id"]
+    text = text_part(config)
+    bos = text["bos_token_id"]
     return {
         "bos_token_id": bos,
         "do_sample": False,
-        "eos_token_id": [config["eos_token_id"], bos],
+        "eos_token_id": [text["eos_token_id"], bos],
         "pad_token_id": bos,
     }
 

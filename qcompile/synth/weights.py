@@ -38,8 +38,9 @@ class Init:
 
 
 def init_for(name: str) -> Init:
-    """RMSNorm weights (…norm.weight, …_layernorm.weight) around 1, everything else around 0."""
-    if name.endswith(("norm.weight", "layernorm.weight")):
+    """Norm weights (…norm.weight, …_layernorm.weight, the vision tower's …norm1 / norm2.weight) around 1,
+    everything else (biases included) around 0."""
+    if name.endswith(("norm.weight", "layernorm.weight", "norm1.weight", "norm2.weight")):
         return Init(1.0, NORM_STD)
     return Init(0.0, LINEAR_STD)
 

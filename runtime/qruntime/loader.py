@@ -400,7 +400,9 @@ def _vision_model(root: Path, manifest: dict, config: RankConfig) -> VisionModel
         preprocess = VisionPreprocessConfig.from_dict(entry["preprocessor"])
     except (TypeError, ValueError) as exc:
         raise ArtifactFormatError(f"{root / 'manifest.json'}: vision: {exc}") from exc
-    encoder = load_vision_encoder(root, entry, config.device, config.dtype, listed=config.listed)
+    encoder = load_vision_encoder(
+        root, entry, config.device, config.dtype, listed=config.listed, synthetic=config.synthetic
+    )
     width = (1 + entry["deepstack_layers"]) * manifest["spec"]["hidden_size"]
     return VisionModel(encoder, tokens, preprocess, width)
 

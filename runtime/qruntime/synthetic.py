@@ -12,8 +12,8 @@ packed int4 weights (int32 words of eight codes) uniform random bits with code -
 codes are symmetric (-7..7, 0 twice as often: std sqrt(17.5), mean 0; a code mean of -0.5 would
 add the same multiple of sum(x) to every output, the common part that collapses attention and
 routing, see below) with scales 0.02/sqrt(17.5) x U(0.5, 1.5) (dequantized std ~0.02 as FP8's),
-other matrices N(0, 0.02), 1-D tensors (norms) 1 + N(0, 0.02), except the attention's q/k norms,
-QK_NORM_SCALE x (1 + N(0, 0.02)). Each tensor's values are a function of its name alone, so a tensor
+other matrices and biases (the vision tower's) N(0, 0.02), other 1-D tensors (norms) 1 + N(0, 0.02),
+except the attention's q/k norms, QK_NORM_SCALE x (1 + N(0, 0.02)). Each tensor's values are a function of its name alone, so a tensor
 replicated over tensor-parallel ranks is equal on every rank.
 
 Why the q/k norms are larger: with weights near 1 the attention logits of random weights are ~N(0, 1)
@@ -105,6 +105,8 @@ def random_tensor(
     if name.endswith(INT4_SCALE):
         scale = torch.rand(shape, generator=generator, device=device, dtype=torch.float32).add_(0.5)
         return out.copy_(scale.mul_(WEIGHT_STD / (INT4_SPREAD if int4_scale else FP8_SPREAD)))
+    if name.endswith(".bias"):  # the vision tower's biases (Qwen3's text model has none)
+        return _fill_normal(out, 0.0, WEIGHT_STD, generator)
     if len(shape) == 1:
         scale = QK_NORM_SCALE if name.endswith(QK_NORMS) else 1.0
         return _fill_normal(out, scale, WEIGHT_STD * scale, generator)

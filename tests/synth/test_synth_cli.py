@@ -54,7 +54,9 @@ def test_help_lists_presets_with_sizes():
     lines = {line.split()[0]: line for line in result.output.splitlines() if line.strip().startswith(("qwen3", "tiny"))}
     assert "8.19B" in lines["qwen3-8b"] and "16.38 GB" in lines["qwen3-8b"]
     assert "235.09B" in lines["qwen3-235b-a22b"] and "MoE" in lines["qwen3-235b-a22b"]
-    assert len(lines) == 12
+    assert "8.77B" in lines["qwen3-vl-8b"] and "dense" in lines["qwen3-vl-8b"]
+    assert "235.67B" in lines["qwen3-vl-235b-a22b"] and "235B-A22B-Instruct" in lines["qwen3-vl-235b-a22b"]
+    assert len(lines) == 20
 
 
 def test_interruption_leaves_nothing(tmp_path, monkeypatch):

@@ -34,8 +34,12 @@ PUBLISHED_BILLIONS = {
 }
 
 
+REAL_VL = ["qwen3-vl-2b", "qwen3-vl-4b", "qwen3-vl-8b", "qwen3-vl-32b", "qwen3-vl-30b-a3b", "qwen3-vl-235b-a22b"]
+
+
 def test_registry_lists_real_then_tiny_presets():
-    assert preset_names() == REAL + TINY
+    tiny = ["tiny", "tiny-tied", "tiny-moe", "tiny-vl", "tiny-vl-moe", "tiny-odd"]
+    assert preset_names() == REAL + REAL_VL + tiny  # Qwen3-VL's: tests/synth/test_synth_vl_presets.py
 
 
 @pytest.mark.parametrize("name", REAL + TINY)

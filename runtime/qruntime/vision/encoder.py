@@ -135,11 +135,14 @@ def load_vision_encoder(
     dtype: torch.dtype,
     *,
     listed: Container[str] | None = None,
+    synthetic: bool = False,
 ) -> VisionEncoder:
     """The encoder of the artifact at `root`: manifest["vision"]'s `graph` (default vision.onnx) with
     its weights mapped from the artifact's safetensors, and `tower_config` (the checkpoint's
-    vision_config). `listed`: the manifest's files, the only ones the graph may name."""
+    vision_config). `listed`: the manifest's files, the only ones the graph may name. `synthetic`:
+    a synthetic artifact's (qruntime.synthetic): random weights made on `device` instead."""
     from qruntime.rank import read_graph
+    from qruntime.synthetic import random_initializers
     from qruntime.weights import load_initializers
 
     if "tower_config" not in manifest_vision:
@@ -151,7 +154,7 @@ def load_vision_encoder(
     path = artifact_path(Path(root), manifest_vision.get("graph", VISION_GRAPH), listed=listed)
     graph = read_graph(path)
     device = torch.device(device)
-    weights = load_initializers(root, graph, device, dtype, listed=listed)
+    weights = (random_initializers if synthetic else load_initializers)(root, graph, device, dtype, listed=listed)
     try:
         return VisionEncoder(graph, weights, config, device, dtype)
     except PlanError as exc:
