@@ -21,6 +21,12 @@ tied model is its own `lm_head.weight` and config.json says `tie_word_embeddings
 it). An FP8 KV cache adds `model.layers.{i}.self_attn.k_scale` / `v_scale` ([1], model dtype) and
 the `kv_cache_scheme`.
 
+A Qwen3-VL artifact exports to what transformers 5.17's Qwen3VL(Moe)ForConditionalGeneration loads
+(`qwen3_vl.py`): the text tensors under `model.language_model.`, the tower's `model.visual.*` as
+they were (and in the quantization_config's ignore list), unquantized MoE experts stacked into
+`mlp.experts.gate_up_proj` / `down_proj` (quantized ones are refused), and preprocessor_config.json
+from the manifest's vision entry.
+
 Order of work: read the manifest (tp 1 only), check the target, verify every file against its
 sha256, lay the output tensors out over shards from the manifest alone, then stream: each source
 part is read from the artifact and written at its place in a shard whose header was fixed up front,
@@ -34,12 +40,12 @@ import errno
 import json
 import shutil
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 import torch
-import yaml
 from qruntime import bounded_json
 from qruntime.artifact import ArtifactFormatError, artifact_path
 from qruntime.manifest_schema import QUANT_PARAM_ROLES
@@ -49,7 +55,8 @@ from qcompile.errors import ExportError
 from qcompile.io.atomic import atomic_output_dir, check_free_space, check_target
 from qcompile.io.safetensors_stream import DTYPES, OutputTensor, StreamingWriter
 from qcompile.progress import progress_bar
-from qcompile.publish.model_card import base_model_name, describe_scheme
+from qcompile.publish import qwen3_vl
+from qcompile.publish.export_readme import export_readme
 from qcompile.publish.unfuse import compressed_names, scale_of, split_with_schemes, zero_point_of
 from qcompile.quant import get_scheme
 from qcompile.quant.int4 import PER_INT32, pack_rows_int4
@@ -62,6 +69,17 @@ SINGLE_FILE = "model.safetensors"
 DEFAULT_MAX_SHARD = 5 * 10**9  # Hugging Face's default max_shard_size, "5GB"
 
 Group = tuple[OutputTensor, ...]  # tensors that share a shard: a weight and its scale, a layer's K/V scales
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Where one tensor of the artifact's sources goes: `output` at byte `offset` (0 but for a
+    Qwen3-VL expert's rows of its stacked tensor), with the dtype and shape it must have."""
+
+    output: str
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
 
 
 def export_compressed_tensors(
@@ -84,14 +102,14 @@ def export_compressed_tensors(
     if output.resolve() == root.resolve() or output.resolve() in root.resolve().parents:
         raise ExportError(f"{output}: the export would replace the artifact it reads; choose another directory")
     require_verified(root, manifest, progress, ExportError, "exported")
-    groups, kv_values = _layout(manifest)
+    groups, pieces, kv_values = _layout(manifest)
     shards = _shards(groups, max_shard_bytes)
     total = sum(t.nbytes for shard in shards.values() for t in shard)
     check_free_space(output.parent, total, "the export", ExportError)
     with atomic_output_dir(output, force) as tmp:
         with progress_bar(total, "export", progress) as bar:
             try:
-                _write_weights(tmp, root, shards, kv_values, bar.update)
+                _write_weights(tmp, root, shards, pieces, kv_values, bar.update)
             except OSError as exc:
                 if exc.errno == errno.ENOSPC:
                     raise ExportError(f"{output}: the disk filled up while writing weights ({exc})") from exc
@@ -103,12 +121,14 @@ def export_compressed_tensors(
         lm_head = any(t.name.startswith("lm_head.") for g in groups for t in g)
         config = _config(root, manifest, lm_head)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        if qwen3_vl.is_vision(manifest):
+            (tmp / qwen3_vl.PREPROCESSOR_FILE).write_text(qwen3_vl.preprocessor_json(manifest), encoding="utf-8")
         for rel in manifest["files"]:
             if rel in (*TOKENIZER_FILES, GENERATION_FILE) or (
                 rel.startswith(("LICENSE", "LICENCE")) and "/" not in rel
             ):
                 shutil.copyfile(_confined(root, rel, manifest), tmp / rel)
-        (tmp / "README.md").write_text(_readme(manifest, config), encoding="utf-8")
+        (tmp / "README.md").write_text(export_readme(manifest, config), encoding="utf-8")
         names = sorted(p.name for p in tmp.iterdir())
     return names
 
@@ -126,11 +146,21 @@ def _confined(root: Path, rel: str, manifest: dict[str, Any]) -> Path:
         raise ExportError(str(exc)) from exc
 
 
-def _layout(manifest: dict[str, Any]) -> tuple[list[Group], dict[str, torch.Tensor]]:
+def _layout(manifest: dict[str, Any]) -> tuple[list[Group], dict[str, Piece], dict[str, torch.Tensor]]:
     """Every tensor the export writes, grouped, in the order `split_to_sources` yields them (the K/V
-    scales last, with their values), from the manifest alone."""
-    tensors = manifest["tensors"]
-    groups: list[Group] = []
+    scales last, with their values), and where each tensor `_sources` yields goes (a Qwen3-VL
+    expert's weight: its rows of the stacked tensor), from the manifest alone."""
+    tensors, vision = manifest["tensors"], qwen3_vl.is_vision(manifest)
+    rename = qwen3_vl.checkpoint_name if vision else (lambda name: name)
+    groups: list[Group | str] = []  # a str: the place of the stacked experts tensor of that name
+    pieces: dict[str, Piece] = {}
+    experts: dict[str, list[qwen3_vl.ExpertPart]] = {}
+
+    def place(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> OutputTensor:
+        out = OutputTensor(rename(name), dtype, shape)
+        pieces[name] = Piece(out.name, 0, dtype, shape)
+        return out
+
     for name, info in tensors.items():
         if info["role"] in QUANT_PARAM_ROLES:  # a scale or zero point: placed with its weight
             continue
@@ -139,21 +169,32 @@ def _layout(manifest: dict[str, Any]) -> tuple[list[Group], dict[str, torch.Tens
         shape = info["shape"][1:] if info["stacked"] else info["shape"]
         for parts in info["parts"]:
             for source, begin, end in parts:
+                part = (end - begin, *shape[1:])  # as stored (packed int4: words of 8 columns)
+                stack = qwen3_vl.expert_stack(source) if vision else None
+                if stack is not None:  # written into its stacked tensor, unquantized
+                    qwen3_vl.check_expert_scheme(source, info["scheme"], scheme.quantized)
+                    if stack not in experts:
+                        groups.append(stack)
+                    experts.setdefault(stack, []).append((source, DTYPES[info["dtype"]], part))
+                    continue
                 weight_name, scale_name, shape_name = compressed_names(
                     "lm_head.weight" if info["role"] == "lm_head" else source, scheme
                 )
-                part = (end - begin, *shape[1:])  # as stored (packed int4: words of 8 columns)
-                group = [OutputTensor(weight_name, DTYPES[info["dtype"]], part)]
+                group = [place(weight_name, DTYPES[info["dtype"]], part)]
                 if scale is not None:
                     scale_shape = (1,) if scheme.per_tensor else scheme.scale_shape(scheme.logical_shape(part))
-                    group.append(OutputTensor(scale_name, DTYPES[scale["dtype"]], tuple(scale_shape)))
+                    group.append(place(scale_name, DTYPES[scale["dtype"]], tuple(scale_shape)))
                 if shape_name is not None:
-                    group.append(OutputTensor(shape_name, torch.int64, (2,)))
+                    group.append(place(shape_name, torch.int64, (2,)))
                 if scheme.zero_point:  # one code per group scale, packed along the rows eight to a word
                     rows, cols = scheme.logical_shape(part)
                     zp_shape = (-(-rows // PER_INT32), cols // scheme.int4.group_size)
-                    group.append(OutputTensor(zero_point_of(weight_name), torch.int32, zp_shape))
+                    group.append(place(zero_point_of(weight_name), torch.int32, zp_shape))
                 groups.append(tuple(group))
+    for stack, parts in experts.items():
+        out, offsets = qwen3_vl.stack_layout(stack, parts)
+        groups[groups.index(stack)] = (out,)
+        pieces |= {source: Piece(out.name, offsets[source], dtype, shape) for source, dtype, shape in parts}
     kv = manifest["kv_cache"]
     values: dict[str, torch.Tensor] = {}
     if kv["dtype"] != "bf16":
@@ -168,9 +209,9 @@ def _layout(manifest: dict[str, Any]) -> tuple[list[Group], dict[str, torch.Tens
             for kind in ("k", "v"):
                 name = f"model.layers.{i}.self_attn.{kind}_scale"
                 values[name] = torch.tensor([kv["scales"][f"{kind}_scale"][i]], dtype=torch.float32).to(dtype)
-                group.append(OutputTensor(name, dtype, (1,)))
+                group.append(place(name, dtype, (1,)))
             groups.append(tuple(group))
-    return groups, values
+    return [g for g in groups if not isinstance(g, str)], pieces, values
 
 
 def _check_parts(name: str, info: dict[str, Any]) -> None:
@@ -219,27 +260,37 @@ def _sources(root: Path, kv_values: dict[str, torch.Tensor]) -> Iterator[tuple[s
 
 
 def _write_weights(
-    tmp: Path, root: Path, shards: dict[str, Group], kv_values: dict[str, torch.Tensor], advance: Callable[[int], Any]
+    tmp: Path,
+    root: Path,
+    shards: dict[str, Group],
+    pieces: dict[str, Piece],
+    kv_values: dict[str, torch.Tensor],
+    advance: Callable[[int], Any],
 ) -> None:
-    """Stream every tensor into its shard; each file is opened at its first tensor and closed at its
-    last. Every planned tensor must arrive exactly once, as planned (a strict bijection)."""
-    planned = {t.name: (file, t) for file, shard in shards.items() for t in shard}
-    left = {file: len(shard) for file, shard in shards.items()}
+    """Stream every tensor into its shard, at its place in its output tensor; each file is opened at
+    its first piece and closed at its last. Every planned piece must arrive exactly once, as planned
+    (a strict bijection)."""
+    file_of = {t.name: file for file, shard in shards.items() for t in shard}
+    planned = dict(pieces)
+    left: dict[str, int] = {}
+    for piece in planned.values():
+        left[file_of[piece.output]] = left.get(file_of[piece.output], 0) + 1
     writers: dict[str, StreamingWriter] = {}
     try:
         for name, tensor in _sources(root, kv_values):
             if name not in planned:
                 raise ExportError(f"{root}: tensor {name!r} is not in the manifest's layout, or comes twice")
-            file, out = planned.pop(name)
-            if tensor.dtype != out.dtype or tuple(tensor.shape) != out.shape:
+            piece = planned.pop(name)
+            if tensor.dtype != piece.dtype or tuple(tensor.shape) != piece.shape:
                 raise ExportError(
                     f"{root}: tensor {name!r} is {tensor.dtype} {list(tensor.shape)}, but the manifest makes it "
-                    f"{out.dtype} {list(out.shape)}; the artifact is inconsistent"
+                    f"{piece.dtype} {list(piece.shape)}; the artifact is inconsistent"
                 )
+            file = file_of[piece.output]
             if file not in writers:
                 writers[file] = StreamingWriter(tmp / file, list(shards[file]), metadata={"format": "pt"})
-            writers[file].write(name, 0, tensor)
-            advance(out.nbytes)
+            writers[file].write(piece.output, piece.offset, tensor)
+            advance(tensor.numel() * tensor.element_size())
             left[file] -= 1
             if not left[file]:
                 writers.pop(file).close()
@@ -266,57 +317,9 @@ def _config(root: Path, manifest: dict[str, Any], lm_head: bool) -> dict[str, An
     config.pop("quantization_config", None)
     if lm_head and config.get("tie_word_embeddings"):
         config["tie_word_embeddings"] = False  # an FP8 lm_head from the tied embedding is its own tensor
+        if isinstance(config.get("text_config"), dict) and "tie_word_embeddings" in config["text_config"]:
+            config["text_config"]["tie_word_embeddings"] = False  # Qwen3-VL's: transformers reads the top one
     if qconfig is not None:
-        config["quantization_config"] = qconfig
+        vision = qwen3_vl.is_vision(manifest)
+        config["quantization_config"] = qwen3_vl.vision_quantization_config(qconfig) if vision else qconfig
     return config
-
-
-def _readme(manifest: dict[str, Any], config: dict[str, Any]) -> str:
-    source, recipe, kv = manifest["source"], manifest["recipe"], manifest["kv_cache"]
-    scheme = recipe["quantization"]["scheme"]
-    base = base_model_name(source["path"], config)
-    meta: dict[str, Any] = {"base_model": base}
-    meta |= {k: source[k] for k in ("license", "license_name", "license_link") if source.get(k)}
-    int4 = get_scheme(scheme).int4 is not None
-    fp8 = "quantization_config" in config and (not int4 or kv["dtype"] != "bf16")
-    tags = ["compressed-tensors", "qcompile", "qwen3"] + (["int4"] if int4 else []) + (["fp8"] if fp8 else [])
-    meta |= {"library_name": "transformers", "pipeline_tag": "text-generation", "tags": tags}
-    kept = ""
-    if get_scheme(scheme).quantized:
-        ignored = ", ".join(f"`{p}`" for p in recipe["quantization"]["ignore"])
-        kept = f"- Kept in the model dtype: embeddings, norms{', ' + ignored if ignored else ''}\n"
-    if kv["dtype"] == "bf16":
-        cache = "KV cache: bf16 (no scales)."
-    else:
-        calibrated = "calibrated at compile time" if kv["scales"].get("calibrated") else "1.0, not calibrated"
-        cache = f"KV cache: {kv['dtype']}, per-layer `k_scale` / `v_scale` {calibrated} (`kv_cache_scheme`)."
-    return (
-        "---\n" + yaml.safe_dump(meta, sort_keys=False, allow_unicode=True) + "---\n\n"
-        f"# {base.rsplit('/', 1)[-1]}-{recipe['name']} (compressed-tensors)\n\n"
-        "Exported from a qcompile artifact with `qcompile export --format compressed-tensors`: the source "
-        "checkpoint's tensor names, quantized as llm-compressor writes them, with a compressed-tensors "
-        "`quantization_config` in config.json.\n\n"
-        f"- Source: `{source['path']}`, fingerprint (sha256) `{source['fingerprint']}`\n"
-        f"- Recipe: `{recipe['name']}`; {describe_scheme(scheme)}\n"
-        f"{kept}"
-        f"- {cache}\n"
-        f"- Made by qcompile {manifest['toolchain'].get('qcompile')}\n\n"
-        f"{_loads_with(get_scheme(scheme), config)}\n"
-    )
-
-
-def _loads_with(scheme: Any, config: dict[str, Any]) -> str:
-    """What the README says loads the export. Asymmetric int4 experts are the exception: transformers
-    5.17 builds each expert without its weight_zero_point and refuses the checkpoint (llm-compressor's
-    own W4A16_ASYM MoE checkpoints alike; tests/compile/test_prequantized_w4a16_zp.py checks both)."""
-    if scheme.zero_point and config.get("num_experts"):
-        return (
-            "Asymmetric int4 experts (`weight_zero_point`): transformers 5.17 does not load this checkpoint "
-            "(its expert decompression drops the zero points; llm-compressor's own asymmetric MoE checkpoints "
-            "fail the same way). Loading by vLLM or SGLang has not been tested."
-        )
-    return (
-        "Loads with transformers (`pip install compressed-tensors`; "
-        "`AutoModelForCausalLM.from_pretrained(path)`), vLLM (`vllm serve path`) and SGLang "
-        "(`python -m sglang.launch_server --model-path path`)."
-    )
