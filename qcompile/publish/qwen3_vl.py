@@ -77,10 +77,10 @@ def stack_layout(stack: str, parts: list[ExpertPart]) -> tuple[OutputTensor, dic
         match = _EXPERT.fullmatch(part[0])
         if match is None:
             raise ValueError(f"{part[0]!r} is not an expert's weight")
-        kinds = by_expert.setdefault(int(match[2]), {})
-        if match[3] in kinds:
+        slots = by_expert.setdefault(int(match[2]), {})
+        if match[3] in slots:
             raise ExportError(f"manifest.json: expert weight {part[0]!r} comes twice")
-        kinds[match[3]] = part
+        slots[match[3]] = part
     kinds = ("gate", "up") if stack.endswith(".gate_up_proj") else ("down",)
     first = by_expert.get(0, {})
     if sorted(by_expert) != list(range(len(by_expert))) or any(k not in first for k in kinds):
@@ -88,18 +88,20 @@ def stack_layout(stack: str, parts: list[ExpertPart]) -> tuple[OutputTensor, dic
             f"manifest.json: the experts of {stack!r} are {sorted(by_expert)} with {sorted(first)} weights; "
             f"a stacked tensor needs experts 0..E-1, each with its {' and '.join(kinds)} weight"
         )
-    want = {kind: first[kind][1:] for kind in kinds}  # (dtype, shape) of each kind, as expert 0's
-    dtype, cols = first[kinds[0]][1], first[kinds[0]][2][1]
+    dtype, cols = first[kinds[0]][1], first[kinds[0]][2][1]  # expert 0's first kind sets them for all
+    want = {kind: (dtype, (first[kind][2][0], cols)) for kind in kinds}
     rows = [want[kind][1][0] for kind in kinds]
+    if len(set(rows)) != 1:  # transformers halves gate_up_proj's rows into gate and up
+        raise ExportError(f"manifest.json: the experts of {stack!r} have {rows[0]} gate rows but {rows[1]} up rows")
     offsets: dict[str, int] = {}
     for expert, got in sorted(by_expert.items()):
         for i, kind in enumerate(kinds):
             part = got.get(kind)
-            if part is None or part[1:] != want[kind] or part[1] != dtype or part[2][1] != cols:
+            if part is None or part[1:] != want[kind]:
                 shown = "missing" if part is None else f"{part[1]} {list(part[2])}"
                 raise ExportError(
-                    f"manifest.json: expert {expert} of {stack!r}: its {kind} weight is {shown}, but expert 0's "
-                    f"is {want[kind][0]} {list(want[kind][1])}; stacked experts need equal shapes and dtypes"
+                    f"manifest.json: expert {expert} of {stack!r}: its {kind} weight is {shown}, but the stacked "
+                    f"tensor needs {want[kind][0]} {list(want[kind][1])} (expert 0's; one dtype and width for all)"
                 )
             offsets[part[0]] = (expert * sum(rows) + sum(rows[:i])) * cols * dtype.itemsize
     return OutputTensor(stack, dtype, (len(by_expert), sum(rows), cols)), offsets
