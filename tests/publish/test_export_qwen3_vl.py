@@ -349,3 +349,23 @@ def test_a_failed_export_leaves_nothing(fail, artifact, tmp_path, monkeypatch, r
     assert sum(".experts." in name for name in calls) == stop
     assert result.exit_code == (130 if fail is KeyboardInterrupt else 1), result.output
     assert beside(tmp_path, "ct") == []
+
+
+def test_sharded_export_streams_each_expert_into_its_shard(source, artifact, exported, tmp_path):
+    """--max-shard-size small enough that the stacked experts spread over several files: the same
+    tensors as the single-file export, and transformers loads them (nothing missing or unexpected)."""
+    out = tmp_path / "sharded"
+    result = run("export", artifact("moe", "bf16"), "-o", out, "--max-shard-size", "20kB", "--no-progress")
+    assert result.exit_code == 0, result.output
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    stacks = {index["weight_map"][n] for n in index["weight_map"] if n.endswith((".gate_up_proj", ".down_proj"))}
+    assert len(files) > 3 and len(stacks) > 1
+    single = tensors(exported("moe", "bf16"))
+    sharded: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(out / file), framework="pt") as handle:
+            sharded |= {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 (not a dict)
+    assert set(sharded) == set(single) == set(index["weight_map"])
+    assert all(torch.equal(sharded[name], single[name]) for name in single)
+    load_export("moe", out)
