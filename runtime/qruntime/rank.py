@@ -245,13 +245,15 @@ def build_rank(
     if cuda_graphs:  # every rank captures the same buckets in the same order: the graphs hold the all-reduces
         buckets = [b for b in DEFAULT_BUCKETS if b <= config.max_num_seqs] or [config.max_num_seqs]
         graphs = DecodeGraphs(plan, kv_cache, blocks, max_model_len, buckets, mrope=mrope, vision=vision)
-        # a plan that mixes rows (per-tensor activation scales) runs its other steps eagerly instead, as
-        # do Qwen3-VL graphs' for now (their steps with prefill: positions [3, T], image rows)
-        if unfit_reason(plan) is None and not mrope:
+        # a plan that mixes rows (per-tensor activation scales) runs its other steps eagerly instead (as
+        # a Qwen3-VL engine runs its steps holding image rows)
+        if unfit_reason(plan) is None:
             tokens = token_buckets(config.max_num_batched_tokens)
-            piecewise = PiecewiseGraphs(plan, kv_cache, tokens, blocks, max_model_len)
+            piecewise = PiecewiseGraphs(plan, kv_cache, tokens, blocks, max_model_len, mrope=mrope, vision=vision)
             if mixed_unfit_reason(plan) is None:  # whole-step graphs where attention launches from bounds
-                mixed = MixedGraphs(plan, kv_cache, tokens, blocks, max_model_len, config.max_num_seqs)
+                mixed = MixedGraphs(
+                    plan, kv_cache, tokens, blocks, max_model_len, config.max_num_seqs, mrope=mrope, vision=vision
+                )
     runner = ModelRunner(plan, kv_cache, device, max_model_len, graphs, piecewise, shard, mrope=mrope, vision=vision)
     if cuda_graphs:  # every rank runs them (their collectives pair up): the kernels of mixed steps build now
         # without the mixed graphs (their kernels built at capture): the piecewise and eager steps'

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from qruntime.engine.piecewise_graphs import Capture, cuda_capture, smallest_bucket, unfit_reason
+from qruntime.engine.piecewise_graphs import Capture, cuda_capture, qwen3_vl_inputs, smallest_bucket, unfit_reason
 from qruntime.engine.transfer import host_buffer
 from qruntime.kv_cache import KVCache
 from qruntime.ops.base import AttentionMetadata, StepContext
@@ -62,6 +62,8 @@ class MixedGraphs:
         max_context_len: int,
         max_seqs: int,
         capture: Capture | None = None,
+        mrope: bool = False,
+        vision: tuple[int, torch.dtype] | None = None,
     ) -> None:
         reason = mixed_unfit_reason(plan)
         if reason is not None:
@@ -86,6 +88,7 @@ class MixedGraphs:
             "block_tables": torch.full((max_seqs, max_blocks), scratch_block, dtype=torch.int32, device=device),
             "context_lens": torch.zeros(max_seqs, dtype=torch.int32, device=device),
             "query_start_loc": torch.zeros(max_seqs + 1, dtype=torch.int32, device=device),  # no sequences
+            **qwen3_vl_inputs(size, device, mrope, vision),
         }
         if capture is None:
             capture = cuda_capture(torch.cuda.graph_pool_handle())
@@ -108,7 +111,7 @@ class MixedGraphs:
         )
 
     def _feeds(self, bucket: int) -> dict[str, torch.Tensor]:
-        return {name: buf[:bucket] if name in self.padding else buf for name, buf in self.inputs.items()}
+        return {name: buf[..., :bucket] if name in self.padding else buf for name, buf in self.inputs.items()}
 
     def _capture(self, bucket: int, capture: Capture):
         plan, stop = self.plan, self.tail.start
@@ -131,8 +134,8 @@ class MixedGraphs:
         inputs = self.inputs
         for name, pad in self.padding.items():
             buf = inputs[name]
-            buf[:tokens].copy_(feeds[name])
-            buf[tokens:bucket].fill_(pad)
+            buf[..., :tokens].copy_(feeds[name])
+            buf[..., tokens:bucket].fill_(pad)
         tables = feeds["block_tables"]
         inputs["block_tables"][:seqs, : tables.shape[1]].copy_(tables)
         inputs["context_lens"][:seqs].copy_(feeds["context_lens"])

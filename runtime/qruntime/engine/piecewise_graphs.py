@@ -128,6 +128,22 @@ class EagerPiece:
     into: Mapping[str, torch.Tensor]  # [bucket, ...] static buffer of each output a later piece reads
 
 
+def qwen3_vl_inputs(
+    size: int, device: torch.device, mrope: bool, vision: tuple[int, torch.dtype] | None
+) -> dict[str, torch.Tensor]:
+    """A Qwen3-VL graph's static inputs beyond Qwen3's: positions [3, size] (M-RoPE; padding rows at 0)
+    in place of [size], and empty image rows (vision_rows [0, 1], vision_embeds [0, width]), the
+    ScatterNDs then launching nothing. A step with image rows runs eagerly (ModelRunner.execute)."""
+    inputs = {}
+    if mrope:
+        inputs["positions"] = torch.zeros((3, size), dtype=torch.int64, device=device)
+    if vision is not None:
+        width, dtype = vision
+        inputs["vision_rows"] = torch.zeros((0, 1), dtype=torch.int64, device=device)
+        inputs["vision_embeds"] = torch.zeros((0, width), dtype=dtype, device=device)
+    return inputs
+
+
 class PiecewiseGraphs:
     """Piecewise graphs of `plan` for token counts up to max(buckets); `run(feeds, meta)` pads the
     step's token inputs into the static buffers and replays its bucket (see the module docstring).
@@ -141,6 +157,8 @@ class PiecewiseGraphs:
         scratch_block: int,
         max_context_len: int,
         capture: Capture | None = None,
+        mrope: bool = False,
+        vision: tuple[int, torch.dtype] | None = None,
     ) -> None:
         reason = unfit_reason(plan)
         if reason is not None:
@@ -155,7 +173,11 @@ class PiecewiseGraphs:
         self.padding = {"input_ids": 0, "positions": 0, "slot_mapping": scratch_block * kv_cache.spec.block_size}
         size = self.buckets[-1]
         self.inputs = {
-            name: torch.full((size,), pad, dtype=torch.int64, device=self.device) for name, pad in self.padding.items()
+            **{
+                name: torch.full((size,), pad, dtype=torch.int64, device=self.device)
+                for name, pad in self.padding.items()
+            },
+            **qwen3_vl_inputs(size, self.device, mrope, vision),
         }
         self._last_reader = {name: i for i, node in enumerate(plan.nodes) for name in node.inputs}
         self._buffers: list[tuple[torch.Tensor, int]] = []  # (buffer, node index of its holder's last reader)
@@ -198,7 +220,8 @@ class PiecewiseGraphs:
         step, sequence_feeds = self._capture_step(bucket)
         for name, pad in self.padding.items():
             self.inputs[name].fill_(pad)
-        static = {**weights, **sequence_feeds, **{name: buf[:bucket] for name, buf in self.inputs.items()}}
+        static = {**weights, **sequence_feeds}
+        static.update((name, buf[..., :bucket] if name in self.padding else buf) for name, buf in self.inputs.items())
         last_piece = {name: i for i, piece in enumerate(self.pieces) for name in piece.reads}
         stages: list[Callable[[], None] | EagerPiece] = []
         for i, piece in enumerate(self.pieces):
@@ -266,8 +289,8 @@ class PiecewiseGraphs:
             raise ValueError(f"a step of {tokens} tokens fits no bucket of {list(self.buckets)}")
         for name, pad in self.padding.items():
             buf = self.inputs[name]
-            buf[:tokens].copy_(feeds[name])
-            buf[tokens:bucket].fill_(pad)
+            buf[..., :tokens].copy_(feeds[name])
+            buf[..., tokens:bucket].fill_(pad)
         step, env = StepContext(self.kv_cache, meta), {}
         for stage in self.stages[bucket]:
             if not isinstance(stage, EagerPiece):
