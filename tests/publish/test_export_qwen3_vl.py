@@ -369,3 +369,28 @@ def test_sharded_export_streams_each_expert_into_its_shard(source, artifact, exp
     assert set(sharded) == set(single) == set(index["weight_map"])
     assert all(torch.equal(sharded[name], single[name]) for name in single)
     load_export("moe", out)
+
+
+def test_fp8_kv_cache_scales_load_into_the_text_attention(tmp_path, rng):
+    """`qcompile synth tiny-vl` (bf16, with a tokenizer to calibrate with) compiled ptpc-fp8-kv8 and
+    exported: each text layer's k_scale / v_scale sit under model.language_model. and transformers
+    loads them into its attention modules, equal to the manifest's scales in bf16."""
+    ckpt, art, out, calib = tmp_path / "ckpt", tmp_path / "art", tmp_path / "ct", tmp_path / "calib.txt"
+    words = ["def", "return", "self", "import", "class", "(", ")", ":", "x", "=", "+", "1", "for", "in", "\n"]
+    calib.write_text(" ".join(rng.choice(words) for _ in range(2000)))
+    assert run("synth", "tiny-vl", "-o", ckpt, "--seed", rng.randrange(1 << 30)).exit_code == 0
+    compiled = run("compile", ckpt, "-o", art, "-q", "--recipe", "ptpc-fp8-kv8", "--calib", calib)
+    assert compiled.exit_code == 0, compiled.output
+    result = run("export", art, "-o", out, "--no-progress")
+    assert result.exit_code == 0, result.output
+    kv = json.loads((art / "manifest.json").read_text())["kv_cache"]
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["kv_cache_scheme"]["num_bits"] == 8 and config["kv_cache_scheme"]["strategy"] == "tensor"
+    model, info = Qwen3VLForConditionalGeneration.from_pretrained(out, dtype=torch.bfloat16, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    layers = model.model.language_model.layers
+    assert len(layers) == kv["num_layers"]
+    for i, layer in enumerate(layers):
+        for kind in ("k", "v"):
+            want = torch.tensor([kv["scales"][f"{kind}_scale"][i]]).to(torch.bfloat16)
+            assert torch.equal(getattr(layer.self_attn, f"{kind}_scale").detach(), want)
