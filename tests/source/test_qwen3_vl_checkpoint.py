@@ -11,18 +11,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from qwen3_vl_checkpoints import MOE, VISION, write_checkpoint
+from qwen3_vl_checkpoints import TEXT as BASE_TEXT
+from qwen3_vl_checkpoints import TOKEN_IDS as IDS
 from safetensors.torch import load_file, save_file
-from transformers import (
-    Qwen3VLConfig,
-    Qwen3VLForConditionalGeneration,
-    Qwen3VLMoeConfig,
-    Qwen3VLMoeForConditionalGeneration,
-)
 
 from qcompile.compile.pipeline import compile_checkpoint, prepare
 from qcompile.errors import CheckpointError
@@ -31,53 +27,24 @@ from qcompile.source.checkpoint import Checkpoint
 from qcompile.source.model import expected_tensors
 from qcompile.source.spec import ModelSpec
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "runtime" / "vision"))
-from vision_random_models import randomize, seeded  # noqa: E402
-
-IDS = dict(image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123)
-VISION = dict(
-    depth=3,
-    hidden_size=32,
-    intermediate_size=48,
-    num_heads=2,
-    patch_size=4,
-    temporal_patch_size=2,
-    spatial_merge_size=2,
-    in_channels=3,
-    out_hidden_size=48,
-    num_position_embeddings=16,
-    deepstack_visual_indexes=[0, 2],
-)
-TEXT = dict(
-    vocab_size=128,
-    hidden_size=48,
-    intermediate_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
+# the shared tiny model, with a norm epsilon, context and rope theta of its own (so the spec's fields
+# are seen to come from this config, not from defaults)
+TEXT_OVERRIDES = dict(
     rms_norm_eps=1e-5,
     max_position_embeddings=2048,
     rope_parameters=dict(rope_type="default", rope_theta=20000.0, mrope_section=[4, 2, 2], mrope_interleaved=True),
 )
+TEXT = dict(BASE_TEXT, **TEXT_OVERRIDES)
 # 2 * moe_intermediate_size != hidden_size: the transposed layout is told apart by its shape
-MOE_TEXT = dict(TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=20, mlp_only_layers=[1])
+MOE_TEXT = dict(TEXT, **MOE)
 STACKED = ".mlp.experts."
 
 
 @pytest.fixture(scope="module", params=["dense", "moe", "moe-transposed"])
 def saved(request, tmp_path_factory):
     """(checkpoint dir, transformers state_dict): dense tied, MoE untied, MoE with transposed experts."""
-    gen = seeded()
-    if request.param == "dense":
-        config = Qwen3VLConfig(vision_config=VISION, text_config=TEXT, tie_word_embeddings=True, **IDS)
-        model = Qwen3VLForConditionalGeneration(config)
-    else:
-        config = Qwen3VLMoeConfig(vision_config=VISION, text_config=MOE_TEXT, tie_word_embeddings=False, **IDS)
-        model = Qwen3VLMoeForConditionalGeneration(config)
-    randomize(model, gen)
     path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
+    model = write_checkpoint(path, "dense" if request.param == "dense" else "moe", text=TEXT_OVERRIDES)
     if request.param == "moe-transposed":
         tensors = load_file(path / "model.safetensors")
         swapped = {k: v.transpose(1, 2).contiguous() if STACKED in k else v for k, v in tensors.items()}

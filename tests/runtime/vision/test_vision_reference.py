@@ -17,44 +17,18 @@ import pytest
 import torch
 from qruntime.vision import load_reference
 from qruntime.vision.reference import read_config
+from qwen3_vl_checkpoints import END, IMAGE, MOE, START, TEXT, VISION, write_checkpoint
+from qwen3_vl_checkpoints import TOKEN_IDS as IDS
 from safetensors.torch import load_file, save_file
 from transformers import (
-    Qwen3VLConfig,
-    Qwen3VLForConditionalGeneration,
     Qwen3VLMoeConfig,
     Qwen3VLMoeForConditionalGeneration,
 )
 from vision_random_models import randomize, seeded
 
 TOLERANCE = 1e-5  # max |ours - reference| / max |reference|
-IMAGE, VIDEO, START, END = 120, 121, 122, 123
 TEXT_IDS = range(0, IMAGE)
-IDS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
-VISION = dict(
-    depth=3,
-    hidden_size=32,
-    intermediate_size=48,
-    num_heads=2,
-    patch_size=4,
-    temporal_patch_size=2,
-    spatial_merge_size=2,
-    in_channels=3,
-    out_hidden_size=48,
-    num_position_embeddings=16,
-    deepstack_visual_indexes=[0, 2],  # two features: added after text layers 0 and 1 of 3
-)
-TEXT = dict(
-    vocab_size=128,
-    hidden_size=48,
-    intermediate_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    rms_norm_eps=1e-6,
-    rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2], mrope_interleaved=True),
-)
-MOE_TEXT = dict(TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=20, mlp_only_layers=[1])
+MOE_TEXT = dict(TEXT, **MOE)
 # 2 * moe_intermediate_size != hidden_size: a transposed gate_up_proj is told apart by its shape
 GRIDS = {0: [], 1: [(1, 4, 6)], 3: [(1, 8, 8), (2, 4, 4), (1, 2, 10)]}  # (t, h, w) in patches
 
@@ -62,17 +36,9 @@ GRIDS = {0: [], 1: [(1, 4, 6)], 3: [(1, 8, 8), (2, 4, 4), (1, 2, 10)]}  # (t, h,
 @pytest.fixture(scope="module", params=["dense", "moe"])
 def checkpoint(request, tmp_path_factory):
     """(checkpoint dir, its transformers model): dense with a tied head, MoE with its own."""
-    gen = seeded()
-    if request.param == "dense":
-        config = Qwen3VLConfig(vision_config=VISION, text_config=TEXT, tie_word_embeddings=True, **IDS)
-        model = Qwen3VLForConditionalGeneration(config)
-    else:
-        config = Qwen3VLMoeConfig(vision_config=VISION, text_config=MOE_TEXT, tie_word_embeddings=False, **IDS)
-        model = Qwen3VLMoeForConditionalGeneration(config)
-    randomize(model, gen)
     path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    return path, model.eval()
+    model = write_checkpoint(path, request.param)
+    return path, model
 
 
 def _prompt(grids: list[tuple[int, int, int]], rng: random.Random, merge: int = 2) -> list[int]:
