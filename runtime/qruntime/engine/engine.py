@@ -804,14 +804,14 @@ class Engine:
         expanded, preprocessed on the engine's device, and the prompt's M-RoPE positions."""
         if isinstance(prompt, PreparedPrompt):
             return prompt
-        vision, digests = None, None
+        vision = None
         if isinstance(prompt, ImagePrompt | MultimodalPrompt):
             if self.vision is None:
                 raise InvalidRequest("this model does not take images (it is not a Qwen3-VL artifact)")
             try:
                 if isinstance(prompt, ImagePrompt):
                     encode = self.tokenizer.encode
-                    ids, vision, digests = image_prompt_ids(prompt, self.vision, encode, self.runner.device)
+                    ids, vision = image_prompt_ids(prompt, self.vision, encode, self.runner.device)
                 else:
                     ids, vision = prompt.token_ids, prompt.vision
             except (ValueError, TokenizerError) as exc:  # ImageInputError is a ValueError
@@ -827,7 +827,7 @@ class Engine:
             return PreparedPrompt(ids)
         try:
             keyed = self.scheduler.config.prefix_caching  # blocks named by the images' digests
-            return PreparedPrompt(ids, request_images(ids, vision, self.vision.tokens, digests, keyed))
+            return PreparedPrompt(ids, request_images(ids, vision, self.vision.tokens, keyed=keyed))
         except ValueError as exc:  # runs of image tokens that disagree with the grids
             raise InvalidRequest(f"images: {exc}") from None
 

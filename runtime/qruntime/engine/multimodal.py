@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -99,8 +98,9 @@ def request_images(
     """The RequestImages of a prompt whose image tokens are expanded (one run per image, as
     prompt_images.expand_image_tokens writes them); `vision` None: a text prompt (positions equal on
     the three axes). A prompt whose runs disagree with the grids is a ValueError naming the image.
-    The prefix cache's keys: `digests` (one per image, e.g. decoded_digest's), else each image's
-    pixel_values hashed (image_digest; on a GPU that copies them to the host); none unless `keyed`."""
+    The prefix cache's keys: `digests` (one per image), else `vision.digests` (the decoded pixels'
+    sha256, preprocess.py), else each image's pixel_values hashed (image_digest; on a GPU that copies
+    them to the host); none unless `keyed`."""
     grids = vision.image_grid_thw if vision is not None else None
     mrope = mrope_positions(token_ids, tokens, grids)
     ids = np.asarray(token_ids, dtype=np.int64)
@@ -110,6 +110,7 @@ def request_images(
         raise ValueError(f"the prompt holds {rows.size} image tokens for images of {sum(counts)} tokens")
     keys: list[tuple[int, bytes]] = []
     if vision is not None and keyed:
+        digests = digests if digests is not None else (vision.digests or None)
         if digests is not None and len(digests) != len(counts):
             raise ValueError(f"{len(digests)} image digests for {len(counts)} images")
         offset, first = 0, 0
@@ -128,14 +129,6 @@ def image_digest(pixel_values: torch.Tensor, grid: Sequence[int]) -> bytes:
     data = pixel_values.detach().contiguous().cpu()
     head = f"pixel_values|{data.dtype}|{tuple(data.shape)}|{tuple(int(v) for v in grid)}|".encode()
     return hashlib.sha256(head + data.view(torch.uint8).numpy().tobytes()).digest()
-
-
-def decoded_digest(image: Any) -> bytes:
-    """sha256 of a decoded image (a PIL image: mode, size, pixels): the engine's preprocessing is a
-    function of these, so equal digests give equal patches; a few MB hashed on the host instead of the
-    patches' tens (a 1024 x 1024 image: 3 MB against 25 MB, which on a GPU would first come back)."""
-    head = f"decoded|{image.mode}|{image.size}|".encode()
-    return hashlib.sha256(head + image.tobytes()).digest()
 
 
 def encode_pending(pending: Sequence[RequestImages], model: VisionModel, device: torch.device) -> None:
@@ -202,18 +195,17 @@ class PreparedPrompt:
 
 def image_prompt_ids(
     prompt: ImagePrompt, model: VisionModel, encode: Callable[[str], list[int]], device: torch.device
-) -> tuple[list[int], VisionInputs | None, list[bytes]]:
-    """An ImagePrompt's token ids with each image's tokens expanded, its images preprocessed on
-    `device` and their decoded_digests (ImageInputError names the image at fault; ValueError a
-    placeholder count that is off)."""
+) -> tuple[list[int], VisionInputs | None]:
+    """An ImagePrompt's token ids with each image's tokens expanded, and its images preprocessed on
+    `device` (ImageInputError names the image at fault; ValueError a placeholder count that is off)."""
     if len(prompt.images) > model.limits.max_images:
         raise ValueError(f"{len(prompt.images)} images, more than the limit of {model.limits.max_images}")
     ids = encode(prompt.prompt) if isinstance(prompt.prompt, str) else list(prompt.prompt)
     if not prompt.images:
-        return ids, None, []
+        return ids, None
     limits = model.limits
     images = [
         load_image(i, max_pixels=limits.max_image_pixels, max_bytes=limits.max_image_bytes) for i in prompt.images
     ]
     vision = preprocess_images(images, model.preprocess, device=device, max_image_pixels=limits.max_image_pixels)
-    return expand_image_tokens(ids, vision.image_grid_thw, model.tokens), vision, [decoded_digest(i) for i in images]
+    return expand_image_tokens(ids, vision.image_grid_thw, model.tokens), vision

@@ -20,6 +20,7 @@ should make a GPU's result equal the CPU's (tested on CPU so far: tests/runtime/
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -130,6 +131,9 @@ class VisionInputs:
 
     pixel_values: torch.Tensor  # [sum of t*h*w over images, C * temporal_patch_size * patch_size**2] float32
     image_grid_thw: torch.Tensor  # [images, 3] int64: (t, h, w) in patches per image
+    # per image, sha256 of its decoded RGB pixels and size (what the patches are a function of, given
+    # the config): the prefix cache's name for it, hashed on the host before the patches are made
+    digests: tuple[bytes, ...] = ()
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -164,21 +168,25 @@ def preprocess_images(
     `pixel_values` and `image_grid_thw` for the same images. Tensors are on `device` (CPU if None)."""
     if not images:
         raise ValueError("preprocess_images: no images")
-    patches, grids = [], []
+    patches, grids, digests = [], [], []
     for source in images:
-        pixels, grid = _one(load_image(source, max_pixels=max_image_pixels), config, device)
+        pixels, grid, digest = _one(load_image(source, max_pixels=max_image_pixels), config, device)
         patches.append(pixels)
         grids.append(grid)
+        digests.append(digest)
     grid_thw = torch.tensor(grids, dtype=torch.int64, device=device)
-    return VisionInputs(pixel_values=torch.cat(patches) if len(patches) > 1 else patches[0], image_grid_thw=grid_thw)
+    pixel_values = torch.cat(patches) if len(patches) > 1 else patches[0]
+    return VisionInputs(pixel_values=pixel_values, image_grid_thw=grid_thw, digests=tuple(digests))
 
 
-def _one(image, config: VisionPreprocessConfig, device) -> tuple[torch.Tensor, tuple[int, int, int]]:
+def _one(image, config: VisionPreprocessConfig, device) -> tuple[torch.Tensor, tuple[int, int, int], bytes]:
     if config.do_convert_rgb and image.mode != "RGB":
         image = image.convert("RGB")
     elif image.mode != "RGB":
         raise ImageInputError(f"image mode {image.mode}: do_convert_rgb is off, so only RGB images are taken")
-    rgb = torch.from_numpy(np.array(image, dtype=np.uint8)).to(device)  # [H, W, 3] uint8
+    array = np.array(image, dtype=np.uint8)  # [H, W, 3]
+    digest = hashlib.sha256(f"rgb|{array.shape}|".encode() + array.tobytes()).digest()
+    rgb = torch.from_numpy(array).to(device)  # [H, W, 3] uint8
     x = rgb.permute(2, 0, 1)  # [3, H, W]
     height, width = x.shape[1:]
     if config.do_resize:
@@ -195,7 +203,7 @@ def _one(image, config: VisionPreprocessConfig, device) -> tuple[torch.Tensor, t
         mean = torch.tensor(config.image_mean, dtype=torch.float32, device=x.device)[:, None, None]
         std = torch.tensor(config.image_std, dtype=torch.float32, device=x.device)[:, None, None]
         x = (x.to(torch.float32) - mean) / std
-    return patchify(x.to(torch.float32), config)
+    return (*patchify(x.to(torch.float32), config), digest)
 
 
 def patchify(image: torch.Tensor, config: VisionPreprocessConfig) -> tuple[torch.Tensor, tuple[int, int, int]]:

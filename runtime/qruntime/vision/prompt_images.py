@@ -95,7 +95,7 @@ def load_prompt_images(
     if not split.images:
         return None
     probe_images(split, limits)
-    pixels, grids = [], []
+    pixels, grids, digests = [], [], []
     for ref in split.images:
         try:
             image = load_image(ref.source, max_pixels=limits.max_image_pixels, max_bytes=limits.max_image_bytes)
@@ -104,7 +104,8 @@ def load_prompt_images(
             raise PromptImageError(ref.message_index, ref.part_index, str(e)) from None
         pixels.append(one.pixel_values)
         grids.append(one.image_grid_thw)
-    return VisionInputs(pixel_values=torch.cat(pixels), image_grid_thw=torch.cat(grids))
+        digests += one.digests
+    return VisionInputs(pixel_values=torch.cat(pixels), image_grid_thw=torch.cat(grids), digests=tuple(digests))
 
 
 def image_token_counts(grids: torch.Tensor | Sequence[Sequence[int]], merge: int) -> list[int]:

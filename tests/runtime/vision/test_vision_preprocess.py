@@ -252,3 +252,22 @@ def test_gpu_equals_cpu(rng):
         assert gpu.pixel_values.is_cuda
         assert torch.equal(gpu.pixel_values.cpu(), cpu.pixel_values)
         assert torch.equal(gpu.image_grid_thw.cpu(), cpu.image_grid_thw)
+
+
+def test_digests_name_the_decoded_pixels(rng):
+    """Each image's digest (the prefix cache's name for it) is the same for the same pixels, whatever
+    form they come in, and changes with one value, the size or the pixels' order."""
+    pixels = np.random.default_rng(rng.randrange(1 << 30)).integers(0, 256, (20, 30, 3), dtype=np.uint8)
+    png = io.BytesIO()
+    Image.fromarray(pixels).save(png, format="PNG")
+    changed = pixels.copy()
+    changed[rng.randrange(20), rng.randrange(30), rng.randrange(3)] ^= 1
+    sources = [
+        Image.fromarray(pixels),
+        png.getvalue(),
+        Image.fromarray(changed),
+        Image.fromarray(pixels.reshape(30, 20, 3)),
+    ]
+    digests = preprocess_images(sources, QWEN3_VL).digests
+    assert len(digests) == 4 and digests[0] == digests[1]
+    assert len({digests[0], digests[2], digests[3]}) == 3
