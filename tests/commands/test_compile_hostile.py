@@ -26,6 +26,9 @@ from click.testing import CliRunner
 from qcompile.cli import main
 
 SECONDS = 2.0  # each refusal, in-process (the work bounded; a hang is the failure this catches)
+# a whole compile of tiny_ckpt (quantize and write): the issue-14 pattern ran past 20 s under `re`,
+# while a plain compile took 2.46 s once on a loaded 2-core machine (under -n 2 beside other work)
+COMPILE_SECONDS = 10.0
 PEAK_BYTES = 8 << 20  # Python allocations while refusing a config (tracemalloc's peak)
 MAX_MESSAGE = 600  # characters of the error line: echoed values are cut (qcompile.errors.shown)
 
@@ -521,7 +524,7 @@ def test_nested_quantifier_ignore_pattern_is_bounded(draw, rng, tiny_ckpt, tmp_p
     start = time.perf_counter()
     result = CliRunner().invoke(main, ["compile", str(tiny_ckpt), "-o", str(out), "-q", *_ignore(pattern)])
     elapsed = time.perf_counter() - start
-    assert elapsed < SECONDS, f"{elapsed:.2f} s: {pattern}"
+    assert elapsed < (SECONDS if result.exit_code else COMPILE_SECONDS), f"{elapsed:.2f} s: {pattern}"
     if result.exit_code:
         assert re.fullmatch(f"error: {TIMED_OUT}\n", result.output), result.output
         assert not out.exists()
@@ -548,7 +551,7 @@ def test_the_issue_pattern_compiles_at_once(tiny_ckpt, tmp_path):
     start = time.perf_counter()
     result = CliRunner().invoke(main, ["compile", str(tiny_ckpt), "-o", str(out), "-q", *_ignore("(.|.)*X")])
     assert result.exit_code == 0, result.output
-    assert time.perf_counter() - start < SECONDS
+    assert time.perf_counter() - start < COMPILE_SECONDS
 
 
 def _patterns_over_the_limit(rng: random.Random) -> list[str]:
