@@ -1,6 +1,6 @@
 """`qcompile export` of Qwen3-VL artifacts, loaded back by transformers 5.17.
 
-Tiny random Qwen3-VL checkpoints (dense with a tied head, MoE with its own head and a dense layer;
+Tiny random Qwen3-VL checkpoints (tests/qwen3_vl_checkpoints.py: dense with a tied head, MoE with its own head and a dense layer;
 float32, fresh seeds printed) are saved by transformers, compiled and exported; transformers loads
 every export with `from_pretrained` (missing / unexpected / mismatched keys all empty) and runs prompts
 with images:
@@ -35,13 +35,9 @@ from click.testing import CliRunner
 from PIL import Image
 from qruntime.engine.multimodal import ImagePrompt
 from qruntime.vision.preprocess import VisionPreprocessConfig, preprocess_images
+from qwen3_vl_checkpoints import END, IMAGE, PREPROCESSOR, START, write_checkpoint
 from safetensors import safe_open
-from transformers import (
-    Qwen3VLConfig,
-    Qwen3VLForConditionalGeneration,
-    Qwen3VLMoeConfig,
-    Qwen3VLMoeForConditionalGeneration,
-)
+from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
 
 import qcompile.publish.export
 from qcompile.cli import main
@@ -54,42 +50,6 @@ FP8_DB = 20.0
 EXACT_DB = 100.0
 PROMPTS = 3
 SOURCE_DB = 45.0
-IMAGE, VIDEO, START, END = 120, 121, 122, 123
-IDS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
-VISION = dict(
-    depth=3,
-    hidden_size=32,
-    intermediate_size=48,
-    num_heads=2,
-    patch_size=4,
-    temporal_patch_size=2,
-    spatial_merge_size=2,
-    in_channels=3,
-    out_hidden_size=48,
-    num_position_embeddings=16,
-    deepstack_visual_indexes=[0, 2],
-)
-TEXT = dict(
-    vocab_size=128,
-    hidden_size=48,
-    intermediate_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=512,
-    rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2], mrope_interleaved=True),
-)
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=20, mlp_only_layers=[1])
-PREPROCESSOR = {  # factor 8 (patch 4 x merge 2), at most 48 x 48 pixels: a few tokens an image
-    "patch_size": 4,
-    "temporal_patch_size": 2,
-    "merge_size": 2,
-    "size": {"shortest_edge": 64, "longest_edge": 48 * 48},
-    "image_mean": [0.5, 0.5, 0.5],
-    "image_std": [0.5, 0.5, 0.5],
-}
 SIZES = [(40, 24), (33, 47), (16, 16)]  # (width, height) of the images a prompt may hold
 CLASSES = {"dense": Qwen3VLForConditionalGeneration, "moe": Qwen3VLMoeForConditionalGeneration}
 NO_EXPERTS = "ptpc-fp8-noexperts"  # ptpc-fp8 with the MoE experts in its ignore list (no_experts_recipe)
@@ -123,19 +83,6 @@ def no_experts_recipe() -> Recipe:
     return recipe_from_dict({"name": NO_EXPERTS, "quantization": {"scheme": "ptpc-fp8", "ignore": ignore}}, "test")
 
 
-def _randomize(model: torch.nn.Module, gen: torch.Generator) -> None:
-    """Norm weights near 1, embeddings unit noise, the rest small (blocks stay well scaled)."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            if "norm" in name and name.endswith(".weight"):
-                param.copy_(1 + 0.2 * noise)
-            elif "pos_embed" in name or "embed_tokens" in name:
-                param.copy_(noise)
-            else:
-                param.copy_(0.2 * noise)
-
-
 # ------------------------------------------------------------------------------ cached runs
 
 
@@ -151,19 +98,8 @@ def source(work: Path):
 
     def get(kind: str) -> tuple[Path, torch.nn.Module]:
         if kind not in built:
-            seed = random.randrange(1 << 30)
-            print(f"{kind} checkpoint seed {seed}")
-            if kind == "dense":
-                config = Qwen3VLConfig(vision_config=VISION, text_config=TEXT, tie_word_embeddings=True, **IDS)
-            else:
-                text = dict(TEXT, **MOE)
-                config = Qwen3VLMoeConfig(vision_config=VISION, text_config=text, tie_word_embeddings=False, **IDS)
-            model = CLASSES[kind](config)
-            _randomize(model, torch.Generator().manual_seed(seed))
             path = work / f"{kind}-ckpt"
-            model.save_pretrained(path)
-            (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
-            built[kind] = path, model.eval()
+            built[kind] = path, write_checkpoint(path, kind)
         return built[kind]
 
     return get
