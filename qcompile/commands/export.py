@@ -50,6 +50,11 @@ def command(artifact: Path, fmt: str, output: Path, max_shard_bytes: int, force:
     a compressed-tensors `quantization_config` (none for bf16); tokenizer, generation config and
     license files come along, and a README.md naming the source fingerprint and recipe.
 
+    A Qwen3-VL artifact exports as transformers' Qwen3VL(Moe)ForConditionalGeneration checkpoint: text
+    tensors under model.language_model., the vision tower (never quantized, in the ignore list) as it
+    was, MoE experts stacked again, preprocessor_config.json from the artifact; an FP8 MoE's experts are
+    refused (transformers 5.17 loads no quantized stacked experts for Qwen3-VL-MoE).
+
     Every file of ARTIFACT is first checked against its manifest's sha256 (one that does not verify is
     refused). Tensors stream one at a time into safetensors shards of at most --max-shard-size; OUTPUT
     appears only when complete, and a failure or Ctrl-C leaves nothing behind. tp > 1 artifacts are
