@@ -108,6 +108,7 @@ def test_ids_and_pixels_equal_encode_prompts(model, tokenizer, images, rng):
         assert spec.vision.pixel_values.device.type == "cpu"
         assert torch.equal(spec.vision.pixel_values, want.vision.pixel_values)
         assert torch.equal(spec.vision.image_grid_thw, want.vision.image_grid_thw)
+        assert spec.vision.digests == want.vision.digests and len(spec.vision.digests) == images  # prefix-cache keys
     # every image's tokens are there, in a run after vision_start
     counts = (want.vision.image_grid_thw.prod(-1) // 4).tolist() if images else []
     assert request.sequences[0].prompt_ids.count(v.tokens.image_token_id) == sum(counts)
@@ -140,6 +141,7 @@ def test_sequences_cross_the_engine_pipe_intact(model, rng):
         assert after.prompt_ids == before.prompt_ids and after.params == before.params
         assert torch.equal(after.vision.pixel_values, before.vision.pixel_values)
         assert torch.equal(after.vision.image_grid_thw, before.vision.image_grid_thw)
+        assert after.vision.digests == before.vision.digests
 
 
 def test_more_images_or_bytes_than_the_limits_are_400s_naming_the_part(tokenizer, rng):
