@@ -77,19 +77,23 @@ def write_checkpoint(
     text: dict[str, Any] | None = None,
     vision: dict[str, Any] | None = None,
     dtype: torch.dtype = torch.float32,
+    token_ids: dict[str, int] | None = None,
+    tied: bool | None = None,
 ) -> torch.nn.Module:
     """A random `kind` ("dense": tied head; "moe": its own head, layer 1 dense) Qwen3-VL saved at
-    `path` with PREPROCESSOR; returns the transformers model (eval, float32). The seed is printed."""
+    `path` with PREPROCESSOR; returns the transformers model (eval, float32). The seed is printed.
+    `text` / `vision` / `token_ids` override the tiny configs' keys, `tied` the kind's head."""
     seed = random.randrange(1 << 30)
     print(f"checkpoint seed {seed}")
     text, vision = dict(TEXT, **(text or {})), dict(VISION, **(vision or {}))
+    ids = dict(TOKEN_IDS, **(token_ids or {}))
+    tied = (kind == "dense") if tied is None else tied
     if kind == "dense":
-        config = Qwen3VLConfig(vision_config=vision, text_config=text, tie_word_embeddings=True, **TOKEN_IDS)
+        config = Qwen3VLConfig(vision_config=vision, text_config=text, tie_word_embeddings=tied, **ids)
         model = Qwen3VLForConditionalGeneration(config)
     else:
-        config = Qwen3VLMoeConfig(
-            vision_config=vision, text_config=dict(text, **MOE), tie_word_embeddings=False, **TOKEN_IDS
-        )
+        text = dict(text, **MOE)
+        config = Qwen3VLMoeConfig(vision_config=vision, text_config=text, tie_word_embeddings=tied, **ids)
         model = Qwen3VLMoeForConditionalGeneration(config)
     randomize(model, torch.Generator().manual_seed(seed))
     model.to(dtype).save_pretrained(path)

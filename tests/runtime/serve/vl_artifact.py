@@ -6,12 +6,9 @@ the checkpoint's float32)."""
 
 from __future__ import annotations
 
-import json
-import random
 from pathlib import Path
 
-import torch
-from qwen3_vl_checkpoints import PREPROCESSOR, TEXT, VISION, randomize
+from qwen3_vl_checkpoints import write_checkpoint
 
 from qcompile.compile.pipeline import compile_checkpoint, prepare
 from qcompile.recipe.schema import load_recipe
@@ -21,32 +18,20 @@ from qcompile.synth.tokenizer import QWEN_ADDED_TOKENS, TokenizerLayout, write_t
 
 def write_vl_checkpoint(out: Path) -> Path:
     """The tiny Qwen3-VL checkpoint at `out`, with the tiny synthetic tokenizer and a preprocessor config."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-
     tiny = get_preset("tiny").config()  # its tokenizer: bos / eos, the 544-token vocabulary
     layout = TokenizerLayout.from_config(tiny)
     names = [name for name, _ in QWEN_ADDED_TOKENS]
-    keys = ("image_pad", "video_pad", "vision_start", "vision_end")
-    ids = {key: layout.specials_start + names.index(f"<|{key}|>") for key in keys}
-    text = dict(
-        TEXT, vocab_size=tiny["vocab_size"], bos_token_id=tiny["bos_token_id"], eos_token_id=tiny["eos_token_id"]
-    )
-    config = Qwen3VLConfig(
-        vision_config=VISION,
-        text_config=text,
-        tie_word_embeddings=False,
-        image_token_id=ids["image_pad"],
-        video_token_id=ids["video_pad"],
-        vision_start_token_id=ids["vision_start"],
-        vision_end_token_id=ids["vision_end"],
-    )
-    model = Qwen3VLForConditionalGeneration(config)
-    seed = random.randrange(1 << 30)
-    print(f"checkpoint seed {seed}")
-    randomize(model, torch.Generator().manual_seed(seed))
-    model.save_pretrained(out)
+    at = {key: layout.specials_start + names.index(f"<|{key}|>") for key in ("image_pad", "video_pad")}
+    at.update({key: layout.specials_start + names.index(f"<|{key}|>") for key in ("vision_start", "vision_end")})
+    token_ids = {
+        "image_token_id": at["image_pad"],
+        "video_token_id": at["video_pad"],
+        "vision_start_token_id": at["vision_start"],
+        "vision_end_token_id": at["vision_end"],
+    }
+    text = {key: tiny[key] for key in ("vocab_size", "bos_token_id", "eos_token_id")}
+    write_checkpoint(out, "dense", text=text, token_ids=token_ids, tied=False)
     write_tokenizer_files(tiny, out)
-    (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
     return out
 
 
