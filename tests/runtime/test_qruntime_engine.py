@@ -296,15 +296,19 @@ def test_min_tokens_holds_back_stop_strings(fp8_artifact, rng):
     token's own text, a stop string at once without it, is passed over with min_tokens (greedy: the
     same tokens either way, up to where the stop string next completes)."""
     engine = qruntime.load(fp8_artifact, device="cpu", num_kv_blocks=64)
-    for _ in range(20):  # random weights: a prompt whose first one or two tokens are not whitespace only
+    # random weights: a prompt whose first one or two tokens are not whitespace only, nor part of a
+    # character (decoded alone to U+FFFD, which the text never shows: the detokenizer holds such bytes
+    # back until the character completes, so no stop string of it matches where the test expects; CI
+    # at 2e4bb22 drew one)
+    for _ in range(20):
         prompt = [rng.randrange(500) for _ in range(rng.randrange(3, 20))]
         plain = engine.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0]
         stop = engine.tokenizer.decode(plain.token_ids[:1]).strip()
         if not stop:  # a token of whitespace only: the first two tokens' text
             stop = engine.tokenizer.decode(plain.token_ids[:2]).strip()
-        if stop:
+        if stop and "\ufffd" not in stop:
             break
-    assert stop and plain.text.lstrip().startswith(stop)
+    assert stop and "\ufffd" not in stop and plain.text.lstrip().startswith(stop)
     at_once = engine.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True, stop=(stop,)))[0]
     assert at_once.finish_reason == "stop" and stop not in at_once.text and len(at_once.token_ids) <= 2
     least = rng.randrange(3, 8)
