@@ -19,6 +19,8 @@ from qruntime.artifact import ArtifactFormatError
 from qruntime.vision import VisionTowerConfig, load_vision_tower
 from qruntime.vision.encoder import VisionEncoder, load_vision_encoder
 from safetensors.torch import load_file
+from test_vision_tower import TEXT
+from test_vision_tower import VISION as TOWER_VISION
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
@@ -29,30 +31,8 @@ from qcompile.graph.schemas import deregister_op_schemas, register_op_schemas
 
 TOLERANCE = 1e-5  # max |ours - reference| / max |reference|, per part
 
-VISION = {
-    "depth": 3,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_heads": 4,
-    "patch_size": 4,
-    "temporal_patch_size": 2,
-    "spatial_merge_size": 2,
-    "in_channels": 3,
-    "out_hidden_size": 48,
-    "num_position_embeddings": 36,  # a 6 x 6 grid: the 8 x 8 image upsamples it, the 2 x 10 one both ways
-    "deepstack_visual_indexes": [0, 2],
-    "hidden_act": "gelu_pytorch_tanh",
-}
-TEXT = {
-    "vocab_size": 96,
-    "hidden_size": 48,
-    "intermediate_size": 64,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 24,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 4, 4]},
-}
+# the tower test's tiny model, with three blocks and deepstack after the first and the last
+VISION = {**TOWER_VISION, "depth": 3, "deepstack_visual_indexes": [0, 2]}
 GRIDS = [(1, 4, 6), (1, 8, 8), (1, 2, 10), (2, 4, 4)]  # (t, h, w) in patches; the last has two frames
 # bare towers: (overrides of VISION, grids)
 BARE = {
