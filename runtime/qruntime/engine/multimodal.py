@@ -8,7 +8,7 @@ across requests. Its output stays with the request until it finishes (a preempte
 its prompt again from the same embeddings).
 
 The prefix cache names blocks by their tokens, and every image token is the same id: `image_keys`
-gives, per image, the prompt position of its first token and a digest of its pixels and grid, which
+gives, per image, the prompt position of its first token and a digest of its decoded pixels, which
 the scheduler mixes into the hash chain at that block (prefix_cache.extend_chain), so a block is
 found again only after the same images at the same places.
 """
@@ -50,13 +50,8 @@ class RequestImages:
     delta: int  # a token after the prompt sits at its index + delta on all three axes
     rows: np.ndarray  # [N] int64: the prompt's image-token positions, ascending
     inputs: VisionInputs | None  # the images' patches until encoded (then dropped)
-    counts: tuple[int, ...]  # image tokens of each image
     keys: tuple[tuple[int, bytes], ...]  # (first token position, digest) per image: prefix cache names
     embeds: torch.Tensor | None = None  # [N, width] on the engine's device, once encoded
-
-    @property
-    def encoded(self) -> bool:
-        return self.embeds is not None
 
     def needs_encoder(self, start: int, end: int) -> bool:
         """Whether tokens [start, end) hold an image token whose embedding is not computed yet."""
@@ -120,7 +115,7 @@ def request_images(
             digest = digests[index] if digests is not None else image_digest(pixels[offset : offset + patches], grid)
             keys.append((int(rows[first]), digest))
             offset, first = offset + patches, first + count
-    return RequestImages(mrope.positions.numpy(), mrope.delta, rows, vision, counts, tuple(keys))
+    return RequestImages(mrope.positions.numpy(), mrope.delta, rows, vision, tuple(keys))
 
 
 def image_digest(pixel_values: torch.Tensor, grid: Sequence[int]) -> bytes:
