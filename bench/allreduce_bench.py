@@ -6,9 +6,12 @@ For each tp in --tp (tp processes, rank r on cuda:r, NCCL_NVLS_ENABLE=0) and eac
     bf16 rounding of it at more ranks, and is the same on every rank;
   - time per all-reduce: --calls back-to-back calls captured in one CUDA graph, replayed --replays
     times, so launch overhead is out of both (a decode step replays its graph the same way);
+  - the LL kernel (data and flag pushed in one word: kernels/ll_allreduce.py) up to LL_MAX_KB, its
+    bits checked equal to the one-shot's;
   - the fused kernel (all-reduce + residual add + RMSNorm + per-token FP8 quant, [T, H] bf16) against
     NCCL's all-reduce, and the custom one, each followed by the add_rmsnorm_quant kernel, at the
-    token counts of decode (its bits checked against the custom all-reduce + kernel).
+    token counts of decode (its bits checked against the custom all-reduce + kernel); and the fused
+    LL kernel where the message is within LL_MAX_KB (its bits checked the same way).
 
     python bench/allreduce_bench.py --tp 2,4 --out bench/results/allreduce_bench_h200x4.json
 """
@@ -29,8 +32,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from qcompile.tune.allreduce import graph_us
 
-SIZES_KB = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+SIZES_KB = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 FUSED_TOKENS = (1, 4, 16, 64)
+LL_MAX_KB = 128  # the LL kernel is timed up to this size
 
 
 def _rank(rank: int, world: int, port: int, args, out: str) -> None:
@@ -46,6 +50,7 @@ def _rank(rank: int, world: int, port: int, args, out: str) -> None:
     group = dist.group.WORLD
     reducer = AllReducer.create(group, device, AllReducePolicy(max_one_shot_bytes=max(SIZES_KB) << 10))
     two_shot = AllReducer.create(group, device, AllReducePolicy(0, max_two_shot_bytes=max(SIZES_KB) << 10))
+    ll = AllReducer.create(group, device, AllReducePolicy(0, max_ll_bytes=LL_MAX_KB << 10))
     rows = {"tp": world, "all_reduce": reducer.describe(), "sizes": [], "fused": []}
     gen = torch.Generator(device).manual_seed(1000 + rank)
     warm = torch.randn(1 << 20, device=device, generator=gen)
@@ -72,6 +77,11 @@ def _rank(rank: int, world: int, port: int, args, out: str) -> None:
         row["one_shot_over_nccl"] = row["one_shot_us"] / row["nccl_us"]
         row["two_shot_bit_equal_one_shot"] = bool(torch.equal(two_shot.all_reduce(x.clone()), got))
         row["two_shot_us"] = graph_us(lambda buf=buf: two_shot.all_reduce(buf), args.calls, args.replays)
+        if kb <= LL_MAX_KB:
+            assert ll.kernel(x) == "ll"
+            row["ll_bit_equal_one_shot"] = bool(torch.equal(ll.all_reduce(x.clone()), got))
+            row["ll_us"] = graph_us(lambda buf=buf: ll.all_reduce(buf), args.calls, args.replays)
+            row["ll_over_nccl"] = row["ll_us"] / row["nccl_us"]
         rows["sizes"].append(row)
     for hidden in args.hidden:
         w = (torch.rand(hidden, device=device, generator=gen) + 0.5).to(torch.bfloat16)
@@ -102,6 +112,17 @@ def _rank(rank: int, world: int, port: int, args, out: str) -> None:
                     args.replays,
                 )
                 row["fused_over_unfused"] = row["fused_us"] / row["nccl_then_kernel_us"]
+                if ll.kernel(x) == "ll":
+                    got_ll = ll.all_reduce_add_rmsnorm(x.clone(), residual, w, 1e-6, True)
+                    row["ll_equal_unfused"] = [
+                        bool(torch.equal(g.view(torch.uint8), v.view(torch.uint8)))
+                        for g, v in zip(got_ll, want, strict=True)
+                    ]
+                    row["ll_fused_us"] = graph_us(
+                        lambda x=x, residual=residual, w=w: ll.all_reduce_add_rmsnorm(x, residual, w, 1e-6, True),
+                        args.calls,
+                        args.replays,
+                    )
             rows["fused"].append(row)
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
@@ -131,20 +152,25 @@ def main() -> None:
         run = json.loads(Path(out).read_text())
         report["runs"].append(run)
         print(f"tp={world}: {run['all_reduce']}")
-        print(f"{'KB':>6} {'nccl us':>8} {'1-shot us':>9} {'ratio':>6} {'2-shot us':>9}  equal  same")
+        print(f"{'KB':>6} {'nccl us':>8} {'1-shot us':>9} {'ratio':>6} {'2-shot us':>9} {'LL us':>6}  equal  same  LL=")
         for r in run["sizes"]:
             print(
                 f"{r['kb']:>6} {r['nccl_us']:>8.2f} {r['one_shot_us']:>9.2f} {r['one_shot_over_nccl']:>6.2f} "
-                f"{r['two_shot_us']:>9.2f}  "
-                f"{r['bit_equal_nccl']!s:>5} {r['same_on_every_rank']!s:>5}  (max diff {r['max_abs_diff_nccl']:.3g})"
+                f"{r['two_shot_us']:>9.2f} {r.get('ll_us', float('nan')):>6.2f}  "
+                f"{r['bit_equal_nccl']!s:>5} {r['same_on_every_rank']!s:>5} {r.get('ll_bit_equal_one_shot', '-')!s:>5}"
+                f"  (max diff {r['max_abs_diff_nccl']:.3g})"
             )
-        print(f"{'T':>4} {'H':>5} {'nccl+kernel us':>14} {'custom+kernel':>13} {'fused us':>9} {'ratio':>6}  equal")
+        print(
+            f"{'T':>4} {'H':>5} {'nccl+kernel us':>14} {'custom+kernel':>13} {'fused us':>9} {'LL fused':>9} "
+            f"{'ratio':>6}  equal (LL)"
+        )
         for r in run["fused"]:
             if r["fused_taken"]:
                 print(
                     f"{r['tokens']:>4} {r['hidden']:>5} {r['nccl_then_kernel_us']:>14.2f} "
                     f"{r['custom_then_kernel_us']:>13.2f} {r['fused_us']:>9.2f} "
-                    f"{r['fused_over_unfused']:>6.2f}  {r['equal_unfused']}"
+                    f"{r.get('ll_fused_us', float('nan')):>9.2f} "
+                    f"{r['fused_over_unfused']:>6.2f}  {r['equal_unfused']} {r.get('ll_equal_unfused', '-')}"
                 )
         if args.out:
             args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -89,11 +89,30 @@ def expert_load(engine, input_len: int) -> dict:
     }
 
 
+def without_ll(art: Path) -> None:
+    """Set the tuned LL all-reduce limit of the artifact's table(s) to 0 (the `noll` mode's A/B)."""
+    for table in (art / "kernels").glob("*.json"):
+        data = json.loads(table.read_text())
+        for key, buckets in data["entries"].items():
+            if key.startswith("AllReduce:"):
+                for cfg in buckets.values():
+                    cfg["max_ll_bytes"] = 0
+        table.write_text(json.dumps(data, indent=1) + "\n")
+
+
 def run_one(
-    preset: str, tp: int, args, bandwidth: float, custom_all_reduce: bool = True, async_scheduling: bool = True
+    preset: str,
+    tp: int,
+    args,
+    bandwidth: float,
+    custom_all_reduce: bool = True,
+    async_scheduling: bool = True,
+    ll: bool = True,
 ) -> dict:
     timings: dict[str, float] = {}
     art = build(preset, tp, args.workdir, tuple(int(b) for b in args.tune_buckets.split(",")), timings)
+    if not ll:
+        without_ll(art)
     print(preset, "tp", tp, "built", timings, flush=True)
     start = time.perf_counter()
     engine = qruntime.load(
@@ -113,6 +132,7 @@ def run_one(
         "preset": preset,
         "tp": tp,
         "custom_all_reduce": custom_all_reduce,
+        "ll_all_reduce": ll,
         "async_scheduling": engine.async_scheduling,
         "pdl": not args.no_pdl,
         "weights": SYNTHETIC,
@@ -199,7 +219,7 @@ def main() -> None:
     parser.add_argument(
         "--runs",
         default="qwen3-30b-a3b:1",
-        help="comma-separated PRESET:TP[:nccl][:sync] (nccl: no custom all-reduce; sync: no async scheduling)",
+        help="comma-separated PRESET:TP[:nccl][:sync][:noll] (nccl: no custom all-reduce; sync: no async scheduling; noll: the tuned table without the LL all-reduce)",
     )
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/qmoe"))
     parser.add_argument("--input-len", type=int, default=8000)
@@ -225,11 +245,17 @@ def main() -> None:
     if args.one is not None:
         preset, tp, *mode = args.one.split(":")
         bandwidth = copy_bandwidth()
-        unknown = set(mode) - {"nccl", "sync"}
+        unknown = set(mode) - {"nccl", "sync", "noll"}
         if unknown:
-            parser.error(f"--runs {args.one}: unknown mode(s) {sorted(unknown)} (nccl, sync)")
+            parser.error(f"--runs {args.one}: unknown mode(s) {sorted(unknown)} (nccl, sync, noll)")
         run_one(
-            preset, int(tp), args, bandwidth, custom_all_reduce="nccl" not in mode, async_scheduling="sync" not in mode
+            preset,
+            int(tp),
+            args,
+            bandwidth,
+            custom_all_reduce="nccl" not in mode,
+            async_scheduling="sync" not in mode,
+            ll="noll" not in mode,
         )
         return
     import triton

@@ -1,9 +1,10 @@
 """Tuning of a tp > 1 artifact's all-reduce: on this host's first tp GPUs (one spawned process each,
-NCCL with NVLink multicast off), time the one-shot and two-shot kernels over peer memory
-(qruntime.comm.all_reduce) against NCCL at every message size of SIZES, each from a CUDA graph of
-back-to-back calls as decode steps run them, and keep where each wins (`thresholds`). Stored as the
-table entry "AllReduce:tp<N>" (one bucket: `max_one_shot_bytes`, `max_two_shot_bytes`, the timings
-beside them); the runtime reads it at load (qruntime/rank.py).
+NCCL with NVLink multicast off), time the LL, one-shot and two-shot kernels over peer memory
+(qruntime.comm.all_reduce) against NCCL at every message size of SIZES (LL up to LL_SIZES' largest),
+each from a CUDA graph of back-to-back calls as decode steps run them, and keep where each wins
+(`thresholds`). Stored as the table entry "AllReduce:tp<N>" (one bucket: `max_ll_bytes`,
+`max_one_shot_bytes`, `max_two_shot_bytes`, the timings beside them); the runtime reads it at load
+(qruntime/rank.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from qcompile.errors import QCompileError
 from qcompile.tune.gemm import time_us
 
 SIZES = tuple(4096 << i for i in range(11))  # 4 KiB .. 4 MiB
+LL_SIZES = (2048, *SIZES[:5])  # 2 KiB (one row of 1024 bf16) .. 64 KiB: the LL kernel's candidates
 CALLS, REPLAYS = 20, 20
 
 
@@ -29,23 +31,28 @@ def graph_us(fn, calls: int = CALLS, replays: int = REPLAYS) -> float:
     return time_us([fn] * calls, replays)
 
 
-def thresholds(timings: list[dict[str, float]]) -> tuple[int, int]:
-    """(max_one_shot_bytes, max_two_shot_bytes): from the smallest size up, the one-shot kernel while
-    it is the fastest of the three, then the two-shot while it beats NCCL; each limit the last size of
-    its unbroken run (0: none; the two-shot's at least the one-shot's)."""
+def thresholds(timings: list[dict[str, float]]) -> tuple[int, int, int]:
+    """(max_ll_bytes, max_one_shot_bytes, max_two_shot_bytes): from the smallest size up, the LL
+    kernel while it is the fastest of the four, then the one-shot while it is the fastest of the
+    rest, then the two-shot while it beats NCCL; each limit the last size of its unbroken run (0:
+    none; each at least the one before it, so a size past LL's run is the one-shot's at the latest)."""
 
-    def fastest(row: dict[str, float]) -> str:
-        return min(("one_shot_us", "two_shot_us", "nccl_us"), key=lambda k: row.get(k, float("inf")))
+    def fastest(row: dict[str, float], kinds: tuple[str, ...]) -> str:
+        return min(kinds, key=lambda k: row.get(k, float("inf")))
 
     rows = sorted(timings, key=lambda r: r["bytes"])
-    one = two = i = 0
-    while i < len(rows) and fastest(rows[i]) == "one_shot_us":
+    ll = i = 0
+    while i < len(rows) and fastest(rows[i], ("ll_us", "one_shot_us", "two_shot_us", "nccl_us")) == "ll_us":
+        ll = rows[i]["bytes"]
+        i += 1
+    one = two = ll
+    while i < len(rows) and fastest(rows[i], ("one_shot_us", "two_shot_us", "nccl_us")) == "one_shot_us":
         one = two = rows[i]["bytes"]
         i += 1
     while i < len(rows) and rows[i].get("two_shot_us", float("inf")) < rows[i]["nccl_us"]:
         two = rows[i]["bytes"]
         i += 1
-    return one, two
+    return ll, one, two
 
 
 def _rank(rank: int, world: int, init: str, out: str) -> None:
@@ -62,17 +69,19 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
         two_shot = AllReducer.create(
             group, device, AllReducePolicy(max_one_shot_bytes=0, max_two_shot_bytes=max(SIZES))
         )
+        ll = AllReducer.create(group, device, AllReducePolicy(max_one_shot_bytes=0, max_ll_bytes=max(LL_SIZES)))
         rows: list[dict[str, Any]] = []
         warm = torch.ones(1 << 20, device=device)
         for _ in range(500):  # clocks up, NCCL's channels made
             dist.all_reduce(warm, group=group)
-        for size in SIZES:
+        for size in sorted({*LL_SIZES, *SIZES}):
             buf = torch.ones(size // 2, dtype=torch.bfloat16, device=device)
             row: dict[str, Any] = {
                 "bytes": size,
                 "nccl_us": graph_us(lambda buf=buf: dist.all_reduce(buf, group=group)),
             }
-            for name, reducer in (("one_shot_us", one_shot), ("two_shot_us", two_shot)):
+            kernels = [("one_shot_us", one_shot), ("two_shot_us", two_shot)]
+            for name, reducer in kernels + ([("ll_us", ll)] if size in LL_SIZES else []):
                 if reducer.regions is not None:
                     row[name] = graph_us(lambda buf=buf, reducer=reducer: reducer.all_reduce(buf))
             rows.append(row)
@@ -84,7 +93,8 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
 
 
 def tune_all_reduce(tp: int) -> dict[str, dict[str, Any]]:
-    """The "AllReduce:tp<N>" bucket: {"1": {"max_one_shot_bytes": ..., "max_two_shot_bytes": ..., "timings_us": [...]}}."""
+    """The "AllReduce:tp<N>" bucket: {"1": {"max_ll_bytes": ..., "max_one_shot_bytes": ...,
+    "max_two_shot_bytes": ..., "timings_us": [...]}}."""
     import torch.multiprocessing as mp
 
     if torch.cuda.device_count() < tp:
@@ -96,6 +106,7 @@ def tune_all_reduce(tp: int) -> dict[str, dict[str, Any]]:
         mp.spawn(_rank, args=(tp, f"file://{Path(tmp) / 'store'}", out), nprocs=tp)
         result = torch.load(out)
     rows = result["rows"]
-    one, two = thresholds(rows)  # both 0 where peer memory was unavailable (NCCL's rows only)
+    ll, one, two = thresholds(rows)  # all 0 where peer memory was unavailable (NCCL's rows only)
     note = {} if result["unavailable"] == "" else {"custom_unavailable": result["unavailable"]}
-    return {"1": {"max_one_shot_bytes": one, "max_two_shot_bytes": two, "timings_us": rows, **note}}
+    limits = {"max_ll_bytes": ll, "max_one_shot_bytes": one, "max_two_shot_bytes": two}
+    return {"1": {**limits, "timings_us": rows, **note}}

@@ -60,6 +60,9 @@ STAGE_KEYS = MappingProxyType(
 INT_KEYS = MappingProxyType(
     {"AllReduce": MappingProxyType({"max_one_shot_bytes": (0, 1 << 26), "max_two_shot_bytes": (0, 1 << 26)})}
 )
+# key prefix -> {config key: (least, most, multiple of)}: integers a table may leave out (tables tuned
+# before the key existed); the LL kernel's limit is whole 4-byte words (qruntime.comm.all_reduce)
+OPTIONAL_INT_KEYS = MappingProxyType({"AllReduce": MappingProxyType({"max_ll_bytes": (0, 1 << 20, 4)})})
 STAGES = (1, 16)
 
 
@@ -138,6 +141,12 @@ def check_config(key: str, cfg: Any, where: str) -> None:
         value = cfg.get(name)
         if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
             raise ValueError(f"{where}.{name} must be an integer in {least}..{most} (got {str(value)[:40]})")
+    for name, (least, most, step) in OPTIONAL_INT_KEYS.get(op, {}).items():
+        value = cfg.get(name, least)
+        if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most or value % step:
+            raise ValueError(
+                f"{where}.{name} must be a multiple of {step} in {least}..{most} when present (got {str(value)[:40]})"
+            )
     for name in STAGE_KEYS.get(op, ()):
         value = cfg.get(name)
         if isinstance(value, bool) or not isinstance(value, int) or not STAGES[0] <= value <= STAGES[1]:

@@ -133,15 +133,16 @@ def _kernels(config: RankConfig, device: torch.device, warn: bool) -> KernelTabl
 
 
 def _all_reduce_policy(config: RankConfig, kernels: KernelTable | None) -> AllReducePolicy:
-    """The tuned limits of the one-shot and two-shot kernels (`qcompile tune` on tp GPUs), else the
-    default (one-shot up to 512 KiB); none when custom_all_reduce is off. Every rank reads the same
-    table: the same policy."""
+    """The tuned limits of the LL, one-shot and two-shot kernels (`qcompile tune` on tp GPUs; a
+    table from before the LL kernel has no LL limit: the default), else the defaults; none when
+    custom_all_reduce is off. Every rank reads the same table: the same policy."""
     if not config.custom_all_reduce:
-        return AllReducePolicy(max_one_shot_bytes=0)
+        return AllReducePolicy(max_one_shot_bytes=0, max_ll_bytes=0)
     tuned = kernels.lookup(f"AllReduce:tp{config.tp}", 1) if kernels is not None else None
     if tuned is None:
         return AllReducePolicy()
-    return AllReducePolicy(tuned["max_one_shot_bytes"], tuned["max_two_shot_bytes"])
+    ll = tuned.get("max_ll_bytes", AllReducePolicy.max_ll_bytes)
+    return AllReducePolicy(tuned["max_one_shot_bytes"], tuned["max_two_shot_bytes"], max_ll_bytes=ll)
 
 
 def _local_blocks(config: RankConfig, device: torch.device) -> int:

@@ -33,7 +33,8 @@ def _rank(rank: int, port: int, seed: int, out: str) -> None:
         two_shot = AllReducer.create(dist.group.WORLD, device, AllReducePolicy(0, max_two_shot_bytes=4 << 20))
         gen = torch.Generator(device).manual_seed(seed + rank)
         report = {"regions": reducer.regions is not None, "eager": [], "graph": [], "fused": []}
-        for n in (1, 4095, 4096 * 8 + 3, 256 << 10, 2 << 20):  # one-shot up to the default 512 KiB of bf16
+        # LL up to the default 64 KiB of whole 4-byte words (2048, 4096 * 8), else one-shot up to 512 KiB
+        for n in (1, 2048, 4095, 4096 * 8, 4096 * 8 + 3, 256 << 10, 2 << 20):
             x = torch.randn(n, device=device, generator=gen).to(torch.bfloat16)
             want = x.clone()
             dist.all_reduce(want)

@@ -230,3 +230,11 @@ def test_an_all_reduce_entry_is_checked_at_load(rng):
             broken = {"device": "GPU X", "entries": {key: {"1": good | {field: value}}}}
             with pytest.raises(ValueError, match=rf"entries\['{key}'\]\['1'\]\.{field} must be an integer"):
                 KernelTable.from_dict(broken, "t.json")
+    # the LL kernel's limit: optional (tables tuned before it), whole 4-byte words, at most 1 MiB
+    ll = rng.randrange(0, 1 << 18) * 4
+    table = KernelTable.from_dict({"device": "GPU X", "entries": {key: {"1": good | {"max_ll_bytes": ll}}}}, "t.json")
+    assert table.lookup(key, 1)["max_ll_bytes"] == ll
+    for value in ("8", 8.0, True, None, -4, 6, (1 << 20) + 4):
+        broken = {"device": "GPU X", "entries": {key: {"1": good | {"max_ll_bytes": value}}}}
+        with pytest.raises(ValueError, match=rf"entries\['{key}'\]\['1'\]\.max_ll_bytes must be a multiple of 4"):
+            KernelTable.from_dict(broken, "t.json")

@@ -5,7 +5,8 @@ the same program of every rank, and the Peers a launch takes.
 Every rank owns a region that every other rank has mapped (CUDA IPC on GPUs, a shared file in the
 CPU tests; qruntime.comm.peer_memory): `bases[r]` is rank r's region in this process's address space.
 
-    region = signals int64 [MAX_SLOTS, MAX_WORLD] | data half 0 | data half 1     (data at DATA_OFFSET)
+    region = signals int64 [MAX_SLOTS, MAX_WORLD] | data half 0 | data half 1 | LL area
+    (data at DATA_OFFSET; the LL area, int64 words of the LL kernels, after the data halves: ll_allreduce.py)
 
 A call runs `grid` programs (slots). Each call takes two counts of its slot (`call_counts`: the
 counters live in device memory, so a captured graph replays correctly): c1 = counters[s] + 1 and
@@ -141,6 +142,8 @@ class Peers:
     world: int
     timeout_ns: int  # a wait for a peer longer than this traps
     abort: torch.Tensor  # [1] int32 in pinned host memory (CPU memory in the tests): nonzero stops waits
+    ll: torch.Tensor | None = None  # [2 * world * ll_words] int64: this rank's LL area (None: no LL kernel)
+    ll_deltas: torch.Tensor | None = None  # [world] int64: rank r's LL area minus this rank's, in words
 
     def __post_init__(self) -> None:
         if not 2 <= self.world <= MAX_WORLD or not 0 <= self.rank < self.world:
@@ -150,6 +153,17 @@ class Peers:
                 raise ValueError(f"{name} must be [{self.world}] int64, got {tuple(t.shape)} {t.dtype}")
         if self.counters.shape != (MAX_SLOTS,) or self.counters.dtype != torch.int64:
             raise ValueError(f"counters must be [{MAX_SLOTS}] int64, got {tuple(self.counters.shape)}")
+        if self.ll is not None:
+            ll, deltas = self.ll, self.ll_deltas
+            if ll.dtype != torch.int64 or ll.dim() != 1 or ll.numel() % (2 * self.world):
+                raise ValueError(f"ll must be [2 * {self.world} * words] int64, got {tuple(ll.shape)} {ll.dtype}")
+            if deltas is None or deltas.shape != (self.world,) or deltas.dtype != torch.int64:
+                raise ValueError(f"ll_deltas must be [{self.world}] int64 beside ll")
+
+    @property
+    def ll_words(self) -> int:
+        """Words of one [parity][source] part of the LL area: the LL kernels' largest message (0: none)."""
+        return 0 if self.ll is None else self.ll.numel() // (2 * self.world)
 
     @property
     def half(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -22,11 +23,12 @@ from qruntime.ops import functional as fn
 from test_kernel_quant import assert_fp8_close
 
 MAX_BYTES = 16 << 10
+LATE_S = 0.2  # the last rank's delay before each call
 WATCHDOG_S = 300.0  # a rank's calls take seconds under the interpreter; past this its waits are aborted
 # one-shot up to 4 KiB, two-shot up to 16 KiB, gloo beyond; blocks of 16 elements in both kernels, so
 # a message of a few thousand elements runs more blocks than programs (each program loops), and the
 # two-shot's runs of blocks end off the programs' grid
-POLICY = AllReducePolicy(max_one_shot_bytes=4 << 10, max_two_shot_bytes=MAX_BYTES)
+POLICY = AllReducePolicy(max_one_shot_bytes=4 << 10, max_two_shot_bytes=MAX_BYTES, max_ll_bytes=0)
 TEST_BLOCK = 16
 # (tokens, hidden) of successive calls, in both data halves and counts moving on per slot: one element,
 # a partial block, more blocks than programs, a message too large for the custom kernels (gloo), a
@@ -38,24 +40,30 @@ def _rank(rank: int, world: int, store: str, inputs: dict, out: str) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        from qruntime.kernels import custom_allreduce, two_shot_allreduce
+        from qruntime.kernels import custom_allreduce, ll_allreduce, two_shot_allreduce
 
         custom_allreduce.BLOCK = two_shot_allreduce.BLOCK = TEST_BLOCK
-        reducer = AllReducer.create(dist.group.WORLD, torch.device("cpu"), POLICY)
+        ll_allreduce.BLOCK_WORDS = TEST_BLOCK // 2
+        reducer = AllReducer.create(dist.group.WORLD, torch.device("cpu"), inputs["policy"])
         watchdog = threading.Timer(WATCHDOG_S, reducer.abort)  # a lost signal fails the sums, never hangs CI
         watchdog.daemon = True
         watchdog.start()
-        results = {"regions": reducer.regions is not None, "sums": [], "took": [], "fused": []}
-        for x in inputs["x"]:
-            mine = x[rank].clone()
-            results["took"].append(reducer.kernel(mine))
-            results["sums"].append(reducer.all_reduce(mine))
+        results = {"regions": reducer.regions is not None, "sums": [], "took": [], "fused": [], "took_fused": []}
+        late = rank == world - 1  # the last rank comes to every call late: the others wait for its words
+        # the fused calls first, from fresh counts (LL_FUSED's reset check counts on them)
         for x, residual, w, quant in inputs["fused"]:
+            time.sleep(LATE_S if late else 0)
+            results["took_fused"].append(reducer.kernel(x[rank]))
             results["fused"].append(reducer.all_reduce_add_rmsnorm(x[rank].clone(), residual, w, 1e-6, quant))
             # the unfused kernels on the sum: the fused kernel shares their code after the sum
             summed = x.float().sum(0).to(x.dtype)
             unfused = add_rmsnorm_quant if quant else add_rmsnorm
             results.setdefault("unfused", []).append(unfused(summed, residual, w, 1e-6))
+        for x in inputs["x"]:
+            time.sleep(LATE_S if late else 0)
+            mine = x[rank].clone()
+            results["took"].append(reducer.kernel(mine))
+            results["sums"].append(reducer.all_reduce(mine))
         watchdog.cancel()
         watchdog.join()  # it holds the reducer: gone before the group is destroyed
         torch.save(results, out.format(rank))
@@ -70,30 +78,59 @@ def _fused_want(x: torch.Tensor, residual, w, quant: bool) -> tuple:
     return (*fn.dynamic_quant(y, 0), h) if quant else (y, h)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_ranks_sum_through_peer_memory(tmp_path: Path, world: int) -> None:
-    seed = random.randrange(1 << 31)
-    print(f"seed {seed}")
-    gen = torch.Generator().manual_seed(seed)
+# LL up to 1 KiB (whole 4-byte words) before the same one-shot / two-shot / gloo limits
+LL_POLICY = AllReducePolicy(max_one_shot_bytes=4 << 10, max_two_shot_bytes=MAX_BYTES, max_ll_bytes=1 << 10)
+# LL: words past one program's block, more blocks than fit one message, an odd element count (2 bytes:
+# not a whole word, so one-shot), the largest LL message; then the other kernels' sizes, and LL again
+LL_SHAPES = ((1, 2), (3, 100), (1, 1), (2, 256), (9, 48), (1, 4096), (2, 1000), (1, 2), (5, 50), (2, 4101))
+# fused: (tokens, hidden, residual, quant), the first calls of fresh counts. Program 0 reads words
+# 0..47 of parity 1 at count 2 (1 x 96); at 2 x 48 program 1 reads words 24..47 of parity 1 at count
+# 2 too: a word not reset after reading would still hold that flag, and a rank whose peer is late
+# would sum the first call's data. Then an odd width (one-shot), a message past LL's limit (one-shot),
+# and LL after them
+LL_FUSED = ((1, 96, False, True), (1, 96, False, False), (2, 48, True, True), (3, 47, True, True))
+LL_FUSED += ((130, 12, True, True), (5, 48, True, False), (1, 96, True, True))
 
+
+def _fused_inputs(world: int, gen: torch.Generator, cases) -> list:
     def randn(*shape):
         return torch.randn(*shape, generator=gen).to(torch.bfloat16)
 
+    return [
+        (randn(world, t, h), randn(t, h) if res else None, (torch.rand(h, generator=gen) + 0.5).to(torch.bfloat16), q)
+        for t, h, res, q in cases
+    ]
+
+
+@pytest.mark.parametrize(
+    "world,policy,shapes,fused",
+    [
+        (2, POLICY, SHAPES, ((5, 48, True, True), (1, 96, False, False), (130, 12, True, True))),
+        (3, POLICY, SHAPES, ((5, 48, True, True), (1, 96, False, False), (130, 12, True, True))),
+        (2, LL_POLICY, LL_SHAPES, LL_FUSED),
+        (3, LL_POLICY, LL_SHAPES, LL_FUSED),
+    ],
+    ids=["one-shot-2", "one-shot-3", "ll-2", "ll-3"],
+)
+def test_ranks_sum_through_peer_memory(tmp_path: Path, world: int, policy, shapes, fused) -> None:
+    seed = random.randrange(1 << 31)
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
     inputs = {
-        "x": [randn(world, *shape) for shape in SHAPES],
-        "fused": [
-            (randn(world, 5, 48), randn(5, 48), (torch.rand(48, generator=gen) + 0.5).to(torch.bfloat16), True),
-            (randn(world, 1, 96), None, (torch.rand(96, generator=gen) + 0.5).to(torch.bfloat16), False),
-            (randn(world, 130, 12), randn(130, 12), (torch.rand(12, generator=gen) + 0.5).to(torch.bfloat16), True),
-        ],
+        "policy": policy,
+        "x": [torch.randn(world, *shape, generator=gen).to(torch.bfloat16) for shape in shapes],
+        "fused": _fused_inputs(world, gen, fused),
     }
     mp.spawn(_rank, args=(world, str(tmp_path / "store"), inputs, str(tmp_path / "rank{}.pt")), nprocs=world)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    assert {POLICY.kernel(t * h * 2) for t, h in SHAPES} == {"one_shot", "two_shot", None}
+    kinds = {"one_shot", "two_shot", None} | ({"ll"} if policy.max_ll_bytes else set())
+    assert {policy.kernel(t * h * 2) for t, h in shapes} == kinds
+    assert {policy.kernel(t * h * 2) for t, h, *_ in fused} == kinds - {"two_shot", None}
     for results in ranks:
         assert results["regions"]
-        for (tokens, hidden), x, took, got in zip(SHAPES, inputs["x"], results["took"], results["sums"], strict=True):
-            assert took == POLICY.kernel(tokens * hidden * 2)
+        assert results["took_fused"] == [policy.kernel(t * h * 2) for t, h, *_ in fused]
+        for (tokens, hidden), x, took, got in zip(shapes, inputs["x"], results["took"], results["sums"], strict=True):
+            assert took == policy.kernel(tokens * hidden * 2)
             want = x.float().sum(0).to(torch.bfloat16)
             if took is not None or world == 2:  # gloo sums in its own order: the same bits only with two addends
                 assert torch.equal(got, want), (tokens, hidden)
@@ -164,7 +201,40 @@ def test_the_gpu_branch_compiles_with_system_scope_signals_and_vector_peer_loads
         assert "ld.global.cv.v4.b32" in ptx and "ld.global.cv.b16" not in ptx  # vectors, never scalar
 
 
-def _abandoned_rank(rank: int, store: str, out: str) -> None:
+def test_the_ll_kernels_push_flagged_words_and_spin_on_their_own_without_a_fence():
+    """The LL kernels' GPU branch: no barrier (no system-scope fence, no signal exchange); each word
+    goes to the peers as one 8-byte store and is waited for with volatile 8-byte loads of this rank's
+    own area; a wait is bounded by the global timer (trap), the host's abort word polled only once a
+    wait has lasted more than POLL_AFTER_NS, in every receive (one per peer)."""
+    common = {"ll": "*i64", "ll_deltas": "*i64", "words": "i32", "counters": "*i64", "timeout_ns": "i64"}
+    common |= {"abort": "i64"}
+    unaligned = ("timeout_ns", "abort", "words", "n_words")
+    plain = hopper_ptx(
+        "qruntime.kernels.ll_allreduce",
+        "_ll_kernel",
+        {"xw_ptr": "*i32", "out_ptr": "*bf16", "n_words": "i32", **common},
+        {"RANK": 1, "WORLD": 4, "EPW": 2, "BW": 1024, "HW": True, "PDL": False},
+        8,
+        unaligned,
+    )
+    fused_types = {"xw_ptr": "*i32", "r_ptr": "*bf16", "w_ptr": "*bf16", "ro_ptr": "*bf16", "y_ptr": "*u8"}
+    fused_types |= {"s_ptr": "*fp32", "T": "i32", "H": "i32", "stride_xw": "i32", "stride_r": "i32", "eps": "fp32"}
+    fused = hopper_ptx(
+        "qruntime.kernels.ll_allreduce",
+        "_ll_fused_kernel",
+        fused_types | common,
+        {"RANK": 0, "WORLD": 2, "HAS_RES": True, "QUANT": True, "EPW": 2, "BLOCK": 2048, "HW": True, "PDL": False},
+        8,
+        unaligned,
+    )
+    for ptx, peers in ((plain, 3), (fused, 1)):
+        assert "fence." not in ptx and "atom." not in ptx and ".acquire" not in ptx
+        assert "ld.volatile.global.b64" in ptx and "st.global.b64" in ptx
+        assert "%globaltimer" in ptx and "trap;" in ptx
+        assert ptx.count(", 1000001;") == ptx.count("ld.volatile.global.b32") == peers
+
+
+def _abandoned_rank(rank: int, store: str, out: str, policy: AllReducePolicy) -> None:
     """Rank 0 all-reduces while rank 1 does not (it died, as far as rank 0 can tell); the abort word,
     raised from another thread a second later, ends rank 0's wait instead of leaving it spinning.
     Should the abort not work, rank 1 joins the all-reduce after RESCUE_S, so the test fails (waited
@@ -174,8 +244,9 @@ def _abandoned_rank(rank: int, store: str, out: str) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
-        reducer = AllReducer.create(dist.group.WORLD, torch.device("cpu"), AllReducePolicy(MAX_BYTES))
-        x = torch.randn(300).to(torch.bfloat16)
+        reducer = AllReducer.create(dist.group.WORLD, torch.device("cpu"), policy)
+        x = torch.randn(300).to(torch.bfloat16)  # 600 bytes: LL where the policy has it, else one-shot
+        assert reducer.kernel(x) == ("ll" if policy.max_ll_bytes else "one_shot")
         returned = Path(out + ".returned")
         if rank == 0:
             timer = threading.Timer(1.0, reducer.abort)
@@ -199,7 +270,10 @@ def _abandoned_rank(rank: int, store: str, out: str) -> None:
 RESCUE_S = 30.0
 
 
-def test_the_abort_word_ends_a_wait_for_a_rank_that_never_comes(tmp_path: Path) -> None:
-    mp.spawn(_abandoned_rank, args=(str(tmp_path / "store"), str(tmp_path / "out.pt")), nprocs=2)
+@pytest.mark.parametrize(
+    "policy", [AllReducePolicy(MAX_BYTES, max_ll_bytes=0), AllReducePolicy(MAX_BYTES, max_ll_bytes=1 << 10)]
+)
+def test_the_abort_word_ends_a_wait_for_a_rank_that_never_comes(tmp_path: Path, policy) -> None:
+    mp.spawn(_abandoned_rank, args=(str(tmp_path / "store"), str(tmp_path / "out.pt"), policy), nprocs=2)
     waited = torch.load(tmp_path / "out.pt")["waited"]
     assert 0.9 < waited < RESCUE_S / 2, waited
