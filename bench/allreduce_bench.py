@@ -48,8 +48,11 @@ def _rank(rank: int, world: int, port: int, args, out: str) -> None:
     from qruntime.kernels.add_rmsnorm_quant import add_rmsnorm_quant
 
     group = dist.group.WORLD
-    reducer = AllReducer.create(group, device, AllReducePolicy(max_one_shot_bytes=max(SIZES_KB) << 10))
-    two_shot = AllReducer.create(group, device, AllReducePolicy(0, max_two_shot_bytes=max(SIZES_KB) << 10))
+    # each reducer takes its kernel alone (the defaults would send small messages to LL)
+    reducer = AllReducer.create(group, device, AllReducePolicy(max(SIZES_KB) << 10, max_ll_bytes=0))
+    two_shot = AllReducer.create(
+        group, device, AllReducePolicy(0, max_two_shot_bytes=max(SIZES_KB) << 10, max_ll_bytes=0)
+    )
     ll = AllReducer.create(group, device, AllReducePolicy(0, max_ll_bytes=LL_MAX_KB << 10))
     rows = {"tp": world, "all_reduce": reducer.describe(), "sizes": [], "fused": []}
     gen = torch.Generator(device).manual_seed(1000 + rank)
@@ -91,6 +94,7 @@ def _rank(rank: int, world: int, port: int, args, out: str) -> None:
             # the custom all-reduce then the kernel: the same sum, so the same bits at any tp
             want = add_rmsnorm_quant(reducer.all_reduce(x.clone()), residual, w, 1e-6)
             got = reducer.all_reduce_add_rmsnorm(x.clone(), residual, w, 1e-6, True)
+            got_ll = ll.all_reduce_add_rmsnorm(x.clone(), residual, w, 1e-6, True) if ll.kernel(x) == "ll" else None
             row = {"tokens": tokens, "hidden": hidden, "fused_taken": got is not None}
             if got is not None:
                 row["equal_unfused"] = [
@@ -112,8 +116,7 @@ def _rank(rank: int, world: int, port: int, args, out: str) -> None:
                     args.replays,
                 )
                 row["fused_over_unfused"] = row["fused_us"] / row["nccl_then_kernel_us"]
-                if ll.kernel(x) == "ll":
-                    got_ll = ll.all_reduce_add_rmsnorm(x.clone(), residual, w, 1e-6, True)
+                if got_ll is not None:
                     row["ll_equal_unfused"] = [
                         bool(torch.equal(g.view(torch.uint8), v.view(torch.uint8)))
                         for g, v in zip(got_ll, want, strict=True)

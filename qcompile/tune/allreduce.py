@@ -65,9 +65,10 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
     dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, device_id=device)
     try:
         group = dist.group.WORLD
-        one_shot = AllReducer.create(group, device, AllReducePolicy(max_one_shot_bytes=max(SIZES)))
+        # each reducer takes its kernel alone (the defaults would send small messages to LL)
+        one_shot = AllReducer.create(group, device, AllReducePolicy(max_one_shot_bytes=max(SIZES), max_ll_bytes=0))
         two_shot = AllReducer.create(
-            group, device, AllReducePolicy(max_one_shot_bytes=0, max_two_shot_bytes=max(SIZES))
+            group, device, AllReducePolicy(max_one_shot_bytes=0, max_two_shot_bytes=max(SIZES), max_ll_bytes=0)
         )
         ll = AllReducer.create(group, device, AllReducePolicy(max_one_shot_bytes=0, max_ll_bytes=max(LL_SIZES)))
         rows: list[dict[str, Any]] = []

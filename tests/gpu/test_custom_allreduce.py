@@ -106,14 +106,16 @@ def test_tp2_engine_with_custom_all_reduce_equals_nccl(gpu_artifact_tp2, cuda) -
 
 
 def test_tuning_finds_where_the_custom_kernel_wins() -> None:
-    from qcompile.tune.allreduce import SIZES, tune_all_reduce
+    from qcompile.tune.allreduce import LL_SIZES, SIZES, tune_all_reduce
 
     bucket = tune_all_reduce(2)["1"]
     rows = {r["bytes"]: r for r in bucket["timings_us"]}
-    assert sorted(rows) == sorted(SIZES)
+    assert sorted(rows) == sorted({*LL_SIZES, *SIZES})
     assert all(r["one_shot_us"] > 0 and r["two_shot_us"] > 0 and r["nccl_us"] > 0 for r in rows.values())
+    assert all(rows[size]["ll_us"] > 0 for size in LL_SIZES)
     # measured on H200s (bench/results/allreduce_bench_h200x4.json): about 0.3x NCCL's time at 8-64 KB
-    assert bucket["max_one_shot_bytes"] >= 64 << 10, bucket
+    # for the one-shot, and LL at most as long: the custom kernels take every size up to 64 KiB
+    assert max(bucket["max_ll_bytes"], bucket["max_one_shot_bytes"]) >= 64 << 10, bucket
 
 
 def test_tp2_sharded_sampling_equals_gathered_rows(gpu_artifact_tp2, cuda) -> None:
