@@ -94,13 +94,18 @@ class VisionAttention(Op):
             if stop > start:
                 by_length.setdefault(stop - start, []).append(start)
         out = torch.empty_like(q)
+        # SDPA always 4-D: PyTorch's flash and memory-efficient kernels take only 4-D inputs; a 3-D
+        # [nh, length, d] fell back to the math kernel (the [nh, length, length] scores materialized),
+        # which made one 1024 x 1024 image's encoder 170 ms on an H100 against 392 ms for 16 (ad76850)
         for length, starts in by_length.items():
-            if len(starts) == 1:
+            if len(starts) == 1:  # one segment: a view, as a batch of one
                 rows_of = slice(starts[0], starts[0] + length)
-            else:  # [segments, length] row indices
-                offsets = torch.arange(length, device=qkv.device)
-                rows_of = torch.tensor(starts, device=qkv.device)[:, None] + offsets
-            seg = [x[rows_of].transpose(-3, -2) for x in (q, k, v)]  # [(segments,) nh, length, d]
+                seg = [x[rows_of].transpose(0, 1)[None] for x in (q, k, v)]  # [1, nh, length, d]
+                out[rows_of] = F.scaled_dot_product_attention(*seg, scale=self.a["scale"])[0].transpose(0, 1)
+                continue
+            offsets = torch.arange(length, device=qkv.device)
+            rows_of = torch.tensor(starts, device=qkv.device)[:, None] + offsets  # [segments, length]
+            seg = [x[rows_of].transpose(-3, -2) for x in (q, k, v)]  # [segments, nh, length, d]
             out[rows_of] = F.scaled_dot_product_attention(*seg, scale=self.a["scale"]).transpose(-3, -2)
         return out.reshape(rows, heads * head_dim)
 
