@@ -63,6 +63,7 @@ def build(args: argparse.Namespace, timings: dict[str, float]) -> tuple[Path, Pa
         if not (art / "manifest.json").exists():
             write_synthetic_artifact(preset, art, load_recipe(args.recipe), progress=False)
         timings["build_s"] = time.perf_counter() - start
+        tune(art, args, timings)
         return art, None
     ckpt, art = work / preset, work / f"{preset}-{args.recipe}"
     if not (ckpt / "config.json").exists():
@@ -72,7 +73,19 @@ def build(args: argparse.Namespace, timings: dict[str, float]) -> tuple[Path, Pa
     if not (art / "manifest.json").exists():
         compile_checkpoint(prepare(ckpt, load_recipe(args.recipe)), art, workers=args.workers, progress=False)
     timings["compile_s"] = time.perf_counter() - start
+    tune(art, args, timings)
     return art, ckpt
+
+
+def tune(art: Path, args: argparse.Namespace, timings: dict[str, float]) -> None:
+    """`qcompile tune` of the artifact's GEMM shapes at --tune-buckets on this GPU (none: untuned)."""
+    if not args.tune_buckets or args.device == "cpu":
+        return
+    from qcompile.tune.artifact import tune_artifact
+
+    start = time.perf_counter()
+    tune_artifact(art, buckets=[int(b) for b in args.tune_buckets.split(",")])
+    timings["tune_s"] = time.perf_counter() - start
 
 
 def median_ms(fn: Callable[[], Any], device: torch.device, runs: int, warmup: int) -> tuple[float, Any]:
@@ -221,6 +234,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--encoder-batch", type=int, default=16)
     parser.add_argument("--max-batched-tokens", type=int, default=8192, help="the prompt prefills in one step")
     parser.add_argument("--kv-cache-gib", type=int, default=8, help="the engine's KV cache on a GPU")
+    parser.add_argument(
+        "--tune-buckets", default="", help="token buckets to tune the GEMMs at first, e.g. 1,2048 ('': untuned)"
+    )
     parser.add_argument("--workers", type=int, default=16, help="compile workers")
     parser.add_argument("--seed", type=int, default=0, help="the image and text ids")
     parser.add_argument("--skip-transformers", action="store_true")
