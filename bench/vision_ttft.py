@@ -270,6 +270,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "encoder_batch",
             "seed",
             "kv_cache_gib",
+            "tune_buckets",
         )
     }
     timings: dict[str, float] = {}
