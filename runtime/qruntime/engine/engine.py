@@ -73,6 +73,7 @@ from qruntime.engine.structured import Grammars, StructuredOutput, StructuredOut
 from qruntime.engine.thinking import ThinkingState
 from qruntime.engine.transfer import device_tensor, to_device
 from qruntime.tokenizer import IncrementalDetokenizer, TokenIdsOnly, Tokenizer, TokenizerError
+from qruntime.vision.preprocess import DecodedImages, preprocess_decoded
 from qruntime.vision.prompt_images import MultimodalPrompt, encode_prompt
 
 if TYPE_CHECKING:
@@ -814,6 +815,8 @@ class Engine:
                     ids, vision = image_prompt_ids(prompt, self.vision, encode, self.runner.device)
                 else:
                     ids, vision = prompt.token_ids, prompt.vision
+                    if isinstance(vision, DecodedImages):  # decoded on the host: resized here, on the device
+                        vision = preprocess_decoded(vision, self.vision.preprocess, device=self.runner.device)
             except (ValueError, TokenizerError) as exc:  # ImageInputError is a ValueError
                 raise InvalidRequest(f"images: {exc}") from None
             prompt = ids

@@ -83,8 +83,8 @@ class LoopMetrics(Protocol):
 
 
 def _prompt(spec: SequenceSpec) -> list[int] | MultimodalPrompt:
-    """What the engine takes for a sequence: its ids, or with images (decoded and preprocessed on the
-    HTTP side, serve/images.py) the ids and the images' inputs."""
+    """What the engine takes for a sequence: its ids, or with images (decoded on the HTTP side,
+    serve/images.py; the engine preprocesses them on its device) the ids and the images."""
     if spec.vision is None:
         return list(spec.prompt_ids)
     return MultimodalPrompt(list(spec.prompt_ids), spec.vision, (), ())

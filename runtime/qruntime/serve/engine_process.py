@@ -9,9 +9,9 @@ its GPU time to about all of it. Here each side has its interpreter.
 Protocol, over one duplex pipe (pickled tuples):
   HTTP -> engine: ("add", Submission), ("abort", request id), ("abort_all",), ("stop",);
                   end of file (the HTTP process is gone) stops the engine too. A Submission's
-                  images (SequenceSpec.vision: CPU tensors, preprocessed on the HTTP side) go by
-                  torch's multiprocessing pickling: their storage moves to shared memory and the
-                  pipe carries a handle (~0.1 s for 50 MB of pixel values, a few hundred bytes sent).
+                  images (SequenceSpec.vision: RGB decoded on the HTTP side, CPU uint8 tensors;
+                  the engine resizes them on its device) go by torch's multiprocessing pickling:
+                  their storage moves to shared memory and the pipe carries a handle.
   engine -> HTTP: ("ready", EngineInfo) once loaded, or ("failed", exception) and exit;
                   then after each turn of the engine loop that changed anything
                   ("out", items, done, metric events, (taken, waiting, running, kv used, alive),

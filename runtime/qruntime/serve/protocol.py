@@ -50,7 +50,7 @@ from qruntime.serve.images import (
 from qruntime.serve.limits import RequestLimits
 from qruntime.shown import shown
 from qruntime.tokenizer import TokenIdsOnly, Tokenizer, TokenizerError
-from qruntime.vision.preprocess import VisionInputs
+from qruntime.vision.preprocess import DecodedImages
 from qruntime.vision.prompt import ImageLimits, PromptImageError, split_images
 from qruntime.vision.prompt_images import probe_images
 
@@ -100,7 +100,7 @@ class SequenceSpec:
     prompt_index: int
     prompt_ids: tuple[int, ...]
     params: SamplingParams
-    vision: VisionInputs | None = None  # the prompt's images (CPU tensors), whose tokens prompt_ids holds
+    vision: DecodedImages | None = None  # the prompt's images (decoded, CPU), whose tokens prompt_ids holds
 
 
 @dataclass(frozen=True)
@@ -397,7 +397,7 @@ class ChatPrompt:
     """A chat request's prompt: token ids (each image's tokens expanded) and its images' inputs."""
 
     ids: list[int]
-    vision: VisionInputs | None = None
+    vision: DecodedImages | None = None
     images: int = 0
 
 
@@ -506,7 +506,7 @@ def _build(
     *,
     chat: bool,
     constraint: StructuredOutput | None = None,
-    vision: VisionInputs | None = None,
+    vision: DecodedImages | None = None,
 ) -> GenerationRequest:
     """`constraint`: the one tool_choice sets (required / a named function), besides which the body
     may set no other. `vision`: the (one) prompt's images, sent with each of its sequences."""

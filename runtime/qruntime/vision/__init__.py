@@ -15,7 +15,16 @@ from qruntime.vision.positions import (
     mrope_cos_sin,
     mrope_positions,
 )
-from qruntime.vision.preprocess import QWEN3_VL, VisionInputs, VisionPreprocessConfig, preprocess_images, smart_resize
+from qruntime.vision.preprocess import (
+    QWEN3_VL,
+    DecodedImages,
+    VisionInputs,
+    VisionPreprocessConfig,
+    decode_images,
+    preprocess_decoded,
+    preprocess_images,
+    smart_resize,
+)
 from qruntime.vision.prompt import (
     IMAGE_PLACEHOLDER,
     ImageLimits,
@@ -26,6 +35,7 @@ from qruntime.vision.prompt import (
 )
 from qruntime.vision.prompt_images import (
     MultimodalPrompt,
+    decode_prompt_images,
     encode_prompt,
     expand_image_tokens,
     image_token_counts,
@@ -40,6 +50,7 @@ from qruntime.vision.tower_weights import tower_tensor_shapes
 __all__ = [
     "IMAGE_PLACEHOLDER",
     "QWEN3_VL",
+    "DecodedImages",
     "ImageInputError",
     "ImageLimits",
     "ImageRef",
@@ -55,7 +66,9 @@ __all__ = [
     "VisionTower",
     "VisionTowerConfig",
     "batch_mrope_positions",
+    "decode_images",
     "decode_positions",
+    "decode_prompt_images",
     "encode_prompt",
     "expand_image_tokens",
     "image_token_counts",
@@ -65,6 +78,7 @@ __all__ = [
     "load_vision_tower",
     "mrope_cos_sin",
     "mrope_positions",
+    "preprocess_decoded",
     "preprocess_images",
     "probe_images",
     "smart_resize",

@@ -166,44 +166,97 @@ def preprocess_images(
 ) -> VisionInputs:
     """Decode, resize, normalize and patchify `images`: what transformers' processor returns as
     `pixel_values` and `image_grid_thw` for the same images. Tensors are on `device` (CPU if None)."""
+    return preprocess_decoded(decode_images(images, config, max_image_pixels=max_image_pixels), config, device=device)
+
+
+@dataclass(frozen=True)
+class DecodedImages:
+    """Images decoded to RGB on the host, before the resize (which preprocess_decoded runs where the
+    encoder is): what a server's request threads hand the engine, so that the engine's device
+    preprocesses and no engine time goes to decoding or hashing."""
+
+    pixels: tuple[torch.Tensor, ...]  # per image, [H, W, 3] uint8 on the CPU
+    digests: tuple[bytes, ...]  # VisionInputs.digests of them
+    image_grid_thw: torch.Tensor  # [images, 3] int64 on the CPU: the grid preprocessing makes of each
+
+    def __post_init__(self) -> None:
+        images = len(self.pixels)
+        if not images or len(self.digests) != images or tuple(self.image_grid_thw.shape) != (images, 3):
+            raise ValueError(
+                f"DecodedImages: {images} images, {len(self.digests)} digests, grids {tuple(self.image_grid_thw.shape)}"
+            )
+        for index, rgb in enumerate(self.pixels):
+            if rgb.dtype != torch.uint8 or rgb.dim() != 3 or rgb.shape[2] != 3:
+                raise ValueError(
+                    f"DecodedImages.pixels[{index}] must be [H, W, 3] uint8, got {tuple(rgb.shape)} {rgb.dtype}"
+                )
+
+
+def image_grid(height: int, width: int, config: VisionPreprocessConfig) -> tuple[int, int, int]:
+    """The (t, h, w) patch grid preprocessing makes of a height x width image (its resize, then patches)."""
+    if config.do_resize:
+        height, width = smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
+    elif height % config.factor or width % config.factor:
+        raise ImageInputError(
+            f"image {width}x{height}: with do_resize off, both sides must be multiples of {config.factor}"
+        )
+    return 1, height // config.patch_size, width // config.patch_size
+
+
+def decode_images(
+    images: Sequence[ImageSource],
+    config: VisionPreprocessConfig = QWEN3_VL,
+    *,
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+) -> DecodedImages:
+    """Each image decoded (bounded: load_image), converted to RGB and hashed, on the host; its grid
+    checked (aspect ratio, do_resize off: sides)."""
     if not images:
         raise ValueError("preprocess_images: no images")
-    patches, grids, digests = [], [], []
+    pixels, digests, grids = [], [], []
     for source in images:
-        pixels, grid, digest = _one(load_image(source, max_pixels=max_image_pixels), config, device)
-        patches.append(pixels)
-        grids.append(grid)
-        digests.append(digest)
-    grid_thw = torch.tensor(grids, dtype=torch.int64, device=device)
+        image = load_image(source, max_pixels=max_image_pixels)
+        if config.do_convert_rgb and image.mode != "RGB":
+            image = image.convert("RGB")
+        elif image.mode != "RGB":
+            raise ImageInputError(f"image mode {image.mode}: do_convert_rgb is off, so only RGB images are taken")
+        array = np.array(image, dtype=np.uint8)  # [H, W, 3]
+        digests.append(hashlib.sha256(f"rgb|{array.shape}|".encode() + array.tobytes()).digest())
+        grids.append(image_grid(array.shape[0], array.shape[1], config))
+        pixels.append(torch.from_numpy(array))
+    return DecodedImages(tuple(pixels), tuple(digests), torch.tensor(grids, dtype=torch.int64))
+
+
+def preprocess_decoded(
+    decoded: DecodedImages, config: VisionPreprocessConfig = QWEN3_VL, *, device: torch.device | str | None = None
+) -> VisionInputs:
+    """Resize, normalize and patchify decoded images on `device` (CPU if None): preprocess_images's
+    result, bit for bit, wherever the decoding ran."""
+    patches = []
+    for index, (rgb, declared) in enumerate(zip(decoded.pixels, decoded.image_grid_thw.tolist(), strict=True)):
+        one, grid = _patches(rgb, config, device)
+        if list(grid) != declared:
+            raise ValueError(f"DecodedImages.image_grid_thw[{index}] is {declared}; image {index} makes {list(grid)}")
+        patches.append(one)
     pixel_values = torch.cat(patches) if len(patches) > 1 else patches[0]
-    return VisionInputs(pixel_values=pixel_values, image_grid_thw=grid_thw, digests=tuple(digests))
+    grid_thw = decoded.image_grid_thw.to(device)
+    return VisionInputs(pixel_values=pixel_values, image_grid_thw=grid_thw, digests=decoded.digests)
 
 
-def _one(image, config: VisionPreprocessConfig, device) -> tuple[torch.Tensor, tuple[int, int, int], bytes]:
-    if config.do_convert_rgb and image.mode != "RGB":
-        image = image.convert("RGB")
-    elif image.mode != "RGB":
-        raise ImageInputError(f"image mode {image.mode}: do_convert_rgb is off, so only RGB images are taken")
-    array = np.array(image, dtype=np.uint8)  # [H, W, 3]
-    digest = hashlib.sha256(f"rgb|{array.shape}|".encode() + array.tobytes()).digest()
-    rgb = torch.from_numpy(array).to(device)  # [H, W, 3] uint8
-    x = rgb.permute(2, 0, 1)  # [3, H, W]
+def _patches(rgb: torch.Tensor, config: VisionPreprocessConfig, device) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    x = rgb.to(device).permute(2, 0, 1)  # [3, H, W] uint8
     height, width = x.shape[1:]
     if config.do_resize:
         new_h, new_w = smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
         if (new_h, new_w) != (height, width):
             x = resize_bicubic(x, new_h, new_w)
-    elif height % config.factor or width % config.factor:
-        raise ImageInputError(
-            f"image {width}x{height}: with do_resize off, both sides must be multiples of {config.factor}"
-        )
     if config.do_rescale:
         x = (x.to(torch.float64) * config.rescale_factor).to(torch.float32)
     if config.do_normalize:
         mean = torch.tensor(config.image_mean, dtype=torch.float32, device=x.device)[:, None, None]
         std = torch.tensor(config.image_std, dtype=torch.float32, device=x.device)[:, None, None]
         x = (x.to(torch.float32) - mean) / std
-    return (*patchify(x.to(torch.float32), config), digest)
+    return patchify(x.to(torch.float32), config)
 
 
 def patchify(image: torch.Tensor, config: VisionPreprocessConfig) -> tuple[torch.Tensor, tuple[int, int, int]]:

@@ -3,7 +3,8 @@
 - `probe_images`: each image's header read (format, width, height) and held to the pixel limit and
   Qwen-VL's aspect-ratio bound, no pixel decoded: cheap enough to refuse a bad image up front.
 - `load_prompt_images`: each image decoded (decode.py, bounded) and preprocessed (preprocess.py)
-  into one VisionInputs, a failure named by its message and part.
+  into one VisionInputs, a failure named by its message and part; `decode_prompt_images` stops
+  before the resize (DecodedImages: a server's request thread decodes, the engine's device resizes).
 - `expand_image_tokens`: the rendered prompt's ids with each single <|image_pad|> token (the
   placeholder's) repeated t * h * w / merge² times for its image of grid (t, h, w): what
   transformers' Qwen3VLProcessor writes, so the ids line up with the vision tower's embeddings.
@@ -25,9 +26,11 @@ from qruntime.vision.positions import VisionTokenConfig
 from qruntime.vision.preprocess import (
     MAX_ASPECT_RATIO,
     QWEN3_VL,
+    DecodedImages,
     VisionInputs,
     VisionPreprocessConfig,
-    preprocess_images,
+    decode_images,
+    preprocess_decoded,
 )
 from qruntime.vision.prompt import DEFAULT_LIMITS, ImageLimits, ImageRef, PromptImageError, SplitMessages, split_images
 
@@ -38,10 +41,11 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class MultimodalPrompt:
     """A chat prompt ready for a Qwen3-VL model: `token_ids` with every image's tokens expanded,
-    `vision` the images' pixel_values and image_grid_thw in the same order (None without images)."""
+    `vision` the images' pixel_values and image_grid_thw in the same order (None without images),
+    or the images decoded on the host (DecodedImages), which the engine preprocesses on its device."""
 
     token_ids: list[int]
-    vision: VisionInputs | None
+    vision: VisionInputs | DecodedImages | None
     messages: tuple[dict[str, Any], ...]  # as rendered: contents as text with the placeholders
     images: tuple[ImageRef, ...]
 
@@ -92,20 +96,30 @@ def load_prompt_images(
 ) -> VisionInputs | None:
     """The images decoded and preprocessed, concatenated in prompt order (None when there are none).
     Every header is checked (probe_images) before any image is decoded."""
+    decoded = decode_prompt_images(split, config, limits)
+    return None if decoded is None else preprocess_decoded(decoded, config, device=device)
+
+
+def decode_prompt_images(
+    split: SplitMessages, config: VisionPreprocessConfig = QWEN3_VL, limits: ImageLimits = DEFAULT_LIMITS
+) -> DecodedImages | None:
+    """The images decoded and hashed on the host, in prompt order, for preprocessing where the
+    encoder runs (preprocess_decoded; None when there are none). Every header is checked
+    (probe_images) before any image is decoded; a refusal names the part."""
     if not split.images:
         return None
     probe_images(split, limits)
-    pixels, grids, digests = [], [], []
+    pixels, digests, grids = [], [], []
     for ref in split.images:
         try:
             image = load_image(ref.source, max_pixels=limits.max_image_pixels, max_bytes=limits.max_image_bytes)
-            one = preprocess_images([image], config, device=device, max_image_pixels=limits.max_image_pixels)
+            one = decode_images([image], config, max_image_pixels=limits.max_image_pixels)
         except ImageInputError as e:
             raise PromptImageError(ref.message_index, ref.part_index, str(e)) from None
-        pixels.append(one.pixel_values)
-        grids.append(one.image_grid_thw)
+        pixels += one.pixels
         digests += one.digests
-    return VisionInputs(pixel_values=torch.cat(pixels), image_grid_thw=torch.cat(grids), digests=tuple(digests))
+        grids.append(one.image_grid_thw)
+    return DecodedImages(tuple(pixels), tuple(digests), torch.cat(grids))
 
 
 def image_token_counts(grids: torch.Tensor | Sequence[Sequence[int]], merge: int) -> list[int]:

@@ -24,7 +24,7 @@ from qruntime.serve.images import ServedVision, server_image_limits
 from qruntime.serve.protocol import ServedModel, parse_chat, parse_completion
 from qruntime.tokenizer import Tokenizer
 from qruntime.vision.positions import VisionTokenConfig
-from qruntime.vision.preprocess import VisionPreprocessConfig
+from qruntime.vision.preprocess import VisionPreprocessConfig, preprocess_decoded
 from qruntime.vision.prompt_images import MultimodalPrompt, encode_prompt
 
 MODEL = "tiny-vl"
@@ -105,9 +105,12 @@ def test_ids_and_pixels_equal_encode_prompts(model, tokenizer, images, rng):
         if images == 0:
             assert spec.vision is None and want.vision is None
             continue
-        assert spec.vision.pixel_values.device.type == "cpu"
-        assert torch.equal(spec.vision.pixel_values, want.vision.pixel_values)
+        # decoded RGB on the HTTP side (uint8, CPU); the engine's device resizes and patchifies it
+        assert all(rgb.dtype == torch.uint8 and rgb.device.type == "cpu" for rgb in spec.vision.pixels)
+        preprocessed = preprocess_decoded(spec.vision, v.preprocess)
+        assert torch.equal(preprocessed.pixel_values, want.vision.pixel_values)
         assert torch.equal(spec.vision.image_grid_thw, want.vision.image_grid_thw)
+        assert torch.equal(preprocessed.image_grid_thw, want.vision.image_grid_thw)
         assert spec.vision.digests == want.vision.digests and len(spec.vision.digests) == images  # prefix-cache keys
     # every image's tokens are there, in a run after vision_start
     counts = (want.vision.image_grid_thw.prod(-1) // 4).tolist() if images else []
@@ -139,7 +142,8 @@ def test_sequences_cross_the_engine_pipe_intact(model, rng):
         receiver.close()
     for before, after in zip(request.sequences, got.sequences, strict=True):
         assert after.prompt_ids == before.prompt_ids and after.params == before.params
-        assert torch.equal(after.vision.pixel_values, before.vision.pixel_values)
+        assert len(after.vision.pixels) == len(before.vision.pixels) == 2
+        assert all(torch.equal(a, b) for a, b in zip(after.vision.pixels, before.vision.pixels, strict=True))
         assert torch.equal(after.vision.image_grid_thw, before.vision.image_grid_thw)
         assert after.vision.digests == before.vision.digests
 
@@ -201,7 +205,7 @@ def test_images_past_max_model_len_are_refused_before_decoding(tokenizer, rng, m
 
     parts = [_part(_png(rng, 48, 48)) for _ in range(3)]
     with monkeypatch.context() as patch:
-        patch.setattr(serve_images, "load_prompt_images", no_decoding)
+        patch.setattr(serve_images, "decode_prompt_images", no_decoding)
         error = _error({"messages": [{"role": "user", "content": parts}]}, short)
     assert (error.status, error.code) == (400, "context_length_exceeded"), error.message
     assert "with its images has" in error.message

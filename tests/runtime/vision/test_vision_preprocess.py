@@ -26,9 +26,12 @@ import torch
 from PIL import Image
 from qruntime.vision import (
     QWEN3_VL,
+    DecodedImages,
     ImageInputError,
     VisionPreprocessConfig,
+    decode_images,
     load_image,
+    preprocess_decoded,
     preprocess_images,
     smart_resize,
 )
@@ -271,3 +274,25 @@ def test_digests_name_the_decoded_pixels(rng):
     digests = preprocess_images(sources, QWEN3_VL).digests
     assert len(digests) == 4 and digests[0] == digests[1]
     assert len({digests[0], digests[2], digests[3]}) == 3
+
+
+def test_decoding_on_the_host_then_preprocessing_gives_the_same_bits(rng):
+    """decode_images (a server's request thread) then preprocess_decoded (the engine's device) is
+    preprocess_images, bit for bit; a DecodedImages whose grids do not match its pixels is refused."""
+    pixels = np.random.default_rng(rng.randrange(1 << 30))
+    images = [
+        Image.fromarray(pixels.integers(0, 256, (rng.randint(20, 90), rng.randint(20, 90), 3), dtype=np.uint8))
+        for _ in range(3)
+    ]
+    want = preprocess_images(images, QWEN3_VL)
+    decoded = decode_images(images, QWEN3_VL)
+    assert all(rgb.dtype == torch.uint8 and rgb.shape[2] == 3 for rgb in decoded.pixels)
+    got = preprocess_decoded(decoded, QWEN3_VL)
+    assert torch.equal(got.pixel_values, want.pixel_values) and torch.equal(got.image_grid_thw, want.image_grid_thw)
+    assert got.digests == want.digests and len(set(got.digests)) == 3
+    wrong = decoded.image_grid_thw.clone()
+    wrong[1, 1] += 2
+    with pytest.raises(ValueError, match=r"image_grid_thw\[1\]"):
+        preprocess_decoded(DecodedImages(decoded.pixels, decoded.digests, wrong), QWEN3_VL)
+    with pytest.raises(ValueError, match=r"pixels\[0\] must be \[H, W, 3\] uint8"):
+        DecodedImages((decoded.pixels[0].float(),), decoded.digests[:1], decoded.image_grid_thw[:1])
