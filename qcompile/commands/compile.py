@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import click
+from qruntime.target import DEFAULT_TARGET, TARGETS, get_target
 
 from qcompile.errors import QCompileError
 from qcompile.io.atomic import check_target
@@ -47,6 +48,7 @@ def _summary_rows(prepared, output: Path, workers: int) -> list[tuple[str, str]]
         ("passes", ", ".join(prepared.graph.applied_passes) or "(none: unfused)"),
         ("kv cache", f"{kv.dtype}, layout {kv.layout}, block {kv.block_size}"),
         ("tp", _tp_row(prepared)),
+        ("target", f"{recipe.target} ({get_target(recipe.target).fp8} weights)"),
         ("tokenizer", "copied" if prepared.tokenizer else "none (--no-tokenizer): token-id prompts only"),
         ("draft", _draft_row(prepared.speculative)),
         ("tensors", f"{len(plan.jobs)} weights from {len(prepared.checkpoint.tensors)} source tensors"),
@@ -99,6 +101,14 @@ def _tp_row(prepared) -> str:
     help="Pre-shard the weights for N-way tensor parallelism (a power of two; overrides the recipe's tp): "
     "weights/rank{r}/ and graph.rank{r}.onnx per rank.",
 )
+@click.option(
+    "--target",
+    type=click.Choice(list(TARGETS)),
+    default=None,
+    help=f"The GPU family the artifact is made for (overrides the recipe's target) [default: {DEFAULT_TARGET}]. "
+    "amd-gfx942 (MI300X / MI308X / MI325X) stores FP8 weights as float8_e4m3fnuz, the scales doubled so "
+    "that every weight dequantizes to the nvidia-sm90 artifact's value; loading checks the GPU against it.",
+)
 @click.option("--force", is_flag=True, help="Replace an existing output directory (only once the new one is complete).")
 @click.option("-j", "--workers", type=click.IntRange(1, 64), default=None, help="Worker threads [default: all cores].")
 @click.option("--dry-run", is_flag=True, help="Validate the checkpoint and recipe and print the plan; write nothing.")
@@ -131,7 +141,20 @@ def _tp_row(prepared) -> str:
     "this flag such a checkpoint is refused before any work.",
 )
 def command(
-    checkpoint, output, recipe, overrides, tp, force, workers, dry_run, quiet, tune, calib, draft_layers, no_tokenizer
+    checkpoint,
+    output,
+    recipe,
+    overrides,
+    tp,
+    target,
+    force,
+    workers,
+    dry_run,
+    quiet,
+    tune,
+    calib,
+    draft_layers,
+    no_tokenizer,
 ):
     """Compile a Hugging Face Qwen3 checkpoint into an artifact.
 
@@ -170,6 +193,8 @@ def command(
     workers = workers or max(1, len(os.sched_getaffinity(0)))
     if tp is not None:
         overrides = (*overrides, f"tp={tp}")  # last: the flag wins over the recipe and --set
+    if target is not None:
+        overrides = (*overrides, f"target={target}")
     refuse_ignore_override(overrides, checkpoint)
     resolved = load_recipe(recipe or default_recipe(checkpoint), overrides)
     prepared = prepare(

@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 from qruntime.artifact import COMPILED_FIELDS, ArtifactFormatError, read_manifest, require
+from qruntime.target import DEFAULT_TARGET, get_target
 
 from qcompile.errors import ArtifactError
 from qcompile.units import human_bytes, human_count
@@ -67,6 +68,7 @@ def summarize(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
             "calibrated_scales": bool(kv.get("scales") and kv["scales"].get("calibrated")),
         },
         "tp": tp,
+        "target": _target(manifest),
         "graphs": [manifest["graph"].get("file", "graph.onnx")] if tp == 1 else list(manifest["graph"]["files"]),
         "kv_heads_per_rank": kv["num_kv_heads"],
         "tuned_devices": tuned,
@@ -75,6 +77,12 @@ def summarize(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
         "toolchain": manifest["toolchain"],
         "vision": _vision(manifest.get("vision"), tensors),
     }
+
+
+def _target(manifest: dict[str, Any]) -> dict[str, str]:
+    """The compile target (qruntime.target; an artifact without one is nvidia-sm90) and its FP8 format."""
+    target = get_target(manifest.get("target", DEFAULT_TARGET))
+    return {"name": target.name, "fp8": target.fp8, "gpus": target.description}
 
 
 def _vision(entry: dict[str, Any] | None, tensors: dict[str, Any]) -> dict[str, Any] | None:
@@ -252,6 +260,7 @@ def command(artifact: Path, as_json: bool) -> None:
             + (", calibrated scales" if kv["calibrated_scales"] else ""),
         ),
         ("tp", _tp(info)),
+        ("target", f"{info['target']['name']} ({info['target']['gpus']}; FP8 weights {info['target']['fp8']})"),
         (
             "weights",
             f"{human_bytes(info['bytes']['weights'])} ("

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 from qruntime.artifact import ArtifactFormatError, FileProblem, find_links, read_manifest, verify_files
+from qruntime.target import DEFAULT_TARGET
 from tqdm import tqdm
 
 from qcompile.errors import ArtifactError
@@ -43,4 +44,5 @@ def command(artifact: Path, quiet: bool) -> None:
         for problem in problems[1:]:
             click.echo(f"       {problem}", err=True)
         sys.exit(1)
-    click.echo(f"ok: {len(manifest['files'])} files verified in {artifact}")
+    target = manifest.get("target", DEFAULT_TARGET)
+    click.echo(f"ok: {len(manifest['files'])} files verified in {artifact} (target {target})")

@@ -7,7 +7,7 @@ manifest records them, so a fused tensor can always be split back into its sourc
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,6 +34,7 @@ class WeightJob:
     stacked: bool
     scheme: str
     role: str
+    fp8: str = "float8_e4m3fn"  # the FP8 format of a quantized weight (the compile target's)
 
     def __post_init__(self) -> None:
         if not self.sources or not all(self.sources):
@@ -45,7 +46,8 @@ class WeightJob:
 
     @property
     def quant(self) -> QuantScheme:
-        return get_scheme(self.scheme)
+        scheme = get_scheme(self.scheme)
+        return scheme if scheme.fp8 == self.fp8 else replace(scheme, fp8=self.fp8)
 
     @property
     def weight_name(self) -> str:

@@ -22,9 +22,11 @@ import errno
 import json
 import shutil
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from qruntime.target import DEFAULT_TARGET, get_target
 
 from qcompile.compile.awq_scales import AwqScales
 from qcompile.compile.calibrate import CalibrationError, kv_scales
@@ -139,6 +141,7 @@ def prepare(
             "tensors, so leave the pass out: --set passes=[…])"
         ) from exc
     vision = _vision_graph(checkpoint, recipe)
+    graph, vision = _for_target(checkpoint, recipe, graph), vision and _for_target(checkpoint, recipe, vision)
     weights = {**graph.weights, **(vision.weights if vision is not None else {})}
     plan = make_plan(checkpoint, weights, recipe.max_shard_mb << 20, recipe.tp)
     kv = kv_cache_spec(checkpoint.spec, recipe, scales)
@@ -149,6 +152,28 @@ def prepare(
         with progress_bar(checkpoint.spec.num_hidden_layers, "awq search", progress, unit="layer") as bar:
             awq = search_awq(checkpoint, recipe, Path(calib), progress=lambda: bar.update(1))
     return Prepared(checkpoint, recipe, graph, plan, kv, tokenizer, speculative, awq, vision)
+
+
+def _for_target(checkpoint: Checkpoint, recipe: Recipe, graph: Graph) -> Graph:
+    """The graph's weight jobs in the target's FP8 format (qruntime.target): e4m3fn as they are, for
+    amd-gfx942 e4m3fnuz (the same codes, scales doubled: the dequantized weights are the same).
+    What that target cannot take yet is refused here, before any byte is written."""
+    target = get_target(recipe.target)
+    if target.fp8 == "float8_e4m3fn":
+        return graph
+    if checkpoint.quantization is not None:
+        raise PlanError(
+            f"--target {target.name}: {checkpoint.path} is pre-quantized ({checkpoint.quantization.scheme}); "
+            "its stored weights are copied as they are, which this target does not take yet: compile it for "
+            f"{DEFAULT_TARGET}, or compile a bf16 checkpoint for {target.name}"
+        )
+    if recipe.kv_cache.dtype != "bf16":
+        raise PlanError(
+            f"--target {target.name}: kv_cache.dtype {recipe.kv_cache.dtype} (an FP8 KV cache) is not made for "
+            "this target yet; use a recipe with a bf16 KV cache (kv_cache.dtype bf16)"
+        )
+    weights = {name: replace(job, fp8=target.fp8) for name, job in graph.weights.items()}
+    return replace(graph, weights=weights)
 
 
 def _vision_graph(checkpoint: Checkpoint, recipe: Recipe) -> Graph | None:
@@ -252,6 +277,7 @@ def compile_checkpoint(
                 "domains": {"qcompile": 1},
             },
             "tp": prepared.recipe.tp,
+            "target": prepared.recipe.target,  # qruntime.target: the GPU family, its FP8 format
             "tokenizer": prepared.tokenizer,  # false: no tokenizer files; prompts must be token ids
             "tensors": tensor_table(plan),
             "files": file_table(tmp, shard_digests, workers),

@@ -28,6 +28,7 @@ ONNX_DTYPES = MappingProxyType(
         torch.float16: TensorProto.FLOAT16,
         torch.float32: TensorProto.FLOAT,
         torch.float8_e4m3fn: TensorProto.FLOAT8E4M3FN,
+        torch.float8_e4m3fnuz: TensorProto.FLOAT8E4M3FNUZ,
         torch.int64: TensorProto.INT64,
         torch.int32: TensorProto.INT32,
         torch.uint8: TensorProto.UINT8,

@@ -33,6 +33,7 @@ DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
         "F32": torch.float32,
         "F64": torch.float64,
         "F8_E4M3": torch.float8_e4m3fn,
+        "F8_E4M3FNUZ": torch.float8_e4m3fnuz,  # the amd-gfx942 target's FP8 (qruntime.target)
         "F8_E5M2": torch.float8_e5m2,
         "I64": torch.int64,
         "I32": torch.int32,

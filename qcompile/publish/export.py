@@ -49,6 +49,7 @@ import torch
 from qruntime import bounded_json
 from qruntime.artifact import ArtifactFormatError, artifact_path
 from qruntime.manifest_schema import QUANT_PARAM_ROLES
+from qruntime.target import DEFAULT_TARGET
 
 from qcompile.compile.manifest import read_compiled, require_verified
 from qcompile.errors import ExportError
@@ -97,6 +98,12 @@ def export_compressed_tensors(
         raise ExportError(
             f"{root}: sharded for tp={manifest['tp']}; export reads tp=1 artifacts only (not supported yet): "
             "compile with tp: 1 and export that"
+        )
+    if manifest.get("target", DEFAULT_TARGET) != DEFAULT_TARGET:
+        raise ExportError(
+            f"{root}: compiled for {manifest['target']} (float8_e4m3fnuz weights), which compressed-tensors does not "
+            f"store; export the {DEFAULT_TARGET} artifact of the same checkpoint (its weights dequantize to the "
+            "same values)"
         )
     check_target(output, force)
     if output.resolve() == root.resolve() or output.resolve() in root.resolve().parents:

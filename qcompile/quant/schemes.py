@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
+from qruntime.target import to_e4m3fnuz
 
 from qcompile.quant import fp8, int4
 
@@ -60,6 +61,13 @@ class QuantScheme:
     activation_group: int | None
     linear_op: str
     llmcompressor_scheme: str | None  # the preset it is byte-compatible with, when any
+    # the FP8 format its weights are stored in (the compile target's, qruntime.target): e4m3fn, or
+    # e4m3fnuz for amd-gfx942, whose codes are e4m3fn's with the scales doubled (target.to_e4m3fnuz)
+    fp8: str = "float8_e4m3fn"
+
+    def __post_init__(self) -> None:
+        if self.fp8 not in ("float8_e4m3fn", "float8_e4m3fnuz"):
+            raise ValueError(f"scheme {self.name!r}: unknown FP8 format {self.fp8!r}")
 
     @property
     def quantized(self) -> bool:
@@ -100,7 +108,7 @@ class QuantScheme:
     def weight_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         if self.int4:
             return torch.int32
-        return fp8.FP8_DTYPE if self.quantized else model_dtype
+        return getattr(torch, self.fp8) if self.quantized else model_dtype
 
     def stored_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The stored weight's shape for a weight of logical `shape` (rows and columns of the source,
@@ -135,18 +143,29 @@ class QuantScheme:
         belongs to; without it the chunk is taken to be the whole tensor. Their scale comes back as
         [rows, 1], the one value repeated on every row.
         """
-        if isinstance(self.weights, PerChannel):
-            return fp8.quantize_per_channel(w)
-        if isinstance(self.weights, PerTensor):
-            q, scale = fp8.quantize_per_tensor(w, amax)
-            return q, scale.expand(w.shape[0], 1)
-        if isinstance(self.weights, PerBlock):
-            return fp8.quantize_per_block(w, (self.weights.block_n, self.weights.block_k))
+        if isinstance(self.weights, PerChannel | PerTensor | PerBlock):
+            return self.in_format(*self._quantize_fp8(w, amax))
         if isinstance(self.weights, PerGroupInt4) and not self.weights.zero_point:
             return int4.quantize_int4(w, self.weights.group_size)
         if isinstance(self.weights, PerGroupInt4):
             raise TypeError(f"scheme {self.name!r} is read from pre-quantized checkpoints only, never quantized here")
         raise TypeError(f"scheme {self.name!r} does not quantize")
+
+    def _quantize_fp8(self, w: torch.Tensor, amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """llm-compressor's e4m3fn codes and scales (qcompile.quant.fp8) of a chunk."""
+        if isinstance(self.weights, PerChannel):
+            return fp8.quantize_per_channel(w)
+        if isinstance(self.weights, PerTensor):
+            q, scale = fp8.quantize_per_tensor(w, amax)
+            return q, scale.expand(w.shape[0], 1)
+        assert isinstance(self.weights, PerBlock)
+        return fp8.quantize_per_block(w, (self.weights.block_n, self.weights.block_k))
+
+    def in_format(self, codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """e4m3fn codes and their scale in this scheme's FP8 format (as they are for e4m3fn)."""
+        if self.fp8 == "float8_e4m3fn":
+            return codes, scale
+        return to_e4m3fnuz(codes, scale)
 
 
 SCHEMES = MappingProxyType(

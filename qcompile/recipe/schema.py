@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 from qruntime.shown import shown
+from qruntime.target import DEFAULT_TARGET, TARGETS
 
 from qcompile.errors import RecipeError
 from qcompile.io import bounded_yaml
@@ -90,6 +91,7 @@ class Recipe:
     kv_cache: KVCacheRecipe = field(default_factory=KVCacheRecipe)
     tp: int = 1
     max_shard_mb: int = 4096
+    target: str = DEFAULT_TARGET  # the GPU family the artifact is made for (qruntime.target)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -98,6 +100,8 @@ class Recipe:
             del data["quantization"]["method"]  # the default: manifests read as before
         if self.quantization.awq_mappings == "auto":
             del data["quantization"]["awq_mappings"]  # the default: manifests read as before
+        if self.target == DEFAULT_TARGET:
+            del data["target"]  # the default: manifests read as before (the manifest's own `target` says it)
         data["passes"] = list(self.passes)
         return data
 
@@ -291,6 +295,8 @@ def _validate_recipe(recipe: Recipe, source: str) -> None:
         )
     if not recipe.name:
         raise RecipeError(f"{source}: 'name' must not be empty")
+    if recipe.target not in TARGETS:
+        raise RecipeError(f"{source}: 'target' must be one of {', '.join(TARGETS)}, got {shown(recipe.target)}")
 
 
 _VALIDATORS = MappingProxyType(

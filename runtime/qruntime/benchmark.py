@@ -13,7 +13,7 @@ import torch
 from qruntime.engine.engine import Engine
 from qruntime.engine.sampling_params import SamplingParams
 
-DTYPE_BYTES = {"F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4}
+DTYPE_BYTES = {"F8_E4M3": 1, "F8_E4M3FNUZ": 1, "BF16": 2, "F16": 2, "F32": 4}
 
 
 def sqnr_db(reference: torch.Tensor, other: torch.Tensor) -> float:

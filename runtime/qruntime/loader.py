@@ -31,6 +31,7 @@ from qruntime.ops.base import KVOp
 from qruntime.plan import Plan
 from qruntime.rank import Rank, RankConfig, build_rank
 from qruntime.synthetic import is_synthetic
+from qruntime.target import DEFAULT_TARGET, check_device, device_target, get_target
 from qruntime.tokenizer import (
     CHAT_TEMPLATE_FILE,
     TOKENIZER_CONFIG,
@@ -277,6 +278,7 @@ def load(
     _check_tp_device(device, tp)
     compute_dtype = _resolve_dtype(dtype, manifest)
     backend = resolve_backend(backend, device, compute_dtype)
+    _check_target(manifest, root, device, backend)
     pdl = resolve_pdl(pdl, device, backend)
     _check_files(root, manifest, verify)
     try:
@@ -387,6 +389,20 @@ def load(
         speculator=speculator,
         vision=vision,
     )
+
+
+def _check_target(manifest: dict, root: Path, device: torch.device, backend: str) -> None:
+    """The artifact's compile target (qruntime.target; none: nvidia-sm90) against the device: a GPU of
+    another family is refused naming both. FP8 weights in e4m3fnuz (amd-gfx942) run on the reference
+    ops only so far: the Triton kernels read e4m3fn codes."""
+    target = get_target(manifest.get("target", DEFAULT_TARGET))  # one of TARGETS: the schema checked it
+    check_device(target, device_target(device), str(root))
+    fnuz = any(info.get("dtype") == "F8_E4M3FNUZ" for info in manifest.get("tensors", {}).values())
+    if fnuz and backend != "reference":
+        raise ValueError(
+            f"{root}: compiled for {target.name}, its FP8 weights float8_e4m3fnuz, which the {backend} kernels do "
+            "not read yet: load it with backend='reference'"
+        )
 
 
 def _vision_model(root: Path, manifest: dict, config: RankConfig) -> VisionModel:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qruntime.shown import clip
+from qruntime.target import TARGETS
 
 MAX_TP = 64  # the most ranks a manifest may ask for (the loader bounds it again by the devices)
 MAX_DIM = 1 << 40  # the largest size of one axis, or count, a manifest may give
@@ -28,7 +29,7 @@ REQUIRED = ("format_version", "files")
 
 # safetensors dtype names -> bytes per element (docs/ARTIFACT.md: tensors[*].dtype)
 DTYPE_SIZES: Mapping[str, int] = {
-    "BF16": 2, "F16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1,
+    "BF16": 2, "F16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1,
     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
 }  # fmt: skip
 SCHEMES = ("ptpc-fp8", "tensor-fp8", "block-fp8", "w4a16", "w4a16-zp", "none")
@@ -236,6 +237,7 @@ MANIFEST_SCHEMA = Obj(
         "format_version": Str(max_len=32),
         "files": Map(Obj({"sha256": Str(max_len=128), "bytes": Int(hi=1 << 50)}, ("sha256", "bytes"))),
         "tp": Int(lo=1, hi=MAX_TP, pow2=True),
+        "target": Str(choices=tuple(TARGETS)),  # qruntime.target (absent: nvidia-sm90)
         "tokenizer": Bool(),  # false: compiled with --no-tokenizer (token-id prompts only)
         "synthetic": Obj({"preset": Str()}),  # qcompile synth --artifact: what made the random weights
         "graph": Obj({"file": Str(), "files": List(Str(), max_len=MAX_TP), "opset": Int(), "domains": Map(Int())}),

@@ -22,10 +22,14 @@ ONNX_TO_TORCH = {
     onnx.TensorProto.FLOAT16: torch.float16,
     onnx.TensorProto.BFLOAT16: torch.bfloat16,
     onnx.TensorProto.FLOAT8E4M3FN: torch.float8_e4m3fn,
+    onnx.TensorProto.FLOAT8E4M3FNUZ: torch.float8_e4m3fnuz,  # amd-gfx942 artifacts' weights (qruntime.target)
     onnx.TensorProto.INT64: torch.int64,
     onnx.TensorProto.INT32: torch.int32,
     onnx.TensorProto.UINT8: torch.uint8,
 }
+
+
+FP8_WEIGHTS = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
 def _mapped(path: Path, cache: dict[Path, torch.Tensor]) -> torch.Tensor:
@@ -76,7 +80,7 @@ def _inline(init: onnx.TensorProto) -> torch.Tensor:
 def runtime_dtype(dtype: torch.dtype, compute_dtype: torch.dtype) -> torch.dtype:
     """What a stored initializer dtype becomes at run time: floating weights that are not FP8 take
     `compute_dtype`; FP8 weights and integer constants keep their type."""
-    return compute_dtype if dtype.is_floating_point and dtype != torch.float8_e4m3fn else dtype
+    return compute_dtype if dtype.is_floating_point and dtype not in FP8_WEIGHTS else dtype
 
 
 def load_initializers(

@@ -162,7 +162,10 @@ def test_publish_to_folder(art, source, tmp_path, eval_json):
 
     # the published folder is an artifact whose every file verifies, the card and the wheel included
     result = run("verify", out, "-q")
-    assert result.exit_code == 0 and result.output == f"ok: {len(published) - 1} files verified in {out}\n"
+    assert (
+        result.exit_code == 0
+        and result.output == f"ok: {len(published) - 1} files verified in {out} (target nvidia-sm90)\n"
+    )
 
 
 def test_reports_from_real_runs(art, source, tmp_path):
