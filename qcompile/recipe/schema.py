@@ -191,7 +191,15 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
 
 
 def recipe_from_dict(raw: dict[str, Any], source: str = "<recipe>") -> Recipe:
-    """Validate a plain dict into a Recipe; errors name the key and `source`."""
+    """Validate a plain dict into a Recipe; errors name the key and `source`. `kv_cache.layout: auto`
+    (or no layout given) becomes the target's layout (qruntime.target: nhd for NVIDIA, AITER's
+    x-packed for AMD)."""
+    if isinstance(raw, dict):
+        kv, target = raw.get("kv_cache", {}), raw.get("target", DEFAULT_TARGET)
+        if not (isinstance(target, str) and target in TARGETS):  # first: the layout follows from it
+            raise RecipeError(f"{source}: 'target' must be one of {', '.join(TARGETS)}, got {shown(target)}")
+        if isinstance(kv, dict) and kv.get("layout", "auto") == "auto":
+            raw = {**raw, "kv_cache": {**kv, "layout": TARGETS[target].kv_layout}}
     return _build(Recipe, raw, source, prefix="")
 
 
@@ -295,8 +303,6 @@ def _validate_recipe(recipe: Recipe, source: str) -> None:
         )
     if not recipe.name:
         raise RecipeError(f"{source}: 'name' must not be empty")
-    if recipe.target not in TARGETS:
-        raise RecipeError(f"{source}: 'target' must be one of {', '.join(TARGETS)}, got {shown(recipe.target)}")
 
 
 _VALIDATORS = MappingProxyType(

@@ -3,12 +3,15 @@ its manifest, checked by `load` against the device it is loaded on.
 
 A target decides what the compiler writes so that nothing is converted at load:
 - nvidia-sm90 (the default; Hopper, and the NVIDIA GPUs that run its kernels): FP8 weights as
-  float8_e4m3fn (OCP E4M3, ±448), byte-identical to llm-compressor's;
+  float8_e4m3fn (OCP E4M3, ±448), byte-identical to llm-compressor's; KV cache `nhd` by default;
 - amd-gfx942 (MI300X / MI308X / MI325X): FP8 weights as float8_e4m3fnuz (±240, exponent bias 8,
   no negative zero: the bit pattern 0x80 is its only NaN). The same bits read as e4m3fnuz are half
   their e4m3fn value, so the compiler keeps the e4m3fn codes (0x80, e4m3fn's −0, becomes 0x00) and
   doubles their scales: every dequantized weight equals the e4m3fn artifact's exactly. vLLM's ROCm
-  path does the same at every start (normalize_e4m3fn_to_e4m3fnuz); here it is done once.
+  path does the same at every start (normalize_e4m3fn_to_e4m3fnuz); here it is done once. KV cache
+  in AITER's x-packed layout by default.
+
+A recipe's `kv_cache.layout: auto` (the shipped recipes') takes the target's layout.
 
 An artifact without a target is an nvidia-sm90 one (artifacts from before targets existed). The
 CLIs read TARGETS before any torch import (a mistyped path costs no torch import): torch is
@@ -35,6 +38,7 @@ class Target:
     vendor: str  # "nvidia" | "amd"
     arch: str  # the GPU architecture the kernels are made for: "sm90", "gfx942"
     fp8: str  # torch dtype name of the FP8 weights (and, on the device, of the FP8 activations)
+    kv_layout: str  # the KV-cache layout a recipe's `layout: auto` takes (qruntime.kv_layout)
     description: str
 
     @property
@@ -42,10 +46,6 @@ class Target:
         import torch
 
         return getattr(torch, self.fp8)
-
-    @property
-    def fp8_max(self) -> float:
-        return float(torch.finfo(self.fp8_dtype).max)
 
 
 TARGETS = MappingProxyType(
@@ -55,9 +55,14 @@ TARGETS = MappingProxyType(
             "nvidia",
             "sm90",
             "float8_e4m3fn",
+            "nhd",
             "NVIDIA Hopper (H100 / H200) and the NVIDIA GPUs that run it",
         ),
-        "amd-gfx942": Target("amd-gfx942", "amd", "gfx942", "float8_e4m3fnuz", "AMD Instinct MI300X / MI308X / MI325X"),
+        # AITER's paged layout: K [blocks, kv_heads, head_dim/x, block_size, x], V [blocks, kv_heads,
+        # block_size/x, head_dim, x], x = 16 bytes of the cache's dtype (gfx942's vector width)
+        "amd-gfx942": Target(
+            "amd-gfx942", "amd", "gfx942", "float8_e4m3fnuz", "x-packed", "AMD Instinct MI300X / MI308X / MI325X"
+        ),
     }
 )
 DEFAULT_TARGET = "nvidia-sm90"

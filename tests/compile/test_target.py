@@ -122,6 +122,30 @@ def test_the_triton_kernels_refuse_e4m3fnuz_weights_for_now(make_ckpt, compiled)
             _check_target(manifest, art, torch.device("cpu"), "triton")
 
 
+def test_the_kv_layout_is_the_targets_unless_the_recipe_names_one(make_ckpt, compiled):
+    """`kv_cache.layout: auto` (the shipped recipes) or none: nhd for nvidia-sm90, AITER's x-packed
+    (K [blocks, kv_heads, head_dim/x, block_size, x], x = 16 bytes of bf16) for amd-gfx942; a
+    layout the recipe names is kept. The amd artifact's greedy tokens equal the nvidia one's."""
+    from qcompile.recipe.schema import recipe_from_dict
+
+    assert load_recipe("ptpc-fp8").kv_cache.layout == "nhd"
+    assert load_recipe("ptpc-fp8", AMD).kv_cache.layout == "x-packed"
+    assert load_recipe("ptpc-fp8", [*AMD, "kv_cache.layout=hnd"]).kv_cache.layout == "hnd"
+    assert recipe_from_dict({"target": "amd-gfx942"}).kv_cache.layout == "x-packed"  # no kv_cache at all
+    assert recipe_from_dict({"kv_cache": {"dtype": "bf16"}}).kv_cache.layout == "nhd"
+    ckpt = make_ckpt("tiny")
+    amd = compiled(ckpt, "ptpc-fp8", *AMD)
+    layout = json.loads((amd / "manifest.json").read_text())["kv_cache"]["layout"]
+    assert (layout["name"], layout["k_dims"][-3:]) == ("x-packed", ["head_dim/x", "block_size", "x"])
+    prompt = [random.randrange(1, 200) for _ in range(9)]
+    params = qruntime.SamplingParams(max_tokens=6, ignore_eos=True)
+    tokens = []
+    for art in (compiled(ckpt, "ptpc-fp8"), amd):
+        with qruntime.load(art, device="cpu", backend="reference", dtype=torch.float32) as engine:
+            tokens.append(engine.generate([prompt], params)[0].token_ids)
+    assert tokens[0] == tokens[1], prompt
+
+
 def test_what_the_amd_target_does_not_take_yet_is_refused(make_ckpt, compiled, tmp_path):
     ckpt = make_ckpt("tiny")
     with pytest.raises(RecipeError, match=r"'target' must be one of nvidia-sm90, amd-gfx942, got 'amd-gfx950'"):
