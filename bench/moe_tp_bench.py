@@ -92,11 +92,11 @@ def expert_load(engine, input_len: int) -> dict:
 def without_ll(art: Path) -> None:
     """Set the tuned LL all-reduce limit of the artifact's table(s) to 0 (the `noll` mode's A/B), the
     manifest's entries of the tables with them."""
-    from qruntime.artifact import read_manifest, sha256_file
+    from qruntime.artifact import read_manifest
 
-    from qcompile.compile.manifest import write_manifest
+    from qcompile.compile.manifest import relist_files
 
-    manifest = read_manifest(art)
+    rels = []
     for table in (art / "kernels").glob("*.json"):
         data = json.loads(table.read_text())
         for key, buckets in data["entries"].items():
@@ -104,13 +104,8 @@ def without_ll(art: Path) -> None:
                 for cfg in buckets.values():
                     cfg["max_ll_bytes"] = 0
         table.write_text(json.dumps(data, indent=1) + "\n")
-        manifest["files"][f"kernels/{table.name}"] = {"sha256": sha256_file(table), "bytes": table.stat().st_size}
-    manifest.pop("format_version", None)
-    staging = art / ".manifest.tmp"
-    staging.mkdir(exist_ok=True)
-    write_manifest(staging, manifest)
-    os.replace(staging / "manifest.json", art / "manifest.json")
-    staging.rmdir()
+        rels.append(f"kernels/{table.name}")
+    relist_files(art, read_manifest(art), rels)
 
 
 def run_one(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
@@ -113,6 +114,21 @@ def file_table(root: Path, known: dict[str, str] | None = None, workers: int = 2
 def write_manifest(root: Path, manifest: dict[str, Any]) -> None:
     manifest = {"format_version": FORMAT_VERSION, **manifest}
     (root / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+
+
+def relist_files(root: Path, manifest: dict[str, Any], rels: list[str]) -> None:
+    """Record the current size and sha256 of the artifact's files `rels` (rewritten in place, as
+    `qcompile tune` rewrites its kernel table) in `manifest`, and replace manifest.json with it
+    atomically (written beside, then renamed)."""
+    for rel in rels:
+        path = root / rel
+        manifest["files"][rel] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    manifest.pop("format_version", None)
+    staging = root / ".manifest.tmp"
+    staging.mkdir(exist_ok=True)
+    write_manifest(staging, manifest)
+    os.replace(staging / "manifest.json", root / "manifest.json")
+    staging.rmdir()
 
 
 def read_compiled(root: Path, error: type[QCompileError]) -> dict[str, Any]:

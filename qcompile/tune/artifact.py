@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
-from qruntime.artifact import read_manifest, sha256_file
+from qruntime.artifact import read_manifest
 from qruntime.kernel_configs import KERNELS_DIR, device_file
 
-from qcompile.compile.manifest import write_manifest
+from qcompile.compile.manifest import relist_files
 from qcompile.errors import QCompileError
 from qcompile.tune.allreduce import tune_all_reduce
 from qcompile.tune.gemm import ROTATE_BYTES, TOKEN_BUCKETS, gemm_shapes, time_us, tune_gemm
@@ -78,11 +78,5 @@ def tune_artifact(
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
     os.replace(tmp, path)
-    manifest["files"][rel] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
-    manifest.pop("format_version", None)
-    staging = root / ".manifest.tmp"
-    staging.mkdir(exist_ok=True)
-    write_manifest(staging, manifest)
-    os.replace(staging / "manifest.json", root / "manifest.json")
-    staging.rmdir()
+    relist_files(root, manifest, [rel])
     return path
