@@ -144,6 +144,23 @@ def fits_fused(x: torch.Tensor, peers: Peers) -> bool:
     return x.dim() == 2 and x.stride(1) == 1 and x.shape[1] <= MAX_BLOCK and peers.fits(x)
 
 
+def fused_outputs(
+    x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, quant: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(y, ys or None, residual_out) of a fused all-reduce + AddRMSNorm[Quant] of x [T, H] (this
+    kernel's and ll_allreduce's), after checking residual and w against x."""
+    tokens, hidden = x.shape
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
+        raise ValueError(f"residual must be {tuple(x.shape)} {x.dtype} with unit column stride")
+    if w.shape != (hidden,) or w.dtype != x.dtype:
+        raise ValueError(f"w must be [{hidden}] {x.dtype}, got {tuple(w.shape)} {w.dtype}")
+    residual_out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    if not quant:
+        return torch.empty(tokens, hidden, dtype=x.dtype, device=x.device), None, residual_out
+    y = torch.empty(tokens, hidden, dtype=FP8, device=x.device)
+    return y, torch.empty(tokens, 1, dtype=torch.float32, device=x.device), residual_out
+
+
 def all_reduce_add_rmsnorm(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -162,17 +179,7 @@ def all_reduce_add_rmsnorm(
             f"x {tuple(x.shape)} does not fit the fused kernel (rows <= {MAX_BLOCK}, <= {peers.half} elements)"
         )
     tokens, hidden = x.shape
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
-        raise ValueError(f"residual must be {tuple(x.shape)} {x.dtype} with unit column stride")
-    if w.shape != (hidden,) or w.dtype != x.dtype:
-        raise ValueError(f"w must be [{hidden}] {x.dtype}, got {tuple(w.shape)} {w.dtype}")
-    residual_out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
-    if quant:
-        y = torch.empty(tokens, hidden, dtype=FP8, device=x.device)
-        ys = torch.empty(tokens, 1, dtype=torch.float32, device=x.device)
-    else:
-        y = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
-        ys = None
+    y, ys, residual_out = fused_outputs(x, residual, w, quant)
     if tokens:
         block, _, num_warps = row_config(hidden)
         has_res = residual is not None

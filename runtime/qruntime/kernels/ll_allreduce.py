@@ -35,9 +35,10 @@ import triton
 import triton.language as tl
 
 from qruntime.kernels.add_rmsnorm_quant import normalize_row
-from qruntime.kernels.dynamic_quant import FP8, MAX_BLOCK, check_model_dtype, round_to, row_config, use_hw_casts
+from qruntime.kernels.custom_allreduce import fused_outputs
+from qruntime.kernels.dynamic_quant import MAX_BLOCK, check_model_dtype, round_to, row_config, use_hw_casts
 from qruntime.kernels.pdl import launch_options, wait_for_inputs
-from qruntime.kernels.peer_sync import POLL_AFTER_NS, Peers, call_counts, global_timer_ns, grid_of, trap
+from qruntime.kernels.peer_sync import Peers, bounded_wait, call_counts, global_timer_ns, grid_of
 
 BLOCK_WORDS = 1024  # words a program moves at once in the plain all-reduce
 WORD_BYTES = 4  # bytes of x a word carries
@@ -83,13 +84,7 @@ def _receive(
         while (ready == 0) & (alive != 0):
             spins += 1
             if spins % 64 == 0:
-                waited = global_timer_ns() - start
-                # never read in the microsecond waits of a healthy group (peer_sync.barrier says why)
-                if waited > POLL_AFTER_NS:  # noqa: SIM102 (nested: the load must not run when false)
-                    if tl.load(aborted, volatile=True) != 0:
-                        alive = 0
-                if waited > timeout_ns:
-                    trap()
+                alive = bounded_wait(start, alive, timeout_ns, aborted)
             word = tl.load(at, mask=mask, other=0, volatile=True)
             ready = tl.min((((word >> 32) == flag) | (mask == 0)).to(tl.int32), axis=0)
     else:
@@ -289,17 +284,7 @@ def ll_all_reduce_add_rmsnorm(
             f"{WORD_BYTES}-byte words, <= {MAX_BLOCK} columns, <= {peers.ll_words} words)"
         )
     tokens, hidden = x.shape
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
-        raise ValueError(f"residual must be {tuple(x.shape)} {x.dtype} with unit column stride")
-    if w.shape != (hidden,) or w.dtype != x.dtype:
-        raise ValueError(f"w must be [{hidden}] {x.dtype}, got {tuple(w.shape)} {w.dtype}")
-    residual_out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
-    if quant:
-        y = torch.empty(tokens, hidden, dtype=FP8, device=x.device)
-        ys = torch.empty(tokens, 1, dtype=torch.float32, device=x.device)
-    else:
-        y = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
-        ys = None
+    y, ys, residual_out = fused_outputs(x, residual, w, quant)
     if tokens:
         epw = _elements_per_word(x)
         block, _, num_warps = row_config(hidden)

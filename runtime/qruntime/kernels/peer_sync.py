@@ -81,6 +81,23 @@ def data_half(data, deltas, rank, parity, half):
 
 
 @triton.jit
+def bounded_wait(start, alive, timeout_ns, aborted):
+    """A wait's periodic check (the GPU branch; `start` its global_timer_ns): alive becomes 0 once the
+    host raised the abort word (pinned memory at `aborted`), read only when the wait has lasted
+    POLL_AFTER_NS; past timeout_ns the program traps."""
+    waited = global_timer_ns() - start
+    # the host word is a read across PCIe by every thread of every waiting program: in the waits of
+    # a healthy group (microseconds) it is never read, since reading it there made 128-program calls
+    # ~150x slower (966 us for 512 KB on 2 x H200)
+    if waited > POLL_AFTER_NS:  # noqa: SIM102 (nested: the load must not run when false)
+        if tl.load(aborted, volatile=True) != 0:
+            alive = 0
+    if waited > timeout_ns:
+        trap()
+    return alive
+
+
+@triton.jit
 def barrier(bases, counters, slot, count, timeout_ns, abort, RANK: tl.constexpr, WORLD: tl.constexpr, HW: tl.constexpr):
     """Meet program `slot` of every rank: publish `count`, wait for every rank's (see the module doc).
     Returns 0 when the host raised the abort word (a rank died) while it waited, else 1."""
@@ -106,15 +123,7 @@ def barrier(bases, counters, slot, count, timeout_ns, abort, RANK: tl.constexpr,
             while (seen < count) & (alive != 0):
                 spins += 1
                 if spins % 256 == 0:
-                    waited = global_timer_ns() - start
-                    # the host word is a read across PCIe by every thread of every waiting program: in
-                    # the waits of a healthy group (microseconds) it is never read, since reading it
-                    # there made 128-program calls ~150x slower (966 us for 512 KB on 2 x H200)
-                    if waited > POLL_AFTER_NS:  # noqa: SIM102 (nested: the load must not run when false)
-                        if tl.load(aborted, volatile=True) != 0:
-                            alive = 0
-                    if waited > timeout_ns:
-                        trap()
+                    alive = bounded_wait(start, alive, timeout_ns, aborted)
                 seen = tl.atomic_add(mine + r, 0, sem="acquire", scope="sys")
         else:
             while (seen < count) & (alive != 0):
