@@ -109,8 +109,13 @@ def quant_scale(amax):
 
 
 @triton.jit
-def fp8_e4m3_code(x, scale, inv_scale, HW: tl.constexpr):
+def fp8_e4m3_code(x, scale, inv_scale, HW: tl.constexpr, FNUZ: tl.constexpr = False):
     """Bytes (uint8) of fp8_e4m3fn(clamp(x / scale, -448, 448)), rounded to nearest even.
+
+    FNUZ (the amd-gfx942 target, qruntime.target): e4m3fnuz codes of half that quotient (gfx942's own
+    conversion on the GPU): e4m3fnuz(v / 2) has e4m3fn(v)'s bits for every v the clamp lets through,
+    halving being exact, except e4m3fn's -0 (0x80, e4m3fnuz's NaN), which is 0; the caller stores
+    the scale doubled (qruntime.target.to_e4m3fnuz of the e4m3fn codes and scale).
 
     inv_scale = div_rn(1, scale). x / scale is the correctly rounded quotient by Markstein's
     correction (q0 = x * inv_scale is within 1.5 ulp; one exact fma residual and one fma give the
@@ -120,7 +125,9 @@ def fp8_e4m3_code(x, scale, inv_scale, HW: tl.constexpr):
     q = tl.fma(tl.fma(-q0, scale, x), inv_scale, q0)
     q = tl.where(x == 0.0, q0, q)
     q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-    if HW:
+    if HW and FNUZ:
+        return (q * 0.5).to(tl.float8e4b8).to(tl.uint8, bitcast=True)  # v_cvt_pk_fp8_f32 on gfx942
+    elif HW:
         return q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # cvt.rn.satfinite.e4m3x2
     else:
         bits = q.to(tl.uint32, bitcast=True)
@@ -133,19 +140,24 @@ def fp8_e4m3_code(x, scale, inv_scale, HW: tl.constexpr):
         # to an integer by adding 2^23 in fp32 (exact product, one rounding to nearest even)
         sub = (mag.to(tl.float32, bitcast=True) * 512.0 + 8388608.0).to(tl.uint32, bitcast=True) - 0x4B000000
         code = tl.where(mag < 0x3C800000, sub, normal) | sign
+        if FNUZ:  # e4m3fn's -0 (x = -0, or a negative quotient that rounds to 0) is e4m3fnuz's NaN: 0
+            code = tl.where(code == 0x80, 0, code)
         return code.to(tl.uint8)
 
 
 @triton.jit
-def quantize_row(x_row, q_row, K, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, HW: tl.constexpr):
+def quantize_row(
+    x_row, q_row, K, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, HW: tl.constexpr, FNUZ: tl.constexpr = False
+):
     """One row's per-token FP8 quantization: K values at x_row -> e4m3 codes at q_row; returns the
-    scale (amax / 448). NUM_CHUNKS > 1: the row in BLOCK-wide chunks, read twice (amax, then codes)."""
+    scale (amax / 448). NUM_CHUNKS > 1: the row in BLOCK-wide chunks, read twice (amax, then codes).
+    FNUZ: the codes made as e4m3fnuz (fp8_e4m3_code), the same bytes; the scale is still e4m3fn's."""
     cols = tl.arange(0, BLOCK)
     if NUM_CHUNKS == 1:
         mask = cols < K
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
         scale = quant_scale(tl.max(tl.abs(x), axis=0))
-        tl.store(q_row + cols, fp8_e4m3_code(x, scale, tl.math.div_rn(1.0, scale), HW), mask=mask)
+        tl.store(q_row + cols, fp8_e4m3_code(x, scale, tl.math.div_rn(1.0, scale), HW, FNUZ), mask=mask)
     else:
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for c in range(NUM_CHUNKS):
@@ -158,7 +170,7 @@ def quantize_row(x_row, q_row, K, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
             offs = c * BLOCK + cols
             mask = offs < K
             x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(q_row + offs, fp8_e4m3_code(x, scale, inv_scale, HW), mask=mask)
+            tl.store(q_row + offs, fp8_e4m3_code(x, scale, inv_scale, HW, FNUZ), mask=mask)
     return scale
 
 
@@ -173,25 +185,30 @@ def _dynamic_quant_kernel(
     NUM_CHUNKS: tl.constexpr,
     HW: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
+    FNUZ: tl.constexpr = False,  # e4m3fnuz out (amd-gfx942): e4m3fn's bytes, the scale doubled
 ):
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
-    scale = quantize_row(x_ptr + row * stride_x, q_ptr + row * K, K, BLOCK, NUM_CHUNKS, HW)
-    tl.store(s_ptr + row, scale)
+    scale = quantize_row(x_ptr + row * stride_x, q_ptr + row * K, K, BLOCK, NUM_CHUNKS, HW, FNUZ)
+    tl.store(s_ptr + row, scale * 2.0 if FNUZ else scale)
 
 
 def dynamic_quant(
-    x: torch.Tensor, *, max_block: int = MAX_BLOCK, pdl: bool = False
+    x: torch.Tensor, *, max_block: int = MAX_BLOCK, pdl: bool = False, fp8: torch.dtype = FP8
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token FP8 quantization: x [T, K] bf16 | fp16 | fp32 -> (xq [T, K] fp8 e4m3, xs [T, 1] fp32).
 
     Bit-identical to qruntime.ops.functional.dynamic_quant(x, 0). `max_block` (a power of two)
     caps the register tile; rows wider than it take the two-pass chunked path (tests force it).
-    pdl: programmatic dependent launch (kernels/pdl.py)."""
+    pdl: programmatic dependent launch (kernels/pdl.py). fp8 float8_e4m3fnuz (the amd-gfx942
+    target): the same codes as e4m3fnuz and the scales doubled, qruntime.target.to_e4m3fnuz of
+    the e4m3fn result, so xq * xs is the same."""
     check_model_dtype("x", x)
+    if fp8 not in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        raise TypeError(f"fp8 must be float8_e4m3fn or float8_e4m3fnuz, got {fp8}")
     x = rows_of("x", x)
     tokens, k = x.shape
-    xq = torch.empty(tokens, k, dtype=FP8, device=x.device)
+    xq = torch.empty(tokens, k, dtype=fp8, device=x.device)
     xs = torch.empty(tokens, 1, dtype=torch.float32, device=x.device)
     if tokens == 0 or k == 0:
         xs.fill_(MIN_SCALE)
@@ -206,6 +223,7 @@ def dynamic_quant(
         BLOCK=block,
         NUM_CHUNKS=chunks,
         HW=use_hw_casts(x),
+        FNUZ=fp8 == torch.float8_e4m3fnuz,
         num_warps=num_warps,
         **launch_options(pdl),
     )
