@@ -100,3 +100,13 @@ def test_eval_recipes_example(tmp_path):
         assert 0.95 < row["ppl_ratio"] < 1.05 and row["top1_agreement"] > 0.9, row
     assert list(tmp_path.iterdir()) == [tmp_path / "eval.json"]  # the temporary artifacts are gone
     assert re.search(r"^ptpc-fp8-lmhead +[01]\.\d{4} +\d", out, re.M), out  # its table
+
+
+def test_amd_check_example(tmp_path):
+    """Without an AMD GPU (CI): the CPU checks run and pass, the gfx942 ones say they did not run."""
+    out = run_example("amd_check.py", tmp_path)
+    rows = {cells[0]: cells[1] for cells in (re.split(r"\s{2,}", line) for line in out.splitlines()[1:] if line)}
+    assert rows["weights: e4m3fnuz codes, doubled scales"] == "ok", out
+    assert rows["reference ops, CPU: logits and greedy"] == "ok", out
+    assert rows["gfx942: FP8 quantization kernel"] == "not run", out  # no AMD GPU here
+    assert json.loads((tmp_path / "amd-gfx942" / "manifest.json").read_text())["target"] == "amd-gfx942"
