@@ -25,15 +25,15 @@ from dataclasses import dataclass
 from functools import cached_property
 from types import MappingProxyType
 
-import numpy as np
 import torch
 from qruntime.vision.tower_config import VisionTowerConfig
 from qruntime.vision.tower_weights import DEFAULT_PREFIX, tower_tensor_shapes
 
 from qcompile.compile.jobs import WeightJob
 from qcompile.errors import PlanError
-from qcompile.graph.ir import AttrValue, Dim, Graph, Node, TensorType, check_graph, constant_name
-from qcompile.graph.ops import OP_DOMAINS
+from qcompile.graph.builder import GraphBuilder
+from qcompile.graph.ir import AttrValue, Dim, Graph, TensorType, check_graph
+from qcompile.recipe.schema import Recipe
 from qcompile.source.spec import ModelSpec
 
 # name, dtype (None: the model dtype), shape of the vision graph's inputs, in contract order
@@ -88,22 +88,13 @@ def vision_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return {DEFAULT_PREFIX + name: shape for name, shape in tower_tensor_shapes(tower_config(spec)).items()}
 
 
-class _Builder:
-    """Nodes, value types, inputs, weight jobs and constants of one vision graph."""
+class _Builder(GraphBuilder):
+    """GraphBuilder (inputs, constants, nodes, DynamicQuant) with the tower's own helpers: every value
+    one node's single output in the model dtype, weights the tower's tensors under their checkpoint names."""
 
-    def __init__(self, spec: ModelSpec, config: VisionTowerConfig) -> None:
-        self.spec, self.config = spec, config
-        self.dtype: torch.dtype = getattr(torch, spec.dtype)
-        self.nodes: list[Node] = []
-        self.types: dict[str, TensorType] = {}
-        self.inputs: list[str] = []
-        self.weights: dict[str, WeightJob] = {}
-        self.constants: dict[str, np.ndarray] = {}
-
-    def input(self, name: str, dtype: torch.dtype, shape: tuple[Dim, ...]) -> str:
-        self.inputs.append(name)
-        self.types[name] = TensorType(dtype, shape)
-        return name
+    def __init__(self, spec: ModelSpec, config: VisionTowerConfig, recipe: Recipe) -> None:
+        super().__init__(spec, recipe)
+        self.config = config
 
     def tensor(self, name: str) -> str:
         """The tower tensor `name` (without the prefix), declared as its own job."""
@@ -112,12 +103,7 @@ class _Builder:
             self.weights[full] = TowerTensorJob(full, ((full,),), stacked=False, scheme="none", role=VISION_ROLE)
         return full
 
-    def constant(self, values: Sequence[int]) -> str:
-        name = constant_name(list(values))
-        self.constants[name] = np.asarray(values, dtype=np.int64)
-        return name
-
-    def node(
+    def value(
         self,
         op_type: str,
         inputs: Sequence[str],
@@ -126,36 +112,32 @@ class _Builder:
         attrs: Mapping[str, AttrValue] | None = None,
     ) -> str:
         """One node of one output `out` (model dtype, `shape`), named after its output."""
-        if out in self.types:
-            raise ValueError(f"value {out!r} is produced twice")
-        self.types[out] = TensorType(self.dtype, shape)
-        self.nodes.append(Node(op_type, OP_DOMAINS[op_type], tuple(inputs), (out,), attrs or {}, out))
-        return out
+        return self.node(op_type, inputs, [self.act(out, shape)], attrs)[0]
 
-    def linear(self, x: str, module: str, out_features: int, out: str) -> str:
+    def affine(self, x: str, module: str, out_features: int, out: str) -> str:
         """y = x Wᵀ + b with `module`'s weight and bias (a Gemm with its bias input C)."""
         rows = self.types[x].shape[0]
         inputs = [x, self.tensor(f"{module}.weight"), self.tensor(f"{module}.bias")]
-        return self.node("Gemm", inputs, out, (rows, out_features), {"transB": 1})
+        return self.value("Gemm", inputs, out, (rows, out_features), {"transB": 1})
 
     def layer_norm(self, x: str, module: str, out: str) -> str:
         inputs = [x, self.tensor(f"{module}.weight"), self.tensor(f"{module}.bias")]
-        return self.node(
+        return self.value(
             "LayerNormalization", inputs, out, self.types[x].shape, {"axis": -1, "epsilon": LAYER_NORM_EPS}
         )
 
     def add(self, a: str, b: str, out: str) -> str:
-        return self.node("Add", [a, b], out, self.types[a].shape)
+        return self.value("Add", [a, b], out, self.types[a].shape)
 
     def reshape(self, x: str, shape: tuple[int, ...], out: str, out_shape: tuple[Dim, ...]) -> str:
-        return self.node("Reshape", [x, self.constant(shape)], out, out_shape)
+        return self.value("Reshape", [x, self.constant(shape)], out, out_shape)
 
 
 def build_vision_graph(spec: ModelSpec) -> VisionGraph:
     """The vision graph of `spec` (whose `vision` must be set), its weights every tower tensor
     unquantized in the model dtype. PlanError when the spec has no readable vision tower config."""
     c = tower_config(spec)
-    b = _Builder(spec, c)
+    b = _Builder(spec, c, Recipe())
     sizes = {"patch_dim": c.patch_dim, "head_dim": c.head_dim}
     for name, dtype, shape in VISION_GRAPH_INPUTS:
         b.input(name, dtype or b.dtype, tuple(sizes.get(d, d) if isinstance(d, str) else d for d in shape))
@@ -163,14 +145,14 @@ def build_vision_graph(spec: ModelSpec) -> VisionGraph:
     patch_weight = b.reshape(
         b.tensor("patch_embed.proj.weight"), (hidden, c.patch_dim), "patch_embed.proj.weight_2d", (hidden, c.patch_dim)
     )
-    x = b.node(
+    x = b.value(
         "Gemm",
         ["pixel_values", patch_weight, b.tensor("patch_embed.proj.bias")],
         "patch_embed",
         ("P", hidden),
         {"transB": 1},
     )
-    pos = b.node("PositionGrid", [b.tensor("pos_embed.weight"), "pos_index", "pos_weight"], "pos_embed", ("P", hidden))
+    pos = b.value("PositionGrid", [b.tensor("pos_embed.weight"), "pos_index", "pos_weight"], "pos_embed", ("P", hidden))
     x = b.add(x, pos, "embeds")
     deepstack = []
     for i in range(c.depth):
@@ -182,7 +164,7 @@ def build_vision_graph(spec: ModelSpec) -> VisionGraph:
     merged_rows = "P" if c.merge_unit == 1 else f"P/{c.merge_unit}"
     if deepstack:
         width = (1 + len(deepstack)) * c.out_hidden_size
-        b.node("Concat", [final, *deepstack], VISION_EMBEDS, (merged_rows, width), {"axis": -1})
+        b.value("Concat", [final, *deepstack], VISION_EMBEDS, (merged_rows, width), {"axis": -1})
     graph = VisionGraph(
         spec=spec,
         nodes=tuple(b.nodes),
@@ -202,24 +184,24 @@ def _block(b: _Builder, i: int, x: str) -> str:
     c, p = b.config, f"blocks.{i}."
     hidden = c.hidden_size
     h = b.layer_norm(x, p + "norm1", p + "norm1")
-    qkv = b.linear(h, p + "attn.qkv", 3 * hidden, p + "attn.qkv")
+    qkv = b.affine(h, p + "attn.qkv", 3 * hidden, p + "attn.qkv")
     attrs = {"num_heads": c.num_heads, "head_dim": c.head_dim, "scale": float(c.head_dim**-0.5)}
-    attn = b.node("VisionAttention", [qkv, "rotary_cos", "rotary_sin", "cu_seqlens"], p + "attn", ("P", hidden), attrs)
-    h = b.add(x, b.linear(attn, p + "attn.proj", hidden, p + "attn.proj"), p + "attn_residual")
+    attn = b.value("VisionAttention", [qkv, "rotary_cos", "rotary_sin", "cu_seqlens"], p + "attn", ("P", hidden), attrs)
+    h = b.add(x, b.affine(attn, p + "attn.proj", hidden, p + "attn.proj"), p + "attn_residual")
     y = b.layer_norm(h, p + "norm2", p + "norm2")
-    y = _activation(b, b.linear(y, p + "mlp.linear_fc1", c.intermediate_size, p + "mlp.linear_fc1"), p + "mlp.act")
-    return b.add(h, b.linear(y, p + "mlp.linear_fc2", hidden, p + "mlp.linear_fc2"), p + "hidden")
+    y = _activation(b, b.affine(y, p + "mlp.linear_fc1", c.intermediate_size, p + "mlp.linear_fc1"), p + "mlp.act")
+    return b.add(h, b.affine(y, p + "mlp.linear_fc2", hidden, p + "mlp.linear_fc2"), p + "hidden")
 
 
 def _activation(b: _Builder, x: str, out: str) -> str:
     """The blocks' MLP activation (tower_config.TOWER_ACTIVATIONS): Gelu tanh / exact, or SiLU as x·σ(x)."""
     shape, act = b.types[x].shape, b.config.hidden_act
     if act == "gelu_pytorch_tanh":
-        return b.node("Gelu", [x], out, shape, {"approximate": "tanh"})
+        return b.value("Gelu", [x], out, shape, {"approximate": "tanh"})
     if act == "gelu":
-        return b.node("Gelu", [x], out, shape, {"approximate": "none"})
+        return b.value("Gelu", [x], out, shape, {"approximate": "none"})
     if act == "silu":
-        return b.node("Mul", [x, b.node("Sigmoid", [x], out + ".sigmoid", shape)], out, shape)
+        return b.value("Mul", [x, b.value("Sigmoid", [x], out + ".sigmoid", shape)], out, shape)
     raise PlanError(f"vision tower: hidden_act {act!r} has no graph form")
 
 
@@ -232,6 +214,6 @@ def _merger(b: _Builder, p: str, x: str, *, postshuffle: bool) -> str:
         y = b.layer_norm(b.reshape(x, (-1, merged), p + ".shuffle", (rows, merged)), p + ".norm", p + ".norm")
     else:
         y = b.reshape(b.layer_norm(x, p + ".norm", p + ".norm"), (-1, merged), p + ".shuffle", (rows, merged))
-    y = b.node("Gelu", [b.linear(y, p + ".linear_fc1", merged, p + ".linear_fc1")], p + ".act", (rows, merged))
+    y = b.value("Gelu", [b.affine(y, p + ".linear_fc1", merged, p + ".linear_fc1")], p + ".act", (rows, merged))
     out = p + ".linear_fc2" if postshuffle or c.deepstack_visual_indexes else VISION_EMBEDS
-    return b.linear(y, p + ".linear_fc2", c.out_hidden_size, out)
+    return b.affine(y, p + ".linear_fc2", c.out_hidden_size, out)
