@@ -93,6 +93,7 @@ def _vision(entry: dict[str, Any] | None, tensors: dict[str, Any]) -> dict[str, 
     size = pre.get("size") or {}
     return {
         "graph": entry["graph"],
+        "scheme": entry.get("scheme", "none"),
         "depth": tower.get("depth"),
         "hidden_size": tower.get("hidden_size"),
         "heads": tower.get("num_heads"),
@@ -106,9 +107,12 @@ def _vision(entry: dict[str, Any] | None, tensors: dict[str, Any]) -> dict[str, 
     }
 
 
+_VISION_SCHEMES = {"none": "model dtype", "ptpc-fp8": "blocks' linears ptpc-fp8"}  # recipe vision.scheme
+
+
 def _vision_row(v: dict[str, Any]) -> str:
     return (
-        f"{v['graph']}: {v['depth']} blocks, hidden {v['hidden_size']}, {v['heads']} heads, patch {v['patch_size']}, "
+        f"{v['graph']} ({_VISION_SCHEMES.get(v['scheme'], v['scheme'])}): {v['depth']} blocks, hidden {v['hidden_size']}, {v['heads']} heads, patch {v['patch_size']}, "
         f"merge {v['spatial_merge_size']}, {v['tower_tensors']} tensors; DeepStack into {v['deepstack_layers']} "
         f"layers, M-RoPE {v['mrope_section']}, image token {v['image_token_id']}, "
         f"{v['pixels'][0]}..{v['pixels'][1]} pixels an image"

@@ -185,8 +185,8 @@ def _vision_graph(checkpoint: Checkpoint, recipe: Recipe) -> Graph | None:
         raise PlanError(
             f"Qwen3-VL ({checkpoint.spec.architecture}) compiles at tp = 1 only for now (recipe tp = {recipe.tp})"
         )
-    vision_entry(checkpoint.spec, checkpoint.path)
-    return build_vision_graph(checkpoint.spec)
+    vision_entry(checkpoint.spec, checkpoint.path, recipe.vision.scheme)
+    return build_vision_graph(checkpoint.spec, recipe)
 
 
 def _draft_layers(
@@ -289,7 +289,7 @@ def compile_checkpoint(
         if prepared.awq is not None:
             manifest["awq"] = prepared.awq.to_dict()
         if prepared.vision is not None:
-            manifest["vision"] = vision_entry(checkpoint.spec, checkpoint.path)
+            manifest["vision"] = vision_entry(checkpoint.spec, checkpoint.path, prepared.recipe.vision.scheme)
         write_manifest(tmp, manifest)
     return manifest
 

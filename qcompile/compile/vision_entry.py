@@ -1,5 +1,5 @@
 """The manifest's `vision` entry of a Qwen3-VL artifact (docs/vision.md, "Artifacts"): the vision graph's
-file, the tower's config, the image preprocessor's, the token ids that mark images, the DeepStack
+file, its scheme (recipe vision.scheme), the tower's config, the image preprocessor's, the token ids that mark images, the DeepStack
 layer count and the M-RoPE section: what the runtime needs besides the two graphs and the weights.
 
 The preprocessor's settings come from the checkpoint's preprocessor_config.json (bounded JSON, as
@@ -58,8 +58,9 @@ def preprocessor_config(checkpoint_dir: Path, tower: VisionTowerConfig) -> dict[
     return json.loads(json.dumps(config))  # plain JSON values (tuples become lists)
 
 
-def vision_entry(spec: ModelSpec, checkpoint_dir: Path) -> dict[str, Any]:
-    """manifest["vision"] for a spec with `vision` set."""
+def vision_entry(spec: ModelSpec, checkpoint_dir: Path, scheme: str = "none") -> dict[str, Any]:
+    """manifest["vision"] for a spec with `vision` set; `scheme` the recipe's vision.scheme (how the
+    blocks' linears are stored: none, the model dtype; ptpc-fp8)."""
     vision = spec.vision
     if vision is None:
         raise ValueError(f"{spec.architecture} has no vision part")
@@ -67,6 +68,7 @@ def vision_entry(spec: ModelSpec, checkpoint_dir: Path) -> dict[str, Any]:
     tower = VisionTowerConfig.from_dict(tower_dict)
     return {
         "graph": VISION_GRAPH_FILE,
+        "scheme": scheme,
         "tower_config": tower_dict,
         "preprocessor": preprocessor_config(checkpoint_dir, tower),
         "tokens": {

@@ -33,6 +33,7 @@ from qcompile.compile.jobs import WeightJob
 from qcompile.errors import PlanError
 from qcompile.graph.builder import GraphBuilder
 from qcompile.graph.ir import AttrValue, Dim, Graph, TensorType, check_graph
+from qcompile.quant import get_scheme
 from qcompile.recipe.schema import Recipe
 from qcompile.source.spec import ModelSpec
 
@@ -114,11 +115,25 @@ class _Builder(GraphBuilder):
         """One node of one output `out` (model dtype, `shape`), named after its output."""
         return self.node(op_type, inputs, [self.act(out, shape)], attrs)[0]
 
-    def affine(self, x: str, module: str, out_features: int, out: str) -> str:
-        """y = x Wᵀ + b with `module`'s weight and bias (a Gemm with its bias input C)."""
+    def affine(self, x: str, module: str, out_features: int, out: str, *, quantizable: bool = False) -> str:
+        """y = x Wᵀ + b with `module`'s weight and bias: a Gemm with its bias input C, or, for a
+        `quantizable` linear under recipe vision.scheme ptpc-fp8, the text model's FP8 linear
+        (DynamicQuant of x per token, PTPCLinear with the weight job `module` quantized per output
+        channel) and an Add of the bias, which stays in the model dtype."""
         rows = self.types[x].shape[0]
-        inputs = [x, self.tensor(f"{module}.weight"), self.tensor(f"{module}.bias")]
-        return self.value("Gemm", inputs, out, (rows, out_features), {"transB": 1})
+        scheme = get_scheme(self.recipe.vision.scheme if quantizable else "none")
+        if not scheme.quantized:
+            inputs = [x, self.tensor(f"{module}.weight"), self.tensor(f"{module}.bias")]
+            return self.value("Gemm", inputs, out, (rows, out_features), {"transB": 1})
+        full = DEFAULT_PREFIX + module
+        job = WeightJob(full, ((f"{full}.weight",),), stacked=False, scheme=scheme.name, role=VISION_ROLE)
+        self.weights[full] = job
+        assert job.scale_name is not None
+        xq, xs = self.quantize(x, scheme.activation_group)
+        y = self.value(
+            scheme.linear_op, [xq, xs, job.weight_name, job.scale_name], out + ".linear", (rows, out_features)
+        )
+        return self.add(y, self.tensor(f"{module}.bias"), out)
 
     def layer_norm(self, x: str, module: str, out: str) -> str:
         inputs = [x, self.tensor(f"{module}.weight"), self.tensor(f"{module}.bias")]
@@ -133,11 +148,12 @@ class _Builder(GraphBuilder):
         return self.value("Reshape", [x, self.constant(shape)], out, out_shape)
 
 
-def build_vision_graph(spec: ModelSpec) -> VisionGraph:
-    """The vision graph of `spec` (whose `vision` must be set), its weights every tower tensor
-    unquantized in the model dtype. PlanError when the spec has no readable vision tower config."""
+def build_vision_graph(spec: ModelSpec, recipe: Recipe | None = None) -> VisionGraph:
+    """The vision graph of `spec` (whose `vision` must be set), its weights every tower tensor in the
+    model dtype, but the blocks' linears FP8 under `recipe`'s vision.scheme ptpc-fp8. PlanError when
+    the spec has no readable vision tower config."""
     c = tower_config(spec)
-    b = _Builder(spec, c, Recipe())
+    b = _Builder(spec, c, recipe or Recipe())
     sizes = {"patch_dim": c.patch_dim, "head_dim": c.head_dim}
     for name, dtype, shape in VISION_GRAPH_INPUTS:
         b.input(name, dtype or b.dtype, tuple(sizes.get(d, d) if isinstance(d, str) else d for d in shape))
@@ -184,13 +200,14 @@ def _block(b: _Builder, i: int, x: str) -> str:
     c, p = b.config, f"blocks.{i}."
     hidden = c.hidden_size
     h = b.layer_norm(x, p + "norm1", p + "norm1")
-    qkv = b.affine(h, p + "attn.qkv", 3 * hidden, p + "attn.qkv")
+    qkv = b.affine(h, p + "attn.qkv", 3 * hidden, p + "attn.qkv", quantizable=True)
     attrs = {"num_heads": c.num_heads, "head_dim": c.head_dim, "scale": float(c.head_dim**-0.5)}
     attn = b.value("VisionAttention", [qkv, "rotary_cos", "rotary_sin", "cu_seqlens"], p + "attn", ("P", hidden), attrs)
-    h = b.add(x, b.affine(attn, p + "attn.proj", hidden, p + "attn.proj"), p + "attn_residual")
+    h = b.add(x, b.affine(attn, p + "attn.proj", hidden, p + "attn.proj", quantizable=True), p + "attn_residual")
     y = b.layer_norm(h, p + "norm2", p + "norm2")
-    y = _activation(b, b.affine(y, p + "mlp.linear_fc1", c.intermediate_size, p + "mlp.linear_fc1"), p + "mlp.act")
-    return b.add(h, b.affine(y, p + "mlp.linear_fc2", hidden, p + "mlp.linear_fc2"), p + "hidden")
+    fc1 = b.affine(y, p + "mlp.linear_fc1", c.intermediate_size, p + "mlp.linear_fc1", quantizable=True)
+    y = _activation(b, fc1, p + "mlp.act")
+    return b.add(h, b.affine(y, p + "mlp.linear_fc2", hidden, p + "mlp.linear_fc2", quantizable=True), p + "hidden")
 
 
 def _activation(b: _Builder, x: str, out: str) -> str:

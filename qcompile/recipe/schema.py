@@ -82,6 +82,19 @@ class KVCacheRecipe:
     calibrate: bool = False  # fp8 KV: per-layer scales from calibration text (compile --calib FILE)
 
 
+# vision.scheme: a Qwen3-VL vision tower's ViT-block linears (qkv, proj, fc1, fc2); docs/vision.md, "FP8 tower"
+VISION_SCHEMES = ("none", "ptpc-fp8")
+
+
+@dataclass(frozen=True)
+class VisionRecipe:
+    """How a Qwen3-VL checkpoint's vision tower is compiled: `scheme` none keeps it in the model
+    dtype; ptpc-fp8 quantizes its blocks' linears as the text model's ptpc-fp8 does (the patch
+    embedding, the norms and the mergers stay in the model dtype). Ignored for a Qwen3 checkpoint."""
+
+    scheme: str = "none"
+
+
 @dataclass(frozen=True)
 class Recipe:
     name: str = DEFAULT_RECIPE
@@ -89,6 +102,7 @@ class Recipe:
     quantization: QuantizationRecipe = field(default_factory=QuantizationRecipe)
     passes: tuple[str, ...] = DEFAULT_PASSES
     kv_cache: KVCacheRecipe = field(default_factory=KVCacheRecipe)
+    vision: VisionRecipe = field(default_factory=VisionRecipe)
     tp: int = 1
     max_shard_mb: int = 4096
     target: str = DEFAULT_TARGET  # the GPU family the artifact is made for (qruntime.target)
@@ -100,6 +114,8 @@ class Recipe:
             del data["quantization"]["method"]  # the default: manifests read as before
         if self.quantization.awq_mappings == "auto":
             del data["quantization"]["awq_mappings"]  # the default: manifests read as before
+        if self.vision == VisionRecipe():
+            del data["vision"]  # the default: manifests read as before
         if self.target == DEFAULT_TARGET:
             del data["target"]  # the default: manifests read as before (the manifest's own `target` says it)
         data["passes"] = list(self.passes)
@@ -217,7 +233,7 @@ def _build(cls: type, raw: Any, source: str, prefix: str) -> Any:
     for name, value in raw.items():
         key = prefix + name
         kind = fields[name].type
-        if kind in ("QuantizationRecipe", "KVCacheRecipe"):
+        if kind in ("QuantizationRecipe", "KVCacheRecipe", "VisionRecipe"):
             values[name] = _build(globals()[kind], value, source, key + ".")
         else:
             values[name] = _convert(kind, value, source, key)
@@ -286,6 +302,13 @@ def _validate_kv(kv: KVCacheRecipe, source: str) -> None:
         raise RecipeError(f"{source}: kv_cache: {exc}") from exc
 
 
+def _validate_vision(vision: VisionRecipe, source: str) -> None:
+    if vision.scheme not in VISION_SCHEMES:
+        raise RecipeError(
+            f"{source}: vision.scheme {shown(vision.scheme)} is unknown; known: {', '.join(VISION_SCHEMES)}"
+        )
+
+
 def _validate_recipe(recipe: Recipe, source: str) -> None:
     from qcompile.graph.passes import PASSES
 
@@ -306,5 +329,10 @@ def _validate_recipe(recipe: Recipe, source: str) -> None:
 
 
 _VALIDATORS = MappingProxyType(
-    {QuantizationRecipe: _validate_quantization, KVCacheRecipe: _validate_kv, Recipe: _validate_recipe}
+    {
+        QuantizationRecipe: _validate_quantization,
+        KVCacheRecipe: _validate_kv,
+        VisionRecipe: _validate_vision,
+        Recipe: _validate_recipe,
+    }
 )

@@ -417,7 +417,13 @@ def _vision_model(root: Path, manifest: dict, config: RankConfig) -> VisionModel
     except (TypeError, ValueError) as exc:
         raise ArtifactFormatError(f"{root / 'manifest.json'}: vision: {exc}") from exc
     encoder = load_vision_encoder(
-        root, entry, config.device, config.dtype, listed=config.listed, synthetic=config.synthetic
+        root,
+        entry,
+        config.device,
+        config.dtype,
+        listed=config.listed,
+        synthetic=config.synthetic,
+        backend=config.backend,
     )
     width = (1 + entry["deepstack_layers"]) * manifest["spec"]["hidden_size"]
     return VisionModel(encoder, tokens, preprocess, width)

@@ -295,6 +295,7 @@ MANIFEST_SCHEMA = Obj(
         "vision": Obj(
             {
                 "graph": Str(),
+                "scheme": Opt(Str(choices=("none", "ptpc-fp8"))),  # recipe vision.scheme; absent: none
                 "tower_config": Obj({}),  # checked by VisionTowerConfig.from_dict at load
                 "preprocessor": Obj({}),  # checked by VisionPreprocessConfig.from_dict at load
                 "tokens": Obj(

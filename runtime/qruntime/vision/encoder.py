@@ -136,11 +136,15 @@ def load_vision_encoder(
     *,
     listed: Container[str] | None = None,
     synthetic: bool = False,
+    backend: str = "reference",
 ) -> VisionEncoder:
     """The encoder of the artifact at `root`: manifest["vision"]'s `graph` (default vision.onnx) with
     its weights mapped from the artifact's safetensors, and `tower_config` (the checkpoint's
     vision_config). `listed`: the manifest's files, the only ones the graph may name. `synthetic`:
-    a synthetic artifact's (qruntime.synthetic): random weights made on `device` instead."""
+    a synthetic artifact's (qruntime.synthetic): random weights made on `device` instead. `backend`:
+    "triton" binds the text path's GPU ops where it has them (DynamicQuant, PTPCLinear of an FP8
+    tower), "reference" the torch ones."""
+    from qruntime.ops.registry import triton_ops
     from qruntime.rank import read_graph
     from qruntime.synthetic import random_initializers
     from qruntime.weights import load_initializers
@@ -156,11 +160,15 @@ def load_vision_encoder(
     device = torch.device(device)
     weights = (random_initializers if synthetic else load_initializers)(root, graph, device, dtype, listed=listed)
     try:
-        return VisionEncoder(graph, weights, config, device, dtype)
+        registry = triton_ops() if backend == "triton" else reference_ops()
+        return VisionEncoder(graph, weights, config, device, dtype, registry)
     except PlanError as exc:
         raise ArtifactFormatError(f"{path}: {exc}") from exc
 
 
 def _runtime(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A weight on `device`, floating ones in the compute dtype."""
-    return tensor.to(device=device, dtype=dtype if tensor.dtype.is_floating_point else tensor.dtype)
+    """A weight on `device`, floating ones in the compute dtype but FP8 ones (an FP8 tower's
+    quantized linears, recipe vision.scheme ptpc-fp8), which keep theirs."""
+    from qruntime.weights import runtime_dtype
+
+    return tensor.to(device=device, dtype=runtime_dtype(tensor.dtype, dtype))
