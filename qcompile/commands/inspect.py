@@ -31,7 +31,8 @@ def summarize(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     params = 0
     for info in tensors.values():
         count = math.prod(info["shape"])  # the whole tensor's (at tp > 1 too)
-        stored = [count] if tp == 1 else [math.prod(rank["shape"]) for rank in info["ranks"]]
+        # at tp > 1 each rank's slice or copy, but one copy of what rank 0 alone holds (a vision tower)
+        stored = [math.prod(rank["shape"]) for rank in info["ranks"]] if "ranks" in info else [count]
         by_dtype[info["dtype"]] += sum(stored) * DTYPES[info["dtype"]].itemsize
         if info["role"] not in ("scale", "zero_point"):  # packed int4 holds 8 parameters a word
             params += math.prod(get_scheme(info["scheme"]).logical_shape(tuple(info["shape"])))

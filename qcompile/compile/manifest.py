@@ -49,13 +49,16 @@ def tensor_table(plan: TensorPlan) -> dict[str, dict[str, Any]]:
     At tp > 1 an entry describes the whole (tp=1) tensor — dtype, shape, role, scheme, parts — and
     how the ranks hold it instead of `file`: `axis` (the axis of `shape` it is split along; null when
     every rank holds all of it) and `ranks`, per rank {file, shape, spans}, `spans` the [begin, end)
-    ranges along `axis` whose concatenation is that rank's tensor (absent when axis is null).
+    ranges along `axis` whose concatenation is that rank's tensor (absent when axis is null). A
+    tensor rank 0 alone holds, whole (a Qwen3-VL vision tower's, role "vision"), keeps its `file`
+    (under weights/rank0/) and has neither.
     """
     files = [plan.file_of(rank) for rank in range(plan.tp)]
     table: dict[str, dict[str, Any]] = {}
     for job in plan.jobs:
         for out in job.outputs(plan.source_shapes, plan.model_dtype):
-            entry: dict[str, Any] = {"file": files[0][out.name]} if plan.tp == 1 else {}
+            alone = plan.tp == 1 or out.name in plan.rank0_only
+            entry: dict[str, Any] = {"file": files[0][out.name]} if alone else {}
             entry |= {
                 "dtype": DTYPE_NAMES[out.dtype],
                 "shape": list(out.shape),
@@ -69,7 +72,7 @@ def tensor_table(plan: TensorPlan) -> dict[str, dict[str, Any]]:
             if out.name == job.weight_name:
                 entry["parts"] = [[list(part) for part in group] for group in job.part_rows(plan.source_shapes)]
                 entry["stacked"] = job.stacked
-            if plan.tp > 1:
+            if not alone:
                 split = plan.splits[out.name]
                 entry["axis"] = split.axis
                 entry["ranks"] = [
@@ -83,12 +86,14 @@ def tensor_table(plan: TensorPlan) -> dict[str, dict[str, Any]]:
 
 def rank_tensors(manifest: dict[str, Any], rank: int = 0) -> dict[str, dict[str, Any]]:
     """name -> {file, dtype, shape, role, scheme} of the tensors rank `rank` holds, whatever the
-    artifact's tp: at tp=1 the table itself, at tp > 1 each entry with that rank's file and shape."""
+    artifact's tp: at tp=1 the table itself, at tp > 1 each entry with that rank's file and shape
+    (and rank 0's the tensors it alone holds: a vision tower's)."""
     if manifest.get("tp", 1) == 1:
         return manifest["tensors"]
     return {
-        name: {k: v for k, v in info.items() if k != "ranks"} | info["ranks"][rank]
+        name: info if "ranks" not in info else {k: v for k, v in info.items() if k != "ranks"} | info["ranks"][rank]
         for name, info in manifest["tensors"].items()
+        if "ranks" in info or rank == 0
     }
 
 

@@ -181,10 +181,6 @@ def _vision_graph(checkpoint: Checkpoint, recipe: Recipe) -> Graph | None:
     a bad preprocessor_config.json stops the compile before any weight is written."""
     if checkpoint.spec.vision is None:
         return None
-    if recipe.tp > 1:
-        raise PlanError(
-            f"Qwen3-VL ({checkpoint.spec.architecture}) compiles at tp = 1 only for now (recipe tp = {recipe.tp})"
-        )
     vision_entry(checkpoint.spec, checkpoint.path, recipe.vision.scheme)
     return build_vision_graph(checkpoint.spec, recipe)
 

@@ -6,6 +6,8 @@ tensor the checkpoint lacks, and no artifact tensor is written twice.
 
 At tp > 1 every rank gets its own files, `weights/rank{r}/model-…`, laid out alike: the same tensor
 names, each rank's slice of every tensor (qcompile.compile.sharding), the same grouping into files.
+A Qwen3-VL checkpoint's vision tower is the exception: rank 0 alone runs the encoder (docs/vision.md,
+"Tensor parallelism"), so its tensors are written once, whole, into rank 0's `vision-…` files.
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ class TensorPlan:
     splits: Mapping[str, Split] = field(default_factory=dict)  # tensor -> how the ranks slice it (tp > 1)
     # pre-quantized sources (copied, not quantized): bytes of their stored weights, read instead
     stored_bytes: Mapping[str, int] = field(default_factory=dict)
+    rank0_only: frozenset[str] = frozenset()  # tp > 1: tensors rank 0 alone holds, whole (the vision tower's)
+
+    def holders(self, name: str) -> range:
+        """The ranks that hold a copy (or a slice) of tensor `name`."""
+        return range(1) if name in self.rank0_only else range(self.tp)
 
     def file_of(self, rank: int = 0) -> dict[str, str]:
         """Artifact tensor name -> relative file (of rank `rank`'s copy)."""
@@ -109,35 +116,57 @@ def make_plan(
 
     sharding = Sharding(checkpoint.spec, tp)
     splits: dict[str, Split] = {}
-    groups: list[list[OutputTensor]] = [[]]
-    sizes = [0]
+    text, tower = _Groups(max_shard_bytes), _Groups(max_shard_bytes)
+    rank0_only: set[str] = set()
     seen: set[str] = set()
     for job in jobs:
         try:
             outputs = job.outputs(shapes, model_dtype)
         except ValueError as exc:
             raise PlanError(str(exc)) from exc
-        if tp > 1:
+        alone = tp > 1 and job.role == "vision"  # rank 0 alone runs the vision encoder: one whole copy
+        if alone:
+            rank0_only.update(o.name for o in outputs)
+        elif tp > 1:
             splits.update(sharding.splits(job, shapes))
             outputs = [OutputTensor(o.name, o.dtype, splits[o.name].shape(o.shape)) for o in outputs]
         for out in outputs:
             if out.name in seen:
                 raise PlanError(f"artifact tensor {out.name!r} would be written twice")
             seen.add(out.name)
-        size = sum(o.nbytes for o in outputs)
-        if groups[-1] and sizes[-1] + size > max_shard_bytes:
-            groups.append([])
-            sizes.append(0)
-        groups[-1].extend(outputs)
-        sizes[-1] += size
-    count = len(groups)
+        (tower if alone else text).add(outputs)
+    count = len(text.groups)
     shards = tuple(
         Shard(f"{rank_dir(rank, tp)}/model-{i + 1:05d}-of-{count:05d}.safetensors", tuple(group), rank)
         for rank in range(tp)
-        for i, group in enumerate(groups)
+        for i, group in enumerate(text.groups)
     )
+    if tower.groups[0]:
+        count = len(tower.groups)
+        shards += tuple(
+            Shard(f"{rank_dir(0, tp)}/vision-{i + 1:05d}-of-{count:05d}.safetensors", tuple(group), 0)
+            for i, group in enumerate(tower.groups)
+        )
     stored_bytes = {name: s.weight.nbytes for name, s in checkpoint.stored.items()}
-    return TensorPlan(jobs, shards, shapes, model_dtype, tp, splits, stored_bytes)
+    return TensorPlan(jobs, shards, shapes, model_dtype, tp, splits, stored_bytes, frozenset(rank0_only))
+
+
+class _Groups:
+    """Output tensors gathered into files of at most `limit` bytes (a job's tensors stay together;
+    a single larger job gets a file of its own)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.groups: list[list[OutputTensor]] = [[]]
+        self.sizes = [0]
+
+    def add(self, outputs: list[OutputTensor]) -> None:
+        size = sum(o.nbytes for o in outputs)
+        if self.groups[-1] and self.sizes[-1] + size > self.limit:
+            self.groups.append([])
+            self.sizes.append(0)
+        self.groups[-1].extend(outputs)
+        self.sizes[-1] += size
 
 
 def rank_dir(rank: int, tp: int) -> str:

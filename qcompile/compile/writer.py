@@ -180,7 +180,7 @@ def _write_rows(
     split = plan.splits.get(name) or Split(plan.tp)
     if split.axis is None:
         row_bytes = data[0].numel() * data.element_size() if data.dim() > 1 else data.element_size()
-        for rank in range(plan.tp):
+        for rank in plan.holders(name):  # every rank, or rank 0 alone (the vision tower at tp > 1)
             writers.by_tensor[(rank, name)].write(name, (slice_index * rows_total + row) * row_bytes, data)
         return
     by_rows = split.axis == int(stacked)  # else the split is along the columns

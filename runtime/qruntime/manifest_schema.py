@@ -23,6 +23,7 @@ from typing import Any
 from qruntime.shown import clip
 from qruntime.target import TARGETS
 
+TOWER_PREFIX = "model.visual."  # a Qwen3-VL vision tower's tensors (role vision, their scales)
 MAX_TP = 64  # the most ranks a manifest may ask for (the loader bounds it again by the devices)
 MAX_DIM = 1 << 40  # the largest size of one axis, or count, a manifest may give
 REQUIRED = ("format_version", "files")
@@ -347,6 +348,12 @@ def check_manifest(manifest: Any) -> None:
         if tp == 1:
             if "file" not in info:
                 raise SchemaError(f"{where}.file", "present (a tp=1 artifact names each tensor's file)")
+            _check_bytes(info["file"], info["shape"], info["dtype"], files, where)
+        elif info["role"] == "vision" or name.startswith(TOWER_PREFIX):  # rank 0 alone runs the encoder: one copy
+            if "file" not in info or "ranks" in info or "axis" in info:
+                raise SchemaError(
+                    f"{where}.file", f"present, without ranks or axis (at tp={tp} rank 0 alone holds a vision tensor)"
+                )
             _check_bytes(info["file"], info["shape"], info["dtype"], files, where)
         else:
             ranks = info.get("ranks")
