@@ -316,8 +316,8 @@ def load(
         sharded_sampling=sharded_sampling,
         pdl=pdl,
     )
-    if "vision" in manifest and (tp > 1 or speculative is not None):
-        raise ValueError(f"{root}: a Qwen3-VL artifact runs at tp = 1 without speculative decoding for now")
+    if "vision" in manifest and speculative is not None:
+        raise ValueError(f"{root}: a Qwen3-VL artifact runs without speculative decoding for now")
     speculator = None
     if speculative is not None:  # first: a draft model then loads before the target takes the GPU's memory
         draft_layers = manifest.get("speculative", {}).get("draft_layers")
@@ -407,7 +407,10 @@ def _check_target(manifest: dict, root: Path, device: torch.device, backend: str
 
 def _vision_model(root: Path, manifest: dict, config: RankConfig) -> VisionModel:
     """A Qwen3-VL artifact's vision side (manifest["vision"]): the encoder bound to its graph and
-    weights, the image settings; every config checked (errors name the manifest field)."""
+    weights, the image settings; every config checked (errors name the manifest field). Built in
+    this process only: at tp > 1 rank 0 alone runs the encoder and holds the tower's weights (a tp
+    artifact writes them once, into weights/rank0/vision-*), and broadcasts each step's image rows'
+    embeddings to the other ranks (engine/vision_share.py)."""
     from qruntime.vision.encoder import load_vision_encoder
 
     entry = manifest["vision"]

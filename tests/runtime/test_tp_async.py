@@ -214,11 +214,11 @@ def test_a_worker_resolves_pending_ids_from_its_last_sampled_step(monkeypatch, r
     worker_process._serve(
         _Pipe(
             [
-                ("step", tuple(map(chunk, first)), False, greedy, None),
-                ("step", (chunk(pending(2)), chunk(pending(0)), chunk(pending(1))), False, capped, None),
-                ("step", (chunk(9), chunk(10), chunk(11)), True, None, None),  # a scoring pass keeps the tokens
-                ("step", (chunk(pending(2)), chunk(3), chunk(pending(0))), False, None, 2),  # rank 0 sends 2 ids
-                ("step", (chunk(pending(1)), chunk(pending(0))), False, None, None),
+                ("step", tuple(map(chunk, first)), False, greedy, None, 0),
+                ("step", (chunk(pending(2)), chunk(pending(0)), chunk(pending(1))), False, capped, None, 0),
+                ("step", (chunk(9), chunk(10), chunk(11)), True, None, None, 0),  # a scoring pass keeps the tokens
+                ("step", (chunk(pending(2)), chunk(3), chunk(pending(0))), False, None, 2, 0),  # rank 0 sends 2 ids
+                ("step", (chunk(pending(1)), chunk(pending(0))), False, None, None, 0),
             ]
         ),
         runner,
@@ -230,6 +230,8 @@ def test_a_worker_resolves_pending_ids_from_its_last_sampled_step(monkeypatch, r
     assert runner.seen[4] == [shared[1], shared[0]]
     with pytest.raises(ValueError, match="pending token ids, but this rank's step before sampled none"):
         worker_process._serve(
-            _Pipe([("step", (chunk(4),), False, None, None), ("step", (chunk(pending(0)),), False, greedy, None)]),
+            _Pipe(
+                [("step", (chunk(4),), False, None, None, 0), ("step", (chunk(pending(0)),), False, greedy, None, 0)]
+            ),
             _Runner(),
         )

@@ -153,8 +153,8 @@ class Engine:
             raise ValueError("speculative decoding runs at tp = 1 only")
         self.speculator = speculator
         self.vision = vision  # Qwen3-VL: the vision encoder and image settings (None: a text model)
-        if vision is not None and (speculator is not None or workers is not None):
-            raise ValueError("a Qwen3-VL engine runs at tp = 1 without speculative decoding for now")
+        if vision is not None and speculator is not None:
+            raise ValueError("a Qwen3-VL engine runs without speculative decoding for now")
         if speculator is not None:
             speculator.attach(runner)
         # launch a step before reading the last one's tokens; not while speculating (a draft needs the

@@ -3,10 +3,12 @@
 Messages, over the worker's pipe to rank 0 (engine/workers.py has rank 0's side):
   worker -> rank 0: `(tag, None)` at each build checkpoint ("loaded", "planned", "ready");
                     `("error", Report)` when it raises, then it exits.
-  rank 0 -> worker: `("step", chunks, all_logits, sampling, shared)` (StepChunk tuples, pickled
-                    once by rank 0 for every worker; sampling: ShardedSampling or None, for a rank
-                    that holds a vocabulary shard; shared: how many token ids rank 0 sends after
-                    sampling gathered rows alone, else None), `("close",)`; end of file means rank 0
+  rank 0 -> worker: `("step", chunks, all_logits, sampling, shared, rows)` (StepChunk tuples,
+                    pickled once by rank 0 for every worker; sampling: ShardedSampling or None, for
+                    a rank that holds a vocabulary shard; shared: how many token ids rank 0 sends
+                    after sampling gathered rows alone, else None; rows: the step's Qwen3-VL image
+                    rows, whose embeddings the chunks leave out and rank 0 broadcasts next
+                    (engine/vision_share.py), 0 for none), `("close",)`; end of file means rank 0
                     is gone. A chunk's pending id (step_chunk.pending: async scheduling) names a row
                     of the tokens of this rank's step before: sampled with the others from the
                     shards, or shared by rank 0; rank 0 sends one only after such a step.
@@ -29,6 +31,7 @@ import torch.distributed as dist
 
 from qruntime.engine.model_runner import ModelRunner
 from qruntime.engine.sharded_sampler import finish_step, share_tokens
+from qruntime.engine.vision_share import receive_embeds
 from qruntime.rank import GROUP_TIMEOUT, RankConfig, build_rank
 
 MAX_REPORT = 16384  # characters of a traceback sent: a small pipe write never blocks a dying worker
@@ -62,7 +65,11 @@ def _serve(conn: Connection, runner: ModelRunner) -> None:
             return
         if message[0] == "close":
             return
-        _, chunks, all_logits, sampling, shared = message
+        _, chunks, all_logits, sampling, shared, rows = message
+        if rows:  # the image rows' embeddings, from rank 0's broadcast (it runs the vision encoder)
+            if runner.vision is None:
+                raise ValueError(f"rank 0 sent a step with {rows} image rows, but this rank's graph takes no images")
+            chunks = receive_embeds(chunks, rows, *runner.vision, runner.device)
         sampled = None
         if any(c.token_ids[-1] < 0 for c in chunks):  # async scheduling: tokens sampled by the step before
             if last is None:

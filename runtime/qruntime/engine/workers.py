@@ -9,7 +9,9 @@ stops listening: the ranks keep the connections they made, and no other process 
 it. Then each step is pickled once and written to every pipe before rank 0 runs it itself; the
 graphs' collectives keep the ranks in lockstep. No reply per step: a worker only speaks to report
 its failure. Rank 0 need not wait for a step's end before sending the next (async scheduling): it
-waits when it reads the step's tokens (`settle`), where a failure is raised as the step's own.
+waits when it reads the step's tokens (`settle`), where a failure is raised as the step's own. A
+Qwen3-VL step holding image rows sends their embeddings in a broadcast over the group right after
+the message (engine/vision_share.py), not through the pipes.
 
 Failures. Rank 0 never waits on a worker without watching it: checkpoints wait on the pipes and the
 processes' sentinels together (bounded); before a step, a dead worker is an error; when rank 0's
@@ -41,6 +43,7 @@ import torch.multiprocessing as mp
 
 from qruntime.artifact import ArtifactFormatError
 from qruntime.engine.sharded_sampler import ShardedSampling, finish_step
+from qruntime.engine.vision_share import send_embeds, without_embeds
 from qruntime.engine.worker_process import Report, worker_main
 from qruntime.rank import RankConfig
 
@@ -294,12 +297,17 @@ class Workers:
         token ids of this step (sharded_sampler.share_tokens) once it has sampled the gathered rows."""
         with self._as_step():
             self._check_alive()
-            message = pickle.dumps(("step", tuple(chunks), all_logits, sampling, shared), pickle.HIGHEST_PROTOCOL)
+            # a Qwen3-VL step's image rows: their embeddings go in a broadcast after the message, not in it
+            sent, rows = without_embeds(chunks)
+            message = pickle.dumps(("step", sent, all_logits, sampling, shared, rows), pickle.HIGHEST_PROTOCOL)
             for rank, _, conn in self._ranks():
                 try:
                     conn.send_bytes(message)
                 except OSError:
                     raise self._find_failure(FAILURE_GRACE_S) or WorkerError(rank, "its pipe is closed") from None
+            if rows:
+                assert runner.vision is not None
+                send_embeds(chunks, rows, *runner.vision, runner.device)
             logits = runner.execute(chunks, all_logits, sampled=sampled)
             result = finish_step(runner.vocab_shard, logits, sampling, generators, in_flight=sampled)
             if settle:
