@@ -14,7 +14,9 @@ of [merger, deepstack 0, …].
 
 Every tower tensor is one unquantized weight job that writes it under its checkpoint name
 (`model.visual.…`, biases included), see TowerTensorJob; role "vision", so nothing that reads the
-text model's roles (embedding bytes, unquantized linears) counts them.
+text model's roles (embedding bytes, unquantized linears) counts them. Under recipe vision.scheme
+ptpc-fp8 the blocks' four linears are instead ptpc-fp8 weight jobs (role "vision") run as
+DynamicQuant + PTPCLinear + Add of the bias (docs/vision.md, "FP8 tower").
 """
 
 from __future__ import annotations

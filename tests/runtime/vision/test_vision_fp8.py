@@ -32,10 +32,10 @@ from qcompile.quant import get_scheme
 from qcompile.recipe.schema import load_recipe
 
 BLOCK_LINEARS = ("attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2")
-# SQNR of the FP8 tower's vision_embeds against the model-dtype tower's: measured 24.8-28.6 dB on the
-# tiny towers (embeddings and DeepStack features, dense and MoE). One weight scale doubled (the last
-# block's fc2, the break tried) gives 8-9 dB.
-MIN_SQNR_DB = 20.0
+# SQNR of the FP8 tower's vision_embeds against the model-dtype tower's: measured 22.9-28.6 dB on the
+# tiny towers (embeddings and DeepStack features, dense and MoE, several seeds; bench/vision_fp8_accuracy.py).
+# One weight scale doubled (the last block's fc2, the break tried) gives 8-9 dB.
+MIN_SQNR_DB = 18.0
 
 
 def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
