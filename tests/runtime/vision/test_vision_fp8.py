@@ -114,6 +114,25 @@ def test_fp8_embeddings_are_within_fp8_error_of_the_model_dtype_towers(towers, r
         assert db > MIN_SQNR_DB
 
 
+def test_triton_ops_run_the_fp8_tower_as_the_reference_ops(towers, rng):
+    """backend "triton" binds the text path's DynamicQuant / PTPCLinear kernels (run by Triton's
+    interpreter here; tests/gpu/test_vision_fp8.py on a GPU): the same embeddings within FP8 rounding
+    (here in float32 they were equal bit for bit; a bfloat16 run gave 29.4 dB, activation codes that
+    round across a step differing; a doubled scale gives 8-9 dB)."""
+    _, _, fp8 = towers
+    entry = _manifest(fp8)["vision"]
+    vision = preprocess_images(_images(rng, ((40, 24),)), VisionPreprocessConfig.from_dict(PREPROCESSOR))
+    out = {}
+    for backend in ("reference", "triton"):
+        encoder = load_vision_encoder(fp8, entry, "cpu", torch.float32, backend=backend)
+        linears = {type(n.op).__module__ for n in encoder.plan.nodes if type(n.op).__name__ == "PTPCLinear"}
+        assert linears == {"qruntime.ops.triton_ops" if backend == "triton" else "qruntime.ops.quant"}
+        out[backend] = encoder(vision.pixel_values, vision.image_grid_thw)
+    db = sqnr_db(out["triton"], out["reference"])
+    print(f"triton vs reference ops: {db:.1f} dB")
+    assert db > MIN_SQNR_DB
+
+
 def test_fp8_tower_generates_and_inspect_shows_it(towers, rng):
     _, _, fp8 = towers
     prompt = ImagePrompt([3, 5, START, IMAGE, END, 7], _images(rng, ((40, 24),)))
