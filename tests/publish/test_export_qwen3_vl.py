@@ -9,13 +9,15 @@ with images:
   bit, and its logits equal the source model's within 1e-5 of the largest.
 - FP8 (dense ptpc-fp8 and ptpc-fp8-lmhead; MoE with its experts in the ignore list): transformers
   runs the FP8 weights dequantized with activations quantized per token, as our runtime does:
-  at least half of all positions agree with qruntime's logits on the artifact to float32 rounding
-  (>= EXACT_DB; measured 72-100%, 99-100% typically: where a float32 difference in the sum order
-  puts an activation on the other side of an fp8 rounding step the positions after it move) and
+  at least EXACT_SHARE of all positions of four prompts agree with qruntime's logits on the artifact
+  to float32 rounding (>= EXACT_DB; 80% of prompts agree at every position, but where a float32
+  difference in the sum order puts an activation on the other side of an fp8 rounding step the
+  positions that attend to it move: of 225 prompts, 17 kept under half their positions and one 3%;
+  three prompts pooled gave 58-100% in 75 runs and 37% once, in CI, when the bound was 50%) and
   every prompt is within FP8_DB (measured 28-135 dB), while the source model is < SOURCE_DB from
   both (measured 11-29 dB: the fp8 rounding is really there). Broken on purpose: every scale's rows
-  reversed gave 8-11 dB per prompt; one linear's (layer 1 k_proj) 25-31 dB per prompt, which passes
-  FP8_DB, but 2-3% exact positions.
+  reversed gave 8-11 dB per prompt; one linear's scale times 1.01 (layer 1 o_proj) 26-36 dB per
+  prompt, which passes FP8_DB, but 0% exact positions.
 - A quantized Qwen3-VL-MoE expert is refused (transformers 5.17 cannot load one), and a failed or
   interrupted export leaves nothing at or beside its output.
 """
@@ -48,7 +50,8 @@ F32, FP8 = torch.float32, torch.float8_e4m3fn
 TOLERANCE = 1e-5
 FP8_DB = 20.0
 EXACT_DB = 100.0
-PROMPTS = 3
+PROMPTS = 4
+EXACT_SHARE = 0.2  # of all positions (broken on purpose: 0%; measured 58-100%, once 37%)
 SOURCE_DB = 45.0
 SIZES = [(40, 24), (33, 47), (16, 16)]  # (width, height) of the images a prompt may hold
 CLASSES = {"dense": Qwen3VLForConditionalGeneration, "moe": Qwen3VLMoeForConditionalGeneration}
@@ -248,12 +251,17 @@ def test_fp8_export_loads_and_runs_like_our_runtime(kind, recipe, source, artifa
             logits = engine.score(prompt).float()
             assert logits.shape == theirs.shape
             db, from_source = sqnr(logits, theirs), max(sqnr(original, theirs), sqnr(original, logits))
-            print(f"{db:.1f} dB from qruntime, {from_source:.1f} dB from the source model")
+            each = position_db(logits, theirs)
+            moved = (each < EXACT_DB).nonzero()
+            first = int(moved[0]) if len(moved) else len(each)
+            print(
+                f"{db:.1f} dB from qruntime, {from_source:.1f} dB from the source model; exact up to {first}/{len(each)}, {float((each >= EXACT_DB).float().mean()):.0%}"
+            )
             assert db >= FP8_DB and from_source < SOURCE_DB
-            positions.append(position_db(logits, theirs))
+            positions.append(each)
     exact = float((torch.cat(positions) >= EXACT_DB).float().mean())
     print(f"{exact:.0%} of positions within float32 rounding")
-    assert exact >= 0.5
+    assert exact >= EXACT_SHARE
 
 
 # ------------------------------------------------------------------------------ refusals, atomicity
