@@ -13,10 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from torchvision_cpu import declare_missing_torchvision_ops
 
 from qcompile.compile.pipeline import compile_checkpoint, prepare
 from qcompile.recipe.schema import load_recipe
 from qcompile.synth import get_preset, write_checkpoint
+
+# PyPI's torchvision (test-only: transformers' video processor) beside the CPU torch: see the module
+_TORCHVISION_OPS = declare_missing_torchvision_ops()
 
 MakeCkpt = Callable[..., Path]
 
