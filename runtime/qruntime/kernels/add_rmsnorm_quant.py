@@ -32,7 +32,9 @@ from qruntime.kernels.dynamic_quant import (
     FP8,
     MAX_BLOCK,
     check_model_dtype,
+    fnuz_format,
     fp8_e4m3_code,
+    fp8_scale,
     quant_scale,
     round_to,
     row_config,
@@ -63,17 +65,19 @@ def _normed_row(x_row, r_row, w_ptr, offs, mask, rstd, HAS_RES: tl.constexpr, DT
 
 @triton.jit
 def normalize_row(
-    h, w_ptr, cols, mask, y_row, s_ptr, H, eps, QUANT: tl.constexpr, DTYPE: tl.constexpr, HW: tl.constexpr
-):
+    h, w_ptr, cols, mask, y_row, s_ptr, H, eps, QUANT: tl.constexpr, DTYPE: tl.constexpr, HW: tl.constexpr,
+    FNUZ: tl.constexpr = False,
+):  # fmt: skip
     """The tail of one row held in one tile: h (fp32 holding DTYPE values, 0 past H) -> y = D(w * D(h *
-    rstd)) stored at y_row, as e4m3 codes with the scale at s_ptr when QUANT (also the fused all-reduce's)."""
+    rstd)) stored at y_row, as e4m3 codes with the scale at s_ptr when QUANT (also the fused all-reduce's;
+    FNUZ: e4m3fnuz codes, the scale doubled, as dynamic_quant's)."""
     rstd = _rstd(tl.sum(h * h, axis=0), H, eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = round_to(w * round_to(h * rstd, DTYPE, HW), DTYPE, HW)
     if QUANT:
         scale = quant_scale(tl.max(tl.abs(y), axis=0))
-        tl.store(y_row + cols, fp8_e4m3_code(y, scale, tl.math.div_rn(1.0, scale), HW), mask=mask)
-        tl.store(s_ptr, scale)
+        tl.store(y_row + cols, fp8_e4m3_code(y, scale, tl.math.div_rn(1.0, scale), HW, FNUZ), mask=mask)
+        tl.store(s_ptr, fp8_scale(scale, FNUZ))
     else:
         tl.store(y_row + cols, y.to(DTYPE), mask=mask)
 
@@ -104,6 +108,7 @@ def _add_rmsnorm_kernel(
     NUM_CHUNKS: tl.constexpr,  # > 1: SPLIT is 0
     HW: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
+    FNUZ: tl.constexpr = False,  # QUANT: e4m3fnuz codes (amd-gfx942), the scales doubled
 ):
     wait_for_inputs(PDL)
     DTYPE: tl.constexpr = w_ptr.dtype.element_ty
@@ -125,7 +130,7 @@ def _add_rmsnorm_kernel(
         if HAS_RES:
             h = round_to(h + tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32), DTYPE, HW)
             tl.store(ro_row + cols, h.to(DTYPE), mask=mask)  # exact: h is a DTYPE value
-        normalize_row(h, w_ptr, cols, mask, y_row, s_ptr + row, H, eps, QUANT, DTYPE, HW)
+        normalize_row(h, w_ptr, cols, mask, y_row, s_ptr + row, H, eps, QUANT, DTYPE, HW, FNUZ)
     else:
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for c in range(NUM_CHUNKS):
@@ -149,8 +154,8 @@ def _add_rmsnorm_kernel(
                 offs = c * BLOCK + cols
                 mask = offs < H
                 y = _normed_row(x_row, r_row, w_ptr, offs, mask, rstd, HAS_RES, DTYPE, HW)
-                tl.store(y_row + offs, fp8_e4m3_code(y, scale, inv_scale, HW), mask=mask)
-            tl.store(s_ptr + row, scale)
+                tl.store(y_row + offs, fp8_e4m3_code(y, scale, inv_scale, HW, FNUZ), mask=mask)
+            tl.store(s_ptr + row, fp8_scale(scale, FNUZ))
         else:
             for c in range(NUM_CHUNKS):
                 offs = c * BLOCK + cols
@@ -185,7 +190,9 @@ def _check(x, residual: torch.Tensor | None, w: torch.Tensor, max_block: int):
     return x, residual
 
 
-def _launch(x, residual, w, eps, residual_out, y, ys, quant: bool, max_block: int, pdl: bool) -> None:
+def _launch(
+    x, residual, w, eps, residual_out, y, ys, quant: bool, max_block: int, pdl: bool, fnuz: bool = False
+) -> None:
     tokens, hidden = x.shape
     if tokens == 0:
         return
@@ -217,6 +224,7 @@ def _launch(x, residual, w, eps, residual_out, y, ys, quant: bool, max_block: in
         BLOCK=block,
         NUM_CHUNKS=chunks,
         HW=use_hw_casts(w),
+        FNUZ=fnuz,
         num_warps=num_warps,
         **launch_options(pdl),
     )
@@ -230,6 +238,7 @@ def add_rmsnorm_quant(
     *,
     max_block: int = MAX_BLOCK,
     pdl: bool = False,
+    fp8: torch.dtype = FP8,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused residual add, RMSNorm and per-token FP8 quantization.
 
@@ -239,13 +248,15 @@ def add_rmsnorm_quant(
     qruntime.ops.functional.dynamic_quant(y, 0). `max_block` (a power of two) caps the register
     tile; wider rows take the chunked three-pass path (tests force it at small H). pdl: launch with
     programmatic dependent launch (kernels/pdl.py; Hopper GPUs only). x may be a split-K GEMM's
-    SplitKPartials (fp8_gemm.py) or a fused MoE's PairRows (moe_combine.py), added up in this launch."""
+    SplitKPartials (fp8_gemm.py) or a fused MoE's PairRows (moe_combine.py), added up in this launch.
+    fp8 float8_e4m3fnuz (amd-gfx942): yq as e4m3fnuz with ys doubled (dynamic_quant's fp8)."""
+    fnuz = fnuz_format(fp8)
     x, residual = _check(x, residual, w, max_block)
     tokens, hidden = x.shape
-    yq = torch.empty(tokens, hidden, dtype=FP8, device=x.device)
+    yq = torch.empty(tokens, hidden, dtype=fp8, device=x.device)
     ys = torch.empty(tokens, 1, dtype=torch.float32, device=x.device)
     residual_out = x if residual is None else torch.empty_like(residual, memory_format=torch.contiguous_format)
-    _launch(x, residual, w, eps, residual_out, yq.view(torch.uint8), ys, True, max_block, pdl)
+    _launch(x, residual, w, eps, residual_out, yq.view(torch.uint8), ys, True, max_block, pdl, fnuz)
     return yq, ys, residual_out
 
 

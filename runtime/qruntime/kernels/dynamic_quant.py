@@ -36,6 +36,9 @@ import triton.language as tl
 from qruntime.kernels.pdl import launch_options, wait_for_inputs
 
 FP8 = torch.float8_e4m3fn
+# the FP8 formats the kernels read and write: e4m3fn (nvidia-sm90) and e4m3fnuz (amd-gfx942, whose
+# codes are e4m3fn's with the scales doubled: qruntime.target.to_e4m3fnuz)
+FP8_FORMATS = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 FP8_MAX = 448.0
 MIN_SCALE = 1e-12
 MAX_BLOCK = 8192  # widest row kept in registers as one tile; longer rows loop over chunks of CHUNK
@@ -72,6 +75,14 @@ def rows_of(name: str, t: torch.Tensor) -> torch.Tensor:
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2D [tokens, cols], got shape {tuple(t.shape)}")
     return t if t.stride(1) == 1 else t.contiguous()
+
+
+def fnuz_format(fp8: torch.dtype, what: str = "fp8") -> bool:
+    """Whether `fp8` (one of FP8_FORMATS, else TypeError naming `what`) is e4m3fnuz: the kernels'
+    FNUZ constexpr (False, e4m3fn, compiles to the code it always did)."""
+    if fp8 not in FP8_FORMATS:
+        raise TypeError(f"{what} must be float8_e4m3fn or float8_e4m3fnuz, got {fp8}")
+    return fp8 == torch.float8_e4m3fnuz
 
 
 def use_hw_casts(t: torch.Tensor) -> bool:
@@ -146,6 +157,25 @@ def fp8_e4m3_code(x, scale, inv_scale, HW: tl.constexpr, FNUZ: tl.constexpr = Fa
 
 
 @triton.jit
+def fp8_values(codes, FNUZ: tl.constexpr):
+    """uint8 codes as fp8 values: e4m3fn's, or with FNUZ e4m3fnuz's (half of e4m3fn's for the same
+    code; the scale that goes with them is doubled)."""
+    if FNUZ:
+        return codes.to(tl.float8e4b8, bitcast=True)
+    else:
+        return codes.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def fp8_scale(scale, FNUZ: tl.constexpr):
+    """The scale stored with (or applied to) codes made by fp8_e4m3_code: doubled with FNUZ."""
+    if FNUZ:
+        return scale * 2.0
+    else:
+        return scale
+
+
+@triton.jit
 def quantize_row(
     x_row, q_row, K, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, HW: tl.constexpr, FNUZ: tl.constexpr = False
 ):
@@ -190,7 +220,7 @@ def _dynamic_quant_kernel(
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     scale = quantize_row(x_ptr + row * stride_x, q_ptr + row * K, K, BLOCK, NUM_CHUNKS, HW, FNUZ)
-    tl.store(s_ptr + row, scale * 2.0 if FNUZ else scale)
+    tl.store(s_ptr + row, fp8_scale(scale, FNUZ))
 
 
 def dynamic_quant(
@@ -204,8 +234,7 @@ def dynamic_quant(
     target): the same codes as e4m3fnuz and the scales doubled, qruntime.target.to_e4m3fnuz of
     the e4m3fn result, so xq * xs is the same."""
     check_model_dtype("x", x)
-    if fp8 not in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
-        raise TypeError(f"fp8 must be float8_e4m3fn or float8_e4m3fnuz, got {fp8}")
+    fnuz = fnuz_format(fp8)
     x = rows_of("x", x)
     tokens, k = x.shape
     xq = torch.empty(tokens, k, dtype=fp8, device=x.device)
@@ -223,7 +252,7 @@ def dynamic_quant(
         BLOCK=block,
         NUM_CHUNKS=chunks,
         HW=use_hw_casts(x),
-        FNUZ=fp8 == torch.float8_e4m3fnuz,
+        FNUZ=fnuz,
         num_warps=num_warps,
         **launch_options(pdl),
     )
@@ -234,10 +263,12 @@ def dynamic_quant(
 class DeferredQuant:
     """The DynamicQuant op's output left to its reader (ops/triton_ops.fold_dynamic_quant): one
     token's row x [1, K], which a PTPC GEMV quantizes as it reads it (fp8_gemm.ptpc_fp8_gemv_quant,
-    the same codes and scale); `quantize()` is the dynamic_quant launch for any other reader."""
+    the same codes and scale); `quantize()` is the dynamic_quant launch for any other reader, in
+    the FP8 format `fp8` (the target's: qruntime.target)."""
 
     x: torch.Tensor
     pdl: bool = False
+    fp8: torch.dtype = FP8
 
     def quantize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return dynamic_quant(self.x, pdl=self.pdl)
+        return dynamic_quant(self.x, pdl=self.pdl, fp8=self.fp8)

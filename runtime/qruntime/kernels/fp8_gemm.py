@@ -46,9 +46,12 @@ import triton.language as tl
 
 from qruntime.kernels.deferred_sum import deferred_value
 from qruntime.kernels.dynamic_quant import (
+    FP8_FORMATS,
     MAX_BLOCK,
     check_model_dtype,
     fp8_e4m3_code,
+    fp8_scale,
+    fp8_values,
     quant_scale,
     round_to,
     use_hw_casts,
@@ -310,6 +313,7 @@ def _ptpc_fp8_gemv_kernel(
     BLOCK_X: tl.constexpr = 16,  # QUANT: the row's tile for its max |x| (NUM_X of them)
     NUM_X: tl.constexpr = 1,
     HW: tl.constexpr = False,  # QUANT: hardware casts (dynamic_quant.use_hw_casts)
+    FNUZ: tl.constexpr = False,  # QUANT: the codes made as e4m3fnuz (the weights' format), the scale doubled
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = tl.where(offs_n < N, offs_n, 0)  # rows past N read row 0 (never stored)
@@ -339,8 +343,10 @@ def _ptpc_fp8_gemv_kernel(
             a = tl.load(a_ptr + k + offs_k, mask=k + offs_k < K, other=0.0).to(tl.float32)
             b = tl.load(b_ptrs + k, mask=(k + offs_k < K)[None, :], other=0.0).to(tl.float32)
         if QUANT:
-            a = fp8_e4m3_code(a, scale, inv_scale, HW).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            a = fp8_values(fp8_e4m3_code(a, scale, inv_scale, HW, FNUZ), FNUZ).to(tl.float32)
         acc += b * a[None, :]  # fp8 codes widened: exact products, fp32 sums
+    if QUANT:
+        scale = fp8_scale(scale, FNUZ)
     y = tl.sum(acc, axis=1) * scale * tl.load(bs_ptr + rn * stride_bs).to(tl.float32)
     tl.store(c_ptr + offs_n, y.to(c_ptr.dtype.element_ty), mask=offs_n < N)
 
@@ -478,6 +484,7 @@ def _gemv(a, xs, w, ws, out, cfg: GemmConfig, pdl: bool, prefetch_k: int, quant:
         num_warps=cfg.num_warps,
         PREFETCH_K=_gemv_prefetch(n, k, prefetch_k) if pdl else 0,
         QUANT=quant, BLOCK_X=block_x, NUM_X=triton.cdiv(k, block_x), HW=use_hw_casts(a),
+        FNUZ=w.dtype == torch.float8_e4m3fnuz,
         **launch_options(pdl),
     )  # fmt: skip
 
@@ -495,15 +502,18 @@ def ptpc_fp8_gemv_quant(
     """ptpc_fp8_gemm(*dynamic_quant(x), w, ws, ...) of one token in one launch: x [1, K] bf16 | fp16 |
     fp32, config a GEMV's (block_m 1). Each program takes the row's max |x| and quantizes the row as
     it reads it (dynamic_quant's scale and codes, bit for bit), so the result is the two launches'
-    bit for bit. Raises ValueError on a shape, dtype or config mismatch."""
+    bit for bit. w float8_e4m3fnuz (amd-gfx942, its scales doubled): the codes made as e4m3fnuz
+    with the scale doubled, dynamic_quant(x, fp8=float8_e4m3fnuz)'s. Raises ValueError on a shape,
+    dtype or config mismatch."""
     check_model_dtype("x", x)
     if x.dim() != 2 or x.shape[0] != 1 or x.stride(1) != 1:
         raise ValueError(f"x must be one token's row [1, K] with unit column stride, got {tuple(x.shape)}")
     if config.block_m != 1:
         raise ValueError(f"ptpc_fp8_gemv_quant runs a GEMV config (block_m 1), got block_m {config.block_m}")
-    if w.dtype != torch.float8_e4m3fn or w.dim() != 2 or w.shape[1] != x.shape[1] or w.stride(1) != 1:
+    if w.dtype not in FP8_FORMATS or w.dim() != 2 or w.shape[1] != x.shape[1] or w.stride(1) != 1:
         raise ValueError(
-            f"w must be float8_e4m3fn [N, {x.shape[1]}] with contiguous rows, got {w.dtype} {tuple(w.shape)}"
+            f"w must be float8_e4m3fn or float8_e4m3fnuz [N, {x.shape[1]}] with contiguous rows, got {w.dtype} "
+            f"{tuple(w.shape)}"
         )
     if ws.dtype not in _SCALE_DTYPES or tuple(ws.shape) != (w.shape[0], 1):
         raise ValueError(f"ws must be bf16/fp16/fp32 [N,1] = [{w.shape[0]},1], got {ws.dtype} {tuple(ws.shape)}")
@@ -520,8 +530,10 @@ def ptpc_fp8_gemv_quant(
 
 
 def _check(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, out_dtype: torch.dtype) -> None:
-    if xq.dtype != torch.float8_e4m3fn or w.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"xq and w must be float8_e4m3fn, got {xq.dtype} and {w.dtype}")
+    if xq.dtype not in FP8_FORMATS or w.dtype != xq.dtype:
+        raise ValueError(
+            f"xq and w must be both float8_e4m3fn or both float8_e4m3fnuz (the target's), got {xq.dtype} and {w.dtype}"
+        )
     if xq.dim() != 2 or w.dim() != 2:
         raise ValueError(f"xq [M,K] and w [N,K] must be 2-D, got shapes {tuple(xq.shape)} and {tuple(w.shape)}")
     (m, k), (n, kw) = xq.shape, w.shape
@@ -557,6 +569,8 @@ def ptpc_fp8_gemm(
 
     xq: [M,K] float8_e4m3fn, rows contiguous; xs: [M,1] float32 per-token scales;
     w: [N,K] float8_e4m3fn, rows contiguous; ws: [N,1] bf16/fp16/fp32 per-channel scales.
+    Both may be float8_e4m3fnuz instead (amd-gfx942: e4m3fn's codes, the scales doubled), the
+    kernels then read them as such (Triton's fp8e4b8, from the tensors' dtype): the same product.
     config: tile sizes, split-K and launch parameters; default_config(M, N, K) when None.
     pdl: programmatic dependent launch (kernels/pdl.py); with it, each program first asks L2 for
     the first `prefetch_k` bytes (a multiple of 128; 0: none) of its weight rows, before the wait

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import triton
 
-from qruntime.kernels.dynamic_quant import check_model_dtype
+from qruntime.kernels.dynamic_quant import FP8_FORMATS, check_model_dtype
 from qruntime.kernels.moe_align import moe_align
 from qruntime.kernels.moe_combine import PairRows, moe_combine
 from qruntime.kernels.moe_gemm import PairBlocks, moe_down, moe_up_silu
@@ -213,10 +213,17 @@ def fused_moe(
     counter), for a single token the router GEMV then runs in its routing launch (router_logits may
     be None then; moe_routing.moe_router_one). pdl: every launch with programmatic dependent launch
     (kernels/pdl.py). defer_combine: with k > 1, return the PairRows without the combine launch, for
-    a kernel that adds them itself. Raises ValueError / TypeError on bad inputs."""
+    a kernel that adds them itself. w13 and w2 float8_e4m3fnuz (amd-gfx942, their scales doubled):
+    the activations are quantized to e4m3fnuz with doubled scales, the same result.
+    Raises ValueError / TypeError on bad inputs."""
     check_model_dtype("x", x)
     if w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"w13 [E, 2I, H] and w2 [E, H, I] must be 3-D, got {tuple(w13.shape)}, {tuple(w2.shape)}")
+    if w13.dtype not in FP8_FORMATS or w2.dtype != w13.dtype:
+        raise ValueError(
+            f"w13 must be float8_e4m3fn or float8_e4m3fnuz, and w2 of its format, got {w13.dtype} and {w2.dtype}"
+        )
+    fp8 = w13.dtype  # the activations' format: the target's (qruntime.target)
     tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     fused_router = router is not None and tokens == 1
@@ -237,14 +244,16 @@ def fused_moe(
     block_m = 16 if gemv else cfg.block_m  # the one-token layout below, unread on the GEMV path
     if fused_router:  # batch-1 decode: router GEMV, routing, quant and the pairs' layout in one launch
         (weights, ids, xq, xs), layout = moe_router_one(
-            x, router[0], top_k, norm_topk_prob, block_m, router[1], pdl=pdl
+            x, router[0], top_k, norm_topk_prob, block_m, router[1], pdl=pdl, fp8=fp8
         )
         sorted_ids, block_expert, num_padded, amax = layout
     elif tokens == 1:  # the routing launch lays out the k pairs itself
-        (weights, ids, xq, xs), layout = moe_route_quant_one(router_logits, x, top_k, norm_topk_prob, block_m, pdl=pdl)
+        (weights, ids, xq, xs), layout = moe_route_quant_one(
+            router_logits, x, top_k, norm_topk_prob, block_m, pdl=pdl, fp8=fp8
+        )
         sorted_ids, block_expert, num_padded, amax = layout
     else:
-        weights, ids, xq, xs = moe_route_quant(router_logits, x, top_k, norm_topk_prob, pdl=pdl)
+        weights, ids, xq, xs = moe_route_quant(router_logits, x, top_k, norm_topk_prob, pdl=pdl, fp8=fp8)
         sorted_ids, block_expert, num_padded, amax = moe_align(ids, num_experts, block_m, pdl=pdl)
     if gemv:  # one token: the k slots' experts straight from the routing, no pair list
         act = moe_up_one(xq, xs, w13, w13_scale, ids, x.dtype, cfg.up, pdl=pdl)

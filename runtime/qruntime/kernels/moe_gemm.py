@@ -27,7 +27,15 @@ import torch
 import triton
 import triton.language as tl
 
-from qruntime.kernels.dynamic_quant import fp8_e4m3_code, quant_scale, round_to, use_hw_casts
+from qruntime.kernels.dynamic_quant import (
+    FP8_FORMATS,
+    fp8_e4m3_code,
+    fp8_scale,
+    fp8_values,
+    quant_scale,
+    round_to,
+    use_hw_casts,
+)
 from qruntime.kernels.fp8_gemm import _ACC_PROMOTE_K
 from qruntime.kernels.pdl import launch_options, wait_for_inputs
 
@@ -155,6 +163,7 @@ def _moe_down_kernel(
     ACC_PROMOTE_K: tl.constexpr,
     HW: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
+    FNUZ: tl.constexpr = False,  # w2 in e4m3fnuz (amd-gfx942): act quantized to it, its scale doubled
 ):
     wait_for_inputs(PDL)
     pid_m = tl.program_id(0)
@@ -184,13 +193,13 @@ def _moe_down_kernel(
             in_k = (k + offs_k) < INTER
             a = tl.load(a_ptrs, mask=valid[:, None] & in_k[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=in_k[:, None], other=0.0)
-        aq = fp8_e4m3_code(a.to(tl.float32), scale, inv_scale, HW).to(tl.float8e4nv, bitcast=True)
+        aq = fp8_values(fp8_e4m3_code(a.to(tl.float32), scale, inv_scale, HW, FNUZ), FNUZ)
         acc = tl.dot(aq, b, acc, max_num_imprecise_acc=ACC_PROMOTE_K)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
 
     ws = tl.load(ws_ptr + expert * stride_se + rn * stride_sn).to(tl.float32)[None, :]
-    down = round_to(acc * scale * ws, DTYPE, HW)
+    down = round_to(acc * fp8_scale(scale, FNUZ) * ws, DTYPE, HW)
     weight = round_to(tl.load(topk_w_ptr + pair, mask=valid, other=0.0), DTYPE, HW)[:, None]
     y = round_to(down * weight, DTYPE, HW)
     mask = valid[:, None] & (offs_n < H)[None, :]
@@ -198,8 +207,10 @@ def _moe_down_kernel(
 
 
 def _check_weights(name: str, w: torch.Tensor, ws: torch.Tensor, rows: int, cols: int) -> None:
-    if w.dtype != torch.float8_e4m3fn or w.dim() != 3 or tuple(w.shape[1:]) != (rows, cols):
-        raise ValueError(f"{name} must be float8_e4m3fn [E, {rows}, {cols}], got {w.dtype} {tuple(w.shape)}")
+    if w.dtype not in FP8_FORMATS or w.dim() != 3 or tuple(w.shape[1:]) != (rows, cols):
+        raise ValueError(
+            f"{name} must be float8_e4m3fn or float8_e4m3fnuz [E, {rows}, {cols}], got {w.dtype} {tuple(w.shape)}"
+        )
     if w.stride(2) != 1:
         raise ValueError(f"{name} needs contiguous rows (stride 1 along its last dim), got strides {w.stride()}")
     if ws.dtype not in (torch.bfloat16, torch.float16, torch.float32) or tuple(ws.shape) != (w.shape[0], rows, 1):
@@ -226,8 +237,9 @@ def moe_up_silu(
 ) -> torch.Tensor:
     """act [max_padded, I] (out_dtype; rows of padding positions unspecified) = silu_mul of each
     pair's PTPC up projection xq[t] · w13[e]ᵀ, and blocks.row_amax[row] = max |act[row]|.
-    xq [T, H] fp8, xs [T, 1] fp32, w13 [E, 2I, H] fp8, w13_scale [E, 2I, 1]."""
-    if xq.dtype != torch.float8_e4m3fn or xq.dim() != 2 or xq.stride(1) != 1:
+    xq [T, H] fp8, xs [T, 1] fp32, w13 [E, 2I, H] fp8 (xq's format: e4m3fn, or e4m3fnuz for
+    amd-gfx942), w13_scale [E, 2I, 1]."""
+    if xq.dtype not in FP8_FORMATS or xq.dim() != 2 or xq.stride(1) != 1:
         raise ValueError(f"xq must be float8_e4m3fn [T, H] with contiguous rows, got {xq.dtype} {tuple(xq.shape)}")
     tokens, hidden = xq.shape
     if xs.dtype != torch.float32 or tuple(xs.shape) != (tokens, 1):
@@ -236,6 +248,8 @@ def moe_up_silu(
         raise ValueError(f"w13 must be [E, 2I, H], got {tuple(w13.shape)}")
     inter = w13.shape[1] // 2
     _check_weights("w13", w13, w13_scale, 2 * inter, hidden)
+    if w13.dtype != xq.dtype:
+        raise ValueError(f"xq and w13 must be of one FP8 format (the target's), got {xq.dtype} and {w13.dtype}")
     if blocks.num_pairs != tokens * blocks.top_k:
         raise ValueError(f"the pair list is of {blocks.num_pairs} pairs, not T*k = {tokens}*{blocks.top_k}")
     act = torch.empty(blocks.sorted_ids.numel(), inter, dtype=out_dtype, device=xq.device)
@@ -287,7 +301,8 @@ def moe_down(
 ) -> torch.Tensor:
     """out_pairs [T*k, H] (act's dtype): row p = D(D(down projection of pair p) * D(weight of p)),
     the down projection being PTPC on act's row quantized per token (scale from blocks.row_amax).
-    act [max_padded, I] from moe_up_silu, w2 [E, H, I] fp8, w2_scale [E, H, 1], topk_weights [T, k] fp32."""
+    act [max_padded, I] from moe_up_silu, w2 [E, H, I] fp8, w2_scale [E, H, 1], topk_weights [T, k] fp32.
+    w2 float8_e4m3fnuz (amd-gfx942, its scales doubled): act quantized to e4m3fnuz, its scale doubled."""
     inter = act.shape[1]
     if w2.dim() != 3:
         raise ValueError(f"w2 must be [E, H, I], got {tuple(w2.shape)}")
@@ -321,6 +336,7 @@ def moe_down(
         EVEN_K=inter % block_k == 0,
         ACC_PROMOTE_K=min(_ACC_PROMOTE_K, block_k),
         HW=use_hw_casts(act),
+        FNUZ=w2.dtype == torch.float8_e4m3fnuz,
         num_warps=num_warps,
         num_stages=num_stages,
         **launch_options(pdl),

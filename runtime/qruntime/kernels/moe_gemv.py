@@ -27,7 +27,15 @@ import torch
 import triton
 import triton.language as tl
 
-from qruntime.kernels.dynamic_quant import fp8_e4m3_code, quant_scale, round_to, use_hw_casts
+from qruntime.kernels.dynamic_quant import (
+    FP8_FORMATS,
+    fp8_e4m3_code,
+    fp8_scale,
+    fp8_values,
+    quant_scale,
+    round_to,
+    use_hw_casts,
+)
 from qruntime.kernels.fp8_gemm import gemv_steps
 from qruntime.kernels.moe_gemm import _silu_mul
 from qruntime.kernels.pdl import launch_options, wait_for_inputs
@@ -169,6 +177,7 @@ def _moe_down_one_kernel(
     EVEN_K: tl.constexpr,
     HW: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
+    FNUZ: tl.constexpr = False,  # w2 in e4m3fnuz (amd-gfx942): act quantized to it, its scale doubled
 ):
     wait_for_inputs(PDL)
     slot = tl.program_id(0)
@@ -195,17 +204,20 @@ def _moe_down_one_kernel(
             in_k = k + offs_k < INTER
             a = tl.load(act_row + k + offs_k, mask=in_k, other=0.0).to(tl.float32)
             w = tl.load(w_ptrs + k, mask=in_k[None, :], other=0.0).to(tl.float32)
-        codes = fp8_e4m3_code(a, scale, inv_scale, HW).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        codes = fp8_values(fp8_e4m3_code(a, scale, inv_scale, HW, FNUZ), FNUZ).to(tl.float32)
         acc += w * codes[None, :]
     ws = tl.load(ws_ptr + expert * stride_se + rn * stride_sn).to(tl.float32)
-    down = round_to(tl.sum(acc, axis=1) * scale * ws, DTYPE, HW)
+    down = round_to(tl.sum(acc, axis=1) * fp8_scale(scale, FNUZ) * ws, DTYPE, HW)
     y = round_to(down * round_to(tl.load(topk_w_ptr + slot), DTYPE, HW), DTYPE, HW)
     tl.store(out_ptr + slot * H + offs_n, y.to(DTYPE), mask=offs_n < H)
 
 
 def _check_one(name: str, w: torch.Tensor, ws: torch.Tensor, rows: int, cols: int) -> None:
-    if w.dtype != torch.float8_e4m3fn or w.dim() != 3 or tuple(w.shape[1:]) != (rows, cols) or w.stride(2) != 1:
-        raise ValueError(f"{name} must be float8_e4m3fn [E, {rows}, {cols}] with contiguous rows, got {tuple(w.shape)}")
+    if w.dtype not in FP8_FORMATS or w.dim() != 3 or tuple(w.shape[1:]) != (rows, cols) or w.stride(2) != 1:
+        raise ValueError(
+            f"{name} must be float8_e4m3fn or float8_e4m3fnuz [E, {rows}, {cols}] with contiguous rows, got "
+            f"{w.dtype} {tuple(w.shape)}"
+        )
     if ws.dtype not in (torch.bfloat16, torch.float16, torch.float32) or tuple(ws.shape) != (w.shape[0], rows, 1):
         raise ValueError(f"{name}_scale must be bf16/fp16/fp32 [E, {rows}, 1], got {ws.dtype} {tuple(ws.shape)}")
 
@@ -230,8 +242,9 @@ def moe_up_one(
     pdl: bool = False,
 ) -> torch.Tensor:
     """act [k, I] (out_dtype): row s = silu_mul of the PTPC up projection of the one token by expert
-    topk_ids[0, s]. xq [1, H] fp8, xs [1, 1] fp32, w13 [E, 2I, H] fp8, w13_scale [E, 2I, 1]."""
-    if xq.dtype != torch.float8_e4m3fn or xq.dim() != 2 or xq.shape[0] != 1 or xq.stride(1) != 1:
+    topk_ids[0, s]. xq [1, H] fp8, xs [1, 1] fp32, w13 [E, 2I, H] fp8 (xq's format: e4m3fn, or
+    e4m3fnuz for amd-gfx942), w13_scale [E, 2I, 1]."""
+    if xq.dtype not in FP8_FORMATS or xq.dim() != 2 or xq.shape[0] != 1 or xq.stride(1) != 1:
         raise ValueError(f"xq must be one token's float8_e4m3fn [1, H], got {xq.dtype} {tuple(xq.shape)}")
     if xs.dtype != torch.float32 or xs.numel() != 1:
         raise ValueError(f"xs must be one float32 scale, got {xs.dtype} {tuple(xs.shape)}")
@@ -240,6 +253,8 @@ def moe_up_one(
         raise ValueError(f"w13 must be [E, 2I, H], got {tuple(w13.shape)}")
     inter = w13.shape[1] // 2
     _check_one("w13", w13, w13_scale, 2 * inter, hidden)
+    if w13.dtype != xq.dtype:
+        raise ValueError(f"xq and w13 must be of one FP8 format (the target's), got {xq.dtype} and {w13.dtype}")
     top_k = _check_ids(topk_ids)
     act = torch.empty(top_k, inter, dtype=out_dtype, device=xq.device)
     block_k, steps = gemv_steps(hidden, tile.block_k)
@@ -264,7 +279,8 @@ def moe_down_one(
 ) -> torch.Tensor:
     """out_pairs [k, H] (act's dtype): row s = D(D(PTPC down projection of act[s], quantized per
     token, by expert topk_ids[0, s]) * D(topk_weights[0, s])). act [k, I] from moe_up_one,
-    w2 [E, H, I] fp8, w2_scale [E, H, 1], topk_weights [1, k] fp32."""
+    w2 [E, H, I] fp8, w2_scale [E, H, 1], topk_weights [1, k] fp32. w2 float8_e4m3fnuz (amd-gfx942,
+    its scales doubled): act quantized to e4m3fnuz, its scale doubled."""
     top_k = _check_ids(topk_ids)
     if act.dim() != 2 or act.shape[0] != top_k or not act.is_contiguous():
         raise ValueError(f"act must be the contiguous [k, I] of moe_up_one (k = {top_k}), got {tuple(act.shape)}")
@@ -281,6 +297,7 @@ def moe_down_one(
         act, w2, w2_scale, topk_ids, topk_weights.contiguous(), out, hidden, inter,
         w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         NUM_K=steps, BLOCK_N=tile.block_n, BLOCK_K=block_k, BLOCK_I=triton.next_power_of_2(inter),
-        EVEN_K=inter % block_k == 0, HW=use_hw_casts(act), num_warps=tile.num_warps, **launch_options(pdl),
+        EVEN_K=inter % block_k == 0, HW=use_hw_casts(act), FNUZ=w2.dtype == torch.float8_e4m3fnuz,
+        num_warps=tile.num_warps, **launch_options(pdl),
     )  # fmt: skip
     return out

@@ -28,7 +28,9 @@ from qruntime.kernels.dynamic_quant import (
     MAX_BLOCK,
     MIN_SCALE,
     check_model_dtype,
+    fnuz_format,
     fp8_e4m3_code,
+    fp8_scale,
     quant_scale,
     quantize_row,
     round_to,
@@ -69,6 +71,7 @@ def _moe_route_quant_kernel(
     BLOCK_M: tl.constexpr = 16,
     BLOCK_PAIRS: tl.constexpr = 16,  # next power of two of TOP_K * BLOCK_M
     PDL: tl.constexpr = False,  # programmatic dependent launch (kernels/pdl.py)
+    FNUZ: tl.constexpr = False,  # xq in e4m3fnuz (amd-gfx942), xs doubled
 ):
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -81,8 +84,8 @@ def _moe_route_quant_kernel(
             ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, amax_ptr, TOP_K, BLOCK_TOPK, BLOCK_M, BLOCK_PAIRS
         )
     # ---- per-token FP8 quantization of x (as _dynamic_quant_kernel)
-    scale = quantize_row(x_ptr + row * stride_x, xq_ptr + row * H, H, BLOCK, NUM_CHUNKS, HW)
-    tl.store(xs_ptr + row, scale)
+    scale = quantize_row(x_ptr + row * stride_x, xq_ptr + row * H, H, BLOCK, NUM_CHUNKS, HW, FNUZ)
+    tl.store(xs_ptr + row, fp8_scale(scale, FNUZ))
 
 
 @triton.jit
@@ -163,6 +166,7 @@ def _router_one_kernel(
     BLOCK_H: tl.constexpr,
     SLICE: tl.constexpr,  # columns of x each program quantizes
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
+    FNUZ: tl.constexpr = False,  # xq in e4m3fnuz (amd-gfx942), xs doubled
 ):
     wait_for_inputs(PDL)
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty  # the model dtype, which F.linear's logits are in
@@ -185,9 +189,9 @@ def _router_one_kernel(
     scale = quant_scale(tl.max(amax, axis=0))
     part = pid * SLICE + tl.arange(0, SLICE)
     xv = tl.load(x_ptr + part, mask=part < H, other=0.0).to(tl.float32)
-    tl.store(xq_ptr + part, fp8_e4m3_code(xv, scale, tl.math.div_rn(1.0, scale), HW), mask=part < H)
+    tl.store(xq_ptr + part, fp8_e4m3_code(xv, scale, tl.math.div_rn(1.0, scale), HW, FNUZ), mask=part < H)
     if pid == 0:
-        tl.store(xs_ptr, scale)
+        tl.store(xs_ptr, fp8_scale(scale, FNUZ))
     # ---- the program that finishes last routes: every other program's logits are stored by then
     tl.debug_barrier()  # this program's stores, before its release
     done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
@@ -239,11 +243,11 @@ def _one_token_layout(top_k: int, block_m: int, dev: torch.device) -> tuple[torc
     )
 
 
-def _outputs(tokens: int, hidden: int, top_k: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
+def _outputs(tokens: int, hidden: int, top_k: int, dev: torch.device, fp8: torch.dtype) -> tuple[torch.Tensor, ...]:
     return (
         torch.empty(tokens, top_k, dtype=torch.float32, device=dev),
         torch.empty(tokens, top_k, dtype=torch.int32, device=dev),
-        torch.empty(tokens, hidden, dtype=FP8, device=dev),
+        torch.empty(tokens, hidden, dtype=fp8, device=dev),
         torch.empty(tokens, 1, dtype=torch.float32, device=dev),
     )
 
@@ -269,6 +273,7 @@ def _launch(logits, x, outputs, top_k: int, norm_topk_prob: bool, max_block: int
         BLOCK=block,
         NUM_CHUNKS=chunks,
         HW=use_hw_casts(x),
+        FNUZ=xq.dtype == torch.float8_e4m3fnuz,
         num_warps=num_warps,
         **layout,
         **launch_options(pdl),
@@ -283,6 +288,7 @@ def moe_route_quant(
     *,
     max_block: int = MAX_BLOCK,
     pdl: bool = False,
+    fp8: torch.dtype = FP8,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Routing and FP8 quantization of the MoE input in one launch.
 
@@ -290,10 +296,12 @@ def moe_route_quant(
     (topk_weights [T, k] fp32, topk_ids [T, k] int32, xq [T, H] fp8 e4m3, xs [T, 1] fp32), i.e.
     functional.moe_routing(logits, k, norm) (weights before the cast to the logits' dtype) and
     functional.dynamic_quant(x, 0). `max_block` caps x's register tile (tests force the chunked path).
-    pdl: programmatic dependent launch (kernels/pdl.py).
+    pdl: programmatic dependent launch (kernels/pdl.py). fp8 float8_e4m3fnuz (amd-gfx942): xq as
+    e4m3fnuz with xs doubled (dynamic_quant's fp8).
     Raises ValueError on mismatched shapes or an unsupported E / k, TypeError on a dtype."""
+    fnuz_format(fp8)
     logits, x = _checked(logits, x, top_k)
-    outputs = _outputs(x.shape[0], x.shape[1], top_k, x.device)
+    outputs = _outputs(x.shape[0], x.shape[1], top_k, x.device, fp8)
     if x.shape[0] == 0:
         outputs[3].fill_(MIN_SCALE)
         return outputs
@@ -310,16 +318,18 @@ def moe_route_quant_one(
     *,
     max_block: int = MAX_BLOCK,
     pdl: bool = False,
+    fp8: torch.dtype = FP8,
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """moe_route_quant of a single token (logits [1, E], x [1, H]), plus its pairs laid out as
     moe_align(topk_ids, E, block_m) lays them out up to the blocks' order, from the same launch:
     ((topk_weights, topk_ids, xq, xs), (sorted_pair_ids [k * block_m], block_expert [k],
-    num_padded [1], row_amax [k * block_m] zeros))."""
+    num_padded [1], row_amax [k * block_m] zeros)). fp8: as moe_route_quant's."""
+    fnuz_format(fp8)
     logits, x = _checked(logits, x, top_k)
     if x.shape[0] != 1:
         raise ValueError(f"moe_route_quant_one routes one token, got {x.shape[0]}")
     layout = _one_token_layout(top_k, block_m, x.device)
-    outputs = _outputs(1, x.shape[1], top_k, x.device)
+    outputs = _outputs(1, x.shape[1], top_k, x.device, fp8)
     positions = top_k * block_m
     _launch(
         logits, x, outputs, top_k, norm_topk_prob, max_block, pdl,
@@ -346,6 +356,7 @@ def moe_router_one(
     counter: torch.Tensor,
     *,
     pdl: bool = False,
+    fp8: torch.dtype = FP8,
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """moe_route_quant_one(x · router_wᵀ, x, ...) with the router GEMV in the same launch: x [1, H],
     router_w [E, H] in x's dtype; the logits are fp32 sums of the products rounded to x's dtype (as
@@ -353,7 +364,8 @@ def moe_router_one(
     (router_one_programs), each also taking max |x| as it reads x and quantizing its slice of x with
     it (quantize_row's scale and codes, bit for bit); the one that finishes last (an atomic count in
     `counter`, an int32 [1] of zero that it puts back) routes and lays out the pairs, so the serial
-    tail is the top-k alone. Returns what moe_route_quant_one does."""
+    tail is the top-k alone. Returns what moe_route_quant_one does (fp8: as moe_route_quant's)."""
+    fnuz = fnuz_format(fp8)
     if router_w.dtype != x.dtype or router_w.dim() != 2 or router_w.shape[1] != x.shape[-1]:
         raise ValueError(f"router_w must be [E, {x.shape[-1]}] {x.dtype}, got {tuple(router_w.shape)} {router_w.dtype}")
     if counter.dtype != torch.int32 or counter.numel() != 1 or counter.device != x.device:
@@ -365,7 +377,7 @@ def moe_router_one(
     router_w = rows_of("router_w", router_w)
     layout = _one_token_layout(top_k, block_m, x.device)
     dev, positions, hidden = x.device, top_k * block_m, x.shape[1]
-    weights, ids, xq, xs = _outputs(1, hidden, top_k, dev)
+    weights, ids, xq, xs = _outputs(1, hidden, top_k, dev, fp8)
     logits = torch.empty(num_experts, dtype=torch.float32, device=dev)
     per, programs, num_warps = router_one_programs(num_experts, hidden)
     _router_one_kernel[(programs,)](
@@ -376,6 +388,7 @@ def moe_router_one(
         BLOCK_M=block_m, BLOCK_PAIRS=triton.next_power_of_2(positions), EXPERTS=per,
         BLOCK_H=min(triton.next_power_of_2(hidden), max(64, MAX_ROUTER_TILE // per)),
         SLICE=triton.next_power_of_2(triton.cdiv(hidden, programs)),
+        FNUZ=fnuz,
         num_warps=num_warps,
         **launch_options(pdl),
     )  # fmt: skip

@@ -31,7 +31,9 @@ from qruntime.kernels.dynamic_quant import (
     FP8,
     TL_DTYPES,
     check_model_dtype,
+    fnuz_format,
     fp8_e4m3_code,
+    fp8_scale,
     quant_scale,
     round_to,
     row_config,
@@ -65,8 +67,8 @@ def _silu_mul(
 
 
 @triton.jit
-def _quant_store(q_row, offs, mask, y, scale, inv_scale, HW: tl.constexpr):
-    tl.store(q_row + offs, fp8_e4m3_code(y, scale, inv_scale, HW), mask=mask)
+def _quant_store(q_row, offs, mask, y, scale, inv_scale, HW: tl.constexpr, FNUZ: tl.constexpr):
+    tl.store(q_row + offs, fp8_e4m3_code(y, scale, inv_scale, HW, FNUZ), mask=mask)
 
 
 @triton.jit
@@ -87,6 +89,7 @@ def _silu_mul_quant_kernel(
     NUM_CHUNKS: tl.constexpr,
     HW: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
+    FNUZ: tl.constexpr = False,  # e4m3fnuz codes (amd-gfx942), the scales doubled
 ):
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -111,13 +114,13 @@ def _silu_mul_quant_kernel(
             amax = tl.maximum(amax, tl.max(tl.abs(y3), axis=0))
         scale = quant_scale(amax)
         inv_scale = tl.math.div_rn(1.0, scale)
-        _quant_store(q_row, c0, c0 < inter, y0, scale, inv_scale, HW)
+        _quant_store(q_row, c0, c0 < inter, y0, scale, inv_scale, HW, FNUZ)
         if NUM_CHUNKS > 1:
-            _quant_store(q_row, c1, c1 < inter, y1, scale, inv_scale, HW)
+            _quant_store(q_row, c1, c1 < inter, y1, scale, inv_scale, HW, FNUZ)
         if NUM_CHUNKS > 2:
-            _quant_store(q_row, c2, c2 < inter, y2, scale, inv_scale, HW)
+            _quant_store(q_row, c2, c2 < inter, y2, scale, inv_scale, HW, FNUZ)
         if NUM_CHUNKS > 3:
-            _quant_store(q_row, c3, c3 < inter, y3, scale, inv_scale, HW)
+            _quant_store(q_row, c3, c3 < inter, y3, scale, inv_scale, HW, FNUZ)
     else:
         # two passes: amax, then recompute y (gate_up again, mostly from L2) and quantize
         acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -144,8 +147,9 @@ def _silu_mul_quant_kernel(
                 scale,
                 inv_scale,
                 HW,
+                FNUZ,
             )
-    tl.store(s_ptr + row, scale)
+    tl.store(s_ptr + row, fp8_scale(scale, FNUZ))
 
 
 @triton.jit
@@ -186,7 +190,7 @@ def silu_config(inter: int, max_block: int = CHUNK) -> tuple[int, int, int]:
 
 
 def silu_mul_quant(
-    gate_up: torch.Tensor, *, max_block: int = CHUNK, pdl: bool = False
+    gate_up: torch.Tensor, *, max_block: int = CHUNK, pdl: bool = False, fp8: torch.dtype = FP8
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused SiLU-mul and per-token FP8 quantization.
 
@@ -195,7 +199,8 @@ def silu_mul_quant(
     `max_block` (a power of two) is the chunk width: I up to 4 chunks is done in one pass from
     registers, wider rows in two passes (tests force both at small I). pdl: programmatic dependent
     launch (kernels/pdl.py). gate_up may be a split-K GEMM's SplitKPartials (fp8_gemm.py), reduced
-    in this launch."""
+    in this launch. fp8 float8_e4m3fnuz (amd-gfx942): yq as e4m3fnuz with ys doubled (dynamic_quant's fp8)."""
+    fnuz = fnuz_format(fp8)
     split = isinstance(gate_up, SplitKPartials)
     if not split:
         check_model_dtype("gate_up", gate_up)
@@ -203,7 +208,7 @@ def silu_mul_quant(
     elif gate_up.dtype not in TL_DTYPES:
         raise ValueError(f"gate_up's partials would give {gate_up.dtype}, not a model dtype")
     tokens, inter = _token_rows(gate_up.shape)
-    yq = torch.empty(tokens, inter, dtype=FP8, device=gate_up.device)
+    yq = torch.empty(tokens, inter, dtype=fp8, device=gate_up.device)
     ys = torch.empty(tokens, 1, dtype=torch.float32, device=gate_up.device)
     if tokens == 0:
         return yq, ys
@@ -225,6 +230,7 @@ def silu_mul_quant(
         BLOCK=block,
         NUM_CHUNKS=chunks,
         HW=use_hw_casts(part),
+        FNUZ=fnuz,
         num_warps=num_warps,
         **launch_options(pdl),
     )
