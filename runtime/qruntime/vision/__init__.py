@@ -3,7 +3,8 @@
 reference (tower, tower_config, tower_grid, tower_weights); the text model's multimodal rotary
 positions and their cos / sin (positions); a whole model's forward as a torch reference
 (reference, reference_config, reference_text, reference_weights); chat messages with image parts
-turned into the prompt's text, images and expanded token ids (prompt, prompt_images)."""
+turned into the prompt's text, images and expanded token ids (prompt, prompt_images); videos given
+as frames sampled, resized and patchified, with their timestamps (video)."""
 
 from qruntime.vision.decode import ImageInputError, load_image
 from qruntime.vision.positions import (
@@ -46,6 +47,7 @@ from qruntime.vision.reference import Qwen3VLReference, load_reference
 from qruntime.vision.tower import VisionTower, load_vision_tower
 from qruntime.vision.tower_config import VisionTowerConfig
 from qruntime.vision.tower_weights import tower_tensor_shapes
+from qruntime.vision.video import Video, VideoInputs, VideoPreprocessConfig, preprocess_videos
 
 __all__ = [
     "IMAGE_PLACEHOLDER",
@@ -65,6 +67,9 @@ __all__ = [
     "VisionTokenConfig",
     "VisionTower",
     "VisionTowerConfig",
+    "Video",
+    "VideoInputs",
+    "VideoPreprocessConfig",
     "batch_mrope_positions",
     "decode_images",
     "decode_positions",
@@ -80,6 +85,7 @@ __all__ = [
     "mrope_positions",
     "preprocess_decoded",
     "preprocess_images",
+    "preprocess_videos",
     "probe_images",
     "smart_resize",
     "split_images",
