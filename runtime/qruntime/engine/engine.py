@@ -716,6 +716,7 @@ class Engine:
                             v.preprocess,
                             v.limits,
                             device=device,
+                            video_config=v.video_config,
                             **template_kwargs,
                         )
                     )
@@ -805,16 +806,16 @@ class Engine:
         expanded, preprocessed on the engine's device, and the prompt's M-RoPE positions."""
         if isinstance(prompt, PreparedPrompt):
             return prompt
-        vision = None
+        vision = videos = None
         if isinstance(prompt, ImagePrompt | MultimodalPrompt):
             if self.vision is None:
                 raise InvalidRequest("this model does not take images (it is not a Qwen3-VL artifact)")
             try:
                 if isinstance(prompt, ImagePrompt):
                     encode = self.tokenizer.encode
-                    ids, vision = image_prompt_ids(prompt, self.vision, encode, self.runner.device)
+                    ids, vision, videos = image_prompt_ids(prompt, self.vision, encode, self.runner.device)
                 else:
-                    ids, vision = prompt.token_ids, prompt.vision
+                    ids, vision, videos = prompt.token_ids, prompt.vision, prompt.videos
                     if isinstance(vision, DecodedImages):  # decoded on the host: resized here, on the device
                         vision = preprocess_decoded(vision, self.vision.preprocess, device=self.runner.device)
             except (ValueError, TokenizerError) as exc:  # ImageInputError is a ValueError
@@ -823,14 +824,14 @@ class Engine:
         ids = self._prompt_ids(prompt)
         if self.vision is None:
             return PreparedPrompt(ids)
-        if vision is None:  # text alone: every token at its index on the three axes, as in Qwen3
+        if vision is None and videos is None:  # text alone: every token at its index on the three axes
             marks = {self.vision.tokens.image_token_id, self.vision.tokens.video_token_id}
             if not marks.isdisjoint(ids):
                 raise InvalidRequest("the prompt holds image or video tokens but no images (use ImagePrompt or chat)")
             return PreparedPrompt(ids)
         try:
             keyed = self.scheduler.config.prefix_caching  # blocks named by the images' digests
-            return PreparedPrompt(ids, request_images(ids, vision, self.vision.tokens, keyed=keyed))
+            return PreparedPrompt(ids, request_images(ids, vision, self.vision.tokens, keyed=keyed, videos=videos))
         except ValueError as exc:  # runs of image tokens that disagree with the grids
             raise InvalidRequest(f"images: {exc}") from None
 

@@ -26,7 +26,8 @@ from qruntime.vision.decode import load_image
 from qruntime.vision.positions import VisionTokenConfig, mrope_positions
 from qruntime.vision.preprocess import VisionInputs, VisionPreprocessConfig, preprocess_images
 from qruntime.vision.prompt import ImageLimits
-from qruntime.vision.prompt_images import expand_image_tokens, image_token_counts
+from qruntime.vision.prompt_images import expand_image_tokens, expand_video_tokens, image_token_counts
+from qruntime.vision.video import Video, VideoInputs, VideoPreprocessConfig, preprocess_videos
 
 Encoder = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (pixel_values, grid_thw) -> [tokens, width]
 
@@ -40,6 +41,13 @@ class VisionModel:
     preprocess: VisionPreprocessConfig
     width: int  # (1 + D) * hidden: an image token's embedding and its D DeepStack features
     limits: ImageLimits = ImageLimits()
+    video: VideoPreprocessConfig | None = None  # None: VideoPreprocessConfig.like_images(preprocess)
+
+    @property
+    def video_config(self) -> VideoPreprocessConfig:
+        """How videos are sampled and preprocessed (the artifact records no video config: transformers'
+        Qwen3VLVideoProcessor defaults with the image config's patch layout, unless `video` is set)."""
+        return self.video if self.video is not None else VideoPreprocessConfig.like_images(self.preprocess)
 
 
 @dataclass(eq=False)
@@ -89,13 +97,18 @@ def request_images(
     tokens: VisionTokenConfig,
     digests: Sequence[bytes] | None = None,
     keyed: bool = True,
+    videos: VideoInputs | None = None,
 ) -> RequestImages:
     """The RequestImages of a prompt whose image tokens are expanded (one run per image, as
     prompt_images.expand_image_tokens writes them); `vision` None: a text prompt (positions equal on
     the three axes). A prompt whose runs disagree with the grids is a ValueError naming the image.
     The prefix cache's keys: `digests` (one per image), else `vision.digests` (the decoded pixels'
     sha256, preprocess.py), else each image's pixel_values hashed (image_digest; on a GPU that copies
-    them to the host); none unless `keyed`."""
+    them to the host); none unless `keyed`. `videos`: the prompt's videos (their tokens expanded per
+    frame group, prompt_images.expand_video_tokens); with them the images and videos become one list
+    of vision items in prompt order (`merge_videos`), each keyed by its first token."""
+    if videos is not None:
+        return merge_videos(token_ids, vision, videos, tokens, digests, keyed)
     grids = vision.image_grid_thw if vision is not None else None
     mrope = mrope_positions(token_ids, tokens, grids)
     ids = np.asarray(token_ids, dtype=np.int64)
@@ -116,6 +129,56 @@ def request_images(
             keys.append((int(rows[first]), digest))
             offset, first = offset + patches, first + count
     return RequestImages(mrope.positions.numpy(), mrope.delta, rows, vision, tuple(keys))
+
+
+def merge_videos(
+    token_ids: Sequence[int],
+    vision: VisionInputs | None,
+    videos: VideoInputs,
+    tokens: VisionTokenConfig,
+    digests: Sequence[bytes] | None,
+    keyed: bool,
+) -> RequestImages:
+    """request_images of a prompt with videos: rows are every image and video token, and the inputs
+    the images' and videos' patches in the order their first tokens come (the encoder's output rows
+    then follow the rows: a video's frames are its tokens in order, and the tower treats a video as an
+    image of t > 1 frames, which transformers' get_video_features is)."""
+    grids = vision.image_grid_thw if vision is not None else None
+    mrope = mrope_positions(token_ids, tokens, grids, videos.video_grid_thw)
+    ids = np.asarray(token_ids, dtype=np.int64)
+    image_rows = np.flatnonzero(ids == tokens.image_token_id)
+    video_rows = np.flatnonzero(ids == tokens.video_token_id)
+    rows = np.flatnonzero((ids == tokens.image_token_id) | (ids == tokens.video_token_id)).astype(np.int64)
+    merge = tokens.spatial_merge_size
+    items = []  # (first token, pixel rows, grid, digest)
+    for kind, inputs, kind_rows in (("image", vision, image_rows), ("video", videos, video_rows)):
+        if inputs is None:
+            if kind_rows.size:
+                raise ValueError(f"the prompt holds {kind_rows.size} {kind} tokens but no {kind}s")
+            continue
+        kind_grids = inputs.image_grid_thw if kind == "image" else inputs.video_grid_thw
+        counts = image_token_counts(kind_grids, merge)
+        if sum(counts) != kind_rows.size:
+            raise ValueError(f"the prompt holds {kind_rows.size} {kind} tokens for {kind}s of {sum(counts)} tokens")
+        given = (digests if kind == "image" else None) or inputs.digests or None
+        if given is not None and len(given) != len(counts):
+            raise ValueError(f"{len(given)} {kind} digests for {len(counts)} {kind}s")
+        offset, first = 0, 0
+        for index, (count, grid) in enumerate(zip(counts, kind_grids.tolist(), strict=True)):
+            patches = grid[0] * grid[1] * grid[2]
+            pixels = inputs.pixel_values[offset : offset + patches]
+            digest = given[index] if given is not None else (image_digest(pixels, grid) if keyed else b"")
+            items.append((int(kind_rows[first]), pixels, grid, digest))
+            offset, first = offset + patches, first + count
+    items.sort(key=lambda item: item[0])
+    device = items[0][1].device
+    merged = VisionInputs(
+        torch.cat([item[1] for item in items]),
+        torch.tensor([item[2] for item in items], dtype=torch.int64, device=device),
+        tuple(item[3] for item in items),
+    )
+    keys = tuple((item[0], item[3]) for item in items) if keyed else ()
+    return RequestImages(mrope.positions.numpy(), mrope.delta, rows, merged, keys)
 
 
 def image_digest(pixel_values: torch.Tensor, grid: Sequence[int]) -> bytes:
@@ -171,13 +234,17 @@ def step_images(
 
 @dataclass(frozen=True)
 class ImagePrompt:
-    """A prompt with images for a Qwen3-VL engine: text (or token ids) holding, for each image in
-    order, one `<|vision_start|><|image_pad|><|vision_end|>` (prompt.IMAGE_PLACEHOLDER), which the
-    engine expands to the image's tokens; images as load_image takes them (PIL image, path, bytes,
-    base64 or a data URL)."""
+    """A prompt with images (and videos) for a Qwen3-VL engine: text (or token ids) holding, for each
+    image in order, one `<|vision_start|><|image_pad|><|vision_end|>` (prompt.IMAGE_PLACEHOLDER), which
+    the engine expands to the image's tokens; images as load_image takes them (PIL image, path, bytes,
+    base64 or a data URL). Each video (`vision.video.Video`: frames and their fps) is one
+    `<|vision_start|><|video_pad|><|vision_end|>` (prompt.VIDEO_PLACEHOLDER), expanded as
+    transformers' Qwen3VLProcessor does: per frame group `<t seconds>`, vision_start, its tokens,
+    vision_end."""
 
     prompt: str | Sequence[int]
     images: Sequence[object]
+    videos: Sequence[Video] = ()
 
 
 @dataclass(frozen=True)
@@ -190,17 +257,31 @@ class PreparedPrompt:
 
 def image_prompt_ids(
     prompt: ImagePrompt, model: VisionModel, encode: Callable[[str], list[int]], device: torch.device
-) -> tuple[list[int], VisionInputs | None]:
-    """An ImagePrompt's token ids with each image's tokens expanded, and its images preprocessed on
-    `device` (ImageInputError names the image at fault; ValueError a placeholder count that is off)."""
-    if len(prompt.images) > model.limits.max_images:
-        raise ValueError(f"{len(prompt.images)} images, more than the limit of {model.limits.max_images}")
+) -> tuple[list[int], VisionInputs | None, VideoInputs | None]:
+    """An ImagePrompt's token ids with each image's and video's tokens expanded (the timestamps
+    tokenized by `encode`), and its images and videos preprocessed on `device` (ImageInputError names
+    the image or video at fault; ValueError a placeholder count that is off). Videos count toward
+    limits.max_images."""
+    videos = list(prompt.videos)
+    if len(prompt.images) + len(videos) > model.limits.max_images:
+        raise ValueError(
+            f"{len(prompt.images)} images and {len(videos)} videos, more than the limit of {model.limits.max_images}"
+        )
     ids = encode(prompt.prompt) if isinstance(prompt.prompt, str) else list(prompt.prompt)
-    if not prompt.images:
-        return ids, None
-    limits = model.limits
-    images = [
-        load_image(i, max_pixels=limits.max_image_pixels, max_bytes=limits.max_image_bytes) for i in prompt.images
-    ]
-    vision = preprocess_images(images, model.preprocess, device=device, max_image_pixels=limits.max_image_pixels)
-    return expand_image_tokens(ids, vision.image_grid_thw, model.tokens), vision
+    vision = video_inputs = None
+    if prompt.images:
+        limits = model.limits
+        images = [
+            load_image(i, max_pixels=limits.max_image_pixels, max_bytes=limits.max_image_bytes) for i in prompt.images
+        ]
+        vision = preprocess_images(images, model.preprocess, device=device, max_image_pixels=limits.max_image_pixels)
+        ids = expand_image_tokens(ids, vision.image_grid_thw, model.tokens)
+    if videos:
+        for index, video in enumerate(videos):
+            if not isinstance(video, Video):
+                raise ValueError(
+                    f"video {index}: a qruntime.vision.video.Video (frames, fps), got {type(video).__name__}"
+                )
+        video_inputs = preprocess_videos(videos, model.video_config, device=device)
+        ids = expand_video_tokens(ids, video_inputs, model.tokens, encode)
+    return ids, vision, video_inputs

@@ -35,6 +35,7 @@ from qruntime.shown import shown
 from qruntime.vision.decode import DEFAULT_MAX_IMAGE_PIXELS, ImageInputError, ImageSource
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # one image, before expansion
+VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"  # one video, before expansion
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
 IMAGE_ROLES = ("user", "tool")  # the roles whose image parts Qwen3-VL's template renders
 DETAILS = ("auto", "low", "high")  # OpenAI's image_url.detail values
@@ -101,18 +102,27 @@ class SplitMessages:
 
     messages: tuple[dict[str, Any], ...]
     images: tuple[ImageRef, ...]
+    videos: tuple[ImageRef, ...] = ()  # sources are vision.video.Video (frames and their fps)
 
 
 def split_images(
-    messages: Sequence[Mapping[str, Any]], limits: ImageLimits = DEFAULT_LIMITS, *, add_vision_id: bool = False
+    messages: Sequence[Mapping[str, Any]],
+    limits: ImageLimits = DEFAULT_LIMITS,
+    *,
+    add_vision_id: bool = False,
+    videos: bool = False,
 ) -> SplitMessages:
     """Each content list → a string with the image placeholders, and the images. `add_vision_id`
     writes "Picture n: " before the n-th image's placeholder, as the template's variable of that
-    name does. Raises PromptImageError naming the message and part."""
+    name does. With `videos`, a part `{"type": "video", "video": [frames...], "fps": rate}` (optional
+    "sample_fps" or "num_frames") becomes VIDEO_PLACEHOLDER ("Video n: " before it with
+    add_vision_id) and a Video; without, such a part is refused. Videos count toward max_images.
+    Raises PromptImageError naming the message and part."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ImageInputError(f"messages must be a list of {{role, content}} mappings, got {shown(messages)}")
     out: list[dict[str, Any]] = []
     images: list[ImageRef] = []
+    video_refs: list[ImageRef] = []
     total = [0]  # encoded bytes so far
     for m, message in enumerate(messages):
         if not isinstance(message, Mapping):
@@ -131,7 +141,9 @@ def split_images(
                     _check_text(text, m, p)
                     pieces.append(text)
                     continue
-                if kind not in ("image_url", "image"):
+                if kind == "video" and not videos:
+                    raise PromptImageError(m, p, "video parts are not taken here (videos: Engine.chat / ImagePrompt)")
+                if kind not in ("image_url", "image", "video"):
                     raise PromptImageError(
                         m, p, f"a part is {{'type': 'text' | 'image_url' | 'image', ...}}, got {shown(part)}"
                     )
@@ -139,8 +151,13 @@ def split_images(
                     raise PromptImageError(
                         m, p, f"images are taken in user and tool messages only, not {shown(message.get('role'))}"
                     )
-                if len(images) == limits.max_images:
+                if len(images) + len(video_refs) == limits.max_images:
                     raise PromptImageError(m, p, f"more than {limits.max_images} images in one request (max_images)")
+                if kind == "video":
+                    video_refs.append(ImageRef(m, p, _video_part(part, m, p)))
+                    label = f"Video {len(video_refs)}: " if add_vision_id else ""
+                    pieces.append(label + VIDEO_PLACEHOLDER)
+                    continue
                 images.append(_image_part(part, kind, m, p, limits, total))
                 label = f"Picture {len(images)}: " if add_vision_id else ""
                 pieces.append(label + IMAGE_PLACEHOLDER)
@@ -148,7 +165,24 @@ def split_images(
         elif content is not None:
             raise PromptImageError(m, None, f"content must be a string or a list of parts, got {shown(content)}")
         out.append({**message, "content": content})
-    return SplitMessages(tuple(out), tuple(images))
+    return SplitMessages(tuple(out), tuple(images), tuple(video_refs))
+
+
+def _video_part(part: Mapping[str, Any], m: int, p: int) -> Any:
+    """A video part's Video: its frames (PIL RGB images or [H, W, 3] uint8 arrays) and rate."""
+    from qruntime.vision.video import Video
+
+    extra = set(part) - {"type", "video", "fps", "sample_fps", "num_frames"}
+    if "video" not in part or extra:
+        raise PromptImageError(
+            m, p, f"a video part is {{'type': 'video', 'video': [frames], 'fps': rate}}, got {shown(part)}"
+        )
+    if "fps" not in part:
+        raise PromptImageError(m, p, "a video part needs its frames' rate: 'fps'")
+    try:
+        return Video(part["video"], part["fps"], part.get("sample_fps"), part.get("num_frames"))
+    except ImageInputError as e:
+        raise PromptImageError(m, p, str(e)) from None
 
 
 def _check_text(text: str, m: int, p: int | None) -> None:

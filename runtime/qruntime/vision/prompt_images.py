@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,6 +33,7 @@ from qruntime.vision.preprocess import (
     preprocess_decoded,
 )
 from qruntime.vision.prompt import DEFAULT_LIMITS, ImageLimits, ImageRef, PromptImageError, SplitMessages, split_images
+from qruntime.vision.video import VideoInputs, VideoPreprocessConfig, preprocess_videos, timestamp_text
 
 if TYPE_CHECKING:
     from qruntime.tokenizer import Tokenizer
@@ -48,6 +49,7 @@ class MultimodalPrompt:
     vision: VisionInputs | DecodedImages | None
     messages: tuple[dict[str, Any], ...]  # as rendered: contents as text with the placeholders
     images: tuple[ImageRef, ...]
+    videos: VideoInputs | None = None  # the videos' patches and timestamps, in prompt order
 
 
 def probe_images(split: SplitMessages, limits: ImageLimits = DEFAULT_LIMITS) -> list[tuple[int, int]]:
@@ -166,6 +168,52 @@ def expand_image_tokens(
     return out
 
 
+def expand_video_tokens(
+    ids: Sequence[int] | torch.Tensor,
+    videos: VideoInputs,
+    tokens: VisionTokenConfig,
+    encode: Callable[[str], list[int]],
+) -> list[int]:
+    """`ids` with the i-th video token (the placeholder's `<|vision_start|><|video_pad|><|vision_end|>`)
+    replaced as Qwen3VLProcessor replaces it: for each of the video's frame groups, the ids of
+    `<{t:.1f} seconds>` (`encode`), vision_start, h * w / merge² video tokens, vision_end (the
+    placeholder's own start and end stay around them). Each timestamp sits between special tokens in
+    the processor's text, so tokenizing it alone gives the same ids."""
+    ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+    video = tokens.video_token_id
+    if video is None:
+        raise ValueError("the vision token config has no video_token_id")
+    at = [i for i, token in enumerate(ids) if token == video]
+    grids = videos.video_grid_thw.tolist()
+    if len(at) != len(grids) or len(videos.timestamps) != len(grids):
+        raise ValueError(
+            f"the prompt holds {len(at)} video tokens (id {video}) for {len(grids)} videos: each video is one "
+            "<|video_pad|> before expansion"
+        )
+    marks = {tokens.image_token_id, video, tokens.vision_start_token_id}
+    merge = tokens.spatial_merge_size
+    out: list[int] = []
+    previous = 0
+    for index, (position, grid, stamps) in enumerate(zip(at, grids, videos.timestamps, strict=True)):
+        start = ids[position - 1] if position else None
+        if start is None or (tokens.vision_start_token_id is not None and start != tokens.vision_start_token_id):
+            raise ValueError(f"video {index}: its token at position {position} does not follow vision_start")
+        if position + 1 == len(ids) or ids[position + 1] in marks:
+            raise ValueError(f"video {index}: its token at position {position} is not followed by vision_end")
+        end = ids[position + 1]
+        if len(stamps) != grid[0]:
+            raise ValueError(f"video {index}: {len(stamps)} timestamps for {grid[0]} frame groups")
+        out += ids[previous:position]
+        for seconds in stamps:
+            text = encode(timestamp_text(seconds))
+            if marks.intersection(text):
+                raise ValueError(f"video {index}: the timestamp {timestamp_text(seconds)!r} encodes to vision tokens")
+            out += [*text, start, *[video] * (grid[1] * grid[2] // (merge * merge)), end]
+        previous = position + 1
+    out += ids[previous:]
+    return out
+
+
 def encode_prompt(
     messages: Sequence[Mapping[str, Any]],
     tokenizer: Tokenizer,
@@ -175,12 +223,34 @@ def encode_prompt(
     *,
     device: torch.device | str | None = None,
     add_generation_prompt: bool = True,
+    video_config: VideoPreprocessConfig | None = None,
     **template_kwargs: Any,
 ) -> MultimodalPrompt:
-    """Messages (content parts with images) → expanded token ids and the images' VisionInputs.
-    `add_vision_id` among template_kwargs labels the images ("Picture n: "), as Qwen3-VL's template."""
-    split = split_images(messages, limits, add_vision_id=bool(template_kwargs.pop("add_vision_id", False)))
+    """Messages (content parts with images and videos) → expanded token ids, the images' VisionInputs
+    and the videos' VideoInputs (`video_config`, default VideoPreprocessConfig.like_images(config)).
+    `add_vision_id` among template_kwargs labels them ("Picture n: ", "Video n: "), as Qwen3-VL's
+    template."""
+    add_vision_id = bool(template_kwargs.pop("add_vision_id", False))
+    split = split_images(messages, limits, add_vision_id=add_vision_id, videos=True)
     vision = load_prompt_images(split, config, limits, device=device)
+    videos = None
+    if split.videos:
+        video_config = video_config if video_config is not None else VideoPreprocessConfig.like_images(config)
+        parts = []
+        for ref in split.videos:
+            try:
+                parts.append(preprocess_videos([ref.source], video_config, device=device))
+            except ImageInputError as e:
+                raise PromptImageError(ref.message_index, ref.part_index, str(e)) from None
+        videos = VideoInputs(
+            torch.cat([part.pixel_values for part in parts]),
+            torch.cat([part.video_grid_thw for part in parts]),
+            tuple(stamps for part in parts for stamps in part.timestamps),
+            tuple(digest for part in parts for digest in part.digests),
+        )
     ids = tokenizer.encode_chat(list(split.messages), add_generation_prompt, **template_kwargs)
     grids = vision.image_grid_thw if vision is not None else []
-    return MultimodalPrompt(expand_image_tokens(ids, grids, tokens), vision, split.messages, split.images)
+    ids = expand_image_tokens(ids, grids, tokens)
+    if videos is not None:
+        ids = expand_video_tokens(ids, videos, tokens, tokenizer.encode)
+    return MultimodalPrompt(ids, vision, split.messages, split.images, videos)
