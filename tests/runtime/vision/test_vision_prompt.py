@@ -2,9 +2,8 @@
 to transformers 5.17's Qwen3VLProcessor.
 
 The processor is built offline: the synthetic Qwen tokenizer (qcompile.synth, which has Qwen's
-vision tokens), `Qwen2VLImageProcessorPil` (no torchvision here) and, since the processor's
-constructor insists on a video processor and transformers' own needs torchvision, a stand-in
-subclass of its placeholder class that is never called (no videos). The chat template is the one
+vision tokens), `Qwen2VLImageProcessorPil` and transformers' `Qwen3VLVideoProcessor` (torchvision, a
+test dependency: tests/torchvision_cpu.py) for the video parts. The chat template is the one
 the published Qwen3-VL-30B-A3B-Instruct checkpoint ships (qwen3_vl_chat_template.jinja beside this
 file), rendered by the processor from the content lists and by qruntime's Tokenizer from the
 flattened strings. Images and texts are random (the `rng` fixture prints its seed).
@@ -39,7 +38,9 @@ from qruntime.vision import (
     probe_images,
     split_images,
 )
-from transformers import BaseVideoProcessor, PreTrainedTokenizerFast, Qwen3VLProcessor
+from qruntime.vision.prompt import VIDEO_PLACEHOLDER
+from qruntime.vision.video import VideoPreprocessConfig
+from transformers import PreTrainedTokenizerFast, Qwen3VLProcessor, Qwen3VLVideoProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from qcompile.synth import get_preset
@@ -58,9 +59,7 @@ SMALL = {
 WORDS = ("look", "at", "this", "image", "what", "is", "日本", "é", " ", "\n")
 
 
-class _NoVideo(BaseVideoProcessor):  # transformers' placeholder class (torchvision absent), never called
-    def __init__(self) -> None:
-        pass
+VIDEO_SMALL = {**SMALL, "fps": 2, "min_frames": 4, "max_frames": 10}
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +75,7 @@ def setup(tmp_path_factory):
     hf = Qwen3VLProcessor(
         image_processor=Qwen2VLImageProcessorPil(**copy.deepcopy(SMALL)),
         tokenizer=PreTrainedTokenizerFast(tokenizer_file=str(root / "tokenizer.json")),
-        video_processor=_NoVideo(),
+        video_processor=Qwen3VLVideoProcessor(**copy.deepcopy(VIDEO_SMALL), cap_pixels_per_frame=False),
         chat_template=TEMPLATE.read_text(encoding="utf-8"),
     )
     return tokenizer, tokens, VisionPreprocessConfig.from_dict(SMALL), hf
@@ -178,6 +177,73 @@ def test_prompt_equals_transformers_processor(setup, rng, count, add_vision_id):
     assert runs == (grids.prod(dim=1) // tokens.spatial_merge_size**2).tolist()
     assert len(runs) == count == len(prompt.images)
     assert all(ids[s - 1] == tokens.vision_start_token_id for s in starts.tolist())
+
+
+@pytest.mark.parametrize("add_vision_id", [False, True])
+def test_video_parts_equal_transformers_processor(setup, rng, add_vision_id):
+    """Conversations with 1-2 videos (frames as arrays or PIL images, each its own rate and length)
+    and 0-2 images: the template renders the same text, and the ids (timestamps and per-frame video
+    tokens included), pixel_values, pixel_values_videos and both grids are the processor's."""
+    tokenizer, tokens, config, hf = setup
+    gen = np.random.default_rng(rng.randrange(1 << 30))
+    ours, theirs, videos, images = [], [], [], []
+    for _ in range(rng.randint(1, 2)):
+        parts = [{"type": "text", "text": _text(rng)}]
+        hf_parts = [dict(parts[0])]
+        for _part in range(rng.randint(1, 2)):
+            if rng.random() < 0.6 or not videos:
+                count, fps = rng.randint(3, 14), rng.choice([2.0, 4.0, 6.5])
+                array = gen.integers(0, 256, (count, rng.randrange(30, 90), rng.randrange(30, 90), 3), dtype=np.uint8)
+                frames = [Image.fromarray(f) for f in array] if rng.random() < 0.5 else list(array)
+                parts.append({"type": "video", "video": frames, "fps": fps})
+                hf_parts.append({"type": "video", "video": "unused.mp4"})  # the template reads only the type
+                videos.append((array, fps))
+            else:
+                image = _noise(rng, rng.randrange(16, 90), rng.randrange(16, 90))
+                parts.append({"type": "image", "image": image})
+                hf_parts.append({"type": "image", "image": image})
+                images.append(image)
+        ours.append({"role": "user", "content": parts})
+        theirs.append({"role": "user", "content": hf_parts})
+        ours.append({"role": "assistant", "content": "ok"})
+        theirs.append({"role": "assistant", "content": "ok"})
+    video_config = VideoPreprocessConfig.from_dict(VIDEO_SMALL)
+    prompt = encode_prompt(ours, tokenizer, tokens, config, video_config=video_config, add_vision_id=add_vision_id)
+    text = hf.apply_chat_template(theirs, tokenize=False, add_generation_prompt=True, add_vision_id=add_vision_id)
+    assert tokenizer.apply_chat_template(list(prompt.messages)) == text
+    expected = hf(
+        text=[text],
+        images=images or None,
+        videos=[array for array, _ in videos],
+        video_metadata=[{"total_num_frames": len(array), "fps": fps} for array, fps in videos],
+        return_tensors="pt",
+    )
+    assert prompt.token_ids == expected["input_ids"][0].tolist()
+    assert torch.equal(prompt.videos.pixel_values, expected["pixel_values_videos"])
+    assert torch.equal(prompt.videos.video_grid_thw, expected["video_grid_thw"])
+    if images:
+        assert torch.equal(prompt.vision.pixel_values, expected["pixel_values"])
+        assert torch.equal(prompt.vision.image_grid_thw, expected["image_grid_thw"])
+    else:
+        assert prompt.vision is None
+    assert text.count(VIDEO_PLACEHOLDER) == len(videos) == len(prompt.videos.timestamps)
+
+
+def test_video_parts_are_refused_where_videos_are_not_taken(rng):
+    frames = [np.zeros((16, 16, 3), dtype=np.uint8) + rng.randrange(256) for _ in range(4)]
+    messages = _user({"type": "video", "video": frames, "fps": 2.0})
+    with pytest.raises(PromptImageError, match="video parts are not taken here") as info:
+        split_images(messages)  # what the server calls
+    assert (info.value.message_index, info.value.part_index) == (1, 1)
+    split = split_images(messages, videos=True)
+    assert split.messages[1]["content"] == "x" + VIDEO_PLACEHOLDER and len(split.videos) == 1
+    for part, words in (
+        ({"type": "video", "video": frames}, "'fps'"),
+        ({"type": "video", "video": frames, "fps": 2.0, "speed": 2}, "a video part is"),
+        ({"type": "video", "video": frames, "fps": -1}, "fps"),
+    ):
+        with pytest.raises(PromptImageError, match=words):
+            split_images(_user(part), videos=True)
 
 
 def test_placeholders_sit_where_the_parts_were(rng):

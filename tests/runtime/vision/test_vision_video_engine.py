@@ -170,7 +170,7 @@ def _assert_greedy(model, processor, config, prompt: ImagePrompt, tokens: list[i
 def test_greedy_tokens_of_a_batch_match_transformers(setup, rng):
     art, model, processor, config = setup
     prompts = [_prompt(rng, 1, 0), _prompt(rng, 1, 2), _prompt(rng, 0, 2)]
-    params = SamplingParams(max_tokens=4, ignore_eos=True, logit_bias=_banned(config))
+    params = SamplingParams(max_tokens=3, ignore_eos=True, logit_bias=_banned(config))
     with _load(art, max_num_batched_tokens=16) as engine:  # chunks cut inside the videos
         outputs = engine.generate(prompts, params)
     for prompt, output in zip(prompts, outputs, strict=True):
@@ -201,3 +201,22 @@ def test_cached_blocks_are_reused_only_for_the_same_video(setup, rng):
     assert reused == (len(ids) - 1) // 16 * 16  # every full block but the one holding the last token
     assert other_hits == video_first // 16 * 16  # the blocks of text alone
     _assert_greedy(model, processor, config, other, list(out.token_ids))
+
+
+def test_chat_with_a_video_part(setup, rng):
+    """Engine.chat takes {"type": "video", "video": frames, "fps": rate}: its prompt ids are the
+    processor's for the rendered text (the template's placeholder expanded with the timestamps) and
+    its greedy tokens transformers'."""
+    art, model, processor, config = setup
+    n, h, w, fps = VIDEOS[2]
+    frames = _frames(rng, n, h, w)
+    content = [{"type": "video", "video": frames, "fps": fps}, {"type": "text", "text": "What happens?"}]
+    params = SamplingParams(max_tokens=3, ignore_eos=True, logit_bias=_banned(config))
+    with _load(art) as engine:
+        [output] = engine.chat([{"role": "user", "content": content}], params)
+        text = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": VIDEO_PLACEHOLDER + "What happens?"}], add_generation_prompt=True
+        )
+    reference = ImagePrompt(text, [], [Video(frames, fps)])
+    assert list(output.prompt_token_ids) == _theirs(processor, reference)["input_ids"][0].tolist()
+    _assert_greedy(model, processor, config, reference, list(output.token_ids))
