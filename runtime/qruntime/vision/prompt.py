@@ -142,7 +142,11 @@ def split_images(
                     pieces.append(text)
                     continue
                 if kind == "video" and not videos:
-                    raise PromptImageError(m, p, "video parts are not taken here (videos: Engine.chat / ImagePrompt)")
+                    raise PromptImageError(
+                        m,
+                        p,
+                        "video parts are not taken by the server (videos go through the Python API: Engine.chat, ImagePrompt)",
+                    )
                 if kind not in ("image_url", "image", "video"):
                     raise PromptImageError(
                         m, p, f"a part is {{'type': 'text' | 'image_url' | 'image', ...}}, got {shown(part)}"

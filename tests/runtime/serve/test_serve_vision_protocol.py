@@ -175,6 +175,10 @@ MALFORMED = [
     ({"type": "image_url", "image_url": {"url": "file:///etc/hostname"}}, "local image files are not taken"),
     ({"type": "image", "image": "/etc/hostname"}, "base64"),  # never read as a path
     ({"type": "input_audio", "input_audio": {}}, "'type'"),
+    (
+        {"type": "video", "video": ["data:image/png;base64,AAAA"] * 4, "fps": 2},
+        "video parts are not taken by the server",
+    ),
 ]
 
 

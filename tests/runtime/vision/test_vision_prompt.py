@@ -232,7 +232,7 @@ def test_video_parts_equal_transformers_processor(setup, rng, add_vision_id):
 def test_video_parts_are_refused_where_videos_are_not_taken(rng):
     frames = [np.zeros((16, 16, 3), dtype=np.uint8) + rng.randrange(256) for _ in range(4)]
     messages = _user({"type": "video", "video": frames, "fps": 2.0})
-    with pytest.raises(PromptImageError, match="video parts are not taken here") as info:
+    with pytest.raises(PromptImageError, match="video parts are not taken by the server") as info:
         split_images(messages)  # what the server calls
     assert (info.value.message_index, info.value.part_index) == (1, 1)
     split = split_images(messages, videos=True)
