@@ -162,3 +162,30 @@ def test_tower_on_videos_equals_get_video_features(dense, rng):
         rel = (ours - ref).abs().max() / ref.abs().max()
         print(f"deepstack: {rel:.2e}")
         assert rel < 1e-5
+
+
+def test_video_token_expansion_checks_its_input(rng):
+    from qruntime.vision.positions import VisionTokenConfig
+    from qruntime.vision.prompt_images import expand_video_tokens
+
+    tokens = VisionTokenConfig(image_token_id=90, video_token_id=91, vision_start_token_id=92, spatial_merge_size=2)
+    config = VideoPreprocessConfig.from_dict(
+        {**SMALL, "patch_size": 4, "size": {"shortest_edge": 256, "longest_edge": 4096}}
+    )
+    inputs = preprocess_videos([Video(_frames(rng, 6, 16, 24, False), 2.0)], config)
+    stamps = {timestamp_text(t): [80 + i] for i, t in enumerate(inputs.timestamps[0])}
+    encode = stamps.__getitem__  # each timestamp's text to one id of its own
+    t, h, w = inputs.video_grid_thw[0].tolist()
+    out = expand_video_tokens([5, 92, 91, 93, 6], inputs, tokens, encode)
+    group = [92] + [91] * (h * w // 4) + [93]
+    assert out == [5, 92, *[x for i in range(t) for x in [80 + i, *group]], 93, 6]
+    for ids, words in (
+        ([5, 92, 91, 93, 92, 91, 93], "2 video tokens .* for 1 videos"),
+        ([5, 91, 93], "does not follow vision_start"),
+        ([5, 92, 91], "not followed by vision_end"),
+        ([5, 92, 91, 90], "not followed by vision_end"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            expand_video_tokens(ids, inputs, tokens, encode)
+    with pytest.raises(ValueError, match="encodes to vision tokens"):
+        expand_video_tokens([5, 92, 91, 93], inputs, tokens, lambda text: [91])
