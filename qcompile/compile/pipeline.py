@@ -156,8 +156,10 @@ def prepare(
 
 def _for_target(checkpoint: Checkpoint, recipe: Recipe, graph: Graph) -> Graph:
     """The graph's weight jobs in the target's FP8 format (qruntime.target): e4m3fn as they are, for
-    amd-gfx942 e4m3fnuz (the same codes, scales doubled: the dequantized weights are the same).
-    What that target cannot take yet is refused here, before any byte is written."""
+    amd-gfx942 e4m3fnuz (the same codes, scales doubled: the dequantized weights are the same). An
+    FP8 KV cache keeps its e4m3fn scales: the runtime stores e4m3fnuz codes and reads them at twice
+    those (qruntime.kv_cache.KVCache). What that target cannot take yet is refused here, before any
+    byte is written."""
     target = get_target(recipe.target)
     if target.fp8 == "float8_e4m3fn":
         return graph
@@ -166,11 +168,6 @@ def _for_target(checkpoint: Checkpoint, recipe: Recipe, graph: Graph) -> Graph:
             f"--target {target.name}: {checkpoint.path} is pre-quantized ({checkpoint.quantization.scheme}); "
             "its stored weights are copied as they are, which this target does not take yet: compile it for "
             f"{DEFAULT_TARGET}, or compile a bf16 checkpoint for {target.name}"
-        )
-    if recipe.kv_cache.dtype != "bf16":
-        raise PlanError(
-            f"--target {target.name}: kv_cache.dtype {recipe.kv_cache.dtype} (an FP8 KV cache) is not made for "
-            "this target yet; use a recipe with a bf16 KV cache (kv_cache.dtype bf16)"
         )
     weights = {name: replace(job, fp8=target.fp8) for name, job in graph.weights.items()}
     return replace(graph, weights=weights)

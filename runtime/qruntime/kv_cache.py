@@ -13,6 +13,9 @@ import torch
 
 from qruntime.kv_layout import KV_DTYPES, KV_LAYOUTS, KVLayout
 from qruntime.ops.functional import FP8, FP8_MAX
+from qruntime.target import to_e4m3fnuz
+
+_FP8_POOLS = (FP8, torch.float8_e4m3fnuz)
 
 # dims that name a token's place in the pool; the rest are sliced whole
 _ADDRESS_DIMS = frozenset({"blocks", "block_size", "block_size/X", "X"})
@@ -47,9 +50,10 @@ class KVCacheSpec:
         layout.check(spec.block_size, spec.head_dim, spec.kv_dtype)
         return spec
 
-    def storage_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
-        """fp8 caches store float8_e4m3fn; an unquantized cache stores the engine's compute dtype."""
-        return FP8 if self.kv_dtype == "fp8_e4m3" else compute_dtype
+    def storage_dtype(self, compute_dtype: torch.dtype, fp8: torch.dtype = FP8) -> torch.dtype:
+        """fp8 caches store `fp8` (float8_e4m3fn; the amd-gfx942 target's float8_e4m3fnuz: KVCache);
+        an unquantized cache stores the engine's compute dtype."""
+        return fp8 if self.kv_dtype == "fp8_e4m3" else compute_dtype
 
     def block_bytes(self, compute_dtype: torch.dtype) -> int:
         """Bytes one block takes over all layers, K and V."""
@@ -58,12 +62,25 @@ class KVCacheSpec:
 
 
 class KVCache:
-    """Per-layer K/V pools of `num_blocks` blocks; write and gather by slot."""
+    """Per-layer K/V pools of `num_blocks` blocks; write and gather by slot.
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, compute_dtype: torch.dtype, device: torch.device) -> None:
+    An fp8 cache's pools are float8_e4m3fn, or with fp8=float8_e4m3fnuz (the amd-gfx942 target,
+    qruntime.target) e4m3fnuz holding the same codes (e4m3fn's -0 as 0), which are read at twice the
+    cache's k_scale / v_scale: every value is the e4m3fn cache's (the Triton kernels do the same)."""
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        fp8: torch.dtype = FP8,
+    ) -> None:
+        if fp8 not in _FP8_POOLS:
+            raise ValueError(f"an fp8 KV cache stores float8_e4m3fn or float8_e4m3fnuz, not {fp8}")
         self.spec = spec
         self.num_blocks = num_blocks
-        dtype = spec.storage_dtype(compute_dtype)
+        dtype = spec.storage_dtype(compute_dtype, fp8)
         k_shape, v_shape = spec.layout.shapes(
             num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim, spec.kv_dtype
         )
@@ -94,8 +111,10 @@ class KVCache:
             (self.k[layer], k, self.spec.layout.k_dims, k_scale),
             (self.v[layer], v, self.spec.layout.v_dims, v_scale),
         ):
-            if pool.dtype == FP8:
-                x = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX)
+            if pool.dtype in _FP8_POOLS:
+                x = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+                if pool.dtype == torch.float8_e4m3fnuz:
+                    x = to_e4m3fnuz(x, scale)[0]
             pool[self._index(dims, slots)] = x.reshape(len(slots), *self._sliced_shape(dims)).to(pool.dtype)
 
     def gather(
@@ -108,5 +127,7 @@ class KVCache:
             (self.v[layer], self.spec.layout.v_dims, v_scale),
         ):
             x = pool[self._index(dims, slots)].reshape(len(slots), self.spec.num_kv_heads, self.spec.head_dim)
-            out.append((x.float() * scale).to(dtype) if pool.dtype == FP8 else x.to(dtype))
+            if pool.dtype == torch.float8_e4m3fnuz:
+                scale = scale * 2  # e4m3fnuz(code) = e4m3fn(code) / 2: exact
+            out.append((x.float() * scale).to(dtype) if pool.dtype in _FP8_POOLS else x.to(dtype))
         return out[0], out[1]

@@ -278,7 +278,7 @@ def load(
     _check_tp_device(device, tp)
     compute_dtype = _resolve_dtype(dtype, manifest)
     backend = resolve_backend(backend, device, compute_dtype)
-    _check_target(manifest, root, device, backend)
+    _check_target(manifest, root, device)
     pdl = resolve_pdl(pdl, device, backend)
     _check_files(root, manifest, verify)
     try:
@@ -315,6 +315,7 @@ def load(
         custom_all_reduce=custom_all_reduce,
         sharded_sampling=sharded_sampling,
         pdl=pdl,
+        target=manifest.get("target", DEFAULT_TARGET),
     )
     if "vision" in manifest and speculative is not None:
         raise ValueError(f"{root}: a Qwen3-VL artifact runs without speculative decoding for now")
@@ -391,18 +392,12 @@ def load(
     )
 
 
-def _check_target(manifest: dict, root: Path, device: torch.device, backend: str) -> None:
+def _check_target(manifest: dict, root: Path, device: torch.device) -> None:
     """The artifact's compile target (qruntime.target; none: nvidia-sm90) against the device: a GPU of
-    another family is refused naming both. FP8 weights in e4m3fnuz (amd-gfx942) run on the reference
-    ops only so far: the Triton kernels read e4m3fn codes."""
+    another family is refused naming both. Both backends run every target: the reference ops
+    dequantize either FP8 format; the Triton ops take the target's (RankConfig.target -> OpEnv.fp8)."""
     target = get_target(manifest.get("target", DEFAULT_TARGET))  # one of TARGETS: the schema checked it
     check_device(target, device_target(device), str(root))
-    fnuz = any(info.get("dtype") == "F8_E4M3FNUZ" for info in manifest.get("tensors", {}).values())
-    if fnuz and backend != "reference":
-        raise ValueError(
-            f"{root}: compiled for {target.name}, its FP8 weights float8_e4m3fnuz, which the {backend} kernels do "
-            "not read yet: load it with backend='reference'"
-        )
 
 
 def _vision_model(root: Path, manifest: dict, config: RankConfig) -> VisionModel:

@@ -37,6 +37,7 @@ from qruntime.ops.collective import AllGather
 from qruntime.ops.registry import reference_ops, triton_ops
 from qruntime.plan import Plan, PlanError
 from qruntime.synthetic import random_initializers
+from qruntime.target import DEFAULT_TARGET, get_target
 from qruntime.weights import load_initializers
 
 CPU_KV_BUDGET = 512 << 20  # default cache bytes on CPU (a GPU uses what is free after the weights)
@@ -68,6 +69,7 @@ class RankConfig:
     custom_all_reduce: bool = True  # tp > 1, triton backend: small messages through peer memory (qruntime.comm)
     sharded_sampling: bool = True  # tp > 1, vocabulary-parallel head: sample the ranks' shards, not gathered rows
     pdl: bool = False  # triton backend: programmatic dependent launch (kernels/pdl.py), resolved by load
+    target: str = DEFAULT_TARGET  # the artifact's compile target (qruntime.target): the fast path's FP8 format
 
     @property
     def tp(self) -> int:
@@ -120,7 +122,7 @@ def init_group(config: RankConfig, rank: int, store: dist.Store) -> dist.Process
 
 
 def _kernels(config: RankConfig, device: torch.device, warn: bool) -> KernelTable | None:
-    if config.backend != "triton":
+    if config.backend != "triton" or device.type != "cuda":  # the CPU (Triton's interpreter): no tuned configs
         return None
     gpu = torch.cuda.get_device_name(device)
     kernels = load_kernel_table(config.root, gpu, config.listed)
@@ -208,7 +210,16 @@ def build_rank(
     if group is not None and config.backend == "triton":
         reducer = AllReducer.create(group, device, _all_reduce_policy(config, kernels))
     registry = triton_ops() if config.backend == "triton" else reference_ops()
-    env = OpEnv(config.dtype, device, config.kv_spec, kernels, tp_group=group, all_reduce=reducer, pdl=config.pdl)
+    env = OpEnv(
+        config.dtype,
+        device,
+        config.kv_spec,
+        kernels,
+        tp_group=group,
+        all_reduce=reducer,
+        pdl=config.pdl,
+        fp8=get_target(config.target).fp8_dtype,
+    )
     try:
         plan = Plan.build(graph, weights, env, registry)
     except PlanError as exc:
@@ -240,7 +251,7 @@ def build_rank(
     if cuda_graphs and not capturable:
         raise ValueError("cuda_graphs=True but some ops of this graph cannot be captured (MoE, reference attention)")
     # one block more than the scheduler hands out: the scratch block padded graph rows write to
-    kv_cache = KVCache(spec, blocks + int(cuda_graphs), config.dtype, device)
+    kv_cache = KVCache(spec, blocks + int(cuda_graphs), config.dtype, device, get_target(config.target).fp8_dtype)
     graphs = piecewise = mixed = None
     mrope, vision = vision_inputs(graph, config.dtype)
     if cuda_graphs:  # every rank captures the same buckets in the same order: the graphs hold the all-reduces

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import qruntime
+import qruntime.loader
 import torch
 from qruntime.target import TARGETS, TargetMismatch, check_device, to_e4m3fnuz
 from safetensors import safe_open
@@ -104,24 +105,6 @@ def test_a_gpu_of_another_family_is_refused_naming_both(make_ckpt, compiled, mon
         qruntime.load(art, device="cpu", backend="reference")
 
 
-def test_the_triton_kernels_refuse_e4m3fnuz_weights_for_now(make_ckpt, compiled):
-    """The load-time check (an AMD GPU passes the device check; the Triton backend runs on GPUs only,
-    so the check is called here as load calls it): FP8 weights in e4m3fnuz take the reference ops."""
-    from qruntime.loader import _check_target
-
-    for recipe, refused in (("ptpc-fp8", True), ("bf16", False)):  # bf16: no FP8 weights, every backend
-        art = compiled(make_ckpt("tiny"), recipe, *AMD)
-        manifest = json.loads((art / "manifest.json").read_text())
-        _check_target(manifest, art, torch.device("cpu"), "reference")
-        if refused:
-            with pytest.raises(
-                ValueError, match=r"float8_e4m3fnuz, which the triton kernels do not read yet: .*reference"
-            ):
-                _check_target(manifest, art, torch.device("cpu"), "triton")
-        else:
-            _check_target(manifest, art, torch.device("cpu"), "triton")
-
-
 def test_the_kv_layout_is_the_targets_unless_the_recipe_names_one(make_ckpt, compiled):
     """`kv_cache.layout: auto` (the shipped recipes) or none: nhd for nvidia-sm90, AITER's x-packed
     (K [blocks, kv_heads, head_dim/x, block_size, x], x = 16 bytes of bf16) for amd-gfx942; a
@@ -146,12 +129,32 @@ def test_the_kv_layout_is_the_targets_unless_the_recipe_names_one(make_ckpt, com
     assert tokens[0] == tokens[1], prompt
 
 
+def test_an_fp8_kv_cache_in_e4m3fnuz_gives_the_nvidia_artifacts_logits(make_ckpt, compiled):
+    """kv_cache.dtype fp8_e4m3 for amd-gfx942: the manifest keeps the e4m3fn scales, the runtime's
+    cache stores e4m3fnuz codes (e4m3fn's, -0 as 0) and reads them at twice those scales, so on the
+    reference ops the logits of a prompt and of the steps after it equal the nvidia artifact's bit
+    for bit (x-packed caches both)."""
+    ckpt = make_ckpt("tiny")
+    overrides = ("kv_cache.dtype=fp8_e4m3", "kv_cache.layout=x-packed")
+    prompt = [random.randrange(1, 200) for _ in range(random.randrange(5, 12))]
+    params = qruntime.SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3)
+    results, manifests = [], []
+    for target in ((), AMD):
+        art = compiled(ckpt, "ptpc-fp8", *overrides, *target)
+        manifests.append(json.loads((art / "manifest.json").read_text())["kv_cache"])
+        with qruntime.load(art, device="cpu", backend="reference", dtype=torch.float32) as engine:
+            pools = engine.runner.kv_cache.k
+            assert {p.dtype for p in pools} == {torch.float8_e4m3fnuz if target else torch.float8_e4m3fn}
+            out = engine.generate([prompt], params)[0]
+            results.append((engine.score(prompt), out.token_ids, out.logprobs))
+    assert manifests[0] == manifests[1]  # the same scales, dtype fp8_e4m3: the runtime transcodes
+    assert torch.equal(results[0][0], results[1][0]) and results[0][1:] == results[1][1:], prompt
+
+
 def test_what_the_amd_target_does_not_take_yet_is_refused(make_ckpt, compiled, tmp_path):
     ckpt = make_ckpt("tiny")
     with pytest.raises(RecipeError, match=r"'target' must be one of nvidia-sm90, amd-gfx942, got 'amd-gfx950'"):
         load_recipe("ptpc-fp8", ["target=amd-gfx950"])
-    with pytest.raises(PlanError, match=r"--target amd-gfx942: kv_cache.dtype fp8_e4m3"):
-        prepare(ckpt, load_recipe("ptpc-fp8", [*AMD, "kv_cache.dtype=fp8_e4m3"]))
     exported = tmp_path / "ct"
     export_compressed_tensors(compiled(ckpt, "ptpc-fp8"), exported, progress=False)  # a pre-quantized input
     with pytest.raises(PlanError, match=r"--target amd-gfx942: .* is pre-quantized"):

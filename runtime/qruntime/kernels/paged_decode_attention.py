@@ -33,6 +33,8 @@ from qruntime.kernels.pdl import launch_options, wait_for_inputs
 from qruntime.kv_layout import KV_LAYOUTS, KVLayout
 
 FP8 = torch.float8_e4m3fn
+# fp8 pools: e4m3fn, or amd-gfx942's e4m3fnuz holding the same codes (-0 as 0), read at twice the scales
+FP8_POOLS = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 LOG2E = 1.4426950408889634
 # Timed on an H100 at qwen3-8b shapes (CUDA-graph replay, block_n 32): B=1 ctx 512 takes 12 µs with
 # 8 partitions of 64 and 17 µs with 2 of 256; B=1 ctx 8000 ~28 µs with 32 to 125 partitions. With
@@ -63,7 +65,7 @@ class PagedKV:
 
     k: PoolAddressing
     v: PoolAddressing
-    k_scale: float  # 1.0 unless the pool is fp8
+    k_scale: float  # 1.0 unless the pool is fp8 (an e4m3fnuz pool's: twice the cache's scale)
     v_scale: float
 
     def k_args(self) -> tuple[int, ...]:
@@ -107,12 +109,15 @@ def paged_kv(
         raise ValueError(f"q has {nh} heads, not a multiple of num_kv_heads={num_kv_heads}")
     if q.stride(-1) != 1:
         raise ValueError("q's head_dim must be contiguous")
-    fp8 = k_pool.dtype == FP8
+    fp8 = k_pool.dtype in FP8_POOLS
     for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
-        if pool.dtype not in (q.dtype, FP8) or pool.dtype != k_pool.dtype:
-            raise ValueError(f"{name} dtype {pool.dtype}: expected q's {q.dtype} or {FP8} for both pools")
+        if pool.dtype not in (q.dtype, *FP8_POOLS) or pool.dtype != k_pool.dtype:
+            raise ValueError(
+                f"{name} dtype {pool.dtype}: expected q's {q.dtype}, {FP8} or float8_e4m3fnuz for both pools"
+            )
         if pool.device != q.device:
             raise ValueError(f"{name} is on {pool.device}, q on {q.device}")
+    fnuz = k_pool.dtype == torch.float8_e4m3fnuz
     kv_layout.check(block_size, d, "fp8_e4m3" if fp8 else "bf16")
     expected = kv_layout.shapes(k_pool.shape[0], block_size, num_kv_heads, d, "fp8_e4m3" if fp8 else "bf16")
     for name, pool, shape in (("k_pool", k_pool, expected[0]), ("v_pool", v_pool, expected[1])):
@@ -121,8 +126,8 @@ def paged_kv(
     return PagedKV(
         pool_addressing(kv_layout.k_dims, tuple(k_pool.shape), k_pool.stride(), block_size, d),
         pool_addressing(kv_layout.v_dims, tuple(v_pool.shape), v_pool.stride(), block_size, d),
-        k_scale if fp8 else 1.0,
-        v_scale if fp8 else 1.0,
+        (k_scale * 2 if fnuz else k_scale) if fp8 else 1.0,  # e4m3fnuz(code) = e4m3fn(code) / 2: exact
+        (v_scale * 2 if fnuz else v_scale) if fp8 else 1.0,
     )
 
 

@@ -40,23 +40,23 @@ import torch
 import triton
 import triton.language as tl
 
-from qruntime.kernels.dynamic_quant import fp8_e4m3_code, round_to, use_hw_casts
+from qruntime.kernels.dynamic_quant import FP8_FORMATS, fp8_e4m3_code, round_to, use_hw_casts
 from qruntime.kernels.fp8_gemm import SplitKPartials, check_partials, splitk_value
 from qruntime.kernels.kv_addressing import PoolAddressing, pool_addressing, pool_offsets
 from qruntime.kernels.pdl import launch_options, wait_for_inputs
 from qruntime.kv_layout import KVLayout
 
 _MODEL_DTYPES = (torch.bfloat16, torch.float16)
-_FP8 = torch.float8_e4m3fn
 
 
 @triton.jit
-def _store_kv(pool_ptr, offsets, x, mask, scale, FP8: tl.constexpr, HW: tl.constexpr):
+def _store_kv(pool_ptr, offsets, x, mask, scale, FP8: tl.constexpr, HW: tl.constexpr, FNUZ: tl.constexpr):
     """Store x (fp32 holding a model-dtype value) to the pool; fp8 pools (a uint8 view) get the bytes
-    of fp8(clamp(x / scale, ±448)) with the IEEE quotient, as torch computes it."""
+    of fp8(clamp(x / scale, ±448)) with the IEEE quotient, as torch computes it (FNUZ: as e4m3fnuz,
+    e4m3fn's codes with -0 as 0, which the attention kernels read at twice the scale)."""
     if FP8:
         scale = tl.cast(scale, tl.float32)
-        tl.store(pool_ptr + offsets, fp8_e4m3_code(x, scale, tl.math.div_rn(1.0, scale), HW), mask=mask)
+        tl.store(pool_ptr + offsets, fp8_e4m3_code(x, scale, tl.math.div_rn(1.0, scale), HW, FNUZ), mask=mask)
     else:
         tl.store(pool_ptr + offsets, x.to(pool_ptr.dtype.element_ty), mask=mask)
 
@@ -149,6 +149,7 @@ def _qknorm_rope_kvwrite_kernel(
     S_W: tl.constexpr,  # MROPE: mrope_section[2], frequencies 2, 5, .. < 3 S_W read row 2
     SPLIT: tl.constexpr,  # 0: qkv_ptr is qkv itself
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
+    FNUZ: tl.constexpr = False,  # FP8: e4m3fnuz pools (amd-gfx942)
 ):
     wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -206,12 +207,12 @@ def _qknorm_rope_kvwrite_kernel(
                 block, tok, hk, dim, k_s_block, k_s_head, k_s_tok_outer, k_s_tok_inner,
                 k_s_dim_outer, k_s_dim_inner, K_TOK_SPLIT, K_DIM_SPLIT,
             )  # fmt: skip
-            _store_kv(k_pool_ptr, k_off, out, mask, k_scale, FP8, HW)
+            _store_kv(k_pool_ptr, k_off, out, mask, k_scale, FP8, HW, FNUZ)
             v_off = pool_offsets(
                 block, tok, hk, dim, v_s_block, v_s_head, v_s_tok_outer, v_s_tok_inner,
                 v_s_dim_outer, v_s_dim_inner, V_TOK_SPLIT, V_DIM_SPLIT,
             )  # fmt: skip
-            _store_kv(v_pool_ptr, v_off, v, mask, v_scale, FP8, HW)
+            _store_kv(v_pool_ptr, v_off, v, mask, v_scale, FP8, HW, FNUZ)
 
 
 # (max tokens, heads per program, num_warps), from sweeps on an H100 at qwen3-8b shapes (CUDA-graph
@@ -276,7 +277,8 @@ def qknorm_rope_kvwrite(
     q_norm_w / k_norm_w [head_dim] (model dtype), positions / slot_mapping [T] integer. k_pool /
     v_pool are one layer's pools as KVCache allocates them in `layout` (model dtype, or
     float8_e4m3fn for an fp8 cache, which stores fp8(clamp(x / scale, ±448)) with k_scale /
-    v_scale). The pools are updated in place at each token's slot (block slot // block_size,
+    v_scale; or float8_e4m3fnuz, amd-gfx942's, holding the same codes with -0 as 0, which the
+    attention kernels read at twice k_scale / v_scale). The pools are updated in place at each token's slot (block slot // block_size,
     offset slot % block_size); a negative slot writes nothing. Returns q [T, num_heads, head_dim]
     in the model dtype. One launch, no host synchronisation.
 
@@ -312,9 +314,12 @@ def qknorm_rope_kvwrite(
     for name, x, shape in (("positions", positions, pos_shape), ("slot_mapping", slot_mapping, (t,))):
         if x.shape != shape or x.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"{name} must be an int64/int32 {list(shape)} tensor, got {tuple(x.shape)} {x.dtype}")
-    fp8 = k_pool.dtype == _FP8
+    fp8 = k_pool.dtype in FP8_FORMATS
     if v_pool.dtype != k_pool.dtype or not (fp8 or k_pool.dtype == qkv.dtype):
-        raise ValueError(f"pools must both be float8_e4m3fn or {qkv.dtype}, got {k_pool.dtype} / {v_pool.dtype}")
+        raise ValueError(
+            f"pools must both be float8_e4m3fn, both float8_e4m3fnuz or both {qkv.dtype}, got {k_pool.dtype} / "
+            f"{v_pool.dtype}"
+        )
     kv_dtype = "fp8_e4m3" if fp8 else "bf16"  # layout shapes depend only on the element size
     layout.check(block_size, d, kv_dtype)
     k_shape, v_shape = layout.shapes(k_pool.shape[0], block_size, kvh, d, kv_dtype)
@@ -346,7 +351,7 @@ def qknorm_rope_kvwrite(
         K_TOK_SPLIT=ka.tok_split, K_DIM_SPLIT=ka.dim_split, V_TOK_SPLIT=va.tok_split, V_DIM_SPLIT=va.dim_split,
         NH=nh, KVH=kvh, D=d, HALF_PAD=triton.next_power_of_2(d // 2), HEADS=heads,
         BLOCK_SIZE=block_size, FP8=fp8, HW=use_hw_casts(q), SPLIT=qkv.split if split else 0, num_warps=warps,
-        MROPE=mrope_section is not None, S_H=(mrope_section or (0, 0, 0))[1], S_W=(mrope_section or (0, 0, 0))[2],
+        FNUZ=k_pool.dtype == torch.float8_e4m3fnuz, MROPE=mrope_section is not None, S_H=(mrope_section or (0, 0, 0))[1], S_W=(mrope_section or (0, 0, 0))[2],
         **launch_options(pdl),
     )  # fmt: skip
     return q

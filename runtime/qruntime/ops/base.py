@@ -28,6 +28,9 @@ class OpEnv:
     tp_group: Any = None  # the torch.distributed process group of a tp > 1 artifact's ranks (None: tp=1)
     all_reduce: Any = None  # the group's qruntime.comm.all_reduce.AllReducer (fast path; None: torch.distributed)
     pdl: bool = False  # launch the fast path's kernels with programmatic dependent launch (kernels/pdl.py)
+    # the FP8 format the fast path quantizes activations to: the artifact's target's (qruntime.target;
+    # float8_e4m3fnuz for amd-gfx942, whose FP8 weights are stored so); the reference ops keep e4m3fn
+    fp8: torch.dtype = torch.float8_e4m3fn
 
 
 @dataclass(frozen=True)

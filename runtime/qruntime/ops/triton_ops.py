@@ -4,6 +4,11 @@ Each subclasses its reference op and keeps the reference semantics (docs/OPS.md)
 does not cover (group-wise or per-tensor quantization: group_size != 0; CPU tensors) falls back to
 the reference implementation.
 Kernels are imported when an op is bound, so the reference path never imports triton.
+
+FP8 activations are quantized to the artifact's target's format (OpEnv.fp8): float8_e4m3fnuz for
+amd-gfx942, whose weights are stored as e4m3fnuz with doubled scales (qruntime.target), so every
+product equals the nvidia-sm90 artifact's; a reference fallback's e4m3fn codes are transcoded to it
+(to_e4m3fnuz: the same values). The GEMMs and the fused MoE read the format from the weights.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from qruntime.ops import attention, collective, moe, quant
 from qruntime.ops import functional as fn
 from qruntime.ops.base import OpBindError
+from qruntime.target import to_e4m3fnuz
 
 # torch's fused attention backends in the order tried (the first that takes the inputs runs)
 SDPA_BACKENDS = (
@@ -25,6 +31,14 @@ SDPA_BACKENDS = (
     SDPBackend.EFFICIENT_ATTENTION,
     SDPBackend.MATH,
 )
+
+
+def in_target_format(env, quantized: tuple) -> tuple:
+    """(xq, xs, *rest) of a reference quantization (e4m3fn) in the target's FP8 format env.fp8: as
+    they are for e4m3fn, else to_e4m3fnuz's codes and doubled scales (xq * xs unchanged)."""
+    if env.fp8 == torch.float8_e4m3fn:
+        return quantized
+    return (*to_e4m3fnuz(quantized[0], quantized[1]), *quantized[2:])
 
 
 class DynamicQuant(quant.DynamicQuant):
@@ -39,11 +53,11 @@ class DynamicQuant(quant.DynamicQuant):
 
     def __call__(self, step, x):
         if self.kernel is None:
-            return super().__call__(step, x)
+            return in_target_format(self.env, super().__call__(step, x))
         if self.defer and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1:
-            row = self.deferred(x, self.env.pdl)
+            row = self.deferred(x, self.env.pdl, self.env.fp8)
             return row, row  # (xq, xs): the reader takes both as the one row
-        return self.kernel(x, pdl=self.env.pdl)
+        return self.kernel(x, pdl=self.env.pdl, fp8=self.env.fp8)
 
 
 class AddRMSNorm(quant.AddRMSNorm):
@@ -66,8 +80,8 @@ class AddRMSNormQuant(quant.AddRMSNormQuant):
 
     def __call__(self, step, x, residual, w):
         if self.kernel is None:
-            return super().__call__(step, x, residual, w)
-        return self.kernel(x, residual, w, self.a["epsilon"], pdl=self.env.pdl)
+            return in_target_format(self.env, super().__call__(step, x, residual, w))
+        return self.kernel(x, residual, w, self.a["epsilon"], pdl=self.env.pdl, fp8=self.env.fp8)
 
 
 class SiluMulQuant(quant.SiluMulQuant):
@@ -78,7 +92,9 @@ class SiluMulQuant(quant.SiluMulQuant):
         self.kernel = silu_mul_quant if self.a["group_size"] == 0 else None
 
     def __call__(self, step, gate_up):
-        return self.kernel(gate_up, pdl=self.env.pdl) if self.kernel is not None else super().__call__(step, gate_up)
+        if self.kernel is None:
+            return in_target_format(self.env, super().__call__(step, gate_up))
+        return self.kernel(gate_up, pdl=self.env.pdl, fp8=self.env.fp8)
 
 
 class SiluMul(quant.SiluMul):
@@ -138,7 +154,7 @@ class PTPCLinear(quant.PTPCLinear):
             if backend == "triton" and config.block_m == 1:
                 return self.gemv_quant(
                     xq.x, w, ws, self.env.dtype, config, pdl=self.env.pdl, prefetch_k=self.prefetch_k
-                )
+                )  # quantizes to w's format, the target's
             xq, xs = xq.quantize()  # the tuned kernel is not the GEMV: quantize in a launch first
         backend, config = self._plan(xq.shape[0])
         if backend == "cublaslt":
@@ -497,8 +513,9 @@ class AllReduce(collective.AllReduce):
 
 
 def _fused_all_reduce(env, x, residual, w, eps: float, quant: bool):
-    """The one-kernel all-reduce + AddRMSNorm[Quant], or None when the message takes NCCL."""
-    if env.all_reduce is None:
+    """The one-kernel all-reduce + AddRMSNorm[Quant], or None when the message takes NCCL (also when
+    it would quantize to another FP8 than e4m3fn: the peer-memory kernels write e4m3fn only)."""
+    if env.all_reduce is None or (quant and env.fp8 != torch.float8_e4m3fn):
         return None
     return env.all_reduce.all_reduce_add_rmsnorm(x, residual, w, eps, quant, pdl=env.pdl)
 
