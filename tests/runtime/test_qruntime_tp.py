@@ -33,6 +33,7 @@ from qruntime.artifact import sha256_file
 from qruntime.engine.request import Request
 from qruntime.engine.scheduler import ScheduledChunk
 from qruntime.engine.step_chunk import StepChunk
+from qruntime.engine.worker_process import share_cores
 
 CACHE = {"num_kv_blocks": 48, "max_model_len": 256}
 FP32 = {"device": "cpu", "dtype": torch.float32, **CACHE}
@@ -89,8 +90,10 @@ def test_bf16_tp2_equals_tp1_step_by_step(request, fixture, compiled, monkeypatc
     tp1 = qruntime.load(compiled(ckpt, "bf16"), max_num_batched_tokens=32, **FP32)
     prompts = _prompts(rng, tp1.vocab_size)
     tokens, steps = _generate_recording(tp1, monkeypatch, prompts)
+    threads = torch.get_num_threads()
     with qruntime.load(compiled(ckpt, "bf16", "tp=2"), max_num_batched_tokens=32, **FP32) as tp2:
         assert tp2.description["tp"] == 2 and len(multiprocessing.active_children()) == 1
+        assert torch.get_num_threads() == share_cores(2)  # rank 0 takes a worker's share of the cores
         shard = tp2.runner.vocab_shard  # rank 0 holds the head's first half of the vocabulary
         assert shard is not None and "vocabulary shards" in tp2.description["sampling"]
         tp2_tokens, tp2_steps = _generate_recording(tp2, monkeypatch, prompts)  # chosen from the shards
@@ -130,7 +133,7 @@ def test_bf16_tp2_equals_tp1_step_by_step(request, fixture, compiled, monkeypatc
         # the engine keeps serving: a scored sequence (one prefill over all its tokens, gathered) agrees too
         ids = prompts[2] + list(tokens[2])
         assert _relative_error(tp1.score(ids), tp2.score(ids)) < 1e-5
-    assert _no_workers_left()
+    assert _no_workers_left() and torch.get_num_threads() == threads  # the caller's count back
     with pytest.raises(RuntimeError, match="the engine is closed"):
         tp2.generate(prompts[0], GREEDY)
 

@@ -44,7 +44,7 @@ import torch.multiprocessing as mp
 from qruntime.artifact import ArtifactFormatError
 from qruntime.engine.sharded_sampler import ShardedSampling, finish_step
 from qruntime.engine.vision_share import send_embeds, without_embeds
-from qruntime.engine.worker_process import Report, worker_main
+from qruntime.engine.worker_process import Report, share_cores, worker_main
 from qruntime.rank import RankConfig
 
 if TYPE_CHECKING:
@@ -96,6 +96,7 @@ class _State:
     wake_watcher: Connection | None = None
     closing: bool = False
     on_death: list[Callable[[], None]] = field(default_factory=list)  # run by the watcher when a worker dies
+    threads: int | None = None  # this process's torch threads before rank 0 took its share (CPU only)
 
 
 def serve_store(world_size: int) -> tuple[dist.TCPStore, socket.socket]:
@@ -175,6 +176,9 @@ def _shutdown(state: _State, graceful: bool) -> None:
         else:
             dist.destroy_process_group()
     state.store = None
+    if state.threads is not None:  # the caller's thread count back
+        torch.set_num_threads(state.threads)
+        state.threads = None
 
 
 def _watch(sentinels: list[int], wake: Connection, state: _State) -> None:
@@ -200,6 +204,9 @@ class Workers:
                 "makes its own: load it in a process without one (one tp engine per process at a time)"
             )
         self._state = state = _State(nccl=config.device.type == "cuda")
+        if not state.nccl:
+            state.threads = torch.get_num_threads()
+            torch.set_num_threads(share_cores(config.tp))
         self._finalizer = weakref.finalize(self, _shutdown, state, True)
         self.failure: str | None = None  # why the workers were stopped, when an error stopped them
         context = mp.get_context("spawn")
