@@ -61,7 +61,7 @@ def test_a_missing_extra_names_the_install_command(monkeypatch, capsys, art, mis
     assert missing in err and len(err.strip().splitlines()) == 1
 
 
-def test_user_errors_are_one_line(tmp_path, art):
+def test_user_errors_are_one_line(tmp_path, art, capsys):
     def serve(*args):
         command = [sys.executable, "-m", "qruntime", "serve", *map(str, args)]
         return subprocess.run(command, capture_output=True, text=True, timeout=120)
@@ -75,16 +75,19 @@ def test_user_errors_are_one_line(tmp_path, art):
     assert "loaded" not in result.stderr  # the port is bound before the model loads, not after
     result = serve(art, "--max-waiting", 0)
     assert result.returncode == 1 and "error: --max-waiting must be >= 1" in result.stderr
-    for flag in (
-        "--max-body-bytes",
-        "--header-timeout",
-        "--body-timeout",
-        "--limit-concurrency",
-        "--max-images-per-request",
-        "--max-image-bytes",
-    ):
-        result = serve(art, flag, 0)
-        assert result.returncode == 1 and f"error: {flag} must be > 0" in result.stderr
+    # the other limits in this process (a subprocess each cost seconds of imports): the same main();
+    # a busy port makes a missed check fail at once instead of serving
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        for flag in (
+            "--max-body-bytes",
+            "--header-timeout",
+            "--body-timeout",
+            "--limit-concurrency",
+            "--max-images-per-request",
+            "--max-image-bytes",
+        ):
+            code = main(["serve", str(art), flag, "0", "--port", str(busy.getsockname()[1])])
+            assert code == 1 and f"error: {flag} must be > 0" in capsys.readouterr().err
 
 
 def test_the_api_key_comes_from_the_flag_or_the_environment(art, monkeypatch):
