@@ -240,7 +240,9 @@ def moe_up_silu(
     xq [T, H] fp8, xs [T, 1] fp32, w13 [E, 2I, H] fp8 (xq's format: e4m3fn, or e4m3fnuz for
     amd-gfx942), w13_scale [E, 2I, 1]."""
     if xq.dtype not in FP8_FORMATS or xq.dim() != 2 or xq.stride(1) != 1:
-        raise ValueError(f"xq must be float8_e4m3fn [T, H] with contiguous rows, got {xq.dtype} {tuple(xq.shape)}")
+        raise ValueError(
+            f"xq must be float8_e4m3fn or float8_e4m3fnuz [T, H] with contiguous rows, got {xq.dtype} {tuple(xq.shape)}"
+        )
     tokens, hidden = xq.shape
     if xs.dtype != torch.float32 or tuple(xs.shape) != (tokens, 1):
         raise ValueError(f"xs must be float32 [T, 1] = [{tokens}, 1], got {xs.dtype} {tuple(xs.shape)}")

@@ -245,7 +245,9 @@ def moe_up_one(
     topk_ids[0, s]. xq [1, H] fp8, xs [1, 1] fp32, w13 [E, 2I, H] fp8 (xq's format: e4m3fn, or
     e4m3fnuz for amd-gfx942), w13_scale [E, 2I, 1]."""
     if xq.dtype not in FP8_FORMATS or xq.dim() != 2 or xq.shape[0] != 1 or xq.stride(1) != 1:
-        raise ValueError(f"xq must be one token's float8_e4m3fn [1, H], got {xq.dtype} {tuple(xq.shape)}")
+        raise ValueError(
+            f"xq must be one token's float8_e4m3fn or float8_e4m3fnuz [1, H], got {xq.dtype} {tuple(xq.shape)}"
+        )
     if xs.dtype != torch.float32 or xs.numel() != 1:
         raise ValueError(f"xs must be one float32 scale, got {xs.dtype} {tuple(xs.shape)}")
     hidden = xq.shape[1]
