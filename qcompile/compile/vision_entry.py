@@ -6,7 +6,10 @@ The preprocessor's settings come from the checkpoint's preprocessor_config.json 
 every file of a checkpoint is read). A checkpoint without one (transformers' save_pretrained of a
 bare model writes none) gets Qwen3-VL's published settings with the patch, temporal patch and merge
 sizes of its own tower, so an image is cut into the patches that tower takes. Either way they are
-checked here, and their patch sizes held to the tower's.
+checked here, and their patch sizes held to the tower's. The checkpoint's
+video_preprocessor_config.json (frame sampling, the pixel bounds over a video's frames) is recorded
+likewise, checked the same way, as `video_preprocessor`; without one the entry has none and the
+runtime takes transformers' Qwen3VLVideoProcessor defaults with the image config's patch layout.
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ from typing import Any
 
 from qruntime.vision.preprocess import QWEN3_VL, VisionPreprocessConfig
 from qruntime.vision.tower_config import VisionTowerConfig
+from qruntime.vision.video import VideoPreprocessConfig
 
 from qcompile.errors import CheckpointError
 from qcompile.source.spec import ModelSpec, read_json
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
+VIDEO_PREPROCESSOR_FILE = "video_preprocessor_config.json"
 VISION_GRAPH_FILE = "vision.onnx"
 MAX_PREPROCESSOR_BYTES = 1 << 20
 
@@ -46,6 +51,28 @@ def preprocessor_config(checkpoint_dir: Path, tower: VisionTowerConfig) -> dict[
         parsed = VisionPreprocessConfig.from_dict(config)
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{where}: {exc}") from exc
+    _check_patches(parsed, tower, where)
+    return json.loads(json.dumps(config))  # plain JSON values (tuples become lists)
+
+
+def video_preprocessor_config(checkpoint_dir: Path, tower: VisionTowerConfig) -> dict[str, Any] | None:
+    """The video preprocessor's settings (video_preprocessor_config.json's keys), checked against
+    `tower`; None for a checkpoint without the file."""
+    path = checkpoint_dir / VIDEO_PREPROCESSOR_FILE
+    if not path.is_file():
+        return None
+    config = read_json(path, MAX_PREPROCESSOR_BYTES)
+    try:
+        parsed = VideoPreprocessConfig.from_dict(config)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: {exc}") from exc
+    _check_patches(parsed, tower, str(path))
+    return json.loads(json.dumps(config))
+
+
+def _check_patches(
+    parsed: VisionPreprocessConfig | VideoPreprocessConfig, tower: VisionTowerConfig, where: str
+) -> None:
     for key, want in (
         ("patch_size", tower.patch_size),
         ("temporal_patch_size", tower.temporal_patch_size),
@@ -55,7 +82,6 @@ def preprocessor_config(checkpoint_dir: Path, tower: VisionTowerConfig) -> dict[
             raise CheckpointError(
                 f"{where}: {key} {getattr(parsed, key)} is not the vision tower's ({want}, config.json vision_config)"
             )
-    return json.loads(json.dumps(config))  # plain JSON values (tuples become lists)
 
 
 def vision_entry(spec: ModelSpec, checkpoint_dir: Path, scheme: str = "none") -> dict[str, Any]:
@@ -66,11 +92,13 @@ def vision_entry(spec: ModelSpec, checkpoint_dir: Path, scheme: str = "none") ->
         raise ValueError(f"{spec.architecture} has no vision part")
     tower_dict = json.loads(vision.tower_config)
     tower = VisionTowerConfig.from_dict(tower_dict)
+    video = video_preprocessor_config(checkpoint_dir, tower)
     return {
         "graph": VISION_GRAPH_FILE,
         "scheme": scheme,
         "tower_config": tower_dict,
         "preprocessor": preprocessor_config(checkpoint_dir, tower),
+        **({"video_preprocessor": video} if video is not None else {}),
         "tokens": {
             "image_token_id": vision.image_token_id,
             "video_token_id": vision.video_token_id,

@@ -130,6 +130,8 @@ def export_compressed_tensors(
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         if qwen3_vl.is_vision(manifest):
             (tmp / qwen3_vl.PREPROCESSOR_FILE).write_text(qwen3_vl.preprocessor_json(manifest), encoding="utf-8")
+            if (video := qwen3_vl.video_preprocessor_json(manifest)) is not None:
+                (tmp / qwen3_vl.VIDEO_PREPROCESSOR_FILE).write_text(video, encoding="utf-8")
         for rel in manifest["files"]:
             if rel in (*TOKENIZER_FILES, GENERATION_FILE) or (
                 rel.startswith(("LICENSE", "LICENCE")) and "/" not in rel

@@ -29,6 +29,7 @@ from qcompile.io.safetensors_stream import OutputTensor
 TEXT_PREFIX = "model.language_model."
 VISUAL_PREFIX = "model.visual."
 PREPROCESSOR_FILE = "preprocessor_config.json"
+VIDEO_PREPROCESSOR_FILE = "video_preprocessor_config.json"
 # llm-compressor's Qwen3-VL examples: the tower stays unquantized, under vLLM's names (`visual.`)
 # and transformers' (`model.visual.`)
 VISION_IGNORE = ("re:visual.*", "re:model.visual.*")
@@ -119,3 +120,14 @@ def preprocessor_json(manifest: dict[str, Any]) -> str:
     if not isinstance(preprocessor, dict):
         raise ExportError("manifest.json: vision.preprocessor must be the preprocessor_config.json object")
     return json.dumps(preprocessor, indent=2) + "\n"
+
+
+def video_preprocessor_json(manifest: dict[str, Any]) -> str | None:
+    """video_preprocessor_config.json as the artifact records it (manifest["vision"]["video_preprocessor"]);
+    None when it records none (the source checkpoint had none)."""
+    video = manifest["vision"].get("video_preprocessor")
+    if video is None:
+        return None
+    if not isinstance(video, dict):
+        raise ExportError("manifest.json: vision.video_preprocessor must be the video_preprocessor_config.json object")
+    return json.dumps(video, indent=2) + "\n"

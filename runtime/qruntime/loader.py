@@ -42,6 +42,7 @@ from qruntime.tokenizer import (
 )
 from qruntime.vision.positions import VisionTokenConfig
 from qruntime.vision.preprocess import VisionPreprocessConfig
+from qruntime.vision.video import VideoPreprocessConfig
 
 MAX_CPU_TP = 8  # ranks a CPU (gloo) engine may spawn: one process each
 # what Tokenizer.from_dir reads when present: each must be a file the manifest lists, reached by no link
@@ -412,6 +413,8 @@ def _vision_model(root: Path, manifest: dict, config: RankConfig) -> VisionModel
     try:
         tokens = VisionTokenConfig(**entry["tokens"])
         preprocess = VisionPreprocessConfig.from_dict(entry["preprocessor"])
+        video = entry.get("video_preprocessor")  # absent: the defaults (VisionModel.video_config)
+        video = None if video is None else VideoPreprocessConfig.from_dict(video)
     except (TypeError, ValueError) as exc:
         raise ArtifactFormatError(f"{root / 'manifest.json'}: vision: {exc}") from exc
     encoder = load_vision_encoder(
@@ -424,7 +427,7 @@ def _vision_model(root: Path, manifest: dict, config: RankConfig) -> VisionModel
         backend=config.backend,
     )
     width = (1 + entry["deepstack_layers"]) * manifest["spec"]["hidden_size"]
-    return VisionModel(encoder, tokens, preprocess, width)
+    return VisionModel(encoder, tokens, preprocess, width, video=video)
 
 
 def _speculator(

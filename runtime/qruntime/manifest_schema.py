@@ -299,6 +299,7 @@ MANIFEST_SCHEMA = Obj(
                 "scheme": Opt(Str(choices=("none", "ptpc-fp8"))),  # recipe vision.scheme; absent: none
                 "tower_config": Obj({}),  # checked by VisionTowerConfig.from_dict at load
                 "preprocessor": Obj({}),  # checked by VisionPreprocessConfig.from_dict at load
+                "video_preprocessor": Opt(Obj({})),  # VideoPreprocessConfig.from_dict at load; absent: defaults
                 "tokens": Obj(
                     {
                         "image_token_id": Int(lo=0, hi=1 << 30),

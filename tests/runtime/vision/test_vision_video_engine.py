@@ -14,7 +14,7 @@ a video's blocks by its frames. Every weight is drawn from a fresh seed, printed
 from __future__ import annotations
 
 import copy
-import dataclasses
+import json
 import random
 
 import numpy as np
@@ -63,6 +63,7 @@ def setup(request, tmp_path_factory):
     print(f"synth seed {seed}")
     ckpt = tmp_path_factory.mktemp("ckpt") / request.param
     write_checkpoint(request.param, ckpt, seed=seed)
+    (ckpt / "video_preprocessor_config.json").write_text(json.dumps(VIDEO))  # the artifact records it
     art = tmp_path_factory.mktemp("art") / "artifact"
     compile_checkpoint(prepare(ckpt, load_recipe("bf16")), art, workers=1, progress=False)
     model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.float32).eval()
@@ -77,7 +78,7 @@ def setup(request, tmp_path_factory):
 
 def _load(art, **kwargs):
     engine = qruntime.load(art, device="cpu", dtype=torch.float32, **kwargs)
-    engine.vision = dataclasses.replace(engine.vision, video=VideoPreprocessConfig.from_dict(VIDEO))
+    assert engine.vision.video_config == VideoPreprocessConfig.from_dict(VIDEO)  # from the checkpoint's file
     return engine
 
 
