@@ -425,6 +425,7 @@ def _vision_model(root: Path, manifest: dict, config: RankConfig) -> VisionModel
         listed=config.listed,
         synthetic=config.synthetic,
         backend=config.backend,
+        fp8=get_target(config.target).fp8_dtype,
     )
     width = (1 + entry["deepstack_layers"]) * manifest["spec"]["hidden_size"]
     return VisionModel(encoder, tokens, preprocess, width, video=video)

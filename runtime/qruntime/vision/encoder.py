@@ -43,6 +43,7 @@ class VisionEncoder:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.bfloat16,
         registry: Mapping[tuple[str, str], type[Op]] | None = None,
+        fp8: torch.dtype = torch.float8_e4m3fn,
     ) -> None:
         body = graph.graph if isinstance(graph, onnx.ModelProto) else graph
         self.config, self.device, self.dtype = config, torch.device(device), dtype
@@ -50,7 +51,8 @@ class VisionEncoder:
         for init in body.initializer:
             if init.data_location != onnx.TensorProto.EXTERNAL and init.name not in tensors:
                 tensors[init.name] = torch.from_numpy(numpy_helper.to_array(init).copy()).to(self.device)
-        env = OpEnv(dtype, self.device, None)  # type: ignore[arg-type]  # no KV cache: no op here reads one
+        # no KV cache: no op here reads one; fp8: the artifact's target's format (an FP8 tower's weights)
+        env = OpEnv(dtype, self.device, None, fp8=fp8)  # type: ignore[arg-type]
         self.plan = bind_graph(body, tensors, env, registry or reference_ops())
         self.weights = self.plan.weights
 
@@ -137,13 +139,15 @@ def load_vision_encoder(
     listed: Container[str] | None = None,
     synthetic: bool = False,
     backend: str = "reference",
+    fp8: torch.dtype = torch.float8_e4m3fn,
 ) -> VisionEncoder:
     """The encoder of the artifact at `root`: manifest["vision"]'s `graph` (default vision.onnx) with
     its weights mapped from the artifact's safetensors, and `tower_config` (the checkpoint's
     vision_config). `listed`: the manifest's files, the only ones the graph may name. `synthetic`:
     a synthetic artifact's (qruntime.synthetic): random weights made on `device` instead. `backend`:
     "triton" binds the text path's GPU ops where it has them (DynamicQuant, PTPCLinear of an FP8
-    tower), "reference" the torch ones."""
+    tower), "reference" the torch ones. `fp8`: the FP8 format of the artifact's target
+    (qruntime.target; e4m3fnuz for amd-gfx942), which the triton ops quantize activations to."""
     from qruntime.ops.registry import triton_ops
     from qruntime.rank import read_graph
     from qruntime.synthetic import random_initializers
@@ -161,7 +165,7 @@ def load_vision_encoder(
     weights = (random_initializers if synthetic else load_initializers)(root, graph, device, dtype, listed=listed)
     try:
         registry = triton_ops() if backend == "triton" else reference_ops()
-        return VisionEncoder(graph, weights, config, device, dtype, registry)
+        return VisionEncoder(graph, weights, config, device, dtype, registry, fp8)
     except PlanError as exc:
         raise ArtifactFormatError(f"{path}: {exc}") from exc
 

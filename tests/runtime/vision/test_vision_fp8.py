@@ -14,6 +14,7 @@ import random
 import numpy as np
 import pytest
 import qruntime
+import qruntime.loader
 import torch
 from click.testing import CliRunner
 from PIL import Image
@@ -131,6 +132,31 @@ def test_triton_ops_run_the_fp8_tower_as_the_reference_ops(towers, rng):
     db = sqnr_db(out["triton"], out["reference"])
     print(f"triton vs reference ops: {db:.1f} dB")
     assert db > MIN_SQNR_DB
+
+
+def test_an_amd_fp8_tower_on_the_triton_ops_equals_the_nvidia_one(tmp_path, monkeypatch, rng):
+    """amd-gfx942 (qruntime.target): the tower's FP8 weights stored as e4m3fnuz with doubled scales,
+    and the loader hands the target's format to the encoder's ops, which quantize activations to
+    e4m3fnuz: every product is the e4m3fn one, so the embeddings equal the nvidia artifact's bit for
+    bit (float32, Triton's interpreter; the dense checkpoint only: the towers are alike)."""
+    monkeypatch.setattr(qruntime.loader, "resolve_backend", lambda backend, device, dtype: "triton")
+    write_checkpoint(tmp_path / "ckpt", "dense")
+    vision = preprocess_images(_images(rng, ((16, 16),)), VisionPreprocessConfig.from_dict(PREPROCESSOR))
+    out = {}
+    for target, fp8 in (("nvidia-sm90", torch.float8_e4m3fn), ("amd-gfx942", torch.float8_e4m3fnuz)):
+        recipe = load_recipe("bf16", ["vision.scheme=ptpc-fp8", f"target={target}"])
+        compile_checkpoint(
+            prepare(tmp_path / "ckpt", recipe, tokenizer=False), tmp_path / target, workers=1, progress=False
+        )
+        load = {"device": "cpu", "dtype": torch.float32, "backend": "triton", "cuda_graphs": False, "num_kv_blocks": 8}
+        with qruntime.load(tmp_path / target, **load) as engine:
+            encoder = engine.vision.encoder
+            linears = [n.op for n in encoder.plan.nodes if type(n.op).__name__ == "PTPCLinear"]
+            assert linears and {type(op).__module__ for op in linears} == {"qruntime.ops.triton_ops"}
+            assert {op.env.fp8 for op in linears} == {fp8}
+            assert {w.dtype for w in encoder.weights.values() if w.dtype.itemsize == 1} == {fp8}
+            out[fp8] = encoder(vision.pixel_values, vision.image_grid_thw)
+    assert torch.equal(out[torch.float8_e4m3fn], out[torch.float8_e4m3fnuz])
 
 
 def test_fp8_tower_generates_and_inspect_shows_it(towers, rng):
