@@ -38,6 +38,15 @@ def test_a_collective_without_a_process_group_is_refused(table: str, op: str) ->
         TABLES[table]()[("qcompile", op)](ATTRS[op], _env(None))
 
 
+def test_a_rocm_build_sums_through_torch_distributed(monkeypatch) -> None:
+    """The peer-memory kernels wait and flag with PTX: on ROCm every message goes through
+    torch.distributed (RCCL), decided before any group call or region is made."""
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    reducer = AllReducer.create(None, torch.device("cuda", 0))
+    assert reducer.regions is None and reducer.kernel(torch.ones(8, 64, dtype=torch.bfloat16)) is None
+    assert "ROCm" in reducer.describe()
+
+
 def _rank(rank: int, store: str, inputs: dict, out: str) -> None:
     """One gloo rank: every collective op of both tables on this rank's partial sum."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)

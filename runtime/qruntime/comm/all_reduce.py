@@ -78,7 +78,10 @@ class AllReducer:
     def create(cls, group, device: torch.device, policy: AllReducePolicy = AllReducePolicy()) -> AllReducer:
         """Set up peer memory on every rank of `group` (a collective call) sized for the policy's
         messages; where it cannot be (no P2P between some pair, more ranks than the kernel takes, a
-        policy of 0 bytes), every rank gets the torch.distributed path alone."""
+        policy of 0 bytes, a ROCm build: the kernels' waits and flags are PTX), every rank gets the
+        torch.distributed path alone (RCCL on ROCm)."""
+        if torch.version.hip is not None:
+            return cls(group, None, policy, "ROCm: the peer-memory kernels are built for NVIDIA GPUs only")
         layout = _layout()
         world = dist.get_world_size(group)
         if policy.region_bytes == 0 and policy.max_ll_bytes == 0:
