@@ -13,14 +13,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from torchvision_cpu import declare_missing_torchvision_ops
+import torchvision_cpu
 
 from qcompile.compile.pipeline import compile_checkpoint, prepare
 from qcompile.recipe.schema import load_recipe
 from qcompile.synth import get_preset, write_checkpoint
 
-# PyPI's torchvision (test-only: transformers' video processor) beside the CPU torch: see the module
-_TORCHVISION_OPS = declare_missing_torchvision_ops()
+# PyPI's torchvision (test-only: transformers' video processor) beside the CPU torch: see the module;
+# here and in every process a test starts
+_TORCHVISION_SHIM = torchvision_cpu.install()
+_SITE = str(Path(__file__).parent / "torchvision_site")
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_SITE, os.environ.get("PYTHONPATH")) if p)
 
 MakeCkpt = Callable[..., Path]
 

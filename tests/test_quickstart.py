@@ -49,6 +49,6 @@ def test_the_test_command_is_one_line_that_ci_runs():
     readme = (ROOT / "README.md").read_text()
     block = readme.split("<!-- test-command -->")[1].split("<!-- /test-command -->")[0]
     lines = [line for line in block.splitlines() if line.strip() and not line.startswith("```")]
-    assert len(lines) == 1 and "pip install" in lines[0] and lines[0].endswith("python -m pytest -n 2 -q")
+    assert len(lines) == 1 and "pip install" in lines[0] and lines[0].endswith("python -m pytest -n 2 -q --durations=25")
     ci = (ROOT / ".ci" / "run").read_text()
     assert 'eval "$test_command"' in ci and "pip install" not in ci  # CI installs through the line alone

@@ -10,11 +10,19 @@ Qwen3VLVideoProcessor resizes with `torchvision.transforms.v2.functional.resize`
 `interpolate`), never the detection ops: when the extension does not load, the two operator schemas
 are declared (no kernel) so that the import goes through. Where it loads (a CUDA torch) nothing is
 declared.
+
+`install()` does it lazily, when something first imports torchvision: tests/conftest.py installs it
+in the test process, and puts tests/torchvision_site (whose sitecustomize installs it) on the
+PYTHONPATH of the processes tests start, so that a CLI or an example run by a test (whose
+transformers imports torchvision too: `qcompile eval-recipes` loading Qwen3ForCausalLM failed) sees
+the same environment. Nothing is imported at start-up beyond this module.
 """
 
 from __future__ import annotations
 
+import importlib.abc
 import importlib.util
+import sys
 from pathlib import Path
 
 _SCHEMAS = (
@@ -45,3 +53,23 @@ def declare_missing_torchvision_ops() -> object | None:
     for schema in _SCHEMAS:
         library.define(schema)
     return library
+
+
+class _DeclareOnImport(importlib.abc.MetaPathFinder):
+    """Finds nothing: on the first import of torchvision it declares the schemas, then leaves."""
+
+    def __init__(self) -> None:
+        self.library: object | None = None  # keeps the declared schemas alive
+
+    def find_spec(self, name, path=None, target=None):  # noqa: ANN001, ANN201 (the finder protocol)
+        if name == "torchvision" and self in sys.meta_path:
+            sys.meta_path.remove(self)
+            self.library = declare_missing_torchvision_ops()
+        return None
+
+
+def install() -> _DeclareOnImport:
+    """Declare the missing schemas when torchvision is first imported in this process."""
+    finder = _DeclareOnImport()
+    sys.meta_path.insert(0, finder)
+    return finder
