@@ -105,6 +105,24 @@ def _vision(entry: dict[str, Any] | None, tensors: dict[str, Any]) -> dict[str, 
         "image_token_id": tokens["image_token_id"],
         "pixels": [pre.get("min_pixels", size.get("shortest_edge")), pre.get("max_pixels", size.get("longest_edge"))],
         "tower_tensors": sum(1 for name in tensors if name.startswith("model.visual.")),
+        "video": _video(entry.get("video_preprocessor")),
+    }
+
+
+def _video(recorded: dict[str, Any] | None) -> dict[str, Any]:
+    """How videos are sampled: the checkpoint's video_preprocessor_config.json as recorded, else
+    transformers' Qwen3VLVideoProcessor defaults (what the runtime then uses)."""
+    from qruntime.vision.video import VideoPreprocessConfig
+
+    try:
+        config = VideoPreprocessConfig() if recorded is None else VideoPreprocessConfig.from_dict(recorded)
+    except (TypeError, ValueError) as exc:
+        raise ArtifactError(f"manifest.json: vision.video_preprocessor: {exc}") from exc
+    return {
+        "source": "defaults" if recorded is None else "video_preprocessor_config.json",
+        "pixels": [config.min_pixels, config.max_pixels],
+        "fps": config.fps,
+        "frames": [config.min_frames, config.max_frames],
     }
 
 
@@ -116,7 +134,9 @@ def _vision_row(v: dict[str, Any]) -> str:
         f"{v['graph']} ({_VISION_SCHEMES.get(v['scheme'], v['scheme'])}): {v['depth']} blocks, hidden {v['hidden_size']}, {v['heads']} heads, patch {v['patch_size']}, "
         f"merge {v['spatial_merge_size']}, {v['tower_tensors']} tensors; DeepStack into {v['deepstack_layers']} "
         f"layers, M-RoPE {v['mrope_section']}, image token {v['image_token_id']}, "
-        f"{v['pixels'][0]}..{v['pixels'][1]} pixels an image"
+        f"{v['pixels'][0]}..{v['pixels'][1]} pixels an image; videos ({v['video']['source']}) at "
+        f"{v['video']['fps']} fps, {v['video']['frames'][0]}..{v['video']['frames'][1]} frames, "
+        f"{v['video']['pixels'][0]}..{v['video']['pixels'][1]} pixels a video"
     )
 
 

@@ -1,6 +1,6 @@
 """A Qwen3-VL checkpoint's video_preprocessor_config.json: recorded in the artifact's manifest
-(vision.video_preprocessor) as the checkpoint holds it, exported back beside preprocessor_config.json,
-absent when the checkpoint has none; refused before anything is written when it is malformed or its
+(vision.video_preprocessor) as the checkpoint holds it, exported back beside preprocessor_config.json
+and shown by inspect, absent when the checkpoint has none (inspect shows the defaults then); refused before anything is written when it is malformed or its
 patch layout is not the tower's, naming the file and the key."""
 
 from __future__ import annotations
@@ -58,9 +58,24 @@ def test_the_video_config_is_recorded_and_exported(ckpt, tmp_path, rng):
     assert result.exit_code == 0, result.output
     assert json.loads((out / "video_preprocessor_config.json").read_text()) == video
 
-    plain = tmp_path / "plain"  # without the file: no entry, no exported file
+    shown = CliRunner().invoke(main, ["inspect", str(art), "--json"])
+    assert shown.exit_code == 0, shown.output
+    low, high = video["size"]["shortest_edge"], video["size"]["longest_edge"]
+    want = {"source": "video_preprocessor_config.json", "pixels": [low, high], "fps": video["fps"]}
+    assert json.loads(shown.output)["vision"]["video"] == want | {"frames": [video["min_frames"], video["max_frames"]]}
+    assert f"{low}..{high} pixels a video" in CliRunner().invoke(main, ["inspect", str(art)]).output
+
+    plain = tmp_path / "plain"  # without the file: no entry, inspect shows the defaults
     compile_checkpoint(prepare(ckpt, load_recipe("bf16")), plain, workers=1, progress=False)
     assert "video_preprocessor" not in json.loads((plain / "manifest.json").read_text())["vision"]
+    shown = CliRunner().invoke(main, ["inspect", str(plain), "--json"])
+    assert json.loads(shown.output)["vision"]["video"]["source"] == "defaults"
+
+    manifest = json.loads((art / "manifest.json").read_text())  # a hostile value: a clear error, no traceback
+    manifest["vision"]["video_preprocessor"]["fps"] = -1
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    shown = CliRunner().invoke(main, ["inspect", str(art)])
+    assert shown.exit_code != 0 and "vision.video_preprocessor: video preprocessor config: fps" in shown.output
 
 
 @pytest.mark.parametrize(
