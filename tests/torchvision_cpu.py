@@ -34,13 +34,18 @@ _SCHEMAS = (
 def declare_missing_torchvision_ops() -> object | None:
     """Declare torchvision's nms / qnms schemas when its C extension cannot load; returns the library.
 
-    Call before anything imports torchvision. Returns None when torchvision is not installed or its
-    extension loads; otherwise the `torch.library.Library` holding the schemas (keep it alive).
+    Call before anything imports torchvision. Returns None when torchvision is not installed, its
+    extension loads, or the schemas are declared already in this process (a test process whose
+    sitecustomize installed the shim before conftest did); otherwise the `torch.library.Library`
+    holding the schemas (keep it alive).
     """
     spec = importlib.util.find_spec("torchvision")
     if spec is None or spec.origin is None:
         return None
     import torch
+
+    if _declared(torch):
+        return None
 
     extension = next(Path(spec.origin).parent.glob("_C*.so"), None)
     if extension is not None:
@@ -53,6 +58,14 @@ def declare_missing_torchvision_ops() -> object | None:
     for schema in _SCHEMAS:
         library.define(schema)
     return library
+
+
+def _declared(torch) -> bool:  # noqa: ANN001 (the module)
+    try:
+        torch.ops.torchvision.nms.default  # noqa: B018 (the lookup is the check)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 class _DeclareOnImport(importlib.abc.MetaPathFinder):
