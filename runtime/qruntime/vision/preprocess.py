@@ -260,11 +260,22 @@ def _patches(rgb: torch.Tensor, config: VisionPreprocessConfig, device) -> tuple
 
 
 def patchify(image: torch.Tensor, config: VisionPreprocessConfig) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """[C, H, W] → ([grid_h * grid_w, C * T * p * p], (1, grid_h, grid_w)), rows in merge-window order."""
-    p, m, t = config.patch_size, config.merge_size, config.temporal_patch_size
-    channels, height, width = image.shape
-    grid_h, grid_w = height // p, width // p
-    x = image.reshape(channels, grid_h // m, m, p, grid_w // m, m, p)
-    x = x.permute(1, 4, 2, 5, 0, 3, 6)  # [gh/m, gw/m, m, m, C, p, p]
-    x = x.unsqueeze(5).expand(-1, -1, -1, -1, -1, t, -1, -1)  # [gh/m, gw/m, m, m, C, T, p, p]
-    return x.reshape(grid_h * grid_w, channels * t * p * p), (1, grid_h, grid_w)
+    """[C, H, W] → ([grid_h * grid_w, C * T * p * p], (1, grid_h, grid_w)), rows in merge-window order:
+    one frame repeated temporal_patch_size times (patchify_frames)."""
+    return patchify_frames(image.unsqueeze(0).expand(config.temporal_patch_size, -1, -1, -1), config)
+
+
+def patchify_frames(
+    frames: torch.Tensor, config: VisionPreprocessConfig | Any
+) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """[T, C, H, W] → ([grid_t * grid_h * grid_w, C * tp * p * p], (grid_t, grid_h, grid_w)): frames
+    padded with the last to a multiple of tp, grouped by tp, rows in merge-window order per group
+    (`config`: an image or video preprocessor config, its patch_size, merge_size, temporal_patch_size)."""
+    p, m, tp = config.patch_size, config.merge_size, config.temporal_patch_size
+    if pad := -frames.shape[0] % tp:
+        frames = torch.cat((frames, frames[-1:].expand(pad, -1, -1, -1)))
+    count, channels, height, width = frames.shape
+    grid_t, grid_h, grid_w = count // tp, height // p, width // p
+    x = frames.reshape(grid_t, tp, channels, grid_h // m, m, p, grid_w // m, m, p)
+    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # [gt, gh/m, gw/m, m, m, C, tp, p, p]
+    return x.reshape(grid_t * grid_h * grid_w, channels * tp * p * p), (grid_t, grid_h, grid_w)

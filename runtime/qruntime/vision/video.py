@@ -33,7 +33,7 @@ import torch
 
 from qruntime.shown import shown
 from qruntime.vision.decode import ImageInputError
-from qruntime.vision.preprocess import MAX_ASPECT_RATIO, VisionPreprocessConfig
+from qruntime.vision.preprocess import MAX_ASPECT_RATIO, VisionPreprocessConfig, patchify_frames
 
 _BICUBIC = 3
 MAX_VIDEO_FRAMES = 4096  # frames one video may bring (before sampling), bounding host memory and time
@@ -313,7 +313,7 @@ def _video_patches(frames: torch.Tensor, config: VideoPreprocessConfig, device) 
         x = x.to(torch.float32).sub(mean).div_(std)
     elif config.do_rescale:
         x = x * config.rescale_factor
-    return video_patchify(x.to(torch.float32), config)
+    return patchify_frames(x.to(torch.float32), config)
 
 
 def _resize_bicubic_uint8(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
@@ -326,16 +326,3 @@ def _resize_bicubic_uint8(x: torch.Tensor, height: int, width: int) -> torch.Ten
         x.to(torch.float32), size=[height, width], mode="bicubic", align_corners=False, antialias=True
     )
     return y.clamp_(0, 255).round_().to(torch.uint8)
-
-
-def video_patchify(frames: torch.Tensor, config: VideoPreprocessConfig) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """[T, C, H, W] → ([grid_t * grid_h * grid_w, C * tp * p * p], (grid_t, grid_h, grid_w)): frames
-    padded with the last to a multiple of tp, grouped by tp, rows in merge-window order per group."""
-    p, m, tp = config.patch_size, config.merge_size, config.temporal_patch_size
-    if pad := -frames.shape[0] % tp:
-        frames = torch.cat((frames, frames[-1:].expand(pad, -1, -1, -1)))
-    count, channels, height, width = frames.shape
-    grid_t, grid_h, grid_w = count // tp, height // p, width // p
-    x = frames.reshape(grid_t, tp, channels, grid_h // m, m, p, grid_w // m, m, p)
-    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # [gt, gh/m, gw/m, m, m, C, tp, p, p]
-    return x.reshape(grid_t * grid_h * grid_w, channels * tp * p * p), (grid_t, grid_h, grid_w)
