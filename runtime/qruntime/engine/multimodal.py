@@ -41,12 +41,13 @@ class VisionModel:
     preprocess: VisionPreprocessConfig
     width: int  # (1 + D) * hidden: an image token's embedding and its D DeepStack features
     limits: ImageLimits = ImageLimits()
-    video: VideoPreprocessConfig | None = None  # None: VideoPreprocessConfig.like_images(preprocess)
+    video: VideoPreprocessConfig | None = None  # manifest vision.video_preprocessor; None: like_images(preprocess)
 
     @property
     def video_config(self) -> VideoPreprocessConfig:
-        """How videos are sampled and preprocessed (the artifact records no video config: transformers'
-        Qwen3VLVideoProcessor defaults with the image config's patch layout, unless `video` is set)."""
+        """How videos are sampled and preprocessed: the artifact's vision.video_preprocessor (the
+        loader sets `video`), else transformers' Qwen3VLVideoProcessor defaults with the image config's
+        patch layout."""
         return self.video if self.video is not None else VideoPreprocessConfig.like_images(self.preprocess)
 
 
