@@ -72,9 +72,11 @@ def hf_tpot_ms(ckpt: Path, steps: int = 16) -> float:
     return (total - prefill) / steps * 1e3
 
 
-def decode_profile(engine, context: int = 160, steps: int = 4, top: int = 14, graphs: bool = False) -> list[dict]:
-    """Where a batch-1 decode step's GPU time goes: µs per step by kernel name, largest first.
-    Eager by default, so each kernel is visible (neither the decode graphs nor the piecewise ones,
+def decode_profile(
+    engine, context: int = 160, steps: int = 4, top: int = 14, graphs: bool = False, batch: int = 1
+) -> list[dict]:
+    """Where a decode step's GPU time goes (`batch` requests decoding, 1 by default): µs per step by
+    kernel name, largest first. Eager by default, so each kernel is visible (neither the decode graphs nor the piecewise ones,
     which would pad the step to their smallest bucket); `graphs`: the captured decode graph's own
     kernels, as they run (at tp > 1 the only way: rank 0 alone running eagerly would wait on the
     other ranks' graphs). Each row also has its share of the steps' kernel time; the last row,
@@ -86,17 +88,25 @@ def decode_profile(engine, context: int = 160, steps: int = 4, top: int = 14, gr
     if not graphs:
         runner.decode_graphs = runner.piecewise_graphs = None
     try:
-        request = engine.add_request(
-            list(range(1, context + 1)), qruntime.SamplingParams(max_tokens=steps + 8, ignore_eos=True)
-        )
-        for _ in range(3):
+        requests = [
+            engine.add_request(
+                [1 + (i * 7919 + j) % 30000 for j in range(context)],
+                qruntime.SamplingParams(max_tokens=steps + 64, ignore_eos=True),
+            )
+            for i in range(batch)
+        ]
+        sched = engine.scheduler
+        while sched.num_waiting or any(sched.get(r).num_computed_tokens < context for r in requests):
+            engine.step()  # the prompts' prefill: the decodes after it are what is profiled
+        for _ in range(2):
             engine.step()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
                 engine.step()
             torch.cuda.synchronize()
-        engine.abort(request)
+        for request in requests:
+            engine.abort(request)
         while engine.has_unfinished():  # a step left in flight (async scheduling)
             engine.step()
     finally:

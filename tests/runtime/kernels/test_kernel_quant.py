@@ -218,8 +218,13 @@ def test_silu_mul_matches_reference(dtype, tokens, width, max_block):
     ref = fn.silu_mul(gate_up.cpu())
     assert y.dtype == dtype and y.shape == (tokens, width)
     y = y.cpu()
-    if dtype == torch.float32:  # no rounding to hide the two exps' last-bit differences: a few fp32 ulps
-        torch.testing.assert_close(y, ref, rtol=1e-6, atol=1e-30)
+    if dtype == torch.float32:  # no rounding to hide the two exps' differences
+        # the GPU's exp is exp2(g * log2(e)): rounding that product moves exp(g) by up to ~|g| * 2^-24 of
+        # itself (1.7e-6 relative seen at H200, rtol 1e-6 failed), the interpreter's numpy exp by an ulp
+        gate = gate_up[:, :width].cpu().abs()
+        bound = ref.abs() * (1 + gate) * 2.0**-21 + 1e-30
+        worst = ((y - ref).abs() / bound).max()
+        assert worst <= 1, f"{float(worst):.3g} of the bound"
         return
     tiny = torch.finfo(dtype).tiny
     differ = (y != ref) & (ref.float().abs() >= tiny)
