@@ -226,15 +226,7 @@ def fused_moe(
     fp8 = w13.dtype  # the activations' format: the target's (qruntime.target)
     tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
-    fused_router = router is not None and tokens == 1
-    if router_logits is None and not fused_router:
-        raise ValueError("router_logits are needed unless a single token's router runs fused (router=...)")
-    logits_shape = (tokens, num_experts) if router_logits is None else tuple(router_logits.shape)
-    if logits_shape != (tokens, num_experts) or w2.shape[0] != num_experts:
-        raise ValueError(
-            f"router_logits {logits_shape}, w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} "
-            f"disagree with x {tuple(x.shape)} on T or E"
-        )
+    check_routing_inputs(x, router_logits, router, w13, w2)
     if tokens == 0:
         return torch.zeros_like(x)
     cfg = config or default_config(tokens, num_experts, inter, hidden, top_k)
@@ -242,19 +234,10 @@ def fused_moe(
         cfg = grouped_config(tokens, num_experts, inter, hidden, top_k)
     gemv = isinstance(cfg, MoEGemvConfig)
     block_m = 16 if gemv else cfg.block_m  # the one-token layout below, unread on the GEMV path
-    if fused_router:  # batch-1 decode: router GEMV, routing, quant and the pairs' layout in one launch
-        (weights, ids, xq, xs), layout = moe_router_one(
-            x, router[0], top_k, norm_topk_prob, block_m, router[1], pdl=pdl, fp8=fp8
-        )
-        sorted_ids, block_expert, num_padded, amax = layout
-    elif tokens == 1:  # the routing launch lays out the k pairs itself
-        (weights, ids, xq, xs), layout = moe_route_quant_one(
-            router_logits, x, top_k, norm_topk_prob, block_m, pdl=pdl, fp8=fp8
-        )
-        sorted_ids, block_expert, num_padded, amax = layout
-    else:
-        weights, ids, xq, xs = moe_route_quant(router_logits, x, top_k, norm_topk_prob, pdl=pdl, fp8=fp8)
-        sorted_ids, block_expert, num_padded, amax = moe_align(ids, num_experts, block_m, pdl=pdl)
+    (weights, ids, xq, xs), layout = route(
+        x, router_logits, router, num_experts, top_k, norm_topk_prob, block_m, pdl, fp8
+    )
+    sorted_ids, block_expert, num_padded, amax = layout
     if gemv:  # one token: the k slots' experts straight from the routing, no pair list
         act = moe_up_one(xq, xs, w13, w13_scale, ids, x.dtype, cfg.up, pdl=pdl)
         out_pairs = moe_down_one(act, w2, w2_scale, weights, ids, cfg.down, pdl=pdl)
@@ -265,6 +248,49 @@ def fused_moe(
     if defer_combine and top_k > 1:
         return PairRows(out_pairs, top_k, pdl)
     return moe_combine(out_pairs, top_k, pdl=pdl)
+
+
+def check_routing_inputs(
+    x: torch.Tensor,
+    router_logits: torch.Tensor | None,
+    router: tuple[torch.Tensor, torch.Tensor] | None,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+) -> None:
+    """ValueError unless router_logits [T, E] (or, for one token, the fused router) agree with x and
+    the experts' E."""
+    tokens, num_experts = x.shape[0], w13.shape[0]
+    if router_logits is None and not (router is not None and tokens == 1):
+        raise ValueError("router_logits are needed unless a single token's router runs fused (router=...)")
+    logits_shape = (tokens, num_experts) if router_logits is None else tuple(router_logits.shape)
+    if logits_shape != (tokens, num_experts) or w2.shape[0] != num_experts:
+        raise ValueError(
+            f"router_logits {logits_shape}, w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} "
+            f"disagree with x {tuple(x.shape)} on T or E"
+        )
+
+
+def route(
+    x: torch.Tensor,
+    router_logits: torch.Tensor | None,
+    router: tuple[torch.Tensor, torch.Tensor] | None,
+    num_experts: int,
+    top_k: int,
+    norm_topk_prob: bool,
+    block_m: int,
+    pdl: bool,
+    fp8: torch.dtype,
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Steps 1-2: routing with x quantized per token to `fp8` (read by FP8 experts only), and the
+    pairs grouped by expert in blocks of block_m: ((weights, ids, xq, xs), (sorted_ids, block_expert,
+    num_padded, row_amax)). One token: its routing launch lays the pairs out (with the router GEMV
+    when `router` is given); more: moe_align groups them."""
+    if router is not None and x.shape[0] == 1:  # batch-1 decode: router GEMV, routing, quant, layout
+        return moe_router_one(x, router[0], top_k, norm_topk_prob, block_m, router[1], pdl=pdl, fp8=fp8)
+    if x.shape[0] == 1:  # the routing launch lays out the k pairs itself
+        return moe_route_quant_one(router_logits, x, top_k, norm_topk_prob, block_m, pdl=pdl, fp8=fp8)
+    routed = moe_route_quant(router_logits, x, top_k, norm_topk_prob, pdl=pdl, fp8=fp8)
+    return routed, moe_align(routed[1], num_experts, block_m, pdl=pdl)
 
 
 def _launch(tile: TileConfig) -> dict[str, int]:

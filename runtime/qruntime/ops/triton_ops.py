@@ -209,58 +209,83 @@ class W4A16Linear(quant.W4A16Linear):
 
 
 class MoE(moe.MoE):
-    """PTPC FP8 experts with per-token activations (linear PTPCLinear, group_size 0) on a device
-    Triton runs on: the fused Triton MoE (kernels/fused_moe.py) with the config tuned for
-    (E, 2I, H, k) at the step's token count, else its heuristic; a single token's router GEMV runs
-    inside its routing launch. Its shapes depend on T only and it never syncs with the host, so the
-    op is capturable then. Anything else (Gemm, BlockFP8Linear,
-    group_size != 0, a CPU device without Triton's interpreter) runs the reference op."""
+    """The fused Triton MoE on a device Triton runs on, with the config tuned for the layer's shape at
+    the step's token count, else its heuristic; a single token's router GEMV runs inside its routing
+    launch. Its shapes depend on T only and it never syncs with the host, so the op is capturable
+    then. Two kinds of experts run fused:
+    - PTPC FP8 with per-token activations (linear PTPCLinear, group_size 0): kernels/fused_moe.py,
+      table key fused_moe.table_key;
+    - W4A16 (linear W4A16Linear: packed int4, group scales, optional zero points), a bf16 / fp16
+      model: kernels/fused_moe_w4a16.py, table key fused_moe_w4a16.table_key (the int4 layout in it).
+    Anything else (Gemm, BlockFP8Linear, FP8 group_size != 0, int4 groups no K tile fits, an fp32
+    model, a CPU device without Triton's interpreter) runs the reference op."""
 
     def __init__(self, attrs, env, consts=()) -> None:
         super().__init__(attrs, env, consts)
-        from qruntime.kernels import fused_moe, kernel_runs_on
+        from qruntime.kernels import fused_moe, fused_moe_w4a16, kernel_runs_on
+        from qruntime.kernels.w4a16_gemm import supports_group
 
         self.kernel = self.counter = None
-        if self.a["linear"] == "PTPCLinear" and self.a["group_size"] == 0 and kernel_runs_on(env.device):
-            self.kernel = fused_moe.fused_moe
+        linear, group = self.a["linear"], self.a["group_size"]
+        self.int4 = linear == "W4A16Linear"
+        runs = kernel_runs_on(env.device)
+        if self.int4:
+            runs = runs and env.dtype in (torch.bfloat16, torch.float16) and supports_group(group) and group % 8 == 0
+        else:
+            runs = runs and linear == "PTPCLinear" and group == 0
+        module = fused_moe_w4a16 if self.int4 else fused_moe
+        if runs:
+            self.kernel = fused_moe_w4a16.fused_moe_w4a16 if self.int4 else fused_moe.fused_moe
             self.capturable = True  # the reference's routing-dependent host loop is gone
             # a single token's router runs in its routing launch, whose last program counts here
             self.counter = torch.zeros(1, dtype=torch.int32, device=env.device)
-        self.config_from, self.default, self.table_key = (
-            fused_moe.config_from_dict,
-            fused_moe.default_config,
-            fused_moe.table_key,
-        )
+        self.config_from, self.default = fused_moe.config_from_dict, module.default_config
         self.configs: dict[int, object] = {}  # tokens -> MoEConfig | MoEGemvConfig, filled on first use
         # the node after this one adds each token's expert rows itself (fold_split_k_reductions)
         self.defer_combine = False
         self.expert_counts: torch.Tensor | None = None  # [E] int64: set it to count tokens per expert (benches)
 
-    def _config(self, tokens: int, w13: torch.Tensor):
+    def table_key(self, w13: torch.Tensor, zero_points: bool) -> str:
+        """The kernel-table key of this layer's experts (w13 as bound: int4 packs 8 columns a word)."""
+        from qruntime.kernels import fused_moe, fused_moe_w4a16
+
+        num_experts, inter2, cols = w13.shape
+        if self.int4:
+            return fused_moe_w4a16.table_key(
+                num_experts, inter2, cols * 8, self.a["top_k"], self.a["group_size"], zero_points
+            )
+        return fused_moe.table_key(num_experts, inter2, cols, self.a["top_k"])
+
+    def _config(self, tokens: int, w13: torch.Tensor, zero_points: bool = False):
         if tokens not in self.configs:
-            num_experts, inter2, hidden = w13.shape
-            key = self.table_key(num_experts, inter2, hidden, self.a["top_k"])
+            key = self.table_key(w13, zero_points)
             tuned = self.env.kernels.lookup(key, tokens) if self.env.kernels is not None else None
             if tuned is not None:
                 self.configs[tokens] = self.config_from(tuned)
             else:
+                num_experts, inter2, cols = w13.shape
+                hidden = cols * 8 if self.int4 else cols
                 self.configs[tokens] = self.default(tokens, num_experts, inter2 // 2, hidden, self.a["top_k"])
         return self.configs[tokens]
 
     def __call__(self, step, x, router_w, w13, w13_scale, w2, w2_scale, *zero_points):
-        if self.kernel is None:  # zero points (W4A16Linear only) never reach the fused kernel
+        if self.kernel is None or (self.int4 and x.dtype != self.env.dtype):
             return super().__call__(step, x, router_w, w13, w13_scale, w2, w2_scale, *zero_points)
         top_k, norm = self.a["top_k"], bool(self.a["norm_topk_prob"])
-        config = self._config(x.shape[0], w13)
+        w13_zp, w2_zp = (tuple(zero_points) + (None, None))[:2]
+        config = self._config(x.shape[0], w13, w13_zp is not None)
+        # int4 experts: the group size and zero points (fused_moe takes neither)
+        extra = {"group_size": self.a["group_size"], "w13_zp": w13_zp, "w2_zp": w2_zp} if self.int4 else {}
         if x.shape[0] == 1 and self.expert_counts is None and router_w.dtype == x.dtype:
             return self.kernel(
-                x, None, w13, w13_scale, w2, w2_scale, top_k, norm, config, (router_w, self.counter), **self._launch
-            )
+                x, None, w13, w13_scale, w2, w2_scale, top_k, norm, config, (router_w, self.counter),
+                **self._launch, **extra,
+            )  # fmt: skip
         logits = F.linear(x, router_w)  # [T, E]
         if self.expert_counts is not None:  # the expert load report: same routing, counted (eager steps only)
             _, ids = fn.moe_routing(logits, top_k, norm)
             self.expert_counts += torch.bincount(ids.flatten(), minlength=self.expert_counts.numel())
-        return self.kernel(x, logits, w13, w13_scale, w2, w2_scale, top_k, norm, config, **self._launch)
+        return self.kernel(x, logits, w13, w13_scale, w2, w2_scale, top_k, norm, config, **self._launch, **extra)
 
     @property
     def _launch(self) -> dict[str, bool]:
