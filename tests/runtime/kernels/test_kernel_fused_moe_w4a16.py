@@ -21,6 +21,7 @@ from qruntime.artifact import read_manifest
 from qruntime.kernel_configs import KernelTable
 from qruntime.kernels import fused_moe_w4a16 as fused
 from qruntime.kernels.fused_moe import MoEConfig, TileConfig, table_key
+from qruntime.kernels.moe_combine import PairRows
 from qruntime.kernels.moe_gemv import GemvTile, MoEGemvConfig
 from qruntime.kv_cache import KVCacheSpec
 from qruntime.ops import moe, triton_ops
@@ -100,7 +101,7 @@ def test_w4a16_moe_op_runs_the_kernel_and_matches_the_reference_op(
     assert float(apart.max()) <= 2 and float((apart > 0).float().mean()) <= 0.01, float(apart.max())
 
 
-def test_a_w4a16_moe_graph_binds_the_kernel(make_ckpt, compiled, rng):
+def test_a_w4a16_moe_graph_binds_the_kernel(make_ckpt, compiled, rng, monkeypatch):
     """tiny-moe compiled w4a16 (8 experts of 256, hidden 128, groups of 128), bound to the fast op
     table: its MoE nodes run the int4 kernel, not the reference, so nothing in the plan keeps it out
     of CUDA graphs; a node on the artifact's own weights gives the reference node's output."""
@@ -123,6 +124,13 @@ def test_a_w4a16_moe_graph_binds_the_kernel(make_ckpt, compiled, rng):
     ref, y = ref_node.op(None, x, *args), fast_node.op(None, x, *args)
     apart = (y.float() - ref.float()).abs() / ulp(torch.maximum(y.abs(), ref.abs()), torch.bfloat16)
     assert float(apart.max()) <= 2 and float((apart > 0).float().mean()) <= 0.01, float(apart.max())
+    # with the fold turned on (PAIR_ROWS_READERS, off by default), the residual add + norm after
+    # each MoE node adds its k rows itself
+    monkeypatch.setattr(triton_ops, "PAIR_ROWS_READERS", (triton_ops.AddRMSNorm, triton_ops.AddRMSNormQuant))
+    triton_ops.fold_split_k_reductions(fast_plan)
+    assert all(f.op.defer_combine for _, f in nodes)
+    rows = fast_node.op(None, x, *args)
+    assert isinstance(rows, PairRows) and torch.equal(rows.reduce(), y)
 
 
 def test_the_fast_op_falls_back_where_the_kernel_does_not_apply_and_reads_its_own_table_key():
