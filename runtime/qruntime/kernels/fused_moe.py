@@ -17,7 +17,8 @@ Every buffer and grid is a function of T (static shapes, no host sync: CUDA-grap
 The reference is qruntime.ops.moe.MoE; each kernel's module says how its arithmetic follows it.
 MoEConfig (or at one token MoEGemvConfig) is the launch configuration the tuner records per token
 bucket (kernels/<device>.json, key table_key(...); config_from_dict reads either); default_config
-is the heuristic used where nothing was tuned.
+is the heuristic used where nothing was tuned. Steps 1-2 are route(), which fused_moe_w4a16.py
+(int4 experts: their own expert GEMMs, these configs, another table key) shares.
 """
 
 from __future__ import annotations
