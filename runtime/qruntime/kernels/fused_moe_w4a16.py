@@ -150,12 +150,14 @@ def fused_moe_w4a16(
     w2_zp: torch.Tensor | None = None,
     pdl: bool = False,
     defer_combine: bool = False,
+    fp8: torch.dtype = torch.float8_e4m3fn,
 ) -> torch.Tensor | PairRows:
     """The MoE op with W4A16 experts: x [T, H] bf16 | fp16, router_logits [T, E] = x · router_wᵀ,
     w13 int32 [E, 2I, H/8] (gate rows then up rows), w13_scale [E, 2I, H/G], w2 int32 [E, H, I/8],
     w2_scale [E, H, I/G], G = group_size (keyword: the other arguments are fused_moe's, in its
     order); w13_zp / w2_zp uint8 zero-point codes like the scales (asymmetric int4) or None
-    (code - 8) -> y [T, H] in x's dtype. config, router, pdl and defer_combine: as fused_moe's. Raises ValueError / TypeError on bad inputs."""
+    (code - 8) -> y [T, H] in x's dtype. config, router, pdl and defer_combine: as fused_moe's; fp8:
+    the format of the routing launch's (unread) copy of x, the target's (e4m3fnuz on amd-gfx942). Raises ValueError / TypeError on bad inputs."""
     if x.dtype not in DTYPES:
         raise ValueError(f"x must be bfloat16 or float16 (the W4A16 MoE's activations), got {x.dtype}")
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3 or w13.shape[1] % 2:
@@ -176,7 +178,7 @@ def fused_moe_w4a16(
     gemv = isinstance(cfg, MoEGemvConfig)
     block_m = 16 if gemv else cfg.block_m  # the one-token layout, unread on the GEMV path
     (weights, ids, _, _), layout = route(
-        x, router_logits, router, num_experts, top_k, norm_topk_prob, block_m, pdl, torch.float8_e4m3fn
+        x, router_logits, router, num_experts, top_k, norm_topk_prob, block_m, pdl, fp8
     )
     if gemv:  # one token: the k slots' experts straight from the routing, no pair list
         act = moe_up_one_w4a16(x, w13, w13_scale, ids, group_size, cfg.up, w13_zp=w13_zp, pdl=pdl)

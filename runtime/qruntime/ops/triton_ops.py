@@ -274,8 +274,9 @@ class MoE(moe.MoE):
         top_k, norm = self.a["top_k"], bool(self.a["norm_topk_prob"])
         w13_zp, w2_zp = (tuple(zero_points) + (None, None))[:2]
         config = self._config(x.shape[0], w13, w13_zp is not None)
-        # int4 experts: the group size and zero points (fused_moe takes neither)
-        extra = {"group_size": self.a["group_size"], "w13_zp": w13_zp, "w2_zp": w2_zp} if self.int4 else {}
+        extra = {}  # int4 experts: the group size, zero points, the target's FP8 format (fused_moe reads its weights')
+        if self.int4:
+            extra = {"group_size": self.a["group_size"], "w13_zp": w13_zp, "w2_zp": w2_zp, "fp8": self.env.fp8}
         if x.shape[0] == 1 and self.expert_counts is None and router_w.dtype == x.dtype:
             return self.kernel(
                 x, None, w13, w13_scale, w2, w2_scale, top_k, norm, config, (router_w, self.counter),
