@@ -5,9 +5,9 @@ each op as the runtime's MoE op runs it from the router logits (at one token the
 the routing launch, as at batch-1 decode):
   w4a16  kernels/fused_moe_w4a16.py: int4 experts in groups of 128 (bf16 scales), bf16 activations
   fp8    kernels/fused_moe.py: PTPC FP8 experts (per-row bf16 scales), per-token FP8 activations
-Timed in CUDA graphs with qcompile.tune.gemm.time_us: each call reads its own weight copy (copies
-past 256 MiB) and routes its own tokens, so expert weights come from HBM, not L2; PDL where the GPU
-has it. Per T: µs per layer with the default config, and with --sweep the fastest of the tuner's
+Timed in CUDA graphs with qcompile.tune.gemm.time_us: calls rotate over weight copies (past 256 MiB)
+and each routes its own tokens, as many calls as it takes for the experts they hit to add up to
+256 MiB, so expert weights come from HBM, not L2; PDL where the GPU has it. Per T: µs per layer with the default config, and with --sweep the fastest of the tuner's
 candidates (what `qcompile tune` would record); the bytes a call must move (the weights and scales
 of the experts its routing hits, x in, y out) per µs as a share of the device copy bandwidth (read +
 write, qruntime.benchmark.copy_bandwidth); each op's SQNR against the reference op (ops/moe.py).
@@ -57,7 +57,13 @@ def bench_kernel(int4: bool, tokens: int, sweep: bool, pdl: bool, dev: torch.dev
     e, i, h, k = shape.num_experts, shape.inter, shape.hidden, shape.top_k
     module = fused_moe_w4a16 if int4 else fused_moe
     copies = [_random_experts(shape, dev) for _ in range(max(2, -(-ROTATE_BYTES // (e * shape.expert_bytes()))))]
-    xs = [torch.randn(tokens, h, device=dev, dtype=torch.bfloat16) for _ in copies]
+    # calls per graph: each routes its own tokens, enough that the experts they hit (a few at decode)
+    # add up to ROTATE_BYTES, so a replay does not find the last one's experts in L2
+    hit_bytes = min(e, tokens * k) * shape.expert_bytes()
+    xs = [
+        torch.randn(tokens, h, device=dev, dtype=torch.bfloat16)
+        for _ in range(max(len(copies), -(-ROTATE_BYTES // hit_bytes)))
+    ]
     router_w = torch.randn(e, h, device=dev, dtype=torch.bfloat16) * 0.05
     logits = [torch.nn.functional.linear(x, router_w) for x in xs]
     counter = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -65,9 +71,10 @@ def bench_kernel(int4: bool, tokens: int, sweep: bool, pdl: bool, dev: torch.dev
     module_fn = fused_moe_w4a16.fused_moe_w4a16 if int4 else fused_moe.fused_moe
 
     def run(config, c: int):
+        weights = copies[c % len(copies)]
         if tokens == 1:  # batch-1 decode: the router GEMV in the routing launch
-            return module_fn(xs[c], None, *copies[c], k, True, config, (router_w, counter), pdl=pdl, **extra)
-        return module_fn(xs[c], logits[c], *copies[c], k, True, config, pdl=pdl, **extra)
+            return module_fn(xs[c], None, *weights, k, True, config, (router_w, counter), pdl=pdl, **extra)
+        return module_fn(xs[c], logits[c], *weights, k, True, config, pdl=pdl, **extra)
 
     default = module.default_config(tokens, e, i, h, k)
     timed = {}
@@ -75,7 +82,7 @@ def bench_kernel(int4: bool, tokens: int, sweep: bool, pdl: bool, dev: torch.dev
         if config in timed:
             continue
         try:
-            timed[config] = time_us([lambda c=c, config=config: run(config, c) for c in range(len(copies))])
+            timed[config] = time_us([lambda c=c, config=config: run(config, c) for c in range(len(xs))])
         except OutOfResources:
             continue
     best = min(timed, key=timed.get)
