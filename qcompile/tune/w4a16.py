@@ -1,7 +1,8 @@
 """Tuning of the W4A16 GEMM (kernels/w4a16_gemm.py), a part of `qcompile tune`.
 
 For every packed int4 weight shape a `W4A16Linear` reads (N, K and its group size) and every
-token-count bucket: time the runtime's kernel over its candidate configs on fresh random weights
+token-count bucket: time the runtime's kernel over its candidate configs (sweep_configs: plain and
+swapped tiles, and at one token the GEMVs beside them) on fresh random weights
 (any int32 bits are valid codes), each call on its own weight copy as the FP8 GEMM's tuning does,
 check the winner against the reference op's math, and return table entries under the key the
 runtime's fast op looks up (`W4A16Linear:{N}x{K}`). Needs a GPU for real timings; w4a16_shapes and

@@ -11,7 +11,7 @@ import pytest
 import qruntime
 import torch
 from qruntime.kernels import pdl_supported
-from qruntime.kernels.w4a16_gemm import default_config, w4a16_gemm
+from qruntime.kernels.w4a16_gemm import default_config, sweep_configs, w4a16_gemm
 from qruntime.ops import triton_ops
 from qruntime.ops.functional import dequantize_int4
 
@@ -56,8 +56,8 @@ def test_kernel_matches_the_reference_at_qwen3_8b_shapes(cuda, m, n, k):
     assert y.dtype == torch.bfloat16 and torch.equal(y, y32.to(torch.bfloat16))
     if pdl_supported(cuda):
         assert torch.equal(w4a16_gemm(x, w, ws, GROUP, pdl=True), y)
-    if m <= 16:
-        assert default_config(m, n, k, GROUP).block_m == 16
+    if m <= 16:  # one token: the GEMV; more: the 16-row tiles
+        assert default_config(m, n, k, GROUP).block_m == (1 if m == 1 else 16)
 
 
 @pytest.mark.parametrize("m", [1, 16])
@@ -78,6 +78,65 @@ def test_kernel_in_a_cuda_graph_gives_the_eager_bits(cuda, m, n, k):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, w4a16_gemm(x, w, ws, GROUP))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("zp", [False, True], ids=["symmetric", "zero-points"])
+@pytest.mark.parametrize("n,k", QWEN3_8B)
+def test_gemv_matches_the_reference_at_qwen3_8b_shapes(cuda, n, k, zp, dtype):
+    """The one-token GEMV (bf16: the packed bf16x2 unpacking of _dequant_pairs_bf16; fp16: the
+    fp32 one) in fp32 against the reference's weight multiplied in fp32, within the two-orders
+    bound (a wrong code, scale or zero point is off by ~1e-2 of the output); bf16 output the fp32
+    one rounded once; bf16's packed path against the fp32 unpacking (fast=False) to the same bound;
+    the tuner's other GEMV candidates too (bf16, symmetric), and replayed in a CUDA graph (with PDL and its L2
+    prefetch where the GPU has it) it gives the eager bits."""
+    x, w, ws = _operands(1, n, k, cuda)
+    x, ws = x.to(dtype), ws.to(dtype)
+    wz = torch.randint(0, 16, (n, k // GROUP), device=cuda, dtype=torch.uint8) if zp else None
+    weight = dequantize_int4(w, ws, GROUP, wz).float()
+    ref = x.float() @ weight.T
+    bound = 2 * k * 2**-24 * (x.float().abs() @ weight.abs().T)
+    config = default_config(1, n, k, GROUP)
+    assert config.block_m == 1
+    gemvs = [c for c in sweep_configs(1, n, k, GROUP) if c.block_m == 1] if dtype == torch.bfloat16 and not zp else []
+    for cfg in gemvs:  # the tuner's GEMV candidates (bf16, symmetric: each compile takes seconds)
+        y32 = w4a16_gemm(x, w, ws, GROUP, cfg, out_dtype=torch.float32, wz=wz)
+        assert ((y32 - ref).abs() <= bound).all(), (cfg, float(((y32 - ref).abs() / bound).max()))
+    y32 = w4a16_gemm(x, w, ws, GROUP, config, out_dtype=torch.float32, wz=wz)
+    slow = w4a16_gemm(x, w, ws, GROUP, config, out_dtype=torch.float32, wz=wz, fast=False)
+    assert ((slow - ref).abs() <= bound).all() and ((y32 - slow).abs() <= 2 * bound).all()
+    y = w4a16_gemm(x, w, ws, GROUP, config, wz=wz)
+    assert y.dtype == dtype and torch.equal(y, y32.to(dtype))
+    pdl = pdl_supported(cuda)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        w4a16_gemm(x, w, ws, GROUP, config, wz=wz, pdl=pdl, prefetch_k=1024)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = w4a16_gemm(x, w, ws, GROUP, config, wz=wz, pdl=pdl, prefetch_k=1024)
+    for _ in range(2):  # new inputs in the captured buffer each replay
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, w4a16_gemm(x, w, ws, GROUP, config, wz=wz))
+
+
+@pytest.mark.parametrize("m", [5, 16, 1024])
+@pytest.mark.parametrize("n,k", QWEN3_8B)
+def test_swapped_tiles_match_the_reference_at_qwen3_8b_shapes(cuda, m, n, k):
+    """Every swapped-tile candidate of the tuner (swap_ab: w · xᵀ on the tensor cores, the weight
+    the first operand) in fp32 within the two-orders bound of the reference."""
+    x, w, ws = _operands(m, n, k, cuda)
+    weight = dequantize_int4(w, ws, GROUP).float()
+    ref = x.float() @ weight.T
+    bound = 2 * k * 2**-24 * (x.float().abs() @ weight.abs().T)
+    swapped = [c for c in sweep_configs(m, n, k, GROUP) if c.swap_ab]
+    assert swapped
+    for cfg in swapped:
+        y32 = w4a16_gemm(x, w, ws, GROUP, cfg, out_dtype=torch.float32)
+        assert ((y32 - ref).abs() <= bound).all(), (cfg, float(((y32 - ref).abs() / bound).max()))
 
 
 @pytest.fixture(scope="module")

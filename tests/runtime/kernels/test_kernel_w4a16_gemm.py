@@ -15,7 +15,15 @@ import re
 import pytest
 import torch
 from hopper_ptx import hopper_ptx
-from qruntime.kernels.w4a16_gemm import W4A16Config, default_config, supports_group, sweep_configs, w4a16_gemm
+from qruntime.kernels.fp8_gemm import MAX_GEMV_UNROLL
+from qruntime.kernels.w4a16_gemm import (
+    W4A16Config,
+    default_config,
+    gemv_steps,
+    supports_group,
+    sweep_configs,
+    w4a16_gemm,
+)
 from qruntime.ops.functional import dequantize_int4, w4a16_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -127,12 +135,14 @@ def test_empty_token_batch() -> None:
 @pytest.mark.parametrize("m", [1, 4, 16])
 def test_default_config_decode_streams_weight_on_all_sms(m: int, n: int, k: int, group: int) -> None:
     cfg = default_config(m, n, k, group)
-    assert cfg.block_m == 16 and cfg.fits(group)
+    assert cfg.block_m == (1 if m == 1 else 16) and cfg.fits(group)  # one token: the GEMV
     programs = -(-n // cfg.block_n) * cfg.split_k
     assert programs >= 132, (cfg, programs)  # every H100 SM streams part of the weight
+    if m == 1:
+        block_k, steps = gemv_steps(k, cfg.block_k, group)
+        assert k % block_k == 0 and steps <= MAX_GEMV_UNROLL and cfg.split_k == 1
+        return
     assert k % (cfg.block_k * cfg.split_k) == 0  # equal K ranges, no masked K tail
-    if n == 4096:  # o and down: too few N tiles alone
-        assert cfg.split_k > 1
 
 
 @pytest.mark.parametrize("n,k", QWEN3_8B)
@@ -140,6 +150,8 @@ def test_default_config_decode_streams_weight_on_all_sms(m: int, n: int, k: int,
 def test_default_config_prefill_big_tiles(m: int, n: int, k: int) -> None:
     cfg = default_config(m, n, k)
     assert cfg.block_m >= 64 and cfg.block_n >= 128 and cfg.split_k == 1
+    if m >= 1024:  # the weight tile is the dot's first operand, 256 tokens share each unpacked tile
+        assert cfg.swap_ab == 1 and cfg.block_m == 256
 
 
 @pytest.mark.parametrize("group", [128, 48, 8])
@@ -148,8 +160,13 @@ def test_sweep_configs(m: int, group: int) -> None:
     for n, k in QWEN3_8B:
         cands = sweep_configs(m, n, k, group)
         assert cands[0] == default_config(m, n, k, group)
-        assert 2 <= len(cands) <= 16 and len(set(cands)) == len(cands)
+        assert 2 <= len(cands) <= 24 and len(set(cands)) == len(cands)
         assert all(c.fits(group) for c in cands)
+        assert any(c.swap_ab for c in cands) and any(not c.swap_ab for c in cands if c.block_m > 1)
+        gemvs = [c for c in cands if c.block_m == 1]
+        # one token: the tuner times GEMVs beside the tiles (not for a group like 48, whose 16-wide
+        # steps would unroll K/16 times); more tokens: no GEMV
+        assert (len(gemvs) >= 4 and len(gemvs) < len(cands)) if m == 1 and group != 48 else not gemvs
 
 
 def test_config_json_round_trip_and_validation() -> None:
@@ -162,11 +179,27 @@ def test_config_json_round_trip_and_validation() -> None:
         "split_k": 4,
         "num_warps": 4,
         "num_stages": 4,
+        "swap_ab": 0,
     }
     with pytest.raises(ValueError, match="block_n"):
         W4A16Config(16, 48, 64)
     with pytest.raises(ValueError, match="split_k"):
         W4A16Config(16, 32, 64, split_k=0)
+    # the GEMV (block_m 1), validated as the FP8 GEMV's; swap_ab is 0 or 1, and 0 for a GEMV
+    assert W4A16Config(1, 4, 1024, 1, 4, 1).block_m == 1
+    for bad, field in (((1, 3, 512), "block_n"), ((1, 512, 512), "block_n"), ((1, 4, 24), "block_k")):
+        with pytest.raises(ValueError, match=field):
+            W4A16Config(*bad)
+    with pytest.raises(ValueError, match="split_k 1"):
+        W4A16Config(1, 4, 512, 2)
+    with pytest.raises(ValueError, match="swap_ab"):
+        W4A16Config(1, 4, 512, swap_ab=1)
+    with pytest.raises(ValueError, match="swap_ab"):
+        W4A16Config(16, 32, 64, swap_ab=2)
+    swapped = W4A16Config(256, 128, 64, 1, 8, 3, 1)
+    assert W4A16Config.from_dict(swapped.to_dict()) == swapped and swapped.to_dict()["swap_ab"] == 1
+    old_record = {k: v for k, v in cfg.to_dict().items() if k != "swap_ab"}  # a table from before swap_ab
+    assert W4A16Config.from_dict(old_record) == cfg
     assert supports_group(128) and supports_group(48) and supports_group(8) and not supports_group(24)
 
 
@@ -255,6 +288,58 @@ def test_bad_zero_points_raise() -> None:
     for bad in (wz.to(torch.int32), wz[:, :1], wz.T.contiguous().T):
         with pytest.raises(ValueError, match="wz must be uint8"):
             w4a16_gemm(x, w, ws, group, wz=bad)
+
+
+# ------------------------------------------------- one token: the GEMV (block_m 1); swapped tiles (swap_ab)
+
+
+@pytest.mark.usefixtures("fresh_torch")
+@pytest.mark.parametrize("zp", [False, True], ids=["symmetric", "zero-points"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "n,k,group,block_n,block_k",
+    [(37, 384, 128, 4, 1024), (37, 384, 64, 16, 128), (33, 512, 128, 8, 64), (21, 264, 8, 4, 256)],
+    ids=["whole-groups-k-tail", "whole-groups", "in-group", "group-8-k-tail"],
+)
+def test_gemv_matches_reference_fp32(n: int, k: int, group: int, block_n: int, block_k: int, dtype, zp: bool) -> None:
+    """The one-token GEMV (its own sum order: per column, then across) against the reference's
+    weight in fp32: odd N (a masked last program), K of a few groups, steps inside a group or
+    holding whole ones, a masked K tail (K=384 in 512-wide steps, 264 in 256-wide)."""
+    x, w, ws = operands(1, n, k, group, dtype)
+    wz = zero_points(n, k, group) if zp else None
+    config = W4A16Config(1, block_n, block_k, 1, 4, 1)
+    y = w4a16_gemm(x, w, ws, group, config, out_dtype=torch.float32, wz=wz)
+    assert_fp32_close(y, x, w, ws, group, wz)
+    y16 = w4a16_gemm(x, w, ws, group, config, wz=wz)  # the model dtype: the fp32 sum rounded once
+    assert y16.dtype == dtype and torch.equal(y16, y.to(dtype))
+
+
+@pytest.mark.usefixtures("fresh_torch")
+def test_gemv_reads_back_every_weight_and_stands_for_tiles_above_one_token() -> None:
+    """x = unit rows, one at a time: each code, scale and zero point of the GEMV's weight read back
+    bit for bit; a GEMV config at more tokens runs the tiled default (the same values)."""
+    k, n, group = 128, 12, 64
+    _, w, ws = operands(1, n, k, group)
+    wz = zero_points(n, k, group)
+    eye = torch.eye(k, device=DEVICE, dtype=torch.bfloat16)
+    config = W4A16Config(1, 4, 64, 1, 4, 1)
+    cols = torch.cat([w4a16_gemm(eye[j : j + 1], w, ws, group, config, wz=wz) for j in range(0, k, 7)])
+    assert torch.equal(cols.T, dequantize_int4(w, ws, group, wz)[:, ::7])
+    assert torch.equal(w4a16_gemm(eye[:16], w, ws, group, config, wz=wz).T, dequantize_int4(w, ws, group, wz)[:, :16])
+
+
+@pytest.mark.usefixtures("fresh_torch")
+@pytest.mark.parametrize("zp", [False, True], ids=["symmetric", "zero-points"])
+@pytest.mark.parametrize("m,split_k,block_k", [(5, 1, 64), (17, 2, 256), (40, 1, 128)])
+def test_swapped_tiles_match_reference_fp32(m: int, split_k: int, block_k: int, zp: bool) -> None:
+    """swap_ab: each tile computed as w · xᵀ and stored transposed (masked rows and columns, split-K
+    partials, whole groups at block_k 256 with a K tail at 384)."""
+    n, k, group = 40, 384, 128
+    x, w, ws = operands(m, n, k, group)
+    wz = zero_points(n, k, group) if zp else None
+    config = W4A16Config(16, 32, block_k, split_k, 4, 2, swap_ab=1)
+    y = w4a16_gemm(x, w, ws, group, config, out_dtype=torch.float32, wz=wz)
+    assert_fp32_close(y, x, w, ws, group, wz)
 
 
 # --------------------------------------------------------------- the hardware branch, compiled for sm_90
