@@ -174,10 +174,14 @@ class PTPCLinear(quant.PTPCLinear):
 
 class W4A16Linear(quant.W4A16Linear):
     """int4 weight-only GEMM (kernels/w4a16_gemm.py: the weight unpacked in registers, never
-    dequantized in memory) with the config tuned for (N, K) at the step's token count, else its
-    heuristic. The reference op runs where the kernel cannot: a CPU device without Triton's
-    interpreter, a compute dtype other than bf16 / fp16, a weight that is not a graph initializer, or
-    a group size no K tile fits."""
+    dequantized in memory; one token by default a GEMV) with the config tuned for (N, K) at the
+    step's token count, else its heuristic. The reference op runs where the kernel cannot: a CPU
+    device without Triton's interpreter, a compute dtype other than bf16 / fp16, a weight that is
+    not a graph initializer, or a group size no K tile fits."""
+
+    # with PDL: bytes of each packed weight row a GEMV program asks L2 for before its wait (as
+    # PTPCLinear's; a weight of at most 4 MB, a rank's slice, is prefetched whole)
+    prefetch_k = 1024
 
     def __init__(self, attrs, env, consts=()) -> None:
         super().__init__(attrs, env, consts)
@@ -205,7 +209,8 @@ class W4A16Linear(quant.W4A16Linear):
     def __call__(self, step, x, w, ws, wz=None):
         if self.kernel is None or x.dtype != self.env.dtype:
             return super().__call__(step, x, w, ws, wz)
-        return self.kernel(x, w, ws, self.a["group_size"], self._config(x.shape[0]), pdl=self.env.pdl, wz=wz)
+        config = self._config(x.shape[0])
+        return self.kernel(x, w, ws, self.a["group_size"], config, pdl=self.env.pdl, wz=wz, prefetch_k=self.prefetch_k)
 
 
 class MoE(moe.MoE):
