@@ -40,8 +40,8 @@ columns' weights per instruction: (word >> 4j) & 0x000F000F | 0x43004300 is the 
 one multiplies by the scale, rounding the exact product once, as the reference's bf16 multiply
 does; each half is then an fp32 (its bits the fp32's top half) for the FMA with x. About 4 ops a
 weight against the fp32 unpacking's ~8 (which fp16 keeps: an fp16 -> fp32 conversion costs a cvt).
-H200 (PDL, CUDA graphs, weights past L2; % of 4.27 TB/s copy bandwidth): qkv 10.7 µs (28%), o 6.7
-(31%), gate_up 26.0 (47%), down 19.3 (32%), against the former 16-row tile default's 22.5 / 14.2
+H200 (PDL, CUDA graphs, weights past L2; % of 4.27 TB/s copy bandwidth): qkv 8.8 µs (35%), o 6.2
+(33%), gate_up 25.6 (48%), down 19.3 (32%), against the former 16-row tile default's 22.5 / 14.2
 / 58.5 / 35.7 (timed at 16 tokens, which it ran as fast as one: bench/results, c95e7ce, H100).
 """
 
@@ -133,11 +133,15 @@ def _prefetch_bytes(n: int, k: int, prefetch_k: int) -> int:
 
 
 def default_gemv(n: int, k: int, group_size: int = 128) -> W4A16Config:
-    """The one-token GEMV's config: 1024-wide K steps (512 bytes of each packed row a step, 16-byte
-    loads), 4 warps, 8 rows a program up to K = 4096, else 16. Measured on an H200 (the tuner's
-    timing, PDL, bf16) over 4-32 rows and 512/1024-wide steps: qkv 10.7 µs (8 rows; 16: 11.2),
-    o 6.7 (16: 7.9), gate_up 26.2 (16: 26.0), down 23.5 (16: 19.3)."""
-    return W4A16Config(1, 8 if k <= 4096 else 16, 1024, 1, 4, 1)
+    """The one-token GEMV's config. Measured on an H200 (the tuner's timing, PDL, bf16) over 4-32
+    rows a program, 512-2048-wide K steps and 2-8 warps: a weight of up to 16 MB packed takes 8
+    rows, 2048-wide steps (1 KB of each row a step), 8 warps (qkv 8.8 µs, 4 warps 1024-wide 10.7;
+    o 6.2 / 6.7); a larger one 16 rows, 1024-wide steps, 4 warps (gate_up 25.6, 8 rows 26.2,
+    2048-wide 29.0; down 19.3, 8 rows 23.5). Asking L2 for a program's whole rows up front was
+    slower at every shape (qkv 8.8 -> 9.1, gate_up 25.6 -> 28.2)."""
+    if n * k // 2 <= 16 << 20:
+        return W4A16Config(1, 8, 2048, 1, 8, 1)
+    return W4A16Config(1, 16, 1024, 1, 4, 1)
 
 
 def default_config(m: int, n: int, k: int, group_size: int = 128) -> W4A16Config:
@@ -175,7 +179,7 @@ def sweep_configs(m: int, n: int, k: int, group_size: int = 128) -> list[W4A16Co
     plain and swapped (swap_ab) tiles."""
     cands: list[W4A16Config] = [default_config(m, n, k, group_size)]
     if m == 1 and gemv_steps(k, 1024, group_size)[1] <= MAX_GEMV_UNROLL:
-        for bn, bk, warps in ((4, 1024, 4), (8, 1024, 4), (16, 1024, 4), (32, 512, 4), (16, 1024, 8)):
+        for bn, bk, warps in ((8, 2048, 8), (8, 1024, 4), (16, 1024, 4), (4, 1024, 4), (32, 1024, 4)):
             cands.append(W4A16Config(1, bn, bk, 1, warps, 1))
     if m <= 16:
         for bn, bk, warps, stages, swap in (

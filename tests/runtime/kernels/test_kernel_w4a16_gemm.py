@@ -389,3 +389,18 @@ def test_hopper_build_waits_for_its_inputs_before_reading(tile, has_zp):
         4,
     )
     assert WAIT.search(reduce).start() < MEMORY.search(reduce).start()
+
+
+def test_hopper_build_of_the_bf16_gemv():
+    """The one-token GEMV's bf16 GPU branch (FAST: _dequant_pairs_bf16's bf16x2 FMAs, zero points)
+    compiles for an H100 with the Triton here; with PDL it asks L2 for its weight rows (a prefetch,
+    no load) before the wait, and reads nothing before it."""
+    types = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "c_ptr": "*bf16"}
+    types |= {name: "i32" for name in ("N", "K", "stride_wn", "stride_sn", "stride_zn")}
+    fixed = {"GROUP": 128, "NUM_K": 2, "BLOCK_N": 8, "BLOCK_K": 2048, "EVEN_K": True, "HAS_ZP": True}
+    fixed |= {"HW": True, "PDL": True, "PREFETCH_K": 1024, "FAST": True}
+    ptx = hopper_ptx("qruntime.kernels.w4a16_gemm", "_w4a16_gemv_kernel", types, fixed, 8)
+    assert ptx.count("fma.rn.bf16x2") >= 8 and "lop3.b32" in ptx
+    wait = WAIT.search(ptx).start()
+    assert "prefetch.global.L2" in ptx[:wait]
+    assert MEMORY.search(ptx).start() > wait
