@@ -108,7 +108,7 @@ class GemmConfig:
 
 MAX_GEMV_UNROLL = 32  # K steps a GEMV program unrolls at most (block_k is raised to keep within it)
 MAX_GEMV_PREFETCH = 16384  # bytes of each weight row a GEMV program asks L2 for before its PDL wait
-GEMV_PREFETCH_ALL = 12 << 20  # weights up to this many bytes: a GEMV prefetches its whole rows
+GEMV_PREFETCH_ALL = 4 << 20  # weights up to this many bytes: a GEMV prefetches its whole rows
 
 
 def _gemv_prefetch(n: int, k: int, prefetch_k: int) -> int:
@@ -116,9 +116,7 @@ def _gemv_prefetch(n: int, k: int, prefetch_k: int) -> int:
     weight of at most GEMV_PREFETCH_ALL bytes, else prefetch_k (the tiled GEMM's). Measured on an
     H100 (bench/gemv_bench.py, f81ec31: full rows against no PDL at all): qwen3-30b-a3b tp 4's qkv
     and o (2-3 MB) 3.3 -> 2.2 and 2.9 -> 2.2 µs, but qwen3-8b's qkv and down (25 and 50 MB, half
-    of L2 and more, evicted before use) 10.8 -> 12.3 and 20.9 -> 23.2 µs. The limit was 4 MiB
-    until the 4.2-12.6 MB attention weights of qwen3-30b-a3b at tp 1 and 2 and qwen3-8b at tp 2
-    were measured with it at 12 MiB (a quarter of the L2 of an H100 or H200)."""
+    of L2 and more, evicted before use) 10.8 -> 12.3 and 20.9 -> 23.2 µs."""
     if prefetch_k == 0:
         return 0
     if n * k <= GEMV_PREFETCH_ALL:

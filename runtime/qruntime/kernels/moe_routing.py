@@ -38,7 +38,7 @@ from qruntime.kernels.dynamic_quant import (
     rows_of,
     use_hw_casts,
 )
-from qruntime.kernels.pdl import launch_options, prefetch_l2, wait_for_inputs
+from qruntime.kernels.pdl import launch_options, wait_for_inputs
 
 MAX_EXPERTS = 4096  # the router row is one register tile
 MAX_ROUTER_TILE = 4096  # router weights a program of moe_router_one holds per step of its H loop
@@ -167,18 +167,13 @@ def _router_one_kernel(
     SLICE: tl.constexpr,  # columns of x each program quantizes
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
     FNUZ: tl.constexpr = False,  # xq in e4m3fnuz (amd-gfx942), xs doubled
-    PREFETCH_LINES: tl.constexpr = 0,  # with PDL: 128-byte lines of each router row asked of L2 before the wait
-    LINE_ELEMS: tl.constexpr = 64,  # elements of the router's dtype in a line
 ):
-    pid = tl.program_id(0)
-    rows = pid * EXPERTS + tl.arange(0, EXPERTS)
-    if PDL and PREFETCH_LINES > 0:  # the router rows do not depend on the previous kernel: start reading them
-        lines = tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE_ELEMS, H - 1)
-        prefetch_l2(w_ptr + tl.minimum(rows, E - 1)[:, None].to(tl.int64) * stride_w + lines[None, :])
     wait_for_inputs(PDL)
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty  # the model dtype, which F.linear's logits are in
     # ---- logits of this program's experts: fp32 dot products over H, rounded as F.linear's output;
     # the row's max |x| on the way (every program reads all of x)
+    pid = tl.program_id(0)
+    rows = pid * EXPERTS + tl.arange(0, EXPERTS)
     cols = tl.arange(0, BLOCK_H)
     acc = tl.zeros([EXPERTS, BLOCK_H], dtype=tl.float32)
     amax = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -394,8 +389,6 @@ def moe_router_one(
         BLOCK_H=min(triton.next_power_of_2(hidden), max(64, MAX_ROUTER_TILE // per)),
         SLICE=triton.next_power_of_2(triton.cdiv(hidden, programs)),
         FNUZ=fnuz,
-        PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(hidden * x.element_size(), 128)) if pdl else 0,
-        LINE_ELEMS=128 // x.element_size(),
         num_warps=num_warps,
         **launch_options(pdl),
     )  # fmt: skip

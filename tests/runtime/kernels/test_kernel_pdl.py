@@ -66,16 +66,6 @@ QUANT = (
     {"BLOCK": 4096, "NUM_CHUNKS": 1, "HW": True},
     8,
 )
-ROUTER = (  # moe_router_one at qwen3-30b-a3b's shape: a program per router row of H = 2048 bf16 (32 L2 lines)
-    "qruntime.kernels.moe_routing",
-    "_router_one_kernel",
-    {"x_ptr": "*bf16", "w_ptr": "*bf16", "logits_ptr": "*fp32", "counter_ptr": "*i32", "weights_ptr": "*fp32"}
-    | {"ids_ptr": "*i32", "xq_ptr": "*u8", "xs_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32"}
-    | {"num_padded_ptr": "*i32", "amax_ptr": "*fp32", "E": "i32", "H": "i32", "stride_w": "i32"},
-    {"TOP_K": 8, "NORM": True, "BLOCK_E": 128, "BLOCK_TOPK": 8, "HW": True, "BLOCK_M": 16, "BLOCK_PAIRS": 128}
-    | {"EXPERTS": 1, "BLOCK_H": 2048, "SLICE": 16, "PREFETCH_LINES": 32, "LINE_ELEMS": 64},
-    1,
-)
 
 
 def _ptx(kernel: tuple, **constexprs) -> str:
@@ -128,16 +118,3 @@ def test_pdl_is_only_asked_of_a_hopper_gpu():
     assert resolve_pdl(False, cpu, "reference") is False
     with pytest.raises(ValueError, match=r"pdl=True needs the triton backend .*compute capability 9\.0"):
         resolve_pdl(True, cpu, "reference")
-
-
-def test_the_router_only_prefetches_its_rows_before_the_wait():
-    """moe_router_one under PDL asks L2 for its router row (the 128 programs' 512 KB at 30B-A3B) while
-    the kernel before it runs, and touches nothing else before the wait."""
-    ptx = _ptx(ROUTER, PDL=True)
-    assert len(WAIT.findall(ptx)) == 1 and len(RELEASE.findall(ptx)) == 1
-    wait = WAIT.search(ptx).start()
-    first_access = MEMORY.search(ptx)
-    assert first_access is not None and first_access.start() > wait, f"memory touched before the wait: {first_access}"
-    assert ptx[:wait].count("prefetch.global.L2") >= 1 and "prefetch.global.L2" not in ptx[wait:]
-    plain = _ptx(ROUTER, PDL=False)
-    assert "griddepcontrol" not in plain and "prefetch.global.L2" not in plain
