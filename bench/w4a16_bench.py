@@ -121,7 +121,7 @@ def main() -> None:
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s, pdl {pdl}")
     print(
         f"{'linear':8} {'M':>5} {'w4a16 us':>9} {'%bw':>5} {'tuned us':>9} {'%bw':>5} {'fp8 us':>8} {'%bw':>5} "
-        f"{'w4a16/fp8':>9} {'tuned/fp8':>9}  tuned config (block_m n k split warps stages swap)"
+        f"{'w4a16/fp8':>9} {'tuned/fp8':>9}  tuned config (block_m n k split warps stages swap packed)"
     )
     for name, (n, k) in QWEN3_8B.items():
         for m in map(int, args.tokens.split(",")):

@@ -40,21 +40,23 @@ columns' weights per instruction: (word >> 4j) & 0x000F000F | 0x43004300 is the 
 one multiplies by the scale, rounding the exact product once, as the reference's bf16 multiply
 does; each half is then an fp32 (its bits the fp32's top half) for the FMA with x. About 4 ops a
 weight against the fp32 unpacking's ~8 (which fp16 keeps: an fp16 -> fp32 conversion costs a cvt).
-H200 (PDL, CUDA graphs, weights past L2; % of 4.27 TB/s copy bandwidth): qkv 8.8 µs (35%), o 6.2
+Tiles may unpack the same way (W4A16Config.packed: the pairs laid out as the tile by
+_bf16_tile, the same weights to the bit): not yet timed on a GPU, so only the tuner picks it.
+The GEMV on an H200 (PDL, CUDA graphs, weights past L2; % of 4.27 TB/s copy bandwidth): qkv 8.8 µs (35%), o 6.2
 (33%), gate_up 25.6 (48%), down 19.3 (32%), against the former 16-row tile default's 22.5 / 14.2
 / 58.5 / 35.7 (timed at 16 tokens, which it ran as fast as one: bench/results, c95e7ce, H100).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from qruntime.kernels.dynamic_quant import round_to, use_hw_casts
+from qruntime.kernels.dynamic_quant import round_bf16, round_to, use_hw_casts
 from qruntime.kernels.fp8_gemm import (
     GEMV_PREFETCH_ALL,
     MAX_GEMV_PREFETCH,
@@ -77,14 +79,19 @@ class W4A16Config(GemmConfig):
     (block_m 1: the one-token GEMV, validated as the FP8 GEMV's), and swap_ab: 1 computes each
     tile transposed (yᵀ = w · xᵀ), so the unpacked weight tile is the tensor-core dot's first
     operand (on Hopper, wgmma reads it from registers; the tile's 64+ weight rows fill the
-    instruction's M side at any token count), 0 the plain x · wᵀ."""
+    instruction's M side at any token count), 0 the plain x · wᵀ; packed: 1 unpacks a bf16 tile
+    with _dequant_pairs_bf16 (two columns an instruction, as the bf16 GEMV always does; the same
+    weights to the bit), 0 in fp32 (_dequant_tile). Both 0 for a GEMV."""
 
     swap_ab: int = 0
+    packed: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.swap_ab not in (0, 1) or (self.swap_ab and self.block_m == 1):
-            raise ValueError(f"W4A16Config.swap_ab must be 0 or 1 (0 for a GEMV, block_m 1), got {self.swap_ab}")
+        for name in ("swap_ab", "packed"):
+            v = getattr(self, name)
+            if v not in (0, 1) or (v and self.block_m == 1):
+                raise ValueError(f"W4A16Config.{name} must be 0 or 1 (0 for a GEMV, block_m 1), got {v}")
 
     def fits(self, group_size: int) -> bool:
         """Whether a K tile (a GEMV's K step) lies inside one group or holds whole groups."""
@@ -92,9 +99,9 @@ class W4A16Config(GemmConfig):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> W4A16Config:
-        """The record's fields; a record without swap_ab (written before it existed) has 0."""
+        """The record's fields; a record without swap_ab or packed (written before they existed) has 0."""
         base = GemmConfig.from_dict(d)
-        return cls(**asdict(base), swap_ab=int(d.get("swap_ab", 0)))
+        return cls(**asdict(base), swap_ab=int(d.get("swap_ab", 0)), packed=int(d.get("packed", 0)))
 
 
 def supports_group(group_size: int) -> bool:
@@ -176,7 +183,7 @@ def default_config(m: int, n: int, k: int, group_size: int = 128) -> W4A16Config
 def sweep_configs(m: int, n: int, k: int, group_size: int = 128) -> list[W4A16Config]:
     """A small candidate list for the tuner to time at (m, n, k); default_config comes first, and
     every candidate fits `group_size`. One token: GEMVs beside the 16-row tiles; each bucket:
-    plain and swapped (swap_ab) tiles."""
+    plain and swapped (swap_ab) tiles, and a few with bf16x2 unpacking (packed)."""
     cands: list[W4A16Config] = [default_config(m, n, k, group_size)]
     if m == 1 and gemv_steps(k, 1024, group_size)[1] <= MAX_GEMV_UNROLL:
         for bn, bk, warps in ((8, 2048, 8), (8, 1024, 4), (16, 1024, 4), (4, 1024, 4), (32, 1024, 4)):
@@ -218,6 +225,10 @@ def sweep_configs(m: int, n: int, k: int, group_size: int = 128) -> list[W4A16Co
             (128, 64, 64, 4, 4, 1),
         ):
             cands.append(W4A16Config(bm, bn, _block_k_for(bk, group_size), 1, warps, stages, swap))
+    # bf16x2 unpacking (packed) of the first tile candidate and two swapped ones: not yet timed on a
+    # GPU against the fp32 unpacking, so the tuner decides
+    tiles = [c for c in dict.fromkeys(cands) if c.block_m > 1]
+    cands += [replace(c, packed=1) for c in tiles[:1] + [c for c in tiles[1:] if c.swap_ab][:2]]
     return list(dict.fromkeys(cands))
 
 
@@ -240,39 +251,59 @@ def _dequant_tile(words, scale, offset, BLOCK_K: tl.constexpr, DTYPE: tl.constex
 
 
 @triton.jit
-def _dequant_pairs_bf16(words, scale2, zoff2):
+def _dequant_pairs_bf16(words, scale2, zoff2, HW: tl.constexpr):
     """int32 words [BN, W] -> four int32 [BN, W] of bf16 pairs: pair p holds the reference weight
-    of column 8w + p (low half) and 8w + p + 4 (high half). Per pair: one shift, one lop3 making
-    (code | 0x4300) = 128 + code in bf16 (exact), one bf16x2 FMA subtracting 128 + z (exact: a
-    small integer), one bf16x2 FMA by the scale (the product rounded once, the reference's
-    weight). scale2: bf16x2 (s, s); zoff2: bf16x2 (-(128 + z), -(128 + z)). sm_80+ only."""
-    return tl.inline_asm_elementwise(
-        """{
-        .reg .b32 t0, t1, t2, t3, one, nz;
-        mov.b32 one, 0x3F803F80;
-        mov.b32 nz, 0x80008000;
-        lop3.b32 t0, $4, 0x000F000F, 0x43004300, 0xea;
-        shr.u32 t1, $4, 4;
-        lop3.b32 t1, t1, 0x000F000F, 0x43004300, 0xea;
-        shr.u32 t2, $4, 8;
-        lop3.b32 t2, t2, 0x000F000F, 0x43004300, 0xea;
-        shr.u32 t3, $4, 12;
-        lop3.b32 t3, t3, 0x000F000F, 0x43004300, 0xea;
-        fma.rn.bf16x2 t0, t0, one, $6;
-        fma.rn.bf16x2 t1, t1, one, $6;
-        fma.rn.bf16x2 t2, t2, one, $6;
-        fma.rn.bf16x2 t3, t3, one, $6;
-        fma.rn.bf16x2 $0, t0, $5, nz;
-        fma.rn.bf16x2 $1, t1, $5, nz;
-        fma.rn.bf16x2 $2, t2, $5, nz;
-        fma.rn.bf16x2 $3, t3, $5, nz;
-        }""",
-        "=r,=r,=r,=r,r,r,r",
-        [words, scale2, zoff2],
-        dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-        is_pure=True,
-        pack=1,
-    )
+    of column 8w + p (low half) and 8w + p + 4 (high half). On a GPU (HW), per pair: one shift, one
+    lop3 making (code | 0x4300) = 128 + code in bf16 (exact), one bf16x2 FMA subtracting 128 + z
+    (exact: a small integer), one bf16x2 FMA by the scale (the product rounded once, the
+    reference's weight). scale2: bf16x2 (s, s); zoff2: bf16x2 (-(128 + z), -(128 + z)). Under the
+    interpreter the same bits from fp32 arithmetic and an integer rounding to bf16."""
+    if HW:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t0, t1, t2, t3, one, nz;
+            mov.b32 one, 0x3F803F80;
+            mov.b32 nz, 0x80008000;
+            lop3.b32 t0, $4, 0x000F000F, 0x43004300, 0xea;
+            shr.u32 t1, $4, 4;
+            lop3.b32 t1, t1, 0x000F000F, 0x43004300, 0xea;
+            shr.u32 t2, $4, 8;
+            lop3.b32 t2, t2, 0x000F000F, 0x43004300, 0xea;
+            shr.u32 t3, $4, 12;
+            lop3.b32 t3, t3, 0x000F000F, 0x43004300, 0xea;
+            fma.rn.bf16x2 t0, t0, one, $6;
+            fma.rn.bf16x2 t1, t1, one, $6;
+            fma.rn.bf16x2 t2, t2, one, $6;
+            fma.rn.bf16x2 t3, t3, one, $6;
+            fma.rn.bf16x2 $0, t0, $5, nz;
+            fma.rn.bf16x2 $1, t1, $5, nz;
+            fma.rn.bf16x2 $2, t2, $5, nz;
+            fma.rn.bf16x2 $3, t3, $5, nz;
+            }""",
+            "=r,=r,=r,=r,r,r,r",
+            [words, scale2, zoff2],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        s = (scale2 << 16).to(tl.float32, bitcast=True)  # the low halves: bf16 bits are fp32's top half
+        z = (zoff2 << 16).to(tl.float32, bitcast=True)
+        return (
+            _emulated_pair(words, 0, s, z),
+            _emulated_pair(words, 4, s, z),
+            _emulated_pair(words, 8, s, z),
+            _emulated_pair(words, 12, s, z),
+        )
+
+
+@triton.jit
+def _emulated_pair(words, shift: tl.constexpr, s, z):
+    """The bf16 pair of _dequant_pairs_bf16 for the codes at bits shift and shift + 16, in fp32."""
+    lo = (((words >> shift) & 0xF).to(tl.float32) + 128.0 + z) * s  # exact in fp32
+    hi = (((words >> (shift + 16)) & 0xF).to(tl.float32) + 128.0 + z) * s
+    lo_bits = (round_bf16(lo).to(tl.int32, bitcast=True) >> 16) & 0xFFFF
+    return lo_bits | (round_bf16(hi).to(tl.int32, bitcast=True) & -65536)
 
 
 @triton.jit
@@ -280,6 +311,50 @@ def _bf16_pair(v):
     """bf16 values (any shape) -> int32 (v, v): both halves the value's bits."""
     b = v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     return b | (b << 16)
+
+
+@triton.jit
+def _dequant_words_bf16(
+    words, s_ptr, z_ptr, rn, k, K, stride_sn, stride_zn,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ZP: tl.constexpr, HW: tl.constexpr,
+):  # fmt: skip
+    """The words [BLOCK_N, BLOCK_K/8] of rows rn from column k unpacked by _dequant_pairs_bf16 with
+    their groups' bf16 scales (and zero points): four int32 [BLOCK_N, BLOCK_K/8] of bf16 pairs."""
+    if BLOCK_K <= GROUP:  # the step lies inside one group: one scale per row
+        s = tl.load(s_ptr + rn * stride_sn + k // GROUP)[:, None]  # [BLOCK_N, 1]
+        if HAS_ZP:
+            z = tl.load(z_ptr + rn * stride_zn + k // GROUP).to(tl.float32)[:, None]
+    else:  # whole groups: each row's scales repeated over their GROUP / 8 words
+        offs_g = k // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        mask_g = (offs_g * GROUP < K)[None, :]
+        s = tl.load(s_ptr + rn[:, None] * stride_sn + offs_g[None, :], mask=mask_g, other=0.0)
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP // 8)), (BLOCK_N, BLOCK_K // 8))
+        if HAS_ZP:
+            z = tl.load(z_ptr + rn[:, None] * stride_zn + offs_g[None, :], mask=mask_g, other=0).to(tl.float32)
+            z = tl.reshape(
+                tl.broadcast_to(z[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP // 8)), (BLOCK_N, BLOCK_K // 8)
+            )
+    if HAS_ZP:  # noqa: SIM108 (constexpr branches)
+        zoff2 = _bf16_pair((-128.0 - z).to(tl.bfloat16))  # exact: -(128 + z), z in 0..15
+    else:
+        zoff2 = tl.full((1, 1), -1022835960, tl.int32)  # 0xC308C308: the bf16 pair (-136, -136)
+    return _dequant_pairs_bf16(words, _bf16_pair(s), zoff2, HW)
+
+
+@triton.jit
+def _halves(pair):
+    """int32 bf16 pairs [..] -> bf16 [.., 2]: (low half, high half)."""
+    lo = pair.to(tl.int16).to(tl.bfloat16, bitcast=True)  # the narrowing keeps the low 16 bits
+    hi = (pair >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def _bf16_tile(p0, p1, p2, p3, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_dequant_pairs_bf16's pairs [BLOCK_N, BLOCK_K/8] -> the bf16 weight tile [BLOCK_N, BLOCK_K] in
+    column order: [n, w, h, i, o] holds pair 2i + o's half h, column 8w + 4h + 2i + o."""
+    t = tl.join(tl.join(_halves(p0), _halves(p2)), tl.join(_halves(p1), _halves(p3)))
+    return tl.reshape(t, (BLOCK_N, BLOCK_K))
 
 
 @triton.jit
@@ -325,6 +400,7 @@ def _w4a16_gemm_kernel(
     HW: tl.constexpr,  # hardware rounding (the interpreter's fp32 -> bf16 cast truncates)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
     SWAP: tl.constexpr = False,  # the transposed product w · xᵀ (W4A16Config.swap_ab)
+    FAST: tl.constexpr = False,  # bf16 on a GPU: _dequant_pairs_bf16's packed unpacking
 ):
     wait_for_inputs(PDL)
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -350,22 +426,34 @@ def _w4a16_gemm_kernel(
         else:
             x = tl.load(x_ptrs, mask=mask_m & ((k + offs_k)[None, :] < K), other=0.0)
             words = tl.load(w_ptrs, mask=((k + offs_kw * 8) < K)[None, :], other=0)
-        offset = 8388616.0  # 2^23 + 8: symmetric
-        if BLOCK_K <= GROUP:  # the tile lies inside one group: one scale per row
-            scale = tl.load(s_ptr + rn * stride_sn + k // GROUP).to(tl.float32)[:, None]  # [BLOCK_N, 1]
-            if HAS_ZP:
-                z = tl.load(z_ptr + rn * stride_zn + k // GROUP).to(tl.float32)[:, None]  # [BLOCK_N, 1]
-                offset = z + 8388608.0
-        else:  # whole groups: each row's BLOCK_K / GROUP scales, repeated over their columns
-            offs_g = k // GROUP + tl.arange(0, BLOCK_K // GROUP)
-            mask_g = (offs_g * GROUP < K)[None, :]
-            s = tl.load(s_ptr + rn[:, None] * stride_sn + offs_g[None, :], mask=mask_g, other=0.0).to(tl.float32)
-            scale = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP)), (BLOCK_N, BLOCK_K))
-            if HAS_ZP:
-                z = tl.load(z_ptr + rn[:, None] * stride_zn + offs_g[None, :], mask=mask_g, other=0).to(tl.float32)
-                z = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP)), (BLOCK_N, BLOCK_K))
-                offset = z + 8388608.0
-        w = _dequant_tile(words, scale, offset, BLOCK_K, x_ptr.dtype.element_ty, HW)  # [BLOCK_N, BLOCK_K]
+        if FAST:  # bf16 on a GPU: _dequant_pairs_bf16's pairs, laid out as the tile
+            p0, p1, p2, p3 = _dequant_words_bf16(
+                words, s_ptr, z_ptr, rn, k, K, stride_sn, stride_zn, GROUP, BLOCK_N, BLOCK_K, HAS_ZP, HW
+            )
+            w = _bf16_tile(p0, p1, p2, p3, BLOCK_N, BLOCK_K)
+            if not HW:
+                w = w.to(tl.float32)  # exact: the interpreter's dots below are in fp32
+        else:
+            offset = 8388616.0  # 2^23 + 8: symmetric
+            if BLOCK_K <= GROUP:  # the tile lies inside one group: one scale per row
+                scale = tl.load(s_ptr + rn * stride_sn + k // GROUP).to(tl.float32)[:, None]  # [BLOCK_N, 1]
+                if HAS_ZP:
+                    z = tl.load(z_ptr + rn * stride_zn + k // GROUP).to(tl.float32)[:, None]  # [BLOCK_N, 1]
+                    offset = z + 8388608.0
+            else:  # whole groups: each row's BLOCK_K / GROUP scales, repeated over their columns
+                offs_g = k // GROUP + tl.arange(0, BLOCK_K // GROUP)
+                mask_g = (offs_g * GROUP < K)[None, :]
+                s = tl.load(s_ptr + rn[:, None] * stride_sn + offs_g[None, :], mask=mask_g, other=0.0).to(tl.float32)
+                scale = tl.reshape(
+                    tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP)), (BLOCK_N, BLOCK_K)
+                )
+                if HAS_ZP:
+                    z = tl.load(z_ptr + rn[:, None] * stride_zn + offs_g[None, :], mask=mask_g, other=0).to(tl.float32)
+                    z = tl.reshape(
+                        tl.broadcast_to(z[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP)), (BLOCK_N, BLOCK_K)
+                    )
+                    offset = z + 8388608.0
+            w = _dequant_tile(words, scale, offset, BLOCK_K, x_ptr.dtype.element_ty, HW)  # [BLOCK_N, BLOCK_K]
         if SWAP:  # yᵀ tile = w · xᵀ: the unpacked weight is the dot's first operand, kept in registers
             if HW:  # noqa: SIM108 (two launch paths read better as branches in a kernel)
                 acc = tl.dot(w, tl.trans(x), acc)
@@ -453,27 +541,9 @@ def _w4a16_gemv_kernel(
         else:
             words = tl.load(w_ptrs + k // 8, mask=((k + offs_kw * 8) < K)[None, :], other=0)
         if FAST:  # bf16 on a GPU: the pairs of _dequant_pairs_bf16, x read by column of each word
-            if BLOCK_K <= GROUP:  # the step lies inside one group: one scale per row
-                s = tl.load(s_ptr + rn * stride_sn + k // GROUP)[:, None]  # [BLOCK_N, 1]
-                if HAS_ZP:
-                    z = tl.load(z_ptr + rn * stride_zn + k // GROUP).to(tl.float32)[:, None]
-            else:  # whole groups: each row's scales repeated over their GROUP / 8 words
-                offs_g = k // GROUP + tl.arange(0, BLOCK_K // GROUP)
-                mask_g = (offs_g * GROUP < K)[None, :]
-                s = tl.load(s_ptr + rn[:, None] * stride_sn + offs_g[None, :], mask=mask_g, other=0.0)
-                s = tl.reshape(
-                    tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP // 8)), (BLOCK_N, BLOCK_K // 8)
-                )
-                if HAS_ZP:
-                    z = tl.load(z_ptr + rn[:, None] * stride_zn + offs_g[None, :], mask=mask_g, other=0).to(tl.float32)
-                    z = tl.reshape(
-                        tl.broadcast_to(z[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP // 8)), (BLOCK_N, BLOCK_K // 8)
-                    )
-            if HAS_ZP:  # noqa: SIM108 (constexpr branches)
-                zoff2 = _bf16_pair((-128.0 - z).to(tl.bfloat16))  # exact: -(128 + z), z in 0..15
-            else:
-                zoff2 = tl.full((1, 1), -1022835960, tl.int32)  # 0xC308C308: the bf16 pair (-136, -136)
-            p0, p1, p2, p3 = _dequant_pairs_bf16(words, _bf16_pair(s), zoff2)
+            p0, p1, p2, p3 = _dequant_words_bf16(
+                words, s_ptr, z_ptr, rn, k, K, stride_sn, stride_zn, GROUP, BLOCK_N, BLOCK_K, HAS_ZP, HW
+            )
             cols = k + offs_kw * 8  # column 0 of each word
             acc = _pair_fma(acc, p0, x_ptr, cols, K, EVEN_K)
             acc = _pair_fma(acc, p1, x_ptr, cols + 1, K, EVEN_K)
@@ -558,7 +628,7 @@ def w4a16_gemm(
     pdl: bool = False,
     wz: torch.Tensor | None = None,
     prefetch_k: int = 0,
-    fast: bool = True,
+    fast: bool | None = None,
 ) -> torch.Tensor:
     """W4A16 linear: x [M,K] times the int4 weight w [N,K/8] with scales ws [N,K/group_size] (and
     zero-point codes wz, uint8 [N,K/group_size], when given: asymmetric int4), transposed -> [M,N]
@@ -567,8 +637,12 @@ def w4a16_gemm(
     x: bf16/fp16, rows contiguous; ws: any float dtype, cast to x's (the reference rounds the
     weight in x's dtype, with the scale in x's dtype). config: tile sizes, split-K and launch
     parameters; default_config(M, N, K, group_size) when None. pdl: programmatic dependent launch
-    (kernels/pdl.py). Raises ValueError on a dtype, shape, stride or device mismatch, or a config
-    whose K tile neither lies inside a group nor holds whole groups.
+    (kernels/pdl.py); with it a GEMV program first asks L2 for `prefetch_k` bytes of each of its
+    packed rows (0: none; a weight of at most GEMV_PREFETCH_ALL bytes: its whole rows). fast: bf16
+    unpacking by _dequant_pairs_bf16 (bf16x2 instructions on a GPU, emulated under the
+    interpreter) rather than in fp32; the same weights to the bit either way; None: on a GPU only.
+    Raises ValueError on a dtype, shape, stride or device mismatch, or a config whose K tile
+    neither lies inside a group nor holds whole groups.
     """
     out_dtype = out_dtype or x.dtype
     _check(x, w, ws, group_size, out_dtype, wz)
@@ -587,6 +661,8 @@ def w4a16_gemm(
         raise ValueError(f"prefetch_k must be 0 or a power of two multiple of 128 bytes, got {prefetch_k}")
     if ws.dtype != x.dtype:
         ws = ws.to(x.dtype)
+    hw = use_hw_casts(x)
+    packed = x.dtype == torch.bfloat16 and (hw and (cfg.block_m == 1 or cfg.packed) if fast is None else fast)
     if cfg.block_m == 1:
         block_k, steps = gemv_steps(k, cfg.block_k, group_size)
         _w4a16_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
@@ -594,7 +670,7 @@ def w4a16_gemm(
             0 if wz is None else wz.stride(0),
             GROUP=group_size, NUM_K=steps, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
             HAS_ZP=wz is not None, HW=use_hw_casts(x), num_warps=cfg.num_warps,
-            FAST=use_hw_casts(x) and x.dtype == torch.bfloat16 and group_size % 8 == 0 and fast,
+            FAST=packed,
             PREFETCH_K=_prefetch_bytes(n, k, prefetch_k) if pdl else 0,
             **launch_options(pdl),
         )  # fmt: skip
@@ -604,7 +680,6 @@ def w4a16_gemm(
     split = triton.cdiv(k_tiles, tiles_per_split)  # no empty split
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    hw = use_hw_casts(x)
     _w4a16_gemm_kernel[(tiles, split)](
         x,
         w,
@@ -631,6 +706,7 @@ def w4a16_gemm(
         HAS_ZP=wz is not None,
         HW=hw,
         SWAP=bool(cfg.swap_ab),
+        FAST=packed,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **launch_options(pdl),

@@ -163,6 +163,7 @@ def test_sweep_configs(m: int, group: int) -> None:
         assert 2 <= len(cands) <= 24 and len(set(cands)) == len(cands)
         assert all(c.fits(group) for c in cands)
         assert any(c.swap_ab for c in cands) and any(not c.swap_ab for c in cands if c.block_m > 1)
+        assert any(c.packed for c in cands) and any(not c.packed for c in cands if c.block_m > 1)
         gemvs = [c for c in cands if c.block_m == 1]
         # one token: the tuner times GEMVs beside the tiles (not for a group like 48, whose 16-wide
         # steps would unroll K/16 times); more tokens: no GEMV
@@ -180,6 +181,7 @@ def test_config_json_round_trip_and_validation() -> None:
         "num_warps": 4,
         "num_stages": 4,
         "swap_ab": 0,
+        "packed": 0,
     }
     with pytest.raises(ValueError, match="block_n"):
         W4A16Config(16, 48, 64)
@@ -196,9 +198,13 @@ def test_config_json_round_trip_and_validation() -> None:
         W4A16Config(1, 4, 512, swap_ab=1)
     with pytest.raises(ValueError, match="swap_ab"):
         W4A16Config(16, 32, 64, swap_ab=2)
-    swapped = W4A16Config(256, 128, 64, 1, 8, 3, 1)
+    with pytest.raises(ValueError, match="packed"):
+        W4A16Config(1, 4, 512, packed=1)
+    with pytest.raises(ValueError, match="packed"):
+        W4A16Config(16, 32, 64, packed=-1)
+    swapped = W4A16Config(256, 128, 64, 1, 8, 3, 1, 1)
     assert W4A16Config.from_dict(swapped.to_dict()) == swapped and swapped.to_dict()["swap_ab"] == 1
-    old_record = {k: v for k, v in cfg.to_dict().items() if k != "swap_ab"}  # a table from before swap_ab
+    old_record = {k: v for k, v in cfg.to_dict().items() if k not in ("swap_ab", "packed")}  # a table from before
     assert W4A16Config.from_dict(old_record) == cfg
     assert supports_group(128) and supports_group(48) and supports_group(8) and not supports_group(24)
 
@@ -308,10 +314,11 @@ def test_gemv_matches_reference_fp32(n: int, k: int, group: int, block_n: int, b
     x, w, ws = operands(1, n, k, group, dtype)
     wz = zero_points(n, k, group) if zp else None
     config = W4A16Config(1, block_n, block_k, 1, 4, 1)
-    y = w4a16_gemm(x, w, ws, group, config, out_dtype=torch.float32, wz=wz)
-    assert_fp32_close(y, x, w, ws, group, wz)
-    y16 = w4a16_gemm(x, w, ws, group, config, wz=wz)  # the model dtype: the fp32 sum rounded once
-    assert y16.dtype == dtype and torch.equal(y16, y.to(dtype))
+    for fast in (False, True):  # bf16: the fp32 unpacking, then _dequant_pairs_bf16's (fp16 has one)
+        y = w4a16_gemm(x, w, ws, group, config, out_dtype=torch.float32, wz=wz, fast=fast)
+        assert_fp32_close(y, x, w, ws, group, wz)
+        y16 = w4a16_gemm(x, w, ws, group, config, wz=wz, fast=fast)  # the model dtype: the fp32 sum rounded once
+        assert y16.dtype == dtype and torch.equal(y16, y.to(dtype))
 
 
 @pytest.mark.usefixtures("fresh_torch")
@@ -340,6 +347,25 @@ def test_swapped_tiles_match_reference_fp32(m: int, split_k: int, block_k: int, 
     config = W4A16Config(16, 32, block_k, split_k, 4, 2, swap_ab=1)
     y = w4a16_gemm(x, w, ws, group, config, out_dtype=torch.float32, wz=wz)
     assert_fp32_close(y, x, w, ws, group, wz)
+
+
+@pytest.mark.usefixtures("fresh_torch")
+@pytest.mark.parametrize("zp", [False, True], ids=["symmetric", "zero-points"])
+@pytest.mark.parametrize(
+    "config",
+    [W4A16Config(16, 32, 64, 2, 4, 2), W4A16Config(16, 32, 256, 1, 4, 2, 1), W4A16Config(32, 16, 128, 1, 4, 2)],
+    ids=["in-group-split", "whole-groups-swapped", "whole-groups"],
+)
+def test_packed_bf16_unpacking_gives_the_fp32_unpackings_bits(config, zp: bool) -> None:
+    """bf16 tiles unpack by _dequant_pairs_bf16 (code | 0x4300 pairs, the interpreter's emulation of
+    its bf16x2 FMAs) laid out by _bf16_tile; fast=False takes the fp32 unpacking: the same weight
+    tile to the bit, so the same outputs to the bit (a K tail at 384 in 256-wide tiles)."""
+    m, n, k, group = 7, 40, 384, 64
+    x, w, ws = operands(m, n, k, group)
+    wz = zero_points(n, k, group) if zp else None
+    fast = w4a16_gemm(x, w, ws, group, config, out_dtype=torch.float32, wz=wz, fast=True)
+    assert torch.equal(fast, w4a16_gemm(x, w, ws, group, config, out_dtype=torch.float32, wz=wz, fast=False))
+    assert_fp32_close(fast, x, w, ws, group, wz)
 
 
 # --------------------------------------------------------------- the hardware branch, compiled for sm_90
@@ -404,3 +430,13 @@ def test_hopper_build_of_the_bf16_gemv():
     wait = WAIT.search(ptx).start()
     assert "prefetch.global.L2" in ptx[:wait]
     assert MEMORY.search(ptx).start() > wait
+
+
+def test_hopper_build_of_the_packed_swapped_tile():
+    """A packed (bf16x2 unpacking) swapped prefill tile compiles for an H100 with the Triton here:
+    wgmma with the unpacked weight, the bf16x2 FMAs, the PDL wait before any global access."""
+    fixed = {"GROUP": 128, "BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 1, "GROUP_M": 8}
+    fixed |= {"EVEN_K": True, "HW": True, "HAS_ZP": True, "PDL": True, "SWAP": True, "FAST": True}
+    ptx = hopper_ptx("qruntime.kernels.w4a16_gemm", "_w4a16_gemm_kernel", GEMM_TYPES, fixed, 8)
+    assert "wgmma" in ptx and "fma.rn.bf16x2" in ptx
+    assert MEMORY.search(ptx).start() > WAIT.search(ptx).start()
