@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -43,11 +44,11 @@ def _copies(nbytes: int) -> int:
 
 
 def bench_w4a16(m: int, n: int, k: int, pdl: bool, tune: bool) -> dict:
-    """The default config's µs, and with `tune` the fastest candidate's (configs that do not run
-    on this GPU, e.g. a pipeline deeper than its shared memory, are skipped)."""
+    """The default config's µs (a wrong default ends the run), and with `tune` the fastest
+    candidate's; a candidate that does not build or run on this GPU (e.g. a pipeline deeper than
+    its shared memory) or gives a wrong result is left out and listed under "failed"."""
     from qruntime.kernels.w4a16_gemm import default_config, sweep_configs, w4a16_gemm
     from qruntime.ops.functional import dequantize_int4
-    from triton.runtime.errors import OutOfResources
 
     copies = []
     for _ in range(_copies(n * k // 2)):
@@ -63,20 +64,23 @@ def bench_w4a16(m: int, n: int, k: int, pdl: bool, tune: bool) -> dict:
         us = time_us([lambda c=c: w4a16_gemm(x, *c, GROUP, config, pdl=pdl) for c in copies])
         error = float((w4a16_gemm(x, w, ws, GROUP, config).float() - ref).abs().max() / ref.abs().max())
         if not error <= MAX_ERROR:
-            raise SystemExit(f"w4a16 {n}x{k} at {m} tokens with {config} is wrong: relative error {error:.3g}")
+            raise ValueError(f"w4a16 {n}x{k} at {m} tokens with {config} is wrong: relative error {error:.3g}")
         return {"us": round(us, 2), "config": config.to_dict(), "max_rel_error": error}
 
     default = default_config(m, n, k, GROUP)
-    result = {"bytes": nbytes, "default": run(default)}
+    try:
+        result = {"bytes": nbytes, "default": run(default)}
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
     if tune:
-        timed = [result["default"]]
+        timed, failed = [result["default"]], []
         for config in sweep_configs(m, n, k, GROUP)[1:]:
             try:
                 timed.append(run(config))
-            except OutOfResources:
-                continue
-        result["tuned"] = min(timed, key=lambda r: r["us"])
-        result["candidates"] = len(timed)
+            except Exception as e:  # noqa: BLE001 (a candidate that fails is reported, not fatal)
+                failed.append({"config": config.to_dict(), "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                print(f"  left out {tuple(config.to_dict().values())}: {failed[-1]['error'][:120]}", flush=True)
+        result |= {"tuned": min(timed, key=lambda r: r["us"]), "candidates": len(timed), "failed": failed}
     return result
 
 
@@ -117,7 +121,7 @@ def main() -> None:
     report.update(
         copy_bandwidth_gbs=round(copy_bw / 1e9, 1), pdl=pdl, group_size=GROUP, weights="random (int4 bits, fp8)"
     )
-    rows = []
+    rows, start = [], time.perf_counter()
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s, pdl {pdl}")
     print(
         f"{'linear':8} {'M':>5} {'w4a16 us':>9} {'%bw':>5} {'tuned us':>9} {'%bw':>5} {'fp8 us':>8} {'%bw':>5} "
@@ -145,6 +149,7 @@ def main() -> None:
             )
             torch.cuda.empty_cache()
     report["results"] = rows
+    print(f"{time.perf_counter() - start:.0f} s")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1) + "\n")
