@@ -179,9 +179,10 @@ class W4A16Linear(quant.W4A16Linear):
     device without Triton's interpreter, a compute dtype other than bf16 / fp16, a weight that is
     not a graph initializer, or a group size no K tile fits."""
 
-    # with PDL: bytes of each packed weight row a GEMV program asks L2 for before its wait (as
-    # PTPCLinear's; a weight of at most 4 MB, a rank's slice, is prefetched whole)
-    prefetch_k = 1024
+    # with PDL: bytes of each packed weight row a GEMV program asks L2 for before its wait (a weight
+    # of at most 4 MB, a rank's slice, whole). 0 until an A/B on a GPU: the GEMV's defaults were
+    # timed without it, and an up-front prefetch of whole rows measured slower (w4a16_gemm.default_gemv)
+    prefetch_k = 0
 
     def __init__(self, attrs, env, consts=()) -> None:
         super().__init__(attrs, env, consts)
