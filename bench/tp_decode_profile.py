@@ -3,10 +3,10 @@ tp = 1 and tp > 1 and per recipe (ptpc-fp8, w4a16, ...), on a SYNTHETIC artifact
 PRESET --artifact --tp TP`, compiled with RECIPE, tuned for the batches measured).
 
 Each `PRESET:TP[:RECIPE]` of --runs (ptpc-fp8 by default) runs in its own process (a tp engine owns
-every GPU it uses): build and tune the artifact, load it, then per batch of --batches the TPOT of --output-len greedy tokens after
---input-len (prompts warmed into the prefix cache first, so TPOT is the decode steps alone), and the
-captured decode graph's kernels by name (rank 0's, decode_bench.decode_profile(graphs=True); not
-with --no-profile).
+every GPU it uses): build and tune the artifact, load it, then per batch of --batches the TPOT of
+--output-len greedy tokens after --input-len (prompts warmed into the prefix cache first, so TPOT is
+the decode steps alone), and the captured decode graph's kernels by name (rank 0's,
+decode_bench.decode_profile(graphs=True); not with --no-profile).
 --no-pdl loads without programmatic dependent launch, so each kernel's time is its own, not its span
 including the wait for the kernel before it.
 
