@@ -136,7 +136,9 @@ def test_images_in_a_batch_do_not_see_each_other(checkpoint, tmp_path):
     for grid in GRIDS:
         size = grid[0] * grid[1] * grid[2]
         alone = encoder(pixel_values[start : start + size], torch.tensor([grid]))
-        torch.testing.assert_close(alone, batch[row : row + size // config.merge_unit], rtol=1e-5, atol=1e-5)
+        rows = batch[row : row + size // config.merge_unit]  # the same sums in another order: fp32 noise
+        parts = rows.split(rows.shape[1] // (1 + len(vision_config["deepstack_visual_indexes"])), dim=1)
+        _assert_parts_match(alone, list(parts), f"image {grid} alone against its rows of the batch")
         start, row = start + size, row + size // config.merge_unit
 
 
