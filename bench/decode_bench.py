@@ -76,8 +76,8 @@ def decode_profile(
     engine, context: int = 160, steps: int = 4, top: int = 14, graphs: bool = False, batch: int = 1
 ) -> list[dict]:
     """Where a decode step's GPU time goes (`batch` requests decoding, 1 by default): µs per step by
-    kernel name, largest first. Eager by default, so each kernel is visible (neither the decode graphs nor the piecewise ones,
-    which would pad the step to their smallest bucket); `graphs`: the captured decode graph's own
+    kernel name, largest first. Eager by default, so each kernel is visible (neither the decode
+    graphs nor the piecewise ones, which would pad the step to their smallest bucket); `graphs`: the captured decode graph's own
     kernels, as they run (at tp > 1 the only way: rank 0 alone running eagerly would wait on the
     other ranks' graphs). Each row also has its share of the steps' kernel time; the last row,
     "(all kernels)", their sum per step."""
@@ -90,7 +90,7 @@ def decode_profile(
     try:
         requests = [
             engine.add_request(
-                [1 + (i * 7919 + j) % 30000 for j in range(context)],
+                [1 + (i * 7919 + j) % (engine.vocab_size - 1) for j in range(context)],
                 qruntime.SamplingParams(max_tokens=steps + 64, ignore_eos=True),
             )
             for i in range(batch)
