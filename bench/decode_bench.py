@@ -77,10 +77,10 @@ def decode_profile(
 ) -> list[dict]:
     """Where a decode step's GPU time goes (`batch` requests decoding, 1 by default): µs per step by
     kernel name, largest first. Eager by default, so each kernel is visible (neither the decode
-    graphs nor the piecewise ones, which would pad the step to their smallest bucket); `graphs`: the captured decode graph's own
-    kernels, as they run (at tp > 1 the only way: rank 0 alone running eagerly would wait on the
-    other ranks' graphs). Each row also has its share of the steps' kernel time; the last row,
-    "(all kernels)", their sum per step."""
+    graphs nor the piecewise ones, which would pad the step to their smallest bucket); `graphs`:
+    the captured decode graph's own kernels, as they run (at tp > 1 the only way: rank 0 alone
+    running eagerly would wait on the other ranks' graphs). Each row also has its share of the
+    steps' kernel time; the last row, "(all kernels)", their sum per step."""
     from torch.profiler import ProfilerActivity, profile
 
     runner = engine.runner
