@@ -373,6 +373,40 @@ def _pair_fma(acc, pair, x_ptr, cols, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _group_scales(
+    s_ptr,
+    z_ptr,
+    rn,
+    k,
+    K,
+    stride_sn,
+    stride_zn,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_ZP: tl.constexpr,
+):
+    """Rows rn's scales (fp32) and code offsets (2^23 + zero point, or 2^23 + 8: symmetric) for
+    columns k.. k + BLOCK_K, as _dequant_tile takes them: [BLOCK_N, 1] when the tile lies inside one
+    group, else each row's BLOCK_K / GROUP values repeated over their columns [BLOCK_N, BLOCK_K]."""
+    offset = 8388616.0  # 2^23 + 8: symmetric
+    if BLOCK_K <= GROUP:  # the tile lies inside one group: one scale per row
+        scale = tl.load(s_ptr + rn * stride_sn + k // GROUP).to(tl.float32)[:, None]  # [BLOCK_N, 1]
+        if HAS_ZP:
+            offset = tl.load(z_ptr + rn * stride_zn + k // GROUP).to(tl.float32)[:, None] + 8388608.0
+    else:  # whole groups: each row's BLOCK_K / GROUP scales, repeated over their columns
+        offs_g = k // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        mask_g = (offs_g * GROUP < K)[None, :]
+        s = tl.load(s_ptr + rn[:, None] * stride_sn + offs_g[None, :], mask=mask_g, other=0.0).to(tl.float32)
+        scale = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP)), (BLOCK_N, BLOCK_K))
+        if HAS_ZP:
+            z = tl.load(z_ptr + rn[:, None] * stride_zn + offs_g[None, :], mask=mask_g, other=0).to(tl.float32)
+            z = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP)), (BLOCK_N, BLOCK_K))
+            offset = z + 8388608.0
+    return scale, offset
+
+
+@triton.jit
 def _w4a16_gemm_kernel(
     x_ptr,  # [M, K] bf16 / fp16
     w_ptr,  # [N, K/8] int32
@@ -434,25 +468,7 @@ def _w4a16_gemm_kernel(
             if not HW:
                 w = w.to(tl.float32)  # exact: the interpreter's dots below are in fp32
         else:
-            offset = 8388616.0  # 2^23 + 8: symmetric
-            if BLOCK_K <= GROUP:  # the tile lies inside one group: one scale per row
-                scale = tl.load(s_ptr + rn * stride_sn + k // GROUP).to(tl.float32)[:, None]  # [BLOCK_N, 1]
-                if HAS_ZP:
-                    z = tl.load(z_ptr + rn * stride_zn + k // GROUP).to(tl.float32)[:, None]  # [BLOCK_N, 1]
-                    offset = z + 8388608.0
-            else:  # whole groups: each row's BLOCK_K / GROUP scales, repeated over their columns
-                offs_g = k // GROUP + tl.arange(0, BLOCK_K // GROUP)
-                mask_g = (offs_g * GROUP < K)[None, :]
-                s = tl.load(s_ptr + rn[:, None] * stride_sn + offs_g[None, :], mask=mask_g, other=0.0).to(tl.float32)
-                scale = tl.reshape(
-                    tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP)), (BLOCK_N, BLOCK_K)
-                )
-                if HAS_ZP:
-                    z = tl.load(z_ptr + rn[:, None] * stride_zn + offs_g[None, :], mask=mask_g, other=0).to(tl.float32)
-                    z = tl.reshape(
-                        tl.broadcast_to(z[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP)), (BLOCK_N, BLOCK_K)
-                    )
-                    offset = z + 8388608.0
+            scale, offset = _group_scales(s_ptr, z_ptr, rn, k, K, stride_sn, stride_zn, GROUP, BLOCK_N, BLOCK_K, HAS_ZP)
             w = _dequant_tile(words, scale, offset, BLOCK_K, x_ptr.dtype.element_ty, HW)  # [BLOCK_N, BLOCK_K]
         if SWAP:  # yᵀ tile = w · xᵀ: the unpacked weight is the dot's first operand, kept in registers
             if HW:  # noqa: SIM108 (two launch paths read better as branches in a kernel)
@@ -554,24 +570,7 @@ def _w4a16_gemv_kernel(
                 x = tl.load(x_ptr + k + offs_k).to(tl.float32)
             else:
                 x = tl.load(x_ptr + k + offs_k, mask=k + offs_k < K, other=0.0).to(tl.float32)
-            offset = 8388616.0  # 2^23 + 8: symmetric
-            if BLOCK_K <= GROUP:  # the step lies inside one group: one scale per row
-                scale = tl.load(s_ptr + rn * stride_sn + k // GROUP).to(tl.float32)[:, None]
-                if HAS_ZP:
-                    offset = tl.load(z_ptr + rn * stride_zn + k // GROUP).to(tl.float32)[:, None] + 8388608.0
-            else:  # whole groups: each row's BLOCK_K / GROUP scales, repeated over their columns
-                offs_g = k // GROUP + tl.arange(0, BLOCK_K // GROUP)
-                mask_g = (offs_g * GROUP < K)[None, :]
-                s = tl.load(s_ptr + rn[:, None] * stride_sn + offs_g[None, :], mask=mask_g, other=0.0).to(tl.float32)
-                scale = tl.reshape(
-                    tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP)), (BLOCK_N, BLOCK_K)
-                )
-                if HAS_ZP:
-                    z = tl.load(z_ptr + rn[:, None] * stride_zn + offs_g[None, :], mask=mask_g, other=0).to(tl.float32)
-                    z = tl.reshape(
-                        tl.broadcast_to(z[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP)), (BLOCK_N, BLOCK_K)
-                    )
-                    offset = z + 8388608.0
+            scale, offset = _group_scales(s_ptr, z_ptr, rn, k, K, stride_sn, stride_zn, GROUP, BLOCK_N, BLOCK_K, HAS_ZP)
             w = _dequant_tile(words, scale, offset, BLOCK_K, x_ptr.dtype.element_ty, HW)  # the reference's weight
             acc += w.to(tl.float32) * x[None, :]  # exact products (8 or 11 by 8 or 11 bits), fp32 sums
     y = round_to(tl.sum(acc, axis=1), c_ptr.dtype.element_ty, HW)
