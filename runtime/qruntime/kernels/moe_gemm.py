@@ -61,6 +61,28 @@ def _silu_mul(g, u, DTYPE: tl.constexpr, HW: tl.constexpr):
 
 
 @triton.jit
+def _pair_rows(sorted_ptr, block_expert_ptr, num_pairs, pid_m, BLOCK_M: tl.constexpr, TOP_K: tl.constexpr):
+    """Block pid_m of moe_align's list: its list positions, their pairs, which of them are real
+    (the rest pad the block), each pair's token (int64, 0 for padding; the down GEMMs read act rows
+    by list position, pass TOP_K 1 and leave it unused) and the block's expert (int64). The caller
+    exits first when the block lies past num_padded."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # list positions
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < num_pairs
+    token = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    return rows, pair, valid, token, expert
+
+
+@triton.jit
+def _tile_cols(pid_n, BLOCK_N: tl.constexpr, N):
+    """Output columns of tile pid_n, and the weight rows they read: those past N read row 0 (never stored)."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = tl.where(offs_n < N, offs_n, 0)
+    return offs_n, rn
+
+
+@triton.jit
 def _moe_up_silu_kernel(
     xq_ptr,  # [T, H] fp8
     xs_ptr,  # [T, 1] fp32
@@ -95,14 +117,9 @@ def _moe_up_silu_kernel(
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     DTYPE: tl.constexpr = act_ptr.dtype.element_ty
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # list positions
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
-    token = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows, pair, valid, token, expert = _pair_rows(sorted_ptr, block_expert_ptr, num_pairs, pid_m, BLOCK_M, TOP_K)
 
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn = tl.where(offs_n < INTER, offs_n, 0)  # columns past I read column 0 (never stored)
+    offs_n, rn = _tile_cols(pid_n, BLOCK_N, INTER)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = xq_ptr + token[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     w_e = w_ptr + expert * stride_we
@@ -171,16 +188,12 @@ def _moe_down_kernel(
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     DTYPE: tl.constexpr = out_ptr.dtype.element_ty
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows, pair, valid, _, expert = _pair_rows(sorted_ptr, block_expert_ptr, num_pairs, pid_m, BLOCK_M, 1)
     # dynamic_quant's per-token scale of each act row
     scale = quant_scale(tl.load(amax_ptr + rows, mask=valid, other=0.0))[:, None]  # [BLOCK_M, 1]
     inv_scale = tl.math.div_rn(1.0, scale)
 
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn = tl.where(offs_n < H, offs_n, 0)
+    offs_n, rn = _tile_cols(pid_n, BLOCK_N, H)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * INTER + offs_k[None, :]
     b_ptrs = w_ptr + expert * stride_we + rn[None, :] * stride_wn + offs_k[:, None]  # K-major

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from qruntime.kernels.dynamic_quant import round_to, use_hw_casts
-from qruntime.kernels.moe_gemm import PairBlocks, _silu_mul
+from qruntime.kernels.moe_gemm import PairBlocks, _pair_rows, _silu_mul, _tile_cols
 from qruntime.kernels.pdl import launch_options, wait_for_inputs
 from qruntime.kernels.w4a16_gemm import _dequant_tile
 
@@ -89,6 +89,29 @@ def _dot_w(a, w, acc, HW: tl.constexpr):
 
 
 @triton.jit
+def _int4_rows(
+    w_ptr,
+    s_ptr,
+    z_ptr,
+    expert,
+    rn,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ze,
+    stride_zn,
+    BLOCK_K: tl.constexpr,
+):
+    """Expert `expert`'s weight rows rn: their first K tile's packed words [len(rn), BLOCK_K/8],
+    and their scale and zero-point rows (for _int4_tile)."""
+    w_ptrs = w_ptr + expert * stride_we + rn[:, None] * stride_wn + tl.arange(0, BLOCK_K // 8)[None, :]
+    s_rows = s_ptr + expert * stride_se + rn * stride_sn
+    z_rows = z_ptr + expert * stride_ze + rn * stride_zn
+    return w_ptrs, s_rows, z_rows
+
+
+@triton.jit
 def _moe_up_silu_w4a16_kernel(
     x_ptr,  # [T, H] model dtype, unit column stride
     w_ptr,  # [E, 2I, H/8] int32
@@ -124,22 +147,15 @@ def _moe_up_silu_w4a16_kernel(
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     DTYPE: tl.constexpr = act_ptr.dtype.element_ty
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # list positions
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
-    token = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows, pair, valid, token, expert = _pair_rows(sorted_ptr, block_expert_ptr, num_pairs, pid_m, BLOCK_M, TOP_K)
 
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn = tl.where(offs_n < INTER, offs_n, 0)  # columns past I read row 0 (never stored)
+    offs_n, rn = _tile_cols(pid_n, BLOCK_N, INTER)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    g_ptrs = w_ptr + expert * stride_we + rn[:, None] * stride_wn + tl.arange(0, BLOCK_K // 8)[None, :]
-    u_ptrs = g_ptrs + INTER * stride_wn
-    gs = s_ptr + expert * stride_se + rn * stride_sn
-    us = gs + INTER * stride_sn
-    gz = z_ptr + expert * stride_ze + rn * stride_zn
-    uz = gz + INTER * stride_zn
+    g_ptrs, gs, gz = _int4_rows(
+        w_ptr, s_ptr, z_ptr, expert, rn, stride_we, stride_wn, stride_se, stride_sn, stride_ze, stride_zn, BLOCK_K
+    )
+    u_ptrs, us, uz = g_ptrs + INTER * stride_wn, gs + INTER * stride_sn, gz + INTER * stride_zn  # the up rows
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, H, BLOCK_K):
@@ -195,18 +211,14 @@ def _moe_down_w4a16_kernel(
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     DTYPE: tl.constexpr = out_ptr.dtype.element_ty
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    valid = pair < num_pairs
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows, pair, valid, _, expert = _pair_rows(sorted_ptr, block_expert_ptr, num_pairs, pid_m, BLOCK_M, 1)
 
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn = tl.where(offs_n < H, offs_n, 0)
+    offs_n, rn = _tile_cols(pid_n, BLOCK_N, H)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + rows.to(tl.int64)[:, None] * INTER + offs_k[None, :]
-    w_ptrs = w_ptr + expert * stride_we + rn[:, None] * stride_wn + tl.arange(0, BLOCK_K // 8)[None, :]
-    s_rows = s_ptr + expert * stride_se + rn * stride_sn
-    z_rows = z_ptr + expert * stride_ze + rn * stride_zn
+    w_ptrs, s_rows, z_rows = _int4_rows(
+        w_ptr, s_ptr, z_ptr, expert, rn, stride_we, stride_wn, stride_se, stride_sn, stride_ze, stride_zn, BLOCK_K
+    )
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, INTER, BLOCK_K):
         if EVEN_K:

@@ -37,7 +37,7 @@ from qruntime.kernels.dynamic_quant import (
     use_hw_casts,
 )
 from qruntime.kernels.fp8_gemm import gemv_steps
-from qruntime.kernels.moe_gemm import _silu_mul
+from qruntime.kernels.moe_gemm import _silu_mul, _tile_cols
 from qruntime.kernels.pdl import launch_options, wait_for_inputs
 
 _TILE_KEYS = ("block_n", "block_k", "num_warps")
@@ -128,8 +128,7 @@ def _moe_up_one_kernel(
     slot = tl.program_id(0)
     DTYPE: tl.constexpr = act_ptr.dtype.element_ty
     expert = tl.load(ids_ptr + slot).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn = tl.where(offs_n < INTER, offs_n, 0)  # rows past I read row 0 (never stored)
+    offs_n, rn = _tile_cols(tl.program_id(1), BLOCK_N, INTER)
     offs_k = tl.arange(0, BLOCK_K)
     g_ptrs = w_ptr + expert * stride_we + rn[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     u_ptrs = g_ptrs + INTER * stride_wn
@@ -190,8 +189,7 @@ def _moe_down_one_kernel(
     scale = quant_scale(amax)
     inv_scale = tl.math.div_rn(1.0, scale)
 
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn = tl.where(offs_n < H, offs_n, 0)
+    offs_n, rn = _tile_cols(tl.program_id(1), BLOCK_N, H)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + expert * stride_we + rn[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)

@@ -17,8 +17,8 @@ import triton.language as tl
 
 from qruntime.kernels.dynamic_quant import round_to, use_hw_casts
 from qruntime.kernels.fp8_gemm import gemv_steps
-from qruntime.kernels.moe_gemm import _silu_mul
-from qruntime.kernels.moe_gemm_w4a16 import DTYPES, _int4_tile, _zp_args, check_int4_experts, fit_block_k
+from qruntime.kernels.moe_gemm import _silu_mul, _tile_cols
+from qruntime.kernels.moe_gemm_w4a16 import DTYPES, _int4_rows, _int4_tile, _zp_args, check_int4_experts, fit_block_k
 from qruntime.kernels.moe_gemv import GemvTile, _check_ids
 from qruntime.kernels.pdl import launch_options, wait_for_inputs
 
@@ -52,15 +52,12 @@ def _moe_up_one_w4a16_kernel(
     slot = tl.program_id(0)
     DTYPE: tl.constexpr = act_ptr.dtype.element_ty
     expert = tl.load(ids_ptr + slot).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn = tl.where(offs_n < INTER, offs_n, 0)  # rows past I read row 0 (never stored)
+    offs_n, rn = _tile_cols(tl.program_id(1), BLOCK_N, INTER)
     offs_k = tl.arange(0, BLOCK_K)
-    g_ptrs = w_ptr + expert * stride_we + rn[:, None] * stride_wn + tl.arange(0, BLOCK_K // 8)[None, :]
-    u_ptrs = g_ptrs + INTER * stride_wn
-    gs = s_ptr + expert * stride_se + rn * stride_sn
-    us = gs + INTER * stride_sn
-    gz = z_ptr + expert * stride_ze + rn * stride_zn
-    uz = gz + INTER * stride_zn
+    g_ptrs, gs, gz = _int4_rows(
+        w_ptr, s_ptr, z_ptr, expert, rn, stride_we, stride_wn, stride_se, stride_sn, stride_ze, stride_zn, BLOCK_K
+    )
+    u_ptrs, us, uz = g_ptrs + INTER * stride_wn, gs + INTER * stride_sn, gz + INTER * stride_zn  # the up rows
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for step in tl.static_range(NUM_K):
@@ -110,12 +107,11 @@ def _moe_down_one_w4a16_kernel(
     DTYPE: tl.constexpr = out_ptr.dtype.element_ty
     expert = tl.load(ids_ptr + slot).to(tl.int64)
     act_row = act_ptr + slot * INTER
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn = tl.where(offs_n < H, offs_n, 0)
+    offs_n, rn = _tile_cols(tl.program_id(1), BLOCK_N, H)
     offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + expert * stride_we + rn[:, None] * stride_wn + tl.arange(0, BLOCK_K // 8)[None, :]
-    s_rows = s_ptr + expert * stride_se + rn * stride_sn
-    z_rows = z_ptr + expert * stride_ze + rn * stride_zn
+    w_ptrs, s_rows, z_rows = _int4_rows(
+        w_ptr, s_ptr, z_ptr, expert, rn, stride_we, stride_wn, stride_se, stride_sn, stride_ze, stride_zn, BLOCK_K
+    )
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for step in tl.static_range(NUM_K):
         k = step * BLOCK_K
