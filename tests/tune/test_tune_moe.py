@@ -5,7 +5,6 @@ interpreter on CPU, timed by the wall clock instead of CUDA graphs)."""
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from qruntime.kernel_configs import KernelTable
 from qruntime.kernels.fused_moe import MoEConfig, TileConfig, sweep_configs
 from qruntime.ops import triton_ops
 from qruntime.ops.base import OpEnv
+from wall_timer import wall_timer
 
 from qcompile.errors import QCompileError
 from qcompile.tune.moe import MoEShape, moe_shapes, table_entry, tune_moe
@@ -55,15 +55,7 @@ def test_tune_moe_picks_a_candidate_and_checks_it_against_the_reference():
     shape = MoEShape(4, 32, 32, 2, True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: Triton's interpreter
     timed = []
-
-    def wall_us(calls):
-        start = time.perf_counter()
-        for call in calls:
-            call()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        timed.append(len(calls))
-        return (time.perf_counter() - start) * 1e6 / len(calls)
+    wall_us = wall_timer(device, timed)
 
     table = tune_moe(shape, [1], device, wall_us, rotate_bytes=0)
     entry = table["1"]

@@ -5,7 +5,6 @@ artifact's manifest (their own table keys), and tune_moe's loop over the int4 ke
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from qruntime.kernels import fused_moe_w4a16
 from qruntime.kernels.fused_moe import config_from_dict
 from qruntime.ops import triton_ops
 from qruntime.ops.base import OpEnv
+from wall_timer import wall_timer
 
 from qcompile.tune.moe import MoEShape, moe_shapes, tune_moe
 
@@ -50,15 +50,7 @@ def test_tune_moe_times_the_int4_candidates_and_checks_the_winner(monkeypatch):
     candidates = [fused_moe_w4a16.default_config(1, 4, 32, 64, 2), fused_moe_w4a16.grouped_config(1, 4, 32, 64, 2)]
     monkeypatch.setattr(fused_moe_w4a16, "sweep_configs", lambda *args: candidates)
     timed = []
-
-    def wall_us(calls):
-        start = time.perf_counter()
-        for call in calls:
-            call()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        timed.append(len(calls))
-        return (time.perf_counter() - start) * 1e6 / len(calls)
+    wall_us = wall_timer(device, timed)
 
     table = tune_moe(shape, [1], device, wall_us, rotate_bytes=0)
     entry = table["1"]

@@ -5,7 +5,6 @@ whose table entries the runtime's fast op reads back."""
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from qruntime.kernel_configs import KernelTable
 from qruntime.kernels.w4a16_gemm import W4A16Config, sweep_configs
 from qruntime.ops import triton_ops
 from qruntime.ops.base import OpEnv
+from wall_timer import wall_timer
 
 from qcompile.errors import QCompileError
 from qcompile.tune.w4a16 import table_key, tune_w4a16, w4a16_shapes
@@ -49,15 +49,7 @@ def test_tune_w4a16_picks_a_candidate_the_runtime_reads_back():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: Triton's interpreter
     n, k, group = 48, 256, 128
     timed = []
-
-    def wall_us(calls):
-        start = time.perf_counter()
-        for call in calls:
-            call()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        timed.append(len(calls))
-        return (time.perf_counter() - start) * 1e6 / len(calls)
+    wall_us = wall_timer(device, timed)
 
     table = tune_w4a16(n, k, group, [1], device, wall_us, rotate_bytes=0)
     entry = table["1"]
