@@ -7,11 +7,10 @@ T not a multiple of BLOCK_M, single tokens, experts without tokens and all token
 
 from __future__ import annotations
 
-import onnx
 import pytest
 import torch
 import torch.nn.functional as F
-from qruntime.artifact import read_manifest
+from moe_plans import reference_and_fast_plans
 from qruntime.kernel_configs import KernelTable
 from qruntime.kernels.fused_moe import (
     MoEConfig,
@@ -28,14 +27,9 @@ from qruntime.kernels.moe_combine import moe_combine
 from qruntime.kernels.moe_gemm import PairBlocks, moe_down, moe_up_silu
 from qruntime.kernels.moe_gemv import GemvTile, MoEGemvConfig, moe_down_one, moe_up_one
 from qruntime.kernels.moe_routing import moe_route_quant, moe_route_quant_one, moe_router_one, router_one_programs
-from qruntime.kv_cache import KVCacheSpec
 from qruntime.ops import functional as fn
 from qruntime.ops import moe, triton_ops
 from qruntime.ops.base import OpEnv
-from qruntime.ops.registry import reference_ops
-from qruntime.ops.registry import triton_ops as triton_ops_table
-from qruntime.plan import Plan
-from qruntime.weights import load_initializers
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = MoEConfig(16, TileConfig(32, 32, 4, 2), TileConfig(32, 32, 4, 2))  # tails in I, H and K
@@ -452,13 +446,8 @@ def test_a_moe_graph_plans_capturable_on_the_fast_path(tiny_moe_ckpt, compiled, 
     differently, so a token whose k-th and next expert score within rounding may pick either: about
     one input in 60 had one, and the whole-output SQNR fell to 12-14 dB)."""
     artifact = compiled(tiny_moe_ckpt, "ptpc-fp8")
-    graph = onnx.load(str(artifact / "graph.onnx"), load_external_data=False).graph
-    spec = KVCacheSpec.from_manifest(read_manifest(artifact)["kv_cache"])
-    weights = load_initializers(artifact, graph, torch.device(DEVICE), torch.bfloat16)
-    env = OpEnv(torch.bfloat16, torch.device(DEVICE), spec)
-    ref_plan, fast_plan = (Plan.build(graph, weights, env, table) for table in (reference_ops(), triton_ops_table()))
+    weights, ref_plan, fast_plan, moe_nodes = reference_and_fast_plans(artifact, DEVICE)
     assert not ref_plan.capturable and fast_plan.capturable
-    moe_nodes = [(r, f) for r, f in zip(ref_plan.nodes, fast_plan.nodes, strict=True) if isinstance(r.op, moe.MoE)]
     assert len(moe_nodes) == 2 and all(type(f.op) is triton_ops.MoE for _, f in moe_nodes)
     ref_node, fast_node = moe_nodes[0]
     generator = torch.Generator().manual_seed(rng.randrange(1 << 30))

@@ -12,24 +12,18 @@ two. A wrong nibble, scale group or zero point moves whole rows.
 
 from __future__ import annotations
 
-import onnx
 import pytest
 import torch
 import torch.nn.functional as F
 from int4_shapes import INT4_SHAPES
-from qruntime.artifact import read_manifest
+from moe_plans import reference_and_fast_plans
 from qruntime.kernel_configs import KernelTable
 from qruntime.kernels import fused_moe_w4a16 as fused
 from qruntime.kernels.fused_moe import MoEConfig, TileConfig, table_key
 from qruntime.kernels.moe_combine import PairRows
 from qruntime.kernels.moe_gemv import GemvTile, MoEGemvConfig
-from qruntime.kv_cache import KVCacheSpec
 from qruntime.ops import moe, triton_ops
 from qruntime.ops.base import OpEnv
-from qruntime.ops.registry import reference_ops
-from qruntime.ops.registry import triton_ops as triton_ops_table
-from qruntime.plan import Plan
-from qruntime.weights import load_initializers
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -106,13 +100,8 @@ def test_a_w4a16_moe_graph_binds_the_kernel(make_ckpt, compiled, rng, monkeypatc
     table: its MoE nodes run the int4 kernel, not the reference, so nothing in the plan keeps it out
     of CUDA graphs; a node on the artifact's own weights gives the reference node's output."""
     artifact = compiled(make_ckpt("tiny-moe", **INT4_SHAPES, moe_intermediate_size=256), "w4a16")
-    graph = onnx.load(str(artifact / "graph.onnx"), load_external_data=False).graph
-    spec = KVCacheSpec.from_manifest(read_manifest(artifact)["kv_cache"])
-    weights = load_initializers(artifact, graph, torch.device(DEVICE), torch.bfloat16)
-    env = OpEnv(torch.bfloat16, torch.device(DEVICE), spec)
-    ref_plan, fast_plan = (Plan.build(graph, weights, env, table) for table in (reference_ops(), triton_ops_table()))
+    weights, ref_plan, fast_plan, nodes = reference_and_fast_plans(artifact, DEVICE)
     assert not ref_plan.capturable and fast_plan.capturable
-    nodes = [(r, f) for r, f in zip(ref_plan.nodes, fast_plan.nodes, strict=True) if isinstance(r.op, moe.MoE)]
     assert len(nodes) == 2 and all(f.op.kernel is fused.fused_moe_w4a16 for _, f in nodes)
     ref_node, fast_node = nodes[1]
     generator = torch.Generator().manual_seed(rng.randrange(1 << 30))
