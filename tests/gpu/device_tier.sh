@@ -33,7 +33,9 @@ native() {
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 echo "# GPU tier at $QCOMPILE_GIT_COMMIT on $gpus x $(python3 -c 'import torch; print(torch.cuda.get_device_name())')" | tee "$out/gpu_tier.txt"
 if [ "$gpus" -ge 2 ]; then
-    (CUDA_VISIBLE_DEVICES=1 native) &
+    # the second visible GPU (a physical id, also when CUDA_VISIBLE_DEVICES already narrows the set)
+    IFS=, read -r first second _ <<< "${CUDA_VISIBLE_DEVICES:-0,1}"
+    (CUDA_VISIBLE_DEVICES=$second native) &
     pid=$!
 fi
 python3 -m pytest -m gpu tests/gpu tests/runtime/vision/test_vision_preprocess.py -q -p no:cacheprovider 2>&1 \
