@@ -40,7 +40,7 @@ POW2_KEYS: Mapping[str, Mapping[str, tuple[int, int]]] = MappingProxyType(
             {"block_m": (16, 512)} | {f"{g}_{k}": r for g in ("w13", "w2") for k, r in _TILE.items()}
         ),
         # a MoE record with `gemv: 1`: one token's projections as GEMVs (kernels/moe_gemv.py)
-        # a PTPCLinear record with `block_m: 1`: the one-token GEMV (kernels/fp8_gemm.py)
+        # a PTPCLinear or W4A16Linear record with `block_m: 1`: the one-token GEMV (fp8_gemm.py, w4a16_gemm.py)
         "PTPCGemv": MappingProxyType(
             {"block_m": (1, 1), "block_n": (1, 256), "block_k": (16, 8192), "split_k": (1, 1), "num_warps": (1, 16)}
         ),
@@ -127,8 +127,8 @@ def check_config(key: str, cfg: Any, where: str) -> None:
         if isinstance(folded, dict) and "folded" in folded:
             raise ValueError(f"{where}.folded must not hold another 'folded'")
         check_config(key, folded, f"{where}.folded")
-    if op == "PTPCLinear" and cfg.get("block_m") == 1:
-        op = "PTPCGemv"
+    if op in ("PTPCLinear", "W4A16Linear") and cfg.get("block_m") == 1:
+        op = "PTPCGemv"  # the one-token GEMV of either (W4A16Config documents the same fields and bounds)
     if backend == "cublaslt":
         if op != "PTPCLinear":
             raise ValueError(f"{where}.backend: cublaslt runs PTPCLinear only, not {op[:40]!r}")

@@ -69,6 +69,15 @@ def test_tuned_config_is_read_and_unusable_ones_fall_back():
     assert op.kernel is not None and op.key == "W4A16Linear:64x256"
     assert op._config(3) == tuned
     assert op._config(64) == W4A16Config(64, 64, 256, 1)  # 256 holds two whole groups
+    # the tuner's one-token GEMV record (block_m 1) loads and is read back
+    gemv = W4A16Config(1, 8, 256, 1, 8, 1)
+    gemv_table = KernelTable.from_dict(
+        {"device": "GPU X", "entries": {"W4A16Linear:64x256": {"1": {"backend": "triton", **gemv.to_dict()}}}}, "t"
+    )
+    op_gemv = triton_ops.W4A16Linear(
+        {"group_size": 128}, OpEnv(torch.bfloat16, torch.device("cpu"), None, gemv_table), (None, w, ws)
+    )
+    assert op_gemv._config(1) == gemv
     op64 = triton_ops.W4A16Linear({"group_size": 64}, env, (None, w, torch.ones(64, 4, dtype=torch.bfloat16)))
     assert op64._config(3) == tuned
     # a K tile of 64 does not fit groups of 48 (nor the reverse): the heuristic's config runs
@@ -99,5 +108,9 @@ def test_a_kernel_table_with_a_bad_w4a16_config_is_refused():
     config = {**W4A16Config(16, 16, 64, 2, 4, 2).to_dict(), "block_k": 48}
     with pytest.raises(ValueError, match=r"W4A16Linear:64x256.*\['4'\]\.block_k must be a power of two"):
         KernelTable.from_dict({"device": "GPU X", "entries": {"W4A16Linear:64x256": {"4": config}}}, "t.json")
+    gemv = W4A16Config(1, 8, 256, 1, 8, 1).to_dict()
+    for bad, match in (({"split_k": 2}, "split_k must be a power of two in 1..1"), ({"block_n": 512}, "block_n")):
+        with pytest.raises(ValueError, match=rf"\['1'\]\.{match}"):
+            KernelTable.from_dict({"device": "GPU X", "entries": {"W4A16Linear:64x256": {"1": gemv | bad}}}, "t.json")
     with pytest.raises(ValueError, match="cublaslt runs PTPCLinear only"):
         KernelTable.from_dict({"device": "X", "entries": {"W4A16Linear:64x256": {"4": {"backend": "cublaslt"}}}}, "t")
