@@ -1,0 +1,237 @@
+"""Issue-19 profile: where a speculating engine's step goes, against plain decoding of the same artifact.
+
+One SYNTHETIC artifact (`qcompile synth PRESET --artifact`, random weights made at load; RECIPE,
+untuned) and prompts that repeat a random phrase (the greedy output of random weights soon cycles,
+so prompt lookup finds its drafts: acceptance here says nothing about a real model, the step costs
+do). For each mode (plain, then each --methods entry), at each batch of --batches: one engine, warmed
+up on the same prompts, then one timed generate() of --max-tokens tokens a prompt (EOS ignored), with
+timers wrapped (at class level) around the parts of a step:
+
+    step       Engine.step, the whole of it (host wall time)
+    schedule   Scheduler.schedule (a speculating engine's drafting runs inside it: draft)
+    draft      Speculator.draft and draft_ahead (prompt lookup's n-gram search, a draft model's steps)
+    draft_ahead  Speculator.draft_ahead: a draft model's batched drafting, before the schedule
+    execute    ModelRunner.execute (the draft model's steps too): its host time, and which path ran the step, each with its count and
+               host ms: decode graph replay, mixed-step graph replay, piecewise graphs, eager plan
+    sample     sample_on_device; verify: rejection.verify_drafts (queues the verdicts)
+    complete   Engine._complete: reading the step's tokens (the wait for the GPU) and the update
+    gpu        CUDA events around ModelRunner.execute: the forward's device span
+
+    python bench/spec_step_profile.py --preset qwen3-0.6b --batches 1,8 --out bench/results/spec_step_profile.json
+
+CPU: `--device cpu --preset tiny` runs the same path (the reference ops: host figures only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import random
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import qruntime  # noqa: E402
+from compile_bench import gpu_report_header, report_header  # noqa: E402
+from qruntime import SamplingParams, SpeculativeConfig  # noqa: E402
+from qruntime.engine import engine as engine_module  # noqa: E402
+from qruntime.engine.cuda_graphs import DecodeGraphs  # noqa: E402
+from qruntime.engine.engine import Engine  # noqa: E402
+from qruntime.engine.mixed_graphs import MixedGraphs  # noqa: E402
+from qruntime.engine.model_runner import ModelRunner  # noqa: E402
+from qruntime.engine.piecewise_graphs import PiecewiseGraphs  # noqa: E402
+from qruntime.engine.scheduler import Scheduler  # noqa: E402
+from qruntime.engine.speculative.speculator import Speculator  # noqa: E402
+from qruntime.plan import Plan  # noqa: E402
+
+from qcompile.recipe.schema import load_recipe  # noqa: E402
+from qcompile.synth.artifact import write_synthetic_artifact  # noqa: E402
+
+PATHS = {"decode_graph": (DecodeGraphs, "run"), "mixed_graph": (MixedGraphs, "run"),
+         "piecewise": (PiecewiseGraphs, "run"), "eager": (Plan, "run")}  # fmt: skip
+PARTS = {"step": (Engine, "step"), "schedule": (Scheduler, "schedule"), "draft": (Speculator, "draft"),
+         "draft_ahead": (Speculator, "draft_ahead"), "execute": (ModelRunner, "execute"),
+         "complete": (Engine, "_complete")}  # fmt: skip
+MODULE_PARTS = {"sample": "sample_on_device", "verify": "verify_drafts"}  # names in qruntime.engine.engine
+
+
+class Timers:
+    """Host wall time and calls per part; the forward's CUDA events; the execute paths taken. Wrapping
+    is at class (or module) level and undone by `restore`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.host: dict[str, list[float]] = {}
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._undo: list[Callable[[], None]] = []
+        self._depth = 0  # Plan.run inside a graph's eager tail is the graph's, not an eager step
+
+    def _timed(self, name: str, fn: Callable[..., Any], gpu: bool = False, path: bool = False) -> Callable[..., Any]:
+        timers = self
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if path and name == "eager" and timers._depth:
+                return fn(*args, **kwargs)
+            if path:
+                timers._depth += 1
+            if gpu and timers.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timers.host.setdefault(name, []).append(time.perf_counter() - t0)
+                if path:
+                    timers._depth -= 1
+                if gpu and timers.device.type == "cuda":
+                    end.record()
+                    timers.events.append((start, end))
+
+        return wrapper
+
+    def install(self) -> None:
+        for name, (cls, attr) in {**PARTS, **PATHS}.items():
+            original = getattr(cls, attr)
+            setattr(cls, attr, self._timed(name, original, gpu=name == "execute", path=name in PATHS))
+            self._undo.append(functools.partial(setattr, cls, attr, original))
+        for name, attr in MODULE_PARTS.items():
+            original = getattr(engine_module, attr)
+            setattr(engine_module, attr, self._timed(name, original))
+            self._undo.append(functools.partial(setattr, engine_module, attr, original))
+
+    def restore(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def report(self, steps: int) -> dict[str, Any]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        out: dict[str, Any] = {}
+        for name, times in sorted(self.host.items()):
+            out[name] = {"calls": len(times), "ms_per_step": round(1e3 * sum(times) / max(steps, 1), 4)}
+        if self.events:
+            gpu = sum(s.elapsed_time(e) for s, e in self.events)
+            out["gpu_forward"] = {"calls": len(self.events), "ms_per_step": round(gpu / max(steps, 1), 4)}
+        return out
+
+
+def _prompts(rng: random.Random, count: int, vocab: int, length: int) -> list[list[int]]:
+    prompts = []
+    for _ in range(count):
+        phrase = [rng.randrange(100, vocab) for _ in range(rng.randrange(4, 12))]
+        prompts.append((phrase * (length // len(phrase) + 1))[:length])
+    return prompts
+
+
+def run_mode(art: Path, mode: str, batch: int, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    spec = None if mode == "plain" else SpeculativeConfig.parse(mode)
+    engine = qruntime.load(
+        art, device=args.device, speculative=spec, **({"dtype": torch.float32} if args.device == "cpu" else {})
+    )
+    try:
+        vocab = engine.tokenizer.vocab_size if hasattr(engine.tokenizer, "vocab_size") else 1000
+        prompts = _prompts(random.Random(seed), batch, min(vocab, 20000), args.input_len)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        engine.generate(prompts, params)  # warm-up: compiles, captures, prefix-caches the prompts
+        timers = Timers(torch.device(args.device))
+        timers.install()
+        try:
+            t0 = time.perf_counter()
+            outs = engine.generate(prompts, params)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        finally:
+            timers.restore()
+        tokens = sum(len(o.token_ids) for o in outs)
+        steps = len(timers.host.get("step", []))
+        speculator = getattr(engine, "speculator", None)
+        stats = speculator.stats if speculator is not None else None
+        row = {
+            "mode": mode,
+            "batch": batch,
+            "tokens": tokens,
+            "steps": steps,
+            "wall_s": round(wall, 4),
+            "ms_per_token_per_request": round(1e3 * wall * batch / max(tokens, 1), 4),
+            "output_tokens_per_s": round(tokens / wall, 1),
+            "parts": timers.report(steps),
+        }
+        if stats is not None:
+            row["speculative"] = {
+                "acceptance_rate": round(stats.acceptance_rate, 4),
+                "tokens_per_verification": round(stats.tokens_per_verification, 3),
+                "verifications": stats.verifications,
+            }
+        return row
+    finally:
+        engine.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="qwen3-0.6b")
+    parser.add_argument("--recipe", default="ptpc-fp8")
+    parser.add_argument("--methods", default="prompt-lookup", help="comma-separated speculative configs")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/qspecprof"))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    art = args.workdir / f"{args.preset}-{args.recipe}"
+    shutil.rmtree(art, ignore_errors=True)
+    write_synthetic_artifact(args.preset, art, load_recipe(args.recipe), tp=1, progress=False)
+    report = (
+        gpu_report_header("spec_step_profile", synthetic=True)
+        if args.device == "cuda"
+        else report_header("spec_step_profile")
+    )
+    report |= {"preset": args.preset, "recipe": args.recipe, "seed": seed, "rows": []}
+    print(
+        f"{'mode':>16} {'batch':>5} {'ms/tok':>7} {'steps':>5} {'accept':>6}  step | schedule draft draft_ahead execute sample verify complete gpu (ms per step); paths"
+    )
+    for batch in (int(b) for b in args.batches.split(",")):
+        for mode in ("plain", *args.methods.split(",")):
+            row = run_mode(art, mode, batch, args, seed)
+            report["rows"].append(row)
+            p = row["parts"]
+            ms = {
+                k: p.get(k, {}).get("ms_per_step", 0.0)
+                for k in (
+                    "step",
+                    "schedule",
+                    "draft",
+                    "draft_ahead",
+                    "execute",
+                    "sample",
+                    "verify",
+                    "complete",
+                    "gpu_forward",
+                )
+            }
+            paths = {k: p[k]["calls"] for k in PATHS if k in p}
+            acc = row.get("speculative", {}).get("acceptance_rate", float("nan"))
+            print(f"{mode:>16} {batch:>5} {row['ms_per_token_per_request']:>7.3f} {row['steps']:>5} {acc:>6.2f}  "
+                  + " ".join(f"{v:.3f}" for v in ms.values()) + f"; {paths}", flush=True)  # fmt: skip
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
