@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import random
 import shutil
@@ -136,9 +137,8 @@ def _prompts(rng: random.Random, count: int, vocab: int, length: int) -> list[li
 
 def run_mode(art: Path, mode: str, batch: int, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     spec = None if mode == "plain" else SpeculativeConfig.parse(mode)
-    engine = qruntime.load(
-        art, device=args.device, speculative=spec, **({"dtype": torch.float32} if args.device == "cpu" else {})
-    )
+    extra = {"dtype": torch.float32} if args.device == "cpu" else {"kv_cache_memory": args.kv_cache_gib << 30}
+    engine = qruntime.load(art, device=args.device, speculative=spec, **extra)
     try:
         vocab = engine.tokenizer.vocab_size if hasattr(engine.tokenizer, "vocab_size") else 1000
         prompts = _prompts(random.Random(seed), batch, min(vocab, 20000), args.input_len)
@@ -177,6 +177,10 @@ def run_mode(art: Path, mode: str, batch: int, args: argparse.Namespace, seed: i
         return row
     finally:
         engine.close()
+        del engine
+        gc.collect()  # the next mode's engine sizes nothing from this one's memory
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -188,6 +192,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--kv-cache-gib", type=int, default=8, help="each engine's KV cache (and a draft model's)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/qspecprof"))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
