@@ -4,7 +4,9 @@ of the longest n-gram ending the sequence, hand-traced and against a brute-force
 from __future__ import annotations
 
 import pytest
+from qruntime.engine.sampling_params import SamplingParams
 from qruntime.engine.speculative.config import SpeculativeConfig
+from qruntime.engine.speculative.draft import DraftFor
 from qruntime.engine.speculative.proposers import PROPOSERS, PromptLookup
 
 
@@ -95,3 +97,25 @@ def test_the_registry_builds_prompt_lookup_from_the_config():
     proposer = PROPOSERS["prompt-lookup"](SpeculativeConfig(prompt_lookup_min=1, prompt_lookup_max=3))
     assert isinstance(proposer, PromptLookup) and (proposer.min_n, proposer.max_n) == (1, 3)
     assert proposer.propose([4, 1, 2, 3, 4], 2) == (1, 2)
+
+
+def test_a_requests_index_grows_with_its_tokens_and_matches_the_reference(rng):
+    """Per request, the draft after each appended run of tokens (1-5 at a time, as accepted drafts
+    arrive) equals the reference's over the whole sequence; a sequence that does not extend the
+    indexed one (another request's tokens under a reused id) is indexed afresh; forget drops it."""
+    for _ in range(300):
+        alphabet, min_n = rng.randint(2, 5), rng.randint(1, 3)
+        max_n = rng.randint(min_n, 5)
+        lookup = PromptLookup(min_n, max_n)
+        request = DraftFor(f"r{rng.randrange(3)}", SamplingParams(), None)
+        tokens = [rng.randrange(alphabet) for _ in range(rng.randint(0, 8))]
+        for _ in range(rng.randint(1, 12)):
+            tokens += [rng.randrange(alphabet) for _ in range(rng.randint(1, 5))]
+            k = rng.randint(0, 6)
+            assert lookup.propose(tokens, k, request) == reference(tokens, k, min_n, max_n), (tokens, k, min_n, max_n)
+        if len(tokens) > min_n + 1:  # other is long enough to be indexed
+            other = [(t + 1) % alphabet for t in tokens[:-1]]  # shorter, different: not an extension
+            assert lookup.propose(other, 3, request) == reference(other, 3, min_n, max_n)
+            assert lookup._indexes[request.request_id].tokens == other
+        lookup.forget(request.request_id)
+        assert request.request_id not in lookup._indexes
