@@ -12,6 +12,7 @@ import pytest
 import qruntime
 import torch
 from qruntime import SamplingParams, SpeculativeConfig
+from qruntime.engine.speculative.config import MAX_DRAFT_TOKENS
 
 
 @pytest.fixture(scope="module")
@@ -249,3 +250,57 @@ def test_load_refuses_a_bad_speculative_option(artifact):
         _engine(artifact, "medusa")
     with pytest.raises(ValueError, match="num_tokens"):
         _engine(artifact, "prompt-lookup:num_tokens=0")
+
+
+class EveryThird(Oracle):
+    """The scripted draft (all `good` tokens right) at every third time it is asked, nothing otherwise:
+    two misses in a row pause the request's drafting."""
+
+    def __init__(self, outputs, vocab: int) -> None:
+        super().__init__(outputs, good=MAX_DRAFT_TOKENS, vocab=vocab)
+        self.asked = 0
+
+    def propose(self, token_ids, k, request=None):
+        self.asked += 1
+        return super().propose(token_ids, k, request) if self.asked % 3 == 1 else ()
+
+
+def _spied(engine) -> list[bool]:
+    """The `drafting` flag of every step the engine launches, in order."""
+    launches, launch = [], engine._launch
+
+    def spy(previous, read_previous=False, drafting=False):
+        launches.append(drafting)
+        return launch(previous, read_previous, drafting)
+
+    engine._launch = spy
+    return launches
+
+
+@pytest.mark.parametrize("proposer", ["nothing", "every-third"])
+def test_steps_run_asynchronously_while_every_request_pauses_drafting(artifact, rng, proposer):
+    """A proposer that keeps finding nothing pauses each request's drafting (2 misses in a row), and
+    while every running request pauses, the engine launches its steps asynchronously, without drafts
+    (a step still in flight when step() returns); when a pause ends a synchronous step drafts again.
+    Greedy outputs stay plain greedy's; with async scheduling off every step is synchronous."""
+    prompts = [[rng.randrange(500) for _ in range(rng.randrange(5, 30))] for _ in range(3)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = _engine(artifact).generate(prompts, params)
+    outputs = {tuple(p): o.token_ids for p, o in zip(prompts, plain, strict=True)}
+    for async_scheduling in (True, False):
+        engine = _engine(artifact, SpeculativeConfig(num_tokens=4))
+        engine.async_scheduling = async_scheduling
+        engine.speculator.proposer = EveryThird(outputs, engine.vocab_size)
+        if proposer == "nothing":
+            engine.speculator.proposer.propose = lambda token_ids, k, request=None: ()
+        launches = _spied(engine)
+        spec = engine.generate(prompts, params)
+        assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+        stats = engine.speculative_stats
+        if not async_scheduling:
+            assert all(launches), launches
+        elif proposer == "nothing":
+            assert stats.drafted == 0 and launches.count(False) > 0.6 * len(launches), launches
+        else:
+            assert stats.accepted > 0 and True in launches and launches.count(False) > 0.3 * len(launches), launches
+        assert engine.scheduler.block_manager.num_used_blocks == 0

@@ -25,7 +25,9 @@ Speculative decoding (`speculative=`, engine/speculative/): a decoding request m
 into its step, which computes them with its token; the target's logits verify them (rejection
 sampling: the outputs keep the target's distribution, greedy ones are plain greedy's) and the
 request keeps the accepted drafts plus one token. Drafts need the newest token on the host, so a
-speculating engine schedules synchronously. Requests whose sampling needs per-position state
+step that may draft runs synchronously; while every running request's drafting pauses (its drafts
+kept failing, or prompt lookup kept finding nothing: speculative/draft_length.py) steps run
+asynchronously, without drafts, as a plain engine's. Requests whose sampling needs per-position state
 (penalties, logit_bias, min_tokens not yet reached, logprobs, structured output, a thinking cap)
 decode one token a step beside the speculating ones.
 """
@@ -157,12 +159,11 @@ class Engine:
             raise ValueError("a Qwen3-VL engine runs without speculative decoding for now")
         if speculator is not None:
             speculator.attach(runner)
-        # launch a step before reading the last one's tokens; not while speculating (a draft needs the
-        # newest token on the host), nor at tp > 1 without a vocabulary-parallel head (its exchange is
-        # what leaves a step's tokens on every rank, for the next step to read)
-        self.async_scheduling = (
-            async_scheduling and self.speculator is None and (workers is None or runner.vocab_shard is not None)
-        )
+        # launch a step before reading the last one's tokens (while speculating, only the steps no request
+        # drafts in: a draft needs the newest token on the host); not at tp > 1 without a
+        # vocabulary-parallel head (its exchange is what leaves a step's tokens on every rank, for the
+        # next step to read)
+        self.async_scheduling = async_scheduling and (workers is None or runner.vocab_shard is not None)
         self._tracked: dict[str, _Tracked] = {}
         self._in_flight: _Launched | None = None  # the step launched last, not read yet (async scheduling)
         self._scheduled = False  # whether the last step() scheduled anything
@@ -264,9 +265,9 @@ class Engine:
         model step that raises fails the requests of its batch. The engine runs on for the others;
         only a device error (the GPU is gone, every later step would fail too) is raised."""
         previous, self._in_flight = self._in_flight, None
-        if not self.async_scheduling:
+        if not self.async_scheduling or self._drafts_due():
             done = self._complete(previous) if previous is not None else []
-            launched, deltas = self._launch(None)
+            launched, deltas = self._launch(None, drafting=True)
             return done + deltas + (self._complete(launched) if launched is not None else [])
         done = []
         if previous is not None and not previous.everywhere:  # tp > 1: its tokens are on rank 0 alone
@@ -281,13 +282,15 @@ class Engine:
         return done + deltas + (self._complete(previous) if previous is not None else [])
 
     def _launch(
-        self, previous: _Launched | None, read_previous: bool = False
+        self, previous: _Launched | None, read_previous: bool = False, drafting: bool = False
     ) -> tuple[_Launched | None, list[StreamDelta]]:
         """Schedule a step and queue it on the device, sampling included; `previous`: the step still
         in flight, whose sampled tokens this one's pending ids name. Returns the step (None when
         nothing was scheduled or it failed) and the deltas of requests it failed. read_previous:
         `previous` is also read (`_complete`, its deltas first) once this step's forward is queued
-        and before its sampling, so that the structured rows' masks follow its tokens."""
+        and before its sampling, so that the structured rows' masks follow its tokens. drafting: a
+        speculating engine's synchronous step, whose decoding requests may carry drafts (otherwise
+        none do, and the step counts in each request's drafting pause)."""
         done: list[StreamDelta] = []
 
         def read() -> None:  # `previous`'s tokens, once
@@ -295,7 +298,9 @@ class Engine:
             if read_previous and previous is not None:
                 read_previous, done = False, self._complete(previous)
 
-        if self.speculator is not None and self.speculator.batches:  # every decoding request's drafts in shared steps
+        if self.speculator is not None and not drafting:  # an asynchronous step: no drafts
+            self.speculator.skip([request.request_id for request in self.scheduler.running])
+        elif self.speculator is not None and self.speculator.batches:  # every decoding request's drafts in shared steps
             self.speculator.draft_ahead(
                 [
                     (request.request_id, request.all_token_ids, limit, t.params, t.generator)
@@ -303,7 +308,11 @@ class Engine:
                     if self._may_draft(t := self._tracked[request.request_id], request)
                 ]
             )
-        output = self.scheduler.schedule(self._draft) if self.speculator is not None else self.scheduler.schedule()
+        output = (
+            self.scheduler.schedule(self._draft)
+            if self.speculator is not None and drafting
+            else self.scheduler.schedule()
+        )
         self._scheduled = bool(output.chunks)
         if not output.chunks:
             read()
@@ -590,6 +599,17 @@ class Engine:
         if not self._may_draft(t, request):
             return ()
         return self.speculator.draft(request.request_id, request.all_token_ids, limit, t.params, t.generator, grow)
+
+    def _drafts_due(self) -> bool:
+        """Whether some running request may draft at this step (a speculating engine then runs it
+        synchronously: a draft starts from the newest token, which the host must have read)."""
+        if self.speculator is None:
+            return False
+        for request in self.scheduler.running:
+            t = self._tracked.get(request.request_id)
+            if t is not None and self._may_draft(t, request) and self.speculator.due(request.request_id):
+                return True
+        return False
 
     @staticmethod
     def _may_draft(t: _Tracked, request: Request) -> bool:

@@ -117,6 +117,11 @@ class Scheduler:
         return len(self._waiting)
 
     @property
+    def running(self) -> tuple[Request, ...]:
+        """The running requests, in admission order."""
+        return tuple(self._running)
+
+    @property
     def num_running(self) -> int:
         """Admitted requests (they hold KV blocks)."""
         return len(self._running)

@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import pytest
 from qruntime.engine.speculative.config import MAX_DRAFT_TOKENS, SpeculativeConfig
-from qruntime.engine.speculative.draft_length import LOW_ACCEPTANCE, MAX_PAUSE, SMOOTHING, DraftLength
+from qruntime.engine.speculative.draft_length import (
+    LOW_ACCEPTANCE,
+    MAX_PAUSE,
+    MISSES_TO_PAUSE,
+    SMOOTHING,
+    DraftLength,
+)
 from qruntime.engine.speculative.proposers import PROPOSERS
 from qruntime.engine.speculative.speculator import SpeculativeStats, Speculator
 
@@ -174,6 +180,44 @@ def test_not_adaptive_stays_at_the_limit():
         assert length.wanted() == 3
         length.record(3, accepted)
     assert (length.k, length.pause) == (3, 0)
+
+
+def test_misses_in_a_row_pause_with_the_doubling_pause_and_a_draft_resets_them():
+    length = DraftLength(limit=4)
+    pauses = []
+    for _ in range(6):
+        for _ in range(MISSES_TO_PAUSE - 1):
+            length.miss()
+            assert length.due and length.pause == 0
+        length.miss()
+        assert not length.due
+        pauses.append(length.pause)
+        while not length.due:  # asynchronous steps count the pause as wanted() does
+            length.skip()
+        assert length.wanted() == length.k
+    assert pauses == [min(4 * 2**i, MAX_PAUSE) for i in range(6)]
+    length.miss()
+    length.record(2, 1)  # a verification between misses: they are no longer in a row
+    length.miss()
+    assert length.due and length.misses == 1
+    length.skip()  # not paused: nothing to count
+    assert length.pause == 0
+    fixed = DraftLength(limit=3, adaptive=False)
+    for _ in range(10):
+        fixed.miss()
+    assert fixed.due and fixed.wanted() == 3
+
+
+def test_speculator_due_and_skip_follow_each_requests_pause():
+    spec = Speculator(SpeculativeConfig(num_tokens=2, prompt_lookup_min=1, prompt_lookup_max=1))
+    assert spec.due("new")  # never asked: drafts at its first step
+    for _ in range(MISSES_TO_PAUSE):
+        assert spec.draft("a", [1, 2, 3], limit=4) == ()  # nothing repeats: a miss each
+    assert spec.draft("b", [7, 8, 7], limit=4) == (8, 7)
+    assert not spec.due("a") and spec.due("b")
+    for _ in range(4):
+        spec.skip(["a", "b", "unknown"])
+    assert spec.due("a") and spec.draft("a", [1, 2, 3, 1], limit=4) == (2, 3)
 
 
 # ---- Speculator ----

@@ -102,11 +102,25 @@ class Speculator:
                 token_ids, k, DraftFor(request_id, params or SamplingParams(), generator, grow)
             )
         if not isinstance(draft, Draft):
-            return tuple(draft)[:k]
+            draft = Draft(tuple(draft))
         tokens = draft.tokens[:k]
+        if not tokens and k >= 1 and (length := self._lengths.get(request_id)) is not None:
+            length.miss()
         if draft.probs is not None and tokens:
             self._probs[request_id] = draft.probs[: len(tokens)]
         return tokens
+
+    def due(self, request_id: str) -> bool:
+        """Whether the request would be asked for drafts at its next step (not paused; a request not
+        seen yet is)."""
+        length = self._lengths.get(request_id)
+        return length is None or length.due
+
+    def skip(self, request_ids: Sequence[str]) -> None:
+        """A step ran without drafting (asynchronously): each request's pause counts it."""
+        for request_id in request_ids:
+            if (length := self._lengths.get(request_id)) is not None:
+                length.skip()
 
     def probs(self, request_id: str) -> torch.Tensor | None:
         """The distributions [k, V] the request's last drafts were drawn from (None: a point mass, or
