@@ -317,6 +317,7 @@ def load(
         sharded_sampling=sharded_sampling,
         pdl=pdl,
         target=manifest.get("target", DEFAULT_TARGET),
+        speculative=speculative is not None,
     )
     if "vision" in manifest and speculative is not None:
         raise ValueError(f"{root}: a Qwen3-VL artifact runs without speculative decoding for now")

@@ -176,6 +176,9 @@ def test_default_buckets_follow_the_tuner_and_halve_its_gaps_up_to_the_token_bud
     assert token_buckets(2048) == (128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
     assert token_buckets(3000) == (128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3000)
     assert token_buckets(48) == (48,)
+    # a speculating engine's: verification steps of k + 1 tokens a request pad to 8..64, not 128
+    assert token_buckets(2048, verify=True) == (8, 16, 32, 64, *token_buckets(2048))
+    assert token_buckets(48, verify=True) == (8, 16, 32, 48)
     budget = rng.randint(1, 9000)
     print("budget", budget)
     buckets = token_buckets(budget)

@@ -25,7 +25,9 @@ the weights costs (H100, qwen3-8b's 4096x4096 FP8 GEMM: 10.6 us at 1 token, 13.0
 256). Above ~512 tokens a step is compute-bound and the padding costs its share: with powers of two
 alone, 23 prompts of 64 tokens beside 5 decodes (1,477 tokens) ran the 2048 bucket, 22.6 ms of
 GEMMs (H100, qwen3-8b: bench/step_kernels.py); the halves bound the padding by a third rather than
-by double. More sizes cost memory: each bucket keeps attention's input of every layer (below), so a
+by double. A speculating engine adds VERIFY_BUCKETS below 128: its verification steps hold k + 1
+tokens a decoding request (5 at batch 1 with 4 drafts), which the 128 bucket ran at ~1.5x a decode
+step's GPU time (H200, qwen3-0.6b synthetic: bench/spec_step_profile.py). More sizes cost memory: each bucket keeps attention's input of every layer (below), so a
 bucket's memory grows with T (qwen3-8b: 36 layers x 8 KiB of q a token, 1.9 GiB for 128..2048).
 
 Memory: the graphs of every bucket share one pool, the largest bucket captured first. A piece's
@@ -50,6 +52,7 @@ from qruntime.ops.base import AttentionMetadata, StepContext
 from qruntime.plan import SEQUENCE_INPUTS, Piece, Plan
 
 TOKEN_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)  # qcompile/tune/gemm.py TOKEN_BUCKETS from 128
+VERIFY_BUCKETS = (8, 16, 32, 64)  # a speculating engine's: verification steps of a few requests
 
 Outputs = dict[str, torch.Tensor]
 # capture(run_piece) -> (outputs, replay): run_piece runs the piece on its static inputs and returns
@@ -96,10 +99,12 @@ def smallest_bucket(buckets: Sequence[int], tokens: int) -> int | None:
     return buckets[index] if index < len(buckets) else None
 
 
-def token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
+def token_buckets(max_num_batched_tokens: int, verify: bool = False) -> tuple[int, ...]:
     """The default buckets (see the module docstring): TOKEN_BUCKETS and the sizes half-way between
-    them, below max_num_batched_tokens, then max_num_batched_tokens."""
+    them (and VERIFY_BUCKETS when `verify`: a speculating engine), below max_num_batched_tokens, then
+    max_num_batched_tokens."""
     sizes = {*TOKEN_BUCKETS, *(a + (b - a) // 2 for a, b in zip(TOKEN_BUCKETS, TOKEN_BUCKETS[1:], strict=False))}
+    sizes |= set(VERIFY_BUCKETS) if verify else set()
     return (*sorted(t for t in sizes if t < max_num_batched_tokens), max_num_batched_tokens)
 
 
