@@ -208,6 +208,7 @@ def load(
     sharded_sampling: bool = True,
     pdl: bool | None = None,
     speculative: str | SpeculativeConfig | None = None,
+    small_step_graphs: bool | None = None,
 ) -> Engine:
     """Load a qcompile artifact and return an Engine.
 
@@ -257,7 +258,11 @@ def load(
     speculative: speculative decoding (engine/speculative/), a SpeculativeConfig or its text form
     ("prompt-lookup", "prompt-lookup:num_tokens=6,prompt_lookup_max=3"): decoding requests draft
     tokens that one step verifies, keeping the model's output distribution (greedy outputs as
-    without it); engine.speculative_stats counts the acceptance. tp = 1 only. The
+    without it); engine.speculative_stats counts the acceptance. tp = 1 only.
+    small_step_graphs (with cuda_graphs): whole-step graphs for steps of 8, 16, 32 and 64 tokens too,
+    which otherwise pad to 128 (engine/piecewise_graphs.py VERIFY_BUCKETS): default on when
+    speculative (its verification steps hold k + 1 tokens a request), and a draft model's engine has
+    them (its steps compute what a verification kept). The tp > 1
     workers are spawned: a script that loads at tp > 1 must guard its entry point with
     `if __name__ == "__main__":`. One tp engine per process at a time,
     in a process without a torch.distributed default group of its own.
@@ -317,7 +322,7 @@ def load(
         sharded_sampling=sharded_sampling,
         pdl=pdl,
         target=manifest.get("target", DEFAULT_TARGET),
-        speculative=speculative is not None,
+        small_step_graphs=speculative is not None if small_step_graphs is None else small_step_graphs,
     )
     if "vision" in manifest and speculative is not None:
         raise ValueError(f"{root}: a Qwen3-VL artifact runs without speculative decoding for now")
@@ -457,6 +462,7 @@ def _speculator(
             max_num_seqs=target.max_num_seqs,
             num_kv_blocks=target.num_kv_blocks,
             kv_cache_memory=memory,
+            small_step_graphs=True,
         )
         if draft.vocab_size != vocab_size or tuple(draft.tokenizer.eos_token_ids) != tuple(tokenizer.eos_token_ids):
             draft.close()

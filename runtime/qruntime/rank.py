@@ -70,7 +70,7 @@ class RankConfig:
     sharded_sampling: bool = True  # tp > 1, vocabulary-parallel head: sample the ranks' shards, not gathered rows
     pdl: bool = False  # triton backend: programmatic dependent launch (kernels/pdl.py), resolved by load
     target: str = DEFAULT_TARGET  # the artifact's compile target (qruntime.target): the fast path's FP8 format
-    speculative: bool = False  # a speculating engine: graphs for verification-sized steps too (VERIFY_BUCKETS)
+    small_step_graphs: bool = False  # whole-step graphs for 8..64-token steps too (VERIFY_BUCKETS: speculation)
 
     @property
     def tp(self) -> int:
@@ -261,7 +261,7 @@ def build_rank(
         # a plan that mixes rows (per-tensor activation scales) runs its other steps eagerly instead (as
         # a Qwen3-VL engine runs its steps holding image rows)
         if unfit_reason(plan) is None:
-            tokens = token_buckets(config.max_num_batched_tokens, verify=config.speculative)
+            tokens = token_buckets(config.max_num_batched_tokens, verify=config.small_step_graphs)
             piecewise = PiecewiseGraphs(plan, kv_cache, tokens, blocks, max_model_len, mrope=mrope, vision=vision)
             if mixed_unfit_reason(plan) is None:  # whole-step graphs where attention launches from bounds
                 mixed = MixedGraphs(

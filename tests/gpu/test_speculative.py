@@ -50,6 +50,9 @@ def test_every_method_on_the_fast_path(gpu_artifact, cuda, rng, method):
         "draft-model": SpeculativeConfig("draft-model", draft_model=str(gpu_artifact)),  # the target as its own draft
     }[method]
     engine = qruntime.load(gpu_artifact, device=cuda, num_kv_blocks=256, speculative=config)
+    # verification steps (k + 1 tokens a request) replay graphs of 8..64 tokens, not the 128 bucket
+    assert engine.description["mixed_graphs"][:4] == [8, 16, 32, 64], engine.description
+    assert plain_engine.description["mixed_graphs"][0] == 128
     outputs = engine.generate(prompts, params)
     assert all(len(o.token_ids) == 48 for o in outputs)
     stats = engine.speculative_stats
