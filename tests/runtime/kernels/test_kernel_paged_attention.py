@@ -390,3 +390,66 @@ def test_bad_inputs_are_refused():
         step.decode(out=torch.empty(1, 4 * 32))
     with pytest.raises(ValueError, match="num_prefills"):
         step.prefill(num_prefills=2)
+
+
+@pytest.mark.parametrize("mode", ["decode", "varlen", "work-list"])
+def test_folded_merge_gives_the_reduce_launchs_bits_and_leaves_the_counters_zero(rng, mode):
+    """counters=: the last program of each (decode, kv head) merges its partitions in the partition
+    launch: the same bits as the reduce launch, for decode steps, a mixed step's decode rows (host
+    count) and a work list (device count), twice in a row on the same counters (a replayed graph),
+    which every call leaves at zero. A fold that merged too early (a partition missing) or a head
+    of the wrong group changes the bits."""
+    step = mixed_step(rng) if mode != "decode" else Step(
+        rng.choice(list(KV_LAYOUTS)), *POOLS[rng.choice(list(POOLS))], SHAPES[rng.choice(list(SHAPES))],
+        [(rng.randint(1, 120), 1) for _ in range(rng.randint(1, 4))], rng,
+    )  # fmt: skip
+    decode_rows = step.rows(decodes=True)
+    args = (step.q, step.cache.k[0], step.cache.v[0], step.block_tables, step.context_lens)
+    extra: dict = {"num_splits": 3, "max_context_len": 128}
+    bound = step.block_tables.shape[0]
+    if mode == "varlen":
+        extra |= {"query_start_loc": step.query_start_loc, "num_decodes": len(decode_rows)}
+    elif mode == "work-list":
+        work = prefill_kernel.bounds_work(step.meta.query_start, step.meta.context_lens, len(step.q), bound)
+        extra |= {
+            "query_start_loc": step.query_start_loc,
+            "num_decodes": bound,
+            "work": torch.from_numpy(work).to(DEVICE),
+        }
+    counters = decode_kernel.fold_counters(bound, step.kvh, DEVICE)
+    outs = []
+    for folded in (None, counters, counters):
+        out = torch.full_like(step.ref, float("nan"))
+        paged_decode_attention(*args, **step.kwargs(), **extra, out=out, counters=folded)
+        outs.append(out)
+        assert not counters.any()
+    assert_close(outs[0][decode_rows], step.ref[decode_rows])
+    for out in outs[1:]:
+        assert torch.equal(out[decode_rows], outs[0][decode_rows])
+        assert out[[r for r in range(len(out)) if r not in decode_rows]].isnan().all()
+
+
+def test_the_fast_op_folds_the_merge_while_its_tail_stays_short(rng, monkeypatch):
+    """The fast op hands the decode kernel its counters: with 2 partitions of a GQA group of 2 the
+    merge folds into the partition launch (no reduce launch); with more partitions than one merging
+    program may read (FOLD_MAX_TILES), the reduce kernel launches as before. Both equal the reference."""
+    reduces = []
+    real = decode_kernel._decode_reduce_kernel
+
+    class Launches:
+        def __getitem__(self, grid):
+            reduces.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(decode_kernel, "_decode_reduce_kernel", Launches())
+    step = Step("nhd", "bf16", torch.bfloat16, SHAPES["g2"], [(rng.randint(40, 120), 1) for _ in range(2)], rng)
+    out, decode, _ = run_fast_op(step)  # max_context_len 256: 4 partitions of 64 at most, 2 heads a group
+    assert decode.calls[0]["counters"] is not None and reduces == []
+    assert_close(out, step.ref)
+    # a group of 8 heads and 33 partitions: 8 x 2 blocks of partitions > FOLD_MAX_TILES (8)
+    group8 = Step("nhd", "bf16", torch.bfloat16, SHAPES["g8-bs8"], [(rng.randint(40, 120), 1) for _ in range(2)], rng)
+    splits = decode_kernel.REDUCE_BLOCK_S + 1
+    assert 8 * 2 > decode_kernel.FOLD_MAX_TILES >= 8
+    long = group8.decode(num_splits=splits, counters=decode_kernel.fold_counters(2, group8.kvh, DEVICE))
+    assert len(reduces) == 1
+    assert_close(long, group8.ref)
