@@ -346,17 +346,14 @@ class PagedAttention(attention.PagedAttention):
     capturable = True
     launches_from_bounds = True
     SDPA_MIN_TOKENS = 512
-    FOLD_MAX_DECODES = 1024  # decodes (or their bound) a step may have for the merge to fold into one launch
 
     def __init__(self, attrs, env, consts=()) -> None:
         super().__init__(attrs, env, consts)
-        from qruntime.kernels.paged_decode_attention import fold_counters, paged_decode_attention, paged_kv
+        from qruntime.kernels.paged_decode_attention import paged_decode_attention, paged_kv
         from qruntime.kernels.paged_prefill_attention import paged_prefill_attention
 
         self.decode, self.prefill, self.paged_kv = paged_decode_attention, paged_prefill_attention, paged_kv
         self._checked = None  # (k_pool, v_pool, q dtype, their PagedKV): the pools' checks, done once
-        # the decode kernel's merge in its own launch (counters=): made here, never inside a graph capture
-        self._counters = fold_counters(self.FOLD_MAX_DECODES, attrs["num_kv_heads"], env.device)
 
     def __call__(self, step, q, ready, block_tables, context_lens, query_start_loc):
         a, cache, meta = self.a, step.kv_cache, step.attn
@@ -376,15 +373,13 @@ class PagedAttention(attention.PagedAttention):
             out = self.prefill(*args, max_q_len=q.shape[0], work=meta.work, kv=kv, pdl=pdl, **common)
             bound = min(block_tables.shape[0], q.shape[0])
             kwargs = dict(query_start_loc=query_start_loc, num_decodes=bound, work=meta.work, out=out)
-            kwargs["counters"] = self._fold(bound)
             self.decode(*args[:5], max_context_len=meta.max_context_len, kv=kv, pdl=pdl, **kwargs, **common)
             return out
         if meta.decode_only:
             kv = self._pools_checked(q, pools, common)
             return self.decode(
-                q, *pools, block_tables, context_lens, max_context_len=meta.max_context_len, kv=kv, pdl=pdl,
-                counters=self._fold(q.shape[0]), **common,
-            )  # fmt: skip
+                q, *pools, block_tables, context_lens, max_context_len=meta.max_context_len, kv=kv, pdl=pdl, **common
+            )
         q_lens = list(map(operator.sub, meta.query_start[1:], meta.query_start[:-1]))
         num_decodes = q_lens.count(1)  # host ints only: no sync, no index tensor (the kernels scan)
         longest = meta.max_q_len or max(q_lens, default=0)  # metadata built without max_q_len: 0
@@ -398,14 +393,9 @@ class PagedAttention(attention.PagedAttention):
         if num_decodes:
             args = (q, *pools, block_tables, context_lens)
             kwargs = dict(query_start_loc=query_start_loc, num_decodes=num_decodes, out=out, **common)
-            kwargs["counters"] = self._fold(num_decodes)
             kv = self._pools_checked(q, pools, common)
             self.decode(*args, max_context_len=meta.max_context_len, kv=kv, pdl=pdl, **kwargs)
         return out
-
-    def _fold(self, decodes: int):
-        """The decode kernel's merge counters for a call of up to `decodes` decodes (None: too many)."""
-        return self._counters if decodes <= self.FOLD_MAX_DECODES else None
 
     def _pools_checked(self, q, pools, common):
         """paged_kv of this layer's pools, computed again only when they or q's dtype change (never, in
