@@ -25,23 +25,28 @@ from test_kernel_quant import assert_fp8_close
 MAX_BYTES = 16 << 10
 LATE_S = 0.2  # the last rank's delay before each call
 WATCHDOG_S = 300.0  # a rank's calls take seconds under the interpreter; past this its waits are aborted
-# one-shot up to 4 KiB, two-shot up to 16 KiB, gloo beyond; blocks of 16 elements in both kernels, so
-# a message of a few thousand elements runs more blocks than programs (each program loops), and the
-# two-shot's runs of blocks end off the programs' grid
-POLICY = AllReducePolicy(max_one_shot_bytes=4 << 10, max_two_shot_bytes=MAX_BYTES, max_ll_bytes=0)
-TEST_BLOCK = 16
+# the ranks launch at most TEST_SLOTS programs (peer_sync.MAX_SLOTS, 128 on GPUs) of blocks of
+# TEST_BLOCK elements (2048 on GPUs; LL blocks of TEST_BLOCK // 2 words), so that a few hundred elements
+# run more blocks (or rows) than programs: each program loops, as a GPU's do on large messages, at a
+# sixteenth of the interpreter's work of 128 programs
+TEST_SLOTS, TEST_BLOCK = 8, 16
+# one-shot up to 512 bytes (16 blocks: more than programs), two-shot up to 2 KiB, gloo beyond; the
+# two-shot's runs of blocks (cdiv(blocks, world)) end off the programs' grid
+POLICY = AllReducePolicy(max_one_shot_bytes=512, max_two_shot_bytes=2 << 10, max_ll_bytes=0)
 # (tokens, hidden) of successive calls, in both data halves and counts moving on per slot: one element,
-# a partial block, more blocks than programs, a message too large for the custom kernels (gloo), a
-# two-shot message of fewer blocks than ranks, ...
-SHAPES = ((1, 1), (3, 700), (2, 4101), (9, 48), (64, 256), (1, 2), (1, 4096), (5, 48), (1, 1500), (2, 1000))
+# a two-shot message (44 blocks, runs of 22 / 15), a message too large for the custom kernels (gloo),
+# more one-shot blocks than programs ending in a partial block, gloo again, a partial block, two-shot
+# (63 blocks), whole blocks, more blocks than programs, ...
+SHAPES = ((1, 1), (3, 233), (2, 601), (9, 20), (16, 80), (1, 2), (1, 1000), (5, 48), (1, 250), (2, 120))
 
 
 def _rank(rank: int, world: int, store: str, inputs: dict, out: str) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        from qruntime.kernels import custom_allreduce, ll_allreduce, two_shot_allreduce
+        from qruntime.kernels import custom_allreduce, ll_allreduce, peer_sync, two_shot_allreduce
 
+        peer_sync.MAX_SLOTS = TEST_SLOTS  # before the reducer sizes its counters by it
         custom_allreduce.BLOCK = two_shot_allreduce.BLOCK = TEST_BLOCK
         ll_allreduce.BLOCK_WORDS = TEST_BLOCK // 2
         reducer = AllReducer.create(dist.group.WORLD, torch.device("cpu"), inputs["policy"])
@@ -78,18 +83,21 @@ def _fused_want(x: torch.Tensor, residual, w, quant: bool) -> tuple:
     return (*fn.dynamic_quant(y, 0), h) if quant else (y, h)
 
 
-# LL up to 1 KiB (whole 4-byte words) before the same one-shot / two-shot / gloo limits
-LL_POLICY = AllReducePolicy(max_one_shot_bytes=4 << 10, max_two_shot_bytes=MAX_BYTES, max_ll_bytes=1 << 10)
-# LL: words past one program's block, more blocks than fit one message, an odd element count (2 bytes:
+# LL up to 512 bytes (128 words: 16 blocks of 8, more than programs; whole 4-byte words), one-shot up
+# to 1 KiB, two-shot up to 2 KiB, gloo beyond
+LL_POLICY = AllReducePolicy(max_one_shot_bytes=1 << 10, max_two_shot_bytes=2 << 10, max_ll_bytes=512)
+# LL: one word, more blocks than programs ending in a partial block, an odd element count (2 bytes:
 # not a whole word, so one-shot), the largest LL message; then the other kernels' sizes, and LL again
-LL_SHAPES = ((1, 2), (3, 100), (1, 1), (2, 256), (9, 48), (1, 4096), (2, 1000), (1, 2), (5, 50), (2, 4101))
+LL_SHAPES = ((1, 2), (3, 60), (1, 1), (2, 128), (9, 24), (1, 1000), (2, 200), (1, 2), (5, 26), (2, 601))
 # fused: (tokens, hidden, residual, quant), the first calls of fresh counts. Program 0 reads words
 # 0..47 of parity 1 at count 2 (1 x 96); at 2 x 48 program 1 reads words 24..47 of parity 1 at count
 # 2 too: a word not reset after reading would still hold that flag, and a rank whose peer is late
-# would sum the first call's data. Then an odd width (one-shot), a message past LL's limit (one-shot),
-# and LL after them
+# would sum the first call's data. Then an odd width (one-shot), a message past LL's limit (one-shot,
+# more rows than programs), and LL after them
 LL_FUSED = ((1, 96, False, True), (1, 96, False, False), (2, 48, True, True), (3, 47, True, True))
-LL_FUSED += ((130, 12, True, True), (5, 48, True, False), (1, 96, True, True))
+LL_FUSED += ((26, 12, True, True), (5, 48, True, False), (1, 96, True, True))
+# one-shot: rows of a partial block, one row, more rows than programs
+FUSED = ((5, 48, True, True), (1, 96, False, False), (13, 12, True, True))
 
 
 def _fused_inputs(world: int, gen: torch.Generator, cases) -> list:
@@ -105,8 +113,8 @@ def _fused_inputs(world: int, gen: torch.Generator, cases) -> list:
 @pytest.mark.parametrize(
     "world,policy,shapes,fused",
     [
-        (2, POLICY, SHAPES, ((5, 48, True, True), (1, 96, False, False), (130, 12, True, True))),
-        (3, POLICY, SHAPES, ((5, 48, True, True), (1, 96, False, False), (130, 12, True, True))),
+        (2, POLICY, SHAPES, FUSED),
+        (3, POLICY, SHAPES, FUSED),
         (2, LL_POLICY, LL_SHAPES, LL_FUSED),
         (3, LL_POLICY, LL_SHAPES, LL_FUSED),
     ],
@@ -126,6 +134,11 @@ def test_ranks_sum_through_peer_memory(tmp_path: Path, world: int, policy, shape
     kinds = {"one_shot", "two_shot", None} | ({"ll"} if policy.max_ll_bytes else set())
     assert {policy.kernel(t * h * 2) for t, h in shapes} == kinds
     assert {policy.kernel(t * h * 2) for t, h, *_ in fused} == kinds - {"two_shot", None}
+    # every kernel gets a message of more blocks (LL: TEST_BLOCK // 2 words) than programs, and the
+    # fused one more rows than programs
+    for kind in kinds - {None}:
+        assert any(policy.kernel(t * h * 2) == kind and t * h > TEST_SLOTS * TEST_BLOCK for t, h in shapes), kind
+    assert any(t > TEST_SLOTS for t, *_ in fused)
     for results in ranks:
         assert results["regions"]
         assert results["took_fused"] == [policy.kernel(t * h * 2) for t, h, *_ in fused]
