@@ -394,7 +394,8 @@ GEMM_TYPES = {
 def test_hopper_build_waits_for_its_inputs_before_reading(tile, has_zp):
     """The GPU branch (hardware casts, bf16 tensor-core dots: mma.sync at 16 rows, wgmma at 128)
     compiles for an H100 with the Triton here; with PDL it waits before its first global access
-    and releases the next kernel after, without PDL neither is there."""
+    and releases the next kernel after, without PDL (each tile, with zero points: one build of
+    every tile's code path, each build a separate process) neither is there."""
     block_m, block_n, block_k, group, warps, stages = tile
     fixed = {"GROUP": group, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": 2}
     fixed |= {"GROUP_M": 8, "EVEN_K": True, "HW": True, "HAS_ZP": has_zp}
@@ -405,8 +406,15 @@ def test_hopper_build_waits_for_its_inputs_before_reading(tile, has_zp):
     first_access = MEMORY.search(ptx)
     assert first_access is not None and first_access.start() > wait, f"memory touched before the wait: {first_access}"
     assert ("wgmma" in ptx) == (block_m >= 64) and "cvt.rn.bf16x2.f32" in ptx
-    plain = hopper_ptx("qruntime.kernels.w4a16_gemm", "_w4a16_gemm_kernel", GEMM_TYPES, fixed | {"PDL": False}, warps)
-    assert "griddepcontrol" not in plain
+    if has_zp:
+        plain = hopper_ptx(
+            "qruntime.kernels.w4a16_gemm", "_w4a16_gemm_kernel", GEMM_TYPES, fixed | {"PDL": False}, warps
+        )
+        assert "griddepcontrol" not in plain
+
+
+def test_hopper_build_of_the_split_k_sum_waits_for_its_inputs_before_reading():
+    """The split-K partials' sum (one build: it takes no tile) waits before its first global access."""
     reduce = hopper_ptx(
         "qruntime.kernels.w4a16_gemm",
         "_splitk_sum_kernel",
