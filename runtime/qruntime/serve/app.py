@@ -182,6 +182,7 @@ def build_app(
     reasoning_parser: str | None = None,
     max_images: int = DEFAULT_MAX_IMAGES,
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+    pace_launches: bool = True,
 ) -> Starlette:
     """The server's ASGI app over `engine`: an Engine of this process (stepped on a thread of it) or
     an EngineProcess (whose own max_waiting holds). Its lifespan starts the engine loop and stops it
@@ -190,7 +191,8 @@ def build_app(
     (401 otherwise). With `reasoning_parser` ("qwen3"), chat replies return their thinking apart,
     as `reasoning_content` (qruntime.reasoning). A Qwen3-VL engine (its `vision` set) takes chat image
     parts, at most `max_images` per request of at most `max_image_bytes` each (serve/images.py); a
-    text model refuses them."""
+    text model refuses them. `pace_launches`: an in-process engine loop's launch pacing (EngineLoop; an
+    EngineProcess was given its own)."""
     if api_key is not None and not api_key:
         raise ValueError("api_key is empty: give a key, or None for none")
     limits = limits if limits is not None else RequestLimits()
@@ -201,7 +203,7 @@ def build_app(
     if isinstance(engine, EngineProcess):
         loop, max_waiting = engine, engine.max_waiting
     else:
-        loop = InThreadEngine(engine, max_waiting=max_waiting)
+        loop = InThreadEngine(engine, max_waiting=max_waiting, pace_launches=pace_launches)
     metrics = Metrics(loop.stats, lambda: loop.prefix_cache_stats, lambda: loop.speculative_stats)
     loop.metrics = metrics
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:

@@ -254,10 +254,14 @@ def _send(by_loop: dict[asyncio.AbstractEventLoop, list]) -> None:
 class InThreadEngine:
     """The engine loop on a thread of this process (`qruntime serve --engine thread`, and the tests)."""
 
-    def __init__(self, engine: Engine, *, max_waiting: int, metrics: LoopMetrics | None = None) -> None:
+    def __init__(
+        self, engine: Engine, *, max_waiting: int, metrics: LoopMetrics | None = None, pace_launches: bool = True
+    ) -> None:
         self.engine = engine
         self._router = Router()
-        self._loop = EngineLoop(engine, self._router.route, max_waiting=max_waiting, metrics=metrics)
+        self._loop = EngineLoop(
+            engine, self._router.route, max_waiting=max_waiting, metrics=metrics, pace_launches=pace_launches
+        )
         self.max_waiting = max_waiting
 
     @property

@@ -9,6 +9,10 @@ they are batched together (continuous batching). The engine adds them with detok
 deltas carry token ids, which the HTTP side turns into text (engine_client.py's Handle); when it
 finds a stop string there, `stop_sequence` ends that sequence here, reported as stopped.
 
+Launch pacing (pace_launches, on by default): after each turn the loop waits what the engine's
+`launch_hold` allows (until shortly before the step on the device ends) before it takes the inbox
+in, so requests submitted meanwhile join the step launched next instead of the one after it.
+
 Where the sink leads is the server's choice (serve/engine_client.py): to the requests' asyncio
 queues in this process (`InThreadEngine`), or through a pipe to the HTTP process when the loop runs
 in an engine process of its own (serve/engine_process.py).
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -117,11 +122,18 @@ class EngineLoop:
     called on that thread once per turn. `max_waiting` bounds admission (None: the caller does)."""
 
     def __init__(
-        self, engine: Engine, sink: Sink, *, max_waiting: int | None = None, metrics: LoopMetrics | None = None
+        self,
+        engine: Engine,
+        sink: Sink,
+        *,
+        max_waiting: int | None = None,
+        metrics: LoopMetrics | None = None,
+        pace_launches: bool = True,
     ) -> None:
         if max_waiting is not None and max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1 (got {max_waiting})")
         self.engine = engine
+        self.pace_launches = pace_launches
         self.sink = sink
         self.max_waiting = max_waiting
         self.metrics = metrics
@@ -246,6 +258,8 @@ class EngineLoop:
                     self._dispatch(engine.step())
                 self._publish()
                 self._flush()
+                if self.pace_launches:
+                    self._hold(engine.launch_hold())
         except BaseException as exc:  # a bug or a device error: fail every request, refuse new ones
             with self._cond:
                 self._error = exc
@@ -258,6 +272,16 @@ class EngineLoop:
             self._abort_all()
             self._publish()
             self._flush()
+
+    def _hold(self, seconds: float) -> None:
+        """Wait `seconds` before the next turn (launch pacing: the step in flight is far from its end, and
+        requests submitted meanwhile join the step launched next), less if the loop is stopping."""
+        if seconds <= 0.0:
+            return
+        deadline = time.perf_counter() + seconds
+        with self._cond:
+            while not self._stopping and (left := deadline - time.perf_counter()) > 0.0:
+                self._cond.wait(left)
 
     def _add(self, submission: Submission) -> None:
         live = _Live(submission, len(submission.sequences), submission.engine_ids)

@@ -52,7 +52,7 @@ from qruntime.serve.engine_loop import (
 )
 from qruntime.serve.images import ServedVision
 from qruntime.serve.protocol import SequenceSpec
-from qruntime.tokenizer import Tokenizer, TokenIdsOnly
+from qruntime.tokenizer import TokenIdsOnly, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -112,10 +112,12 @@ class EngineProcess:
         threads: int | None = None,
         setup: Callable[[], None] | None = None,
         log_config: dict[str, Any] | None = None,
+        pace_launches: bool = True,
     ) -> None:
         """Spawn the process and wait until it has loaded the engine (an artifact error raised there
         is raised here). `setup`, a picklable callable, runs there first (bench/step_profile.py's timers);
-        `log_config` (logging.config.dictConfig's) is the engine process's log, the server's own."""
+        `log_config` (logging.config.dictConfig's) is the engine process's log, the server's own;
+        `pace_launches`: the engine loop's launch pacing (EngineLoop)."""
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1 (got {max_waiting})")
         self.max_waiting = max_waiting
@@ -124,7 +126,9 @@ class EngineProcess:
         self._conn, child = context.Pipe(duplex=True)
         # not a daemon: at tp > 1 the engine process spawns the other ranks itself
         self._process = context.Process(
-            target=engine_process_main, args=(child, load_kwargs, threads, setup, log_config), name="qruntime-engine"
+            target=engine_process_main,
+            args=(child, load_kwargs, threads, setup, log_config, pace_launches),
+            name="qruntime-engine",
         )
         self._process.start()
         child.close()
@@ -289,6 +293,7 @@ def engine_process_main(
     threads: int | None,
     setup: Callable[[], None] | None,
     log_config: dict[str, Any] | None,
+    pace_launches: bool = True,
 ) -> None:
     """What the engine process runs: load, report, then run the engine loop on the commands that come."""
     os.setpgid(0, 0)
@@ -333,7 +338,7 @@ def engine_process_main(
             except (OSError, ValueError):
                 pass  # the HTTP process is gone; the command reader sees it too and stops the loop
 
-    loop = EngineLoop(engine, sink, metrics=events)
+    loop = EngineLoop(engine, sink, metrics=events, pace_launches=pace_launches)
     loop.start()
     try:
         while True:

@@ -29,6 +29,7 @@ class ServeOptions:
     dtype: str | None = None
     backend: str = "auto"
     prefix_cache: bool = True
+    launch_pacing: bool = True
     speculative: str | None = None
     threads: int | None = None
     engine: str = "process"
@@ -113,6 +114,15 @@ def add_serve_parser(verbs: Any) -> None:
         default=None,
         help="Turn automatic prefix caching off: by default the KV of full blocks is kept after a request ends "
         "and reused by requests whose prompts start with the same tokens (/metrics reports the hit rate).",
+    )
+    add(
+        "--no-launch-pacing",
+        dest="launch_pacing",
+        action="store_false",
+        default=None,
+        help="Queue each step as soon as the one before is queued. By default the engine holds the next step until "
+        "shortly before the step on the GPU ends (by the step times it measures), so that requests arriving "
+        "meanwhile join it: their first token comes a step sooner.",
     )
     add(
         "--speculative",

@@ -31,8 +31,8 @@ from uvicorn.server import HANDLED_SIGNALS
 import qruntime
 from qruntime.artifact import ArtifactFormatError
 from qruntime.commands.common import RunError, load_line, speculative_config
-from qruntime.serve.app import build_app
 from qruntime.engine.engine import Engine
+from qruntime.serve.app import build_app
 from qruntime.serve.connections import protocol_class
 from qruntime.serve.engine_process import EngineProcess, EngineProcessError
 from qruntime.serve.limits import RequestLimits
@@ -120,6 +120,7 @@ def _serve_on(
                 max_waiting=options.max_waiting,
                 threads=options.threads,
                 log_config=log_config(options.log_format, options.log_level),
+                pace_launches=options.launch_pacing,
             )
         else:
             engine = qruntime.load(**load_kwargs)
@@ -139,6 +140,7 @@ def _serve_on(
             reasoning_parser=options.reasoning_parser,
             max_images=options.max_images_per_request,
             max_image_bytes=options.max_image_bytes,
+            pace_launches=options.launch_pacing,
         )
     except BaseException:
         if isinstance(engine, EngineProcess):
