@@ -38,19 +38,18 @@ def test_hold_ends_the_launch_time_and_margin_before_the_estimated_end():
     durations = [rng.uniform(4e-3, 12e-3) for _ in range(5)]
     end = _measured(pacer, key, durations)
     assert pacer.estimate(key) == pytest.approx(cfg.safety * min(durations[-2:]), rel=1e-9)
-    leads = [rng.uniform(3e-4, 2e-3) for _ in range(4)]
-    mean = None
+    leads = [rng.uniform(3e-4, 2e-3) for _ in range(cfg.lead_window + 4)]
     for lead in leads:  # launches whose host work took `lead` each
         pacer.launched(10.0, 10.0 + lead)
-        mean = lead if mean is None else (1 - cfg.lead_weight) * mean + cfg.lead_weight * lead
+    longest = max(leads[-cfg.lead_window :])  # the launches before those are forgotten
     queued, now = end - 2e-3, end + 3e-4  # the step in flight: queued before the last one ended
     hold = pacer.hold(key, queued, now)
-    expected = end + cfg.safety * min(durations[-2:]) - mean - cfg.margin_s - now
+    expected = end + cfg.safety * min(durations[-2:]) - longest - cfg.margin_s - now
     assert hold == pytest.approx(expected, rel=1e-9)
     assert cfg.min_hold_s <= hold <= cfg.max_hold_s
     # the next launch's host time runs from the end of that hold
-    pacer.launched(now, now + hold + 7e-4)
-    assert pacer._lead == pytest.approx((1 - cfg.lead_weight) * mean + cfg.lead_weight * 7e-4, rel=1e-9)
+    pacer.launched(now, now + hold + 2.5e-3)
+    assert pacer.hold(key, queued, now) == pytest.approx(expected + longest - 2.5e-3, rel=1e-9)
 
 
 def test_no_hold_without_a_measured_shape_a_known_start_or_room():
@@ -82,7 +81,7 @@ def test_holds_are_capped():
 
 
 @pytest.mark.parametrize(
-    "field, value", [("safety", 0.0), ("safety", 1.5), ("lead_weight", 0.0), ("margin_s", -1.0), ("blocked_s", -1e-3)]
+    "field, value", [("safety", 0.0), ("safety", 1.5), ("lead_window", 0), ("margin_s", -1.0), ("blocked_s", -1e-3)]
 )
 def test_config_refuses_nonsense(field, value):
     with pytest.raises(ValueError, match=field):

@@ -14,13 +14,15 @@ Everything comes from measurement on the host clock:
 - steps are keyed by their shape (tokens, prefill chunks and their context, each bucketed to a
   power of two) and a key's estimate is `safety` times the smaller of its last two durations, so a
   wrong estimate errs towards launching early, which is what happens without pacing;
-- a launch's host time is a running mean of the time from the end of a hold to the launch being
-  queued (the arrivals' admission included).
+- a launch's host time is the longest of the last `lead_window` launches' (from the end of a hold
+  to the launch being queued, the arrivals' admission included): a launch that takes longer than
+  expected leaves the device idle, one that takes less only waits on the step a little longer.
 A step in flight whose shape has no measurement yet, or whose start is unknown, is not held.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 StepKey = tuple[int, int, int]
@@ -46,13 +48,13 @@ class PacingConfig:
     min_hold_s: float = 3e-4  # shorter holds are not worth a wait
     max_hold_s: float = 0.05  # never hold longer (a step's estimate gone stale)
     blocked_s: float = 2e-4  # a read that took at least this long was waiting for its step
-    lead_weight: float = 0.2  # weight of a new sample in the launch host time's running mean
+    lead_window: int = 16  # launches whose host times the next one is expected not to exceed
 
     def __post_init__(self) -> None:
         if not 0.0 < self.safety <= 1.0:
             raise ValueError(f"PacingConfig.safety must be in (0, 1], got {self.safety}")
-        if not 0.0 < self.lead_weight <= 1.0:
-            raise ValueError(f"PacingConfig.lead_weight must be in (0, 1], got {self.lead_weight}")
+        if self.lead_window < 1:
+            raise ValueError(f"PacingConfig.lead_window must be >= 1, got {self.lead_window}")
         for name in ("margin_s", "min_hold_s", "max_hold_s", "blocked_s"):
             if getattr(self, name) < 0.0:
                 raise ValueError(f"PacingConfig.{name} must be >= 0, got {getattr(self, name)}")
@@ -66,7 +68,7 @@ class LaunchPacer:
         self.config = config or PacingConfig()
         self._durations: dict[StepKey, tuple[float, float]] = {}  # the last two device times of each shape
         self._last_end: float | None = None  # when the host saw the last completed step end (None: unknown)
-        self._lead: float | None = None  # running mean of a launch's host time
+        self._leads: deque[float] = deque(maxlen=self.config.lead_window)  # the last launches' host times
         self._resume: float | None = None  # when the last hold ends (the next launch's host time starts)
 
     def hold(self, key: StepKey, queued_at: float, now: float) -> float:
@@ -75,10 +77,10 @@ class LaunchPacer:
         cfg = self.config
         self._resume = now
         durations = self._durations.get(key)
-        if durations is None or self._last_end is None or self._lead is None:
+        if durations is None or self._last_end is None or not self._leads:
             return 0.0
         end = max(self._last_end, queued_at) + cfg.safety * min(durations)
-        wait = end - self._lead - cfg.margin_s - now
+        wait = end - max(self._leads) - cfg.margin_s - now
         if wait < cfg.min_hold_s:
             return 0.0
         wait = min(wait, cfg.max_hold_s)
@@ -90,9 +92,7 @@ class LaunchPacer:
         hold ended, when one was asked for since the last launch)."""
         start = self._resume if self._resume is not None else started_at
         self._resume = None
-        sample = max(queued_at - start, 0.0)
-        w = self.config.lead_weight
-        self._lead = sample if self._lead is None else (1.0 - w) * self._lead + w * sample
+        self._leads.append(max(queued_at - start, 0.0))
 
     def completed(self, key: StepKey, queued_at: float, read_at: float, seen_at: float) -> None:
         """The host began reading a step of shape `key` (queued at `queued_at`) at `read_at` and had
