@@ -182,7 +182,7 @@ def build_app(
     reasoning_parser: str | None = None,
     max_images: int = DEFAULT_MAX_IMAGES,
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
-    pace_launches: bool = True,
+    pace_launches: bool = False,
 ) -> Starlette:
     """The server's ASGI app over `engine`: an Engine of this process (stepped on a thread of it) or
     an EngineProcess (whose own max_waiting holds). Its lifespan starts the engine loop and stops it

@@ -255,7 +255,7 @@ class InThreadEngine:
     """The engine loop on a thread of this process (`qruntime serve --engine thread`, and the tests)."""
 
     def __init__(
-        self, engine: Engine, *, max_waiting: int, metrics: LoopMetrics | None = None, pace_launches: bool = True
+        self, engine: Engine, *, max_waiting: int, metrics: LoopMetrics | None = None, pace_launches: bool = False
     ) -> None:
         self.engine = engine
         self._router = Router()

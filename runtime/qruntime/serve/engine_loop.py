@@ -9,7 +9,7 @@ they are batched together (continuous batching). The engine adds them with detok
 deltas carry token ids, which the HTTP side turns into text (engine_client.py's Handle); when it
 finds a stop string there, `stop_sequence` ends that sequence here, reported as stopped.
 
-Launch pacing (pace_launches, on by default): after each turn the loop waits what the engine's
+Launch pacing (pace_launches, off by default; `serve --launch-pacing`): after each turn the loop waits what the engine's
 `launch_hold` allows (until shortly before the step on the device ends) before it takes the inbox
 in, so requests submitted meanwhile join the step launched next instead of the one after it.
 
@@ -128,7 +128,7 @@ class EngineLoop:
         *,
         max_waiting: int | None = None,
         metrics: LoopMetrics | None = None,
-        pace_launches: bool = True,
+        pace_launches: bool = False,
     ) -> None:
         if max_waiting is not None and max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1 (got {max_waiting})")

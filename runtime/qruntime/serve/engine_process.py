@@ -112,7 +112,7 @@ class EngineProcess:
         threads: int | None = None,
         setup: Callable[[], None] | None = None,
         log_config: dict[str, Any] | None = None,
-        pace_launches: bool = True,
+        pace_launches: bool = False,
     ) -> None:
         """Spawn the process and wait until it has loaded the engine (an artifact error raised there
         is raised here). `setup`, a picklable callable, runs there first (bench/step_profile.py's timers);
@@ -293,7 +293,7 @@ def engine_process_main(
     threads: int | None,
     setup: Callable[[], None] | None,
     log_config: dict[str, Any] | None,
-    pace_launches: bool = True,
+    pace_launches: bool = False,
 ) -> None:
     """What the engine process runs: load, report, then run the engine loop on the commands that come."""
     os.setpgid(0, 0)

@@ -4,6 +4,7 @@ right after it, a stop ends the wait at once, and the engine measures its steps 
 
 from __future__ import annotations
 
+import argparse
 import random
 import threading
 import time
@@ -13,6 +14,7 @@ import qruntime
 from qruntime import SamplingParams
 from qruntime.engine.launch_pacing import step_key
 from qruntime.serve.engine_loop import EngineLoop, Submission
+from qruntime.serve.options import add_serve_parser, serve_options_from
 from qruntime.serve.protocol import SequenceSpec
 
 
@@ -54,7 +56,7 @@ class _Recorder:
         return 0.0
 
 
-def _run_loop(engine, hold_s: float, pace: bool):
+def _run_loop(engine, hold_s: float, pace: bool | None):
     done = threading.Event()
     finished: list[str] = []
 
@@ -64,7 +66,7 @@ def _run_loop(engine, hold_s: float, pace: bool):
             done.set()
 
     recorder = _Recorder(engine, hold_s)
-    loop = EngineLoop(engine, sink, pace_launches=pace)
+    loop = EngineLoop(engine, sink, **({} if pace is None else {"pace_launches": pace}))
     return loop, recorder, done
 
 
@@ -91,12 +93,12 @@ def test_a_request_submitted_during_a_hold_joins_the_next_step(artifact):
     assert all("b-0" not in ids for t, ids in recorder.steps if t < recorder.held_at)
 
 
-def test_without_pacing_the_loop_never_waits(artifact):
+def test_by_default_the_loop_never_waits(artifact):
     seed = random.randrange(1 << 30)
     print("seed", seed)
     rng = random.Random(seed)
     engine = qruntime.load(artifact, device="cpu", num_kv_blocks=64)
-    loop, recorder, done = _run_loop(engine, 30.0, pace=False)
+    loop, recorder, done = _run_loop(engine, 30.0, pace=None)
     loop.start()
     try:
         loop.submit(_submission("a", rng, 6))
@@ -162,3 +164,11 @@ def test_the_engine_reports_each_step_by_its_shape(artifact):
         ("completed", decode),
         ("completed", decode),  # the last decode, read with nothing more to launch
     ]
+
+
+def test_serve_takes_launch_pacing_as_an_opt_in():
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="verb"))
+    parse = lambda *argv: serve_options_from(vars(parser.parse_args(["serve", "ART", *argv])))  # noqa: E731
+    assert parse().launch_pacing is False
+    assert parse("--launch-pacing").launch_pacing is True
