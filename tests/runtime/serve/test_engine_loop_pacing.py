@@ -23,6 +23,11 @@ def artifact(tiny_ckpt, compiled):
     return compiled(tiny_ckpt, "ptpc-fp8")
 
 
+@pytest.fixture
+def engine(artifact):
+    return qruntime.load(artifact, device="cpu", num_kv_blocks=64)
+
+
 def _submission(name: str, rng: random.Random, max_tokens: int) -> Submission:
     prompt = tuple(rng.randrange(1, 500) for _ in range(rng.randrange(3, 30)))
     spec = SequenceSpec(0, 0, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
@@ -70,11 +75,7 @@ def _run_loop(engine, hold_s: float, pace: bool | None):
     return loop, recorder, done
 
 
-def test_a_request_submitted_during_a_hold_joins_the_next_step(artifact):
-    seed = random.randrange(1 << 30)
-    print("seed", seed)
-    rng = random.Random(seed)
-    engine = qruntime.load(artifact, device="cpu", num_kv_blocks=64)
+def test_a_request_submitted_during_a_hold_joins_the_next_step(engine, rng):
     loop, recorder, done = _run_loop(engine, 1.0, pace=True)
     loop.start()
     try:
@@ -93,11 +94,7 @@ def test_a_request_submitted_during_a_hold_joins_the_next_step(artifact):
     assert all("b-0" not in ids for t, ids in recorder.steps if t < recorder.held_at)
 
 
-def test_by_default_the_loop_never_waits(artifact):
-    seed = random.randrange(1 << 30)
-    print("seed", seed)
-    rng = random.Random(seed)
-    engine = qruntime.load(artifact, device="cpu", num_kv_blocks=64)
+def test_by_default_the_loop_never_waits(engine, rng):
     loop, recorder, done = _run_loop(engine, 30.0, pace=None)
     loop.start()
     try:
@@ -109,13 +106,10 @@ def test_by_default_the_loop_never_waits(artifact):
     assert recorder.held_at is None  # launch_hold was never asked
 
 
-def test_stop_ends_a_hold_at_once(artifact):
-    seed = random.randrange(1 << 30)
-    print("seed", seed)
-    engine = qruntime.load(artifact, device="cpu", num_kv_blocks=64)
+def test_stop_ends_a_hold_at_once(engine, rng):
     loop, recorder, _ = _run_loop(engine, 60.0, pace=True)
     loop.start()
-    loop.submit(_submission("a", random.Random(seed), 50))
+    loop.submit(_submission("a", rng, 50))
     assert recorder.holding.wait(30)
     start = time.perf_counter()
     loop.stop(10)
@@ -140,11 +134,7 @@ class _Pacer:
         return 0.0
 
 
-def test_the_engine_reports_each_step_by_its_shape(artifact):
-    seed = random.randrange(1 << 30)
-    print("seed", seed)
-    rng = random.Random(seed)
-    engine = qruntime.load(artifact, device="cpu", num_kv_blocks=64)
+def test_the_engine_reports_each_step_by_its_shape(engine, rng):
     assert engine.async_scheduling
     pacer = engine._pacer = _Pacer()
     prompt = [rng.randrange(1, 500) for _ in range(rng.randrange(20, 40))]
