@@ -9,9 +9,10 @@ they are batched together (continuous batching). The engine adds them with detok
 deltas carry token ids, which the HTTP side turns into text (engine_client.py's Handle); when it
 finds a stop string there, `stop_sequence` ends that sequence here, reported as stopped.
 
-Launch pacing (pace_launches, off by default; `serve --launch-pacing`): after each turn the loop waits what the engine's
-`launch_hold` allows (until shortly before the step on the device ends) before it takes the inbox
-in, so requests submitted meanwhile join the step launched next instead of the one after it.
+Launch pacing (pace_launches, off by default; `serve --launch-pacing`): after each turn the loop
+waits what the engine's `launch_hold` allows (until shortly before the step on the device ends)
+before it takes the inbox in, so requests submitted meanwhile join the step launched next instead
+of the one after it.
 
 Where the sink leads is the server's choice (serve/engine_client.py): to the requests' asyncio
 queues in this process (`InThreadEngine`), or through a pipe to the HTTP process when the loop runs
