@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from qruntime.engine.block_manager import BlockManager
-from qruntime.engine.prefix_cache import PrefixCacheStats, extend_chain
+from qruntime.engine.prefix_cache import ChainMemo, PrefixCacheStats, extend_chain
 from qruntime.engine.request import Request, RequestStatus
 
 
@@ -51,11 +51,16 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step; longer prompts are prefilled in chunks
     prefix_caching: bool = False  # reuse cached full KV blocks across requests (qruntime.load turns it on)
     kv_salt: bytes = b""  # root of the block hash chains: prefix_cache.kv_salt of the artifact's KV encoding
+    # names of chain links remembered (prefix_cache.ChainMemo: at most this many links, ~0.5 KB each at
+    # block_size 16, and as many names in runs), so requests sharing a prefix do not hash it again; 0: none
+    chain_memo_links: int = 16384
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if self.chain_memo_links < 0:
+            raise ValueError(f"chain_memo_links must be >= 0 (got {self.chain_memo_links})")
         # a lone request of max_model_len tokens must fit, or the scheduler could stall for good
         needed = -(-self.max_model_len // self.block_size)
         if self.num_blocks < needed:
@@ -109,6 +114,7 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # admission order: the last one is preempted first
         self._hashes: dict[str, list[bytes]] = {}  # hash chains of unfinished requests' full blocks, so far
+        self._chain_memo = ChainMemo(config.chain_memo_links if config.prefix_caching else 0)
         self.prefix_cache_stats = PrefixCacheStats()
 
     @property
@@ -378,7 +384,7 @@ class Scheduler:
             start, end = len(chain) * bs, num_blocks * bs
             # sliced from the prompt and the outputs, not their concatenation: O(new tokens)
             ids = request.prompt_token_ids[start:end] + request.output_token_ids[max(start - n, 0) : max(end - n, 0)]
-            extend_chain(chain, self.config.kv_salt, ids, bs, request.image_keys)
+            extend_chain(chain, self.config.kv_salt, ids, bs, request.image_keys, self._chain_memo)
         return chain
 
     def _preempt(self, request: Request) -> None:
