@@ -115,7 +115,8 @@ def extend_chain(
     for position, digest in image_keys:
         mixins.setdefault(position // block_size, []).append(digest)
     # hash_block's bytes, packed once for every block (a 2,064-token prompt: one pack, not 129)
-    data, width = struct.pack(f"<{count * block_size}q", *token_ids[: count * block_size]), 8 * block_size
+    full = token_ids if len(token_ids) == count * block_size else token_ids[: count * block_size]
+    data, width = struct.pack(f"<{count * block_size}q", *full), 8 * block_size
     sha256 = hashlib.sha256
     if memo is None or memo.capacity == 0 or count == 0:
         for i in range(count):

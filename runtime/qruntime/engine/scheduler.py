@@ -383,7 +383,9 @@ class Scheduler:
             bs, n = self.config.block_size, len(request.prompt_token_ids)
             start, end = len(chain) * bs, num_blocks * bs
             # sliced from the prompt and the outputs, not their concatenation: O(new tokens)
-            ids = request.prompt_token_ids[start:end] + request.output_token_ids[max(start - n, 0) : max(end - n, 0)]
+            ids = request.prompt_token_ids[start:end]
+            if end > n:
+                ids += request.output_token_ids[max(start - n, 0) : end - n]
             extend_chain(chain, self.config.kv_salt, ids, bs, request.image_keys, self._chain_memo)
         return chain
 
