@@ -131,3 +131,22 @@ def test_cache_checks_the_names_of_blocks_taken_from_the_cache(rng):
     bm.cache("b", chain + [b"\x01" * 32], len(chain) + 1)  # the right names: only the new block is named
     assert bm.num_cached_blocks == len(chain) + 1
     assert bm.lookup([*chain, b"\x01" * 32]) == bm.table("b")
+
+
+def test_grow_does_not_reuse_a_cost_computed_before_a_change(rng):
+    """can_grow's cost for a tuple of cached blocks is reused by grow only while nothing changed: a
+    request taking those evictable blocks in between makes grow refuse them (they lost their names)."""
+    bs = 2
+    bm = BlockManager(8, bs)
+    tokens = [rng.randrange(150_000) for _ in range(4 * bs)]
+    chain = extend_chain([], SALT, tokens, bs)
+    bm.grow("a", len(tokens))
+    bm.cache("a", chain, len(chain))
+    bm.free("a")  # its 4 named blocks are evictable now
+    found = bm.lookup(chain)
+    assert len(found) == 4 and bm.can_grow("b", len(tokens) + bs, found)
+    bm.grow("c", 8 * bs)  # every block: the evictable ones lose their names
+    with pytest.raises(ValueError, match="not distinct cached blocks"):
+        bm.grow("b", len(tokens) + bs, found)
+    bm.free("c")
+    assert bm.lookup(chain) == () and bm.num_free_blocks == 8

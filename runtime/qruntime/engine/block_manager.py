@@ -37,6 +37,10 @@ class BlockManager:
         self._block_of: dict[bytes, int] = {}  # hash -> the one block cached under it
         self._num_offered: dict[str, int] = {}  # leading blocks of a table cache() has considered
         self._num_named: dict[str, int] = {}  # leading blocks of a table grow() took from the cache
+        # bumped by every change of tables, references or names (grow, cache, free): _cost's answer for a
+        # tuple of cached blocks (can_grow's, then grow's for the same request) stands while it does
+        self._changes = 0
+        self._last_cost: tuple[str, int, tuple[int, ...], int, int] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -86,6 +90,7 @@ class BlockManager:
             raise NoFreeBlocks(
                 f"request {request_id!r} needs {cost} more blocks for {num_tokens} tokens; {self.num_free_blocks} free"
             )
+        self._changes += 1
         table = self._tables.setdefault(request_id, [])
         if cached:
             refs, evictable = self._refs, self._evictable
@@ -112,6 +117,7 @@ class BlockManager:
                 f"request {request_id!r}: cannot cache {num_blocks} blocks with a table of {len(table)} "
                 f"and {len(hashes)} hashes"
             )
+        self._changes += 1
         first = self._num_offered.get(request_id, 0)
         # the leading blocks grow() took from the cache: named already; compared in one pass, not block by block
         found = min(self._num_named.get(request_id, 0), num_blocks)
@@ -135,6 +141,7 @@ class BlockManager:
     def free(self, request_id: str) -> None:
         """Drop the request's hold on its blocks (no-op when it holds none), last block first: those
         no other table holds become free, cached ones evictable, most recently freed last."""
+        self._changes += 1
         self._num_offered.pop(request_id, None)
         self._num_named.pop(request_id, None)
         for block in reversed(self._tables.pop(request_id, ())):
@@ -150,6 +157,9 @@ class BlockManager:
         """Free blocks grow() would take: fresh ones, plus the evictable ones among `cached`."""
         if not cached:
             return self.num_missing(request_id, num_tokens)
+        last = self._last_cost
+        if last is not None and last[2] is cached and last[3] == self._changes and last[:2] == (request_id, num_tokens):
+            return last[4]  # nothing changed since the same question (can_grow, then grow): the same answer
         if self._tables.get(request_id):
             raise ValueError(f"request {request_id!r} already holds blocks: cached blocks start a new table only")
         distinct = set(cached)
@@ -157,7 +167,10 @@ class BlockManager:
             raise ValueError(f"request {request_id!r}: {list(cached)} are not distinct cached blocks")
         refs = self._refs
         revived = [refs[b] for b in cached].count(0)  # evictable ones: they leave the free count
-        return max(0, self.blocks_for(num_tokens) - len(cached)) + revived
+        cost = max(0, self.blocks_for(num_tokens) - len(cached)) + revived
+        if type(cached) is tuple:  # immutable: the same object is the same blocks
+            self._last_cost = (request_id, num_tokens, cached, self._changes, cost)
+        return cost
 
     def _take(self) -> int:
         """A fresh block: an uncached free one if any, else the least recently freed cached one, unnamed."""

@@ -82,12 +82,13 @@ class ChainMemo:
 def _common_blocks(data: bytes, other: bytes, width: int, most: int) -> int:
     """The most leading blocks (of `width` bytes, at most `most`, at least 1) that data and other share,
     given that they share the first: a binary search of bytes comparisons (about 2 * most blocks' bytes)."""
-    if data[: most * width] == other[: most * width]:
+    view = memoryview(data)  # compared in place: no copies
+    if other.startswith(view[: most * width]):
         return most
     same, differ = 1, most  # data[:same * width] == other[:same * width], and not so at differ
     while differ - same > 1:
         mid = (same + differ) // 2
-        if data[same * width : mid * width] == other[same * width : mid * width]:  # only the bytes not compared yet
+        if other.startswith(view[same * width : mid * width], same * width):  # only the bytes not compared yet
             same = mid
         else:
             differ = mid
