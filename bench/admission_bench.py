@@ -15,28 +15,75 @@ processes on a busy machine: time the thread waits for a core is not counted); a
 hash chains named) that must be the same before and after a change to the scheduler for the same
 --seed: the timings compare equal work.
 
+With --baseline RUNTIME_DIR (another tree's runtime/, e.g. `git archive <commit> | tar -x -C
+/tmp/before`), each run is timed on that tree's scheduler too, alternating in this one process, and the
+rows add the baseline's times and the median of the per-run ratios (baseline / this tree): on a shared
+machine whose speed drifts (this 2-core one: one process runs up to 2x faster than the next), a ratio
+of neighbouring runs is steadier than two medians taken apart. The fingerprints must agree.
+
     python bench/admission_bench.py --out bench/results/admission_bench_<commit>_cpu.json
-    PYTHONPATH=/tmp/before/runtime python bench/admission_bench.py --seed 1234   # another tree's qruntime
+    python bench/admission_bench.py --baseline /tmp/before/runtime --seed 1234
+    PYTHONPATH=/tmp/before/runtime python bench/admission_bench.py --seed 1234   # only another tree's qruntime
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
+import qruntime.engine.request as request_module
 import qruntime.engine.scheduler as scheduler_module
 from compile_bench import report_header
-from qruntime.engine.request import Request
-from qruntime.engine.scheduler import Scheduler, SchedulerConfig
+
+ENGINE_MODULES = ("request", "prefix_cache", "block_manager", "scheduler")  # the scheduler's own imports first
 
 
-def one_run(rng: random.Random, burst: int, prefix_len: int, tail: int, block_size: int) -> dict:
-    """One fresh scheduler: warm the prefix, then time the burst's schedule() and update()."""
+def load_baseline(runtime: Path) -> tuple[ModuleType, ModuleType]:
+    """(scheduler, request) modules of another tree's runtime/qruntime/engine, loaded beside this tree's:
+    sys.modules names them as qruntime's only while they load (their imports bind to each other)."""
+    engine = runtime / "qruntime" / "engine"
+    names = [f"qruntime.engine.{name}" for name in ENGINE_MODULES]
+    saved = {name: sys.modules.get(name) for name in names}
+    loaded = {}
+    try:
+        for name, full in zip(ENGINE_MODULES, names, strict=True):
+            path = engine / f"{name}.py"
+            if not path.is_file():
+                raise SystemExit(f"--baseline {runtime}: no {path}")
+            spec = importlib.util.spec_from_file_location(full, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[full] = module
+            spec.loader.exec_module(module)
+            loaded[name] = module
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+    return loaded["scheduler"], loaded["request"]
+
+
+def one_run(
+    rng: random.Random,
+    burst: int,
+    prefix_len: int,
+    tail: int,
+    block_size: int,
+    sched: ModuleType = scheduler_module,
+    req: ModuleType = request_module,
+) -> dict:
+    """One fresh scheduler (of module `sched`, requests of `req`): warm the prefix, then time the burst's
+    schedule() and update()."""
+    Scheduler, SchedulerConfig, Request = sched.Scheduler, sched.SchedulerConfig, req.Request
     cfg = SchedulerConfig(
         num_blocks=20000,
         block_size=block_size,
@@ -84,9 +131,15 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh one, printed)")
     parser.add_argument("--out", type=Path, default=None, help="write the report JSON here")
+    parser.add_argument(
+        "--baseline", type=Path, default=None, help="another tree's runtime/ dir: time its scheduler too, paired"
+    )
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
     print(f"seed {seed}  qruntime scheduler from {scheduler_module.__file__}")
+    baseline = load_baseline(args.baseline) if args.baseline is not None else None
+    if baseline is not None:
+        print(f"baseline scheduler from {baseline[0].__file__}")
 
     rows = []
     print(
@@ -95,11 +148,13 @@ def main() -> None:
     )
     for burst in (int(b) for b in args.bursts.split(",")):
         # the same draws for every run of one size: the fingerprint must then agree across runs
-        runs = [
-            one_run(random.Random(seed * 1000 + burst), burst, args.prefix, args.tail, args.block_size)
-            for _ in range(args.runs)
-        ]
-        prints = {r["fingerprint"] for r in runs}
+        runs, base = [], []
+        for _ in range(args.runs):
+            if baseline is not None:
+                draw = random.Random(seed * 1000 + burst)
+                base.append(one_run(draw, burst, args.prefix, args.tail, args.block_size, *baseline))
+            runs.append(one_run(random.Random(seed * 1000 + burst), burst, args.prefix, args.tail, args.block_size))
+        prints = {r["fingerprint"] for r in runs + base}
         if len(prints) != 1:
             raise SystemExit(f"burst {burst}: runs of one seed scheduled differently ({len(prints)} fingerprints)")
         totals = [r["schedule_ms"] + r["update_ms"] for r in runs]
@@ -113,10 +168,19 @@ def main() -> None:
             "cpu_ms": round(statistics.median(r["cpu_ms"] for r in runs), 3),
             "fingerprint": prints.pop(),
         }
+        if base:
+            base_totals = [r["schedule_ms"] + r["update_ms"] for r in base]
+            row["baseline_schedule_ms"] = round(statistics.median(r["schedule_ms"] for r in base), 3)
+            row["baseline_update_ms"] = round(statistics.median(r["update_ms"] for r in base), 3)
+            row["baseline_total_ms"] = round(statistics.median(base_totals), 3)
+            row["speedup_paired_median"] = round(
+                statistics.median(b / t for b, t in zip(base_totals, totals, strict=True)), 2
+            )
         rows.append(row)
         print(
             f"{burst:>6} {row['schedule_ms']:>12.3f} {row['update_ms']:>10.3f} {row['total_ms']:>9.3f} "
             f"{row['total_min_ms']:>7.3f} {row['total_max_ms']:>7.3f} {row['cpu_ms']:>7.3f}  {row['fingerprint'][:16]}"
+            + (f"  baseline {row['baseline_total_ms']:.3f} ms, {row['speedup_paired_median']:.2f}x" if base else "")
         )
 
     if args.out is not None:
@@ -127,6 +191,7 @@ def main() -> None:
             prefix_tokens=args.prefix,
             tail_tokens=args.tail,
             block_size=args.block_size,
+            baseline=None if args.baseline is None else str(args.baseline),
             rows=rows,
         )
         args.out.parent.mkdir(parents=True, exist_ok=True)
