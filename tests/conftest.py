@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torchvision_cpu
 
 from qcompile.compile.pipeline import compile_checkpoint, prepare
@@ -30,6 +31,16 @@ MakeCkpt = Callable[..., Path]
 # Triton kernels run in its interpreter on machines without a GPU (CI); set before triton is imported.
 if not Path("/dev/nvidia0").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def fresh_torch_seed() -> None:
+    """torch's generators (CPU and every GPU) from a fresh seed each test, printed (pytest shows it
+    when the test fails): otherwise torch starts every process from the same default seed, and the
+    tests that draw torch.randn inputs without the `rng` fixture would draw the same ones every run."""
+    seed = random.randrange(1 << 31)
+    print(f"torch seed {seed}")
+    torch.manual_seed(seed)
 
 
 @pytest.fixture

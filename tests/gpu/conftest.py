@@ -4,7 +4,6 @@ none of them; each module here sets pytestmark = pytest.mark.gpu); asked for on 
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
@@ -19,16 +18,6 @@ GPU_MODEL = {
     "intermediate_size": 512,
     "num_hidden_layers": 3,
 }
-
-
-@pytest.fixture(autouse=True)
-def fresh_torch_seed() -> None:
-    """torch's generators (CPU and every GPU) from a fresh seed each test, printed (pytest shows it
-    when the test fails): otherwise torch starts every process from the same default seed, and the
-    tier's random inputs would be the same on every run."""
-    seed = random.randrange(1 << 31)
-    print(f"torch seed {seed}")
-    torch.manual_seed(seed)
 
 
 @pytest.fixture(scope="session")
