@@ -114,13 +114,20 @@ def test_scheduler_with_the_memo_schedules_as_without(rng, links):
     assert with_memo[2].hits == len(tails) * (len(prefix) // 4 * 4)  # each request found the prefix's blocks
 
 
-def test_cache_checks_the_names_of_blocks_taken_from_the_cache(rng):
-    bs = 2
-    bm = BlockManager(32, bs)
-    tokens = [rng.randrange(150_000) for _ in range(6 * bs)]
+def _named(rng, num_blocks: int, blocks: int, bs: int = 2):
+    """A block manager of num_blocks whose request "a" holds `blocks` full blocks of random tokens,
+    cached under their chain: (manager, tokens, chain)."""
+    bm = BlockManager(num_blocks, bs)
+    tokens = [rng.randrange(150_000) for _ in range(blocks * bs)]
     chain = extend_chain([], SALT, tokens, bs)
     bm.grow("a", len(tokens))
     bm.cache("a", chain, len(chain))
+    return bm, tokens, chain
+
+
+def test_cache_checks_the_names_of_blocks_taken_from_the_cache(rng):
+    bs = 2
+    bm, tokens, chain = _named(rng, 32, 6, bs)
     found = bm.lookup(chain)
     assert found == bm.table("a")
     bm.grow("b", len(tokens) + bs, found)
@@ -137,11 +144,7 @@ def test_grow_does_not_reuse_a_cost_computed_before_a_change(rng):
     """can_grow's cost for a tuple of cached blocks is reused by grow only while nothing changed: a
     request taking those evictable blocks in between makes grow refuse them (they lost their names)."""
     bs = 2
-    bm = BlockManager(8, bs)
-    tokens = [rng.randrange(150_000) for _ in range(4 * bs)]
-    chain = extend_chain([], SALT, tokens, bs)
-    bm.grow("a", len(tokens))
-    bm.cache("a", chain, len(chain))
+    bm, tokens, chain = _named(rng, 8, 4, bs)
     bm.free("a")  # its 4 named blocks are evictable now
     found = bm.lookup(chain)
     assert len(found) == 4 and bm.can_grow("b", len(tokens) + bs, found)

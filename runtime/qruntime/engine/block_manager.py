@@ -41,7 +41,6 @@ class BlockManager:
         # tuple of cached blocks (can_grow's, then grow's for the same request) stands while it does
         self._changes = 0
         self._last_cost: tuple[str, int, tuple[int, ...], int, int] | None = None
-        self._last_found: tuple[tuple[int, ...], int] | None = None  # lookup()'s last answer, and _changes then
 
     @property
     def num_free_blocks(self) -> int:
@@ -74,9 +73,7 @@ class BlockManager:
         found = list(map(self._block_of.get, hashes))  # one C-level pass (a 2,000-token prefix: 125 lookups)
         if None in found:
             del found[found.index(None) :]
-        answer = tuple(found)
-        self._last_found = (answer, self._changes)
-        return answer
+        return tuple(found)
 
     def can_grow(self, request_id: str, num_tokens: int, cached: Sequence[int] = ()) -> bool:
         """Whether grow(request_id, num_tokens, cached) would succeed now."""
@@ -167,11 +164,9 @@ class BlockManager:
             return last[4]  # nothing changed since the same question (can_grow, then grow): the same answer
         if self._tables.get(request_id):
             raise ValueError(f"request {request_id!r} already holds blocks: cached blocks start a new table only")
-        found = self._last_found
-        if found is None or found[0] is not cached or found[1] != self._changes:  # else distinct and named: found so
-            distinct = set(cached)
-            if len(distinct) != len(cached) or not self._hash_of.keys() >= distinct:
-                raise ValueError(f"request {request_id!r}: {list(cached)} are not distinct cached blocks")
+        distinct = set(cached)
+        if len(distinct) != len(cached) or not self._hash_of.keys() >= distinct:
+            raise ValueError(f"request {request_id!r}: {list(cached)} are not distinct cached blocks")
         refs = self._refs
         revived = [refs[b] for b in cached].count(0)  # evictable ones: they leave the free count
         cost = max(0, self.blocks_for(num_tokens) - len(cached)) + revived
