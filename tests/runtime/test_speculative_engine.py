@@ -98,19 +98,24 @@ def test_scripted_drafts_of_any_acceptance_give_plain_greedy(artifact, rng, good
 
 def test_chunked_prefill_preemption_and_prefix_cache(artifact, rng):
     """A tight pool (preemptions) and a small token budget (prefills in chunks, drafts cut by the
-    budget), shared prefixes (prefix-cache hits): still plain greedy."""
-    shared = _repetitive(rng, 1)[0]
-    prompts = [shared + p for p in _repetitive(rng, 5)]
+    budget), shared prefixes (prefix-cache hits): still plain greedy. Whether prompt lookup's drafts
+    are ever right depends on the random workload (about 1 in 40 has none), so up to 4 are drawn
+    until one is; each must equal plain greedy."""
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     kw = {"num_kv_blocks": 8, "max_num_batched_tokens": 20, "max_model_len": 96}  # blocks of 16
-    plain = _engine(artifact, **kw).generate(prompts, params)
-    engine = _engine(artifact, "prompt-lookup:prompt_lookup_min=1,num_tokens=6", **kw)
-    spec = engine.generate(prompts, params)
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    for _ in range(4):
+        shared = _repetitive(rng, 1)[0]
+        prompts = [shared + p for p in _repetitive(rng, 5)]
+        plain = _engine(artifact, **kw).generate(prompts, params)
+        engine = _engine(artifact, "prompt-lookup:prompt_lookup_min=1,num_tokens=6", **kw)
+        spec = engine.generate(prompts, params)
+        assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+        assert engine.scheduler.block_manager.num_used_blocks == 0
+        if engine.speculative_stats.accepted > 0:
+            break
     assert engine.speculative_stats.accepted > 0
     assert engine.prefix_cache_stats.hits > 0
     assert sum(o.num_preemptions for o in spec) > 0
-    assert engine.scheduler.block_manager.num_used_blocks == 0
 
 
 def _kv(engine, request_id: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
