@@ -42,15 +42,9 @@ from qruntime.kernels.dynamic_quant import (
     use_hw_casts,
 )
 from qruntime.kernels.fp8_gemm import SplitKPartials, check_partials
+from qruntime.kernels.gemv_prologue import rms_rstd
 from qruntime.kernels.moe_combine import PairRows
 from qruntime.kernels.pdl import launch_options, wait_for_inputs
-
-
-@triton.jit
-def _rstd(sum_sq, H, eps):
-    """rsqrt(mean + eps) as torch's CPU reference rounds it: 1 / sqrt(sum / H + eps), IEEE ops
-    (tl.rsqrt is an approximation on the GPU)."""
-    return tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(sum_sq, H * 1.0) + eps))
 
 
 @triton.jit
@@ -71,7 +65,7 @@ def normalize_row(
     """The tail of one row held in one tile: h (fp32 holding DTYPE values, 0 past H) -> y = D(w * D(h *
     rstd)) stored at y_row, as e4m3 codes with the scale at s_ptr when QUANT (also the fused all-reduce's;
     FNUZ: e4m3fnuz codes, the scale doubled, as dynamic_quant's)."""
-    rstd = _rstd(tl.sum(h * h, axis=0), H, eps)
+    rstd = rms_rstd(tl.sum(h * h, axis=0), H, eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = round_to(w * round_to(h * rstd, DTYPE, HW), DTYPE, HW)
     if QUANT:
@@ -141,7 +135,7 @@ def _add_rmsnorm_kernel(
                 h = round_to(h + tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32), DTYPE, HW)
                 tl.store(ro_row + offs, h.to(DTYPE), mask=mask)
             acc += h * h
-        rstd = _rstd(tl.sum(acc, axis=0), H, eps)
+        rstd = rms_rstd(tl.sum(acc, axis=0), H, eps)
         if QUANT:
             amax = tl.zeros([BLOCK], dtype=tl.float32)
             for c in range(NUM_CHUNKS):

@@ -54,8 +54,10 @@ from qruntime.kernels.dynamic_quant import (
     fp8_values,
     quant_scale,
     round_to,
+    row_config,
     use_hw_casts,
 )
+from qruntime.kernels.gemv_prologue import normed_value, row_rstd
 from qruntime.kernels.pdl import launch_options, prefetch_l2, wait_for_inputs
 
 _SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -303,6 +305,10 @@ def _ptpc_fp8_gemv_kernel(
     K,
     stride_bn,
     stride_bs,
+    r_ptr,  # NORM with HAS_RES: the residual row [1, K]
+    nw_ptr,  # NORM: the RMSNorm weight [K] (model dtype)
+    ro_ptr,  # NORM with HAS_RES: residual_out [1, K], written by program 0
+    eps,  # NORM
     NUM_K: tl.constexpr,  # K steps, unrolled
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -314,6 +320,8 @@ def _ptpc_fp8_gemv_kernel(
     NUM_X: tl.constexpr = 1,
     HW: tl.constexpr = False,  # QUANT: hardware casts (dynamic_quant.use_hw_casts)
     FNUZ: tl.constexpr = False,  # QUANT: the codes made as e4m3fnuz (the weights' format), the scale doubled
+    NORM: tl.constexpr = False,  # QUANT of AddRMSNorm's y: a_ptr is x (gemv_prologue.normed_value)
+    HAS_RES: tl.constexpr = False,  # NORM: a residual to add first
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = tl.where(offs_n < N, offs_n, 0)  # rows past N read row 0 (never stored)
@@ -323,11 +331,18 @@ def _ptpc_fp8_gemv_kernel(
         lines = tl.arange(0, PREFETCH_K // 128) * 128  # 128-byte L2 lines
         prefetch_l2(b_ptr + rn[:, None].to(tl.int64) * stride_bn + tl.minimum(lines, K - 1)[None, :])
     wait_for_inputs(PDL)
+    rstd = 0.0
+    if NORM:  # every program normalizes the row itself (x, residual, w: a few KB each, from L2)
+        rstd = row_rstd(a_ptr, r_ptr, ro_ptr, K, eps, tl.program_id(0) == 0, BLOCK_X, NUM_X, HAS_RES, HW)
     if QUANT:  # every program takes the row's max |x| itself (the row is a few KB, from L2)
         cols = tl.arange(0, BLOCK_X)
         amax = tl.zeros((BLOCK_X,), dtype=tl.float32)
         for chunk in tl.static_range(NUM_X):
-            x = tl.load(a_ptr + chunk * BLOCK_X + cols, mask=chunk * BLOCK_X + cols < K, other=0.0)
+            offs_x = chunk * BLOCK_X + cols
+            if NORM:
+                x = normed_value(a_ptr, r_ptr, nw_ptr, offs_x, offs_x < K, rstd, HAS_RES, HW)
+            else:
+                x = tl.load(a_ptr + offs_x, mask=offs_x < K, other=0.0)
             amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
         scale = quant_scale(tl.max(amax, axis=0))
         inv_scale = tl.math.div_rn(1.0, scale)
@@ -337,11 +352,15 @@ def _ptpc_fp8_gemv_kernel(
     for step in tl.static_range(NUM_K):
         k = step * BLOCK_K
         if EVEN_K:
-            a = tl.load(a_ptr + k + offs_k).to(tl.float32)
             b = tl.load(b_ptrs + k).to(tl.float32)
         else:
-            a = tl.load(a_ptr + k + offs_k, mask=k + offs_k < K, other=0.0).to(tl.float32)
             b = tl.load(b_ptrs + k, mask=(k + offs_k < K)[None, :], other=0.0).to(tl.float32)
+        if NORM:  # y recomputed from x, residual and w (identical to the max pass's)
+            a = normed_value(a_ptr, r_ptr, nw_ptr, k + offs_k, k + offs_k < K, rstd, HAS_RES, HW)
+        elif EVEN_K:
+            a = tl.load(a_ptr + k + offs_k).to(tl.float32)
+        else:
+            a = tl.load(a_ptr + k + offs_k, mask=k + offs_k < K, other=0.0).to(tl.float32)
         if QUANT:
             a = fp8_values(fp8_e4m3_code(a, scale, inv_scale, HW, FNUZ), FNUZ).to(tl.float32)
         acc += b * a[None, :]  # fp8 codes widened: exact products, fp32 sums
@@ -473,20 +492,90 @@ def _reduce(part: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor, out: torch.T
     )
 
 
-def _gemv(a, xs, w, ws, out, cfg: GemmConfig, pdl: bool, prefetch_k: int, quant: bool = False) -> None:
-    """Launch the GEMV of one token: a [1, K] fp8 codes with scale xs, or (quant) the model-dtype row."""
+def _gemv(
+    a, xs, w, ws, out, cfg: GemmConfig, pdl: bool, prefetch_k: int, quant: bool = False, norm: tuple | None = None
+) -> None:
+    """Launch the GEMV of one token: a [1, K] fp8 codes with scale xs, or (quant) the model-dtype row,
+    or (norm: (residual | None, norm weight, residual_out, eps)) AddRMSNorm's x, normalized here."""
     n, k = w.shape
     block_k, steps = gemv_steps(k, cfg.block_k)
-    block_x = min(triton.next_power_of_2(k), MAX_BLOCK)
+    if norm is None:
+        block_x, num_x = min(triton.next_power_of_2(k), MAX_BLOCK), None
+        r, nw, ro, eps = a, a, a, 0.0
+    else:  # the row's tiles as add_rmsnorm_quant's kernel sums its squares
+        block_x, num_x, _ = row_config(k)
+        r, nw, ro, eps = norm
     _ptpc_fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         a, xs, w, ws, out, n, k, w.stride(0), ws.stride(0),
+        a if r is None else r, nw, ro, float(eps),
         NUM_K=steps, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         num_warps=cfg.num_warps,
         PREFETCH_K=_gemv_prefetch(n, k, prefetch_k) if pdl else 0,
-        QUANT=quant, BLOCK_X=block_x, NUM_X=triton.cdiv(k, block_x), HW=use_hw_casts(a),
-        FNUZ=w.dtype == torch.float8_e4m3fnuz,
+        QUANT=quant or norm is not None, BLOCK_X=block_x, NUM_X=num_x or triton.cdiv(k, block_x),
+        HW=use_hw_casts(a), FNUZ=w.dtype == torch.float8_e4m3fnuz,
+        NORM=norm is not None, HAS_RES=norm is not None and r is not None,
         **launch_options(pdl),
     )  # fmt: skip
+
+
+def _check_gemv(
+    x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, out_dtype: torch.dtype, config: GemmConfig, name: str
+):
+    check_model_dtype("x", x)
+    if x.dim() != 2 or x.shape[0] != 1 or x.stride(1) != 1:
+        raise ValueError(f"x must be one token's row [1, K] with unit column stride, got {tuple(x.shape)}")
+    if config.block_m != 1:
+        raise ValueError(f"{name} runs a GEMV config (block_m 1), got block_m {config.block_m}")
+    if w.dtype not in FP8_FORMATS or w.dim() != 2 or w.shape[1] != x.shape[1] or w.stride(1) != 1:
+        raise ValueError(
+            f"w must be float8_e4m3fn or float8_e4m3fnuz [N, {x.shape[1]}] with contiguous rows, got {w.dtype} "
+            f"{tuple(w.shape)}"
+        )
+    if ws.dtype not in _SCALE_DTYPES or tuple(ws.shape) != (w.shape[0], 1):
+        raise ValueError(f"ws must be bf16/fp16/fp32 [N,1] = [{w.shape[0]},1], got {ws.dtype} {tuple(ws.shape)}")
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
+    if len({t.device for t in (x, w, ws)}) != 1:
+        raise ValueError(f"all inputs must be on one device, got {[str(t.device) for t in (x, w, ws)]}")
+
+
+def ptpc_fp8_gemv_norm_quant(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_w: torch.Tensor,
+    eps: float,
+    residual_out: torch.Tensor,
+    w: torch.Tensor,
+    ws: torch.Tensor,
+    out_dtype: torch.dtype,
+    config: GemmConfig,
+    *,
+    pdl: bool = False,
+    prefetch_k: int = 0,
+) -> torch.Tensor:
+    """ptpc_fp8_gemm(yq, ys, w, ws, ...) where (yq, ys, residual_out) = add_rmsnorm_quant(x, residual,
+    norm_w, eps), for one token in one launch: every program normalizes and quantizes the row as it
+    reads it (kernels/gemv_prologue.py: that kernel's arithmetic) and program 0 writes residual_out
+    [1, K] (left alone without a residual: then residual_out is x itself, as add_rmsnorm_quant
+    returns it). x, residual, norm_w of the model dtype; config a GEMV's (block_m 1). Raises ValueError
+    on a shape, dtype or config mismatch."""
+    _check_gemv(x, w, ws, out_dtype, config, "ptpc_fp8_gemv_norm_quant")
+    k = x.shape[1]
+    for name, t in (("residual", residual), ("residual_out", residual_out)):
+        if t is not None and (
+            tuple(t.shape) != (1, k) or t.dtype != x.dtype or t.device != x.device or t.stride(1) != 1
+        ):
+            raise ValueError(
+                f"{name} must be [1, {k}] {x.dtype} on {x.device}, got {tuple(t.shape)} {t.dtype} {t.device}"
+            )
+    if tuple(norm_w.shape) != (k,) or norm_w.dtype != x.dtype or norm_w.device != x.device or norm_w.stride(0) != 1:
+        raise ValueError(f"norm_w must be [{k}] {x.dtype} on {x.device}, got {tuple(norm_w.shape)} {norm_w.dtype}")
+    out = torch.empty((1, w.shape[0]), dtype=out_dtype, device=x.device)
+    if w.shape[0] and k:
+        _gemv(x, x, w, ws, out, config, pdl, prefetch_k, norm=(residual, norm_w, residual_out, eps))
+    elif w.shape[0]:
+        out.zero_()
+    return out
 
 
 def ptpc_fp8_gemv_quant(
@@ -505,22 +594,7 @@ def ptpc_fp8_gemv_quant(
     bit for bit. w float8_e4m3fnuz (amd-gfx942, its scales doubled): the codes made as e4m3fnuz
     with the scale doubled, dynamic_quant(x, fp8=float8_e4m3fnuz)'s. Raises ValueError on a shape,
     dtype or config mismatch."""
-    check_model_dtype("x", x)
-    if x.dim() != 2 or x.shape[0] != 1 or x.stride(1) != 1:
-        raise ValueError(f"x must be one token's row [1, K] with unit column stride, got {tuple(x.shape)}")
-    if config.block_m != 1:
-        raise ValueError(f"ptpc_fp8_gemv_quant runs a GEMV config (block_m 1), got block_m {config.block_m}")
-    if w.dtype not in FP8_FORMATS or w.dim() != 2 or w.shape[1] != x.shape[1] or w.stride(1) != 1:
-        raise ValueError(
-            f"w must be float8_e4m3fn or float8_e4m3fnuz [N, {x.shape[1]}] with contiguous rows, got {w.dtype} "
-            f"{tuple(w.shape)}"
-        )
-    if ws.dtype not in _SCALE_DTYPES or tuple(ws.shape) != (w.shape[0], 1):
-        raise ValueError(f"ws must be bf16/fp16/fp32 [N,1] = [{w.shape[0]},1], got {ws.dtype} {tuple(ws.shape)}")
-    if out_dtype not in _OUT_DTYPES:
-        raise ValueError(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
-    if len({t.device for t in (x, w, ws)}) != 1:
-        raise ValueError(f"all inputs must be on one device, got {[str(t.device) for t in (x, w, ws)]}")
+    _check_gemv(x, w, ws, out_dtype, config, "ptpc_fp8_gemv_quant")
     out = torch.empty((1, w.shape[0]), dtype=out_dtype, device=x.device)
     if w.shape[0] and x.shape[1]:
         _gemv(x, x, w, ws, out, config, pdl, prefetch_k, quant=True)  # (no scale to pass: x stands in)
