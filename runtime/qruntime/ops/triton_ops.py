@@ -74,13 +74,18 @@ class AddRMSNorm(quant.AddRMSNorm):
 class AddRMSNormQuant(quant.AddRMSNormQuant):
     def __init__(self, attrs, env, consts=()) -> None:
         super().__init__(attrs, env, consts)
-        from qruntime.kernels.add_rmsnorm_quant import add_rmsnorm_quant
+        from qruntime.kernels.add_rmsnorm_quant import DeferredNormQuant, add_rmsnorm_quant
 
         self.kernel = add_rmsnorm_quant if self.a["group_size"] == 0 else None
+        self.deferred = DeferredNormQuant
+        # the PTPCLinear after this node normalizes and quantizes one token's row itself (fold_norm_quant)
+        self.defer = False
 
     def __call__(self, step, x, residual, w):
         if self.kernel is None:
             return in_target_format(self.env, super().__call__(step, x, residual, w))
+        if self.defer and (row := self.deferred.of(x, residual, w, self.a["epsilon"], self.env.pdl, self.env.fp8)):
+            return row, row, row.residual_out  # (yq, ys): the reader takes both as the one row
         return self.kernel(x, residual, w, self.a["epsilon"], pdl=self.env.pdl, fp8=self.env.fp8)
 
 
@@ -120,11 +125,19 @@ class PTPCLinear(quant.PTPCLinear):
 
     def __init__(self, attrs, env, consts=()) -> None:
         super().__init__(attrs, env, consts)
+        from qruntime.kernels.add_rmsnorm_quant import DeferredNormQuant
         from qruntime.kernels.dynamic_quant import DeferredQuant
-        from qruntime.kernels.fp8_gemm import GemmConfig, default_config, ptpc_fp8_gemm, ptpc_fp8_gemv_quant
+        from qruntime.kernels.fp8_gemm import (
+            GemmConfig,
+            default_config,
+            ptpc_fp8_gemm,
+            ptpc_fp8_gemv_norm_quant,
+            ptpc_fp8_gemv_quant,
+        )
 
         self.gemm, self.config_from, self.default = ptpc_fp8_gemm, GemmConfig.from_dict, default_config
         self.gemv_quant, self.deferred = ptpc_fp8_gemv_quant, DeferredQuant
+        self.gemv_norm_quant, self.deferred_norm = ptpc_fp8_gemv_norm_quant, DeferredNormQuant
         w, ws = (consts + (None,) * 4)[2:4]
         if w is None or ws is None:
             raise OpBindError("PTPCLinear's weight and scale must be graph initializers")
@@ -156,6 +169,14 @@ class PTPCLinear(quant.PTPCLinear):
                     xq.x, w, ws, self.env.dtype, config, pdl=self.env.pdl, prefetch_k=self.prefetch_k
                 )  # quantizes to w's format, the target's
             xq, xs = xq.quantize()  # the tuned kernel is not the GEMV: quantize in a launch first
+        elif isinstance(xq, self.deferred_norm):  # one token's row, its AddRMSNormQuant folded in (fold_norm_quant)
+            backend, config = self._plan(1)
+            if backend == "triton" and config.block_m == 1:
+                return self.gemv_norm_quant(
+                    xq.x, xq.residual, xq.w, xq.eps, xq.residual_out, w, ws, self.env.dtype, config,
+                    pdl=self.env.pdl, prefetch_k=self.prefetch_k,
+                )  # fmt: skip
+            xq, xs = xq.quantize()  # the tuned kernel is not the GEMV: normalize in a launch first
         backend, config = self._plan(xq.shape[0])
         if backend == "cublaslt":
             return torch._scaled_mm(xq, w.T, scale_a=xs, scale_b=self.ws_row, out_dtype=self.env.dtype)
@@ -509,6 +530,30 @@ def fold_dynamic_quant(plan) -> int:
         outs = tuple(node.outputs[:2])
         if (
             type(node.op) is DynamicQuant
+            and node.op.kernel is not None
+            and type(reader.op) is PTPCLinear
+            and tuple(reader.inputs[:2]) == outs
+            and all(readers.get(out) == [index + 1] and out != plan.output for out in outs)
+        ):
+            node.op.defer = True
+            folded += 1
+    return folded
+
+
+def fold_norm_quant(plan) -> int:
+    """Let each Triton AddRMSNormQuant (per-token) whose yq and ys only the next node reads, a
+    PTPCLinear (qkv_proj, a dense MLP's gate_up), hand it one token's x, residual and norm weight
+    (DeferredNormQuant) at batch-1 decode: where that GEMM runs the GEMV, every GEMV program
+    normalizes and quantizes the row as it reads it (fp8_gemm.ptpc_fp8_gemv_norm_quant: the norm
+    kernel's arithmetic) and program 0 writes residual_out, saving the norm's launch; otherwise the
+    norm runs in its own launch first. Not their all-reduce forms. Off unless load(...,
+    prologue_folds=True): not yet timed on a GPU. Returns the ops changed."""
+    readers = _readers(plan)
+    folded = 0
+    for index, (node, reader) in enumerate(zip(plan.nodes, plan.nodes[1:], strict=False)):
+        outs = tuple(node.outputs[:2])
+        if (
+            type(node.op) is AddRMSNormQuant
             and node.op.kernel is not None
             and type(reader.op) is PTPCLinear
             and tuple(reader.inputs[:2]) == outs

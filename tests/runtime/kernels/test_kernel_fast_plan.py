@@ -217,3 +217,58 @@ def test_o_proj_quantization_folds_into_the_gemv_to_the_same_bits(tiny_ckpt, com
             assert torch.equal(caches[0].k[layer].view(torch.int16), caches[1].k[layer].view(torch.int16))
             assert torch.equal(caches[0].v[layer].view(torch.int16), caches[1].v[layer].view(torch.int16))
     assert sum(deferred) == spec.num_layers  # one token's row, to each o_proj of the decode step
+
+
+@pytest.mark.parametrize("linears", ["gemv", "tiles"])
+def test_norms_fold_into_the_next_gemv_to_the_same_bits(tiny_ckpt, compiled, linears, monkeypatch):
+    """load(prologue_folds=True): each AddRMSNormQuant whose yq and ys only the next PTPCLinear reads
+    (input norm -> qkv, post-attention norm -> gate_up) hands it one token's x, residual and norm
+    weight: a batch-1 decode step gives the unfolded plan's logits and cache bits (the residual
+    stream included: the next layer reads residual_out), whether those linears run the GEMV (which
+    normalizes the row itself, no norm launch) or tiles (the norm launched first); the prefill step
+    (7 tokens) is not deferred. The default folds run in both plans."""
+    from qruntime.kernels.add_rmsnorm_quant import DeferredNormQuant
+    from qruntime.kernels.fp8_gemm import GemmConfig
+    from qruntime.ops.triton_ops import (
+        AddRMSNormQuant,
+        PTPCLinear,
+        fold_dynamic_quant,
+        fold_norm_quant,
+        fold_split_k_reductions,
+    )
+
+    artifact = compiled(tiny_ckpt, "ptpc-fp8")
+    graph, spec, weights, env = load_artifact(artifact)
+    plans = [Plan.build(graph, weights, env, triton_ops()) for _ in range(2)]
+    for plan in plans:
+        fold_split_k_reductions(plan)
+        fold_dynamic_quant(plan)
+    assert fold_norm_quant(plans[1]) == 2 * spec.num_layers
+    folded = [(n, m) for n, m in zip(plans[1].nodes, plans[1].nodes[1:], strict=False) if type(n.op) is AddRMSNormQuant]
+    assert all(n.op.defer and type(m.op) is PTPCLinear for n, m in folded) and len(folded) == 2 * spec.num_layers
+    vocab = int(read_manifest(artifact)["spec"]["vocab_size"])
+    prompt, table = torch.randint(0, vocab, (7,)).tolist(), [[2]]
+    steps = [_step([(prompt, 0)], table, 64), _step([([torch.randint(0, vocab, ()).item()], 7)], table, 64)]
+    gemv = GemmConfig(1, 4, 32, 1, 2, 1)
+    deferred: list[int] = []
+    call = PTPCLinear.__call__
+
+    def counted(op, step, xq, *rest):
+        deferred.append(isinstance(xq, DeferredNormQuant))
+        return call(op, step, xq, *rest)
+
+    monkeypatch.setattr(PTPCLinear, "__call__", counted)
+    caches = [KVCache(spec, 4, torch.bfloat16, torch.device("cpu")) for _ in plans]
+    for feeds, meta in steps:
+        for plan in plans:
+            for node in plan.nodes:
+                if isinstance(node.op, PTPCLinear):  # every linear the GEMV at one token; the norms' readers as asked
+                    tiles = linears == "tiles" and any(node is m for _, m in folded)
+                    node.op.plans[1] = ("triton", GemmConfig(16, 32, 32, 1, 4, 2) if tiles else gemv)
+                    node.op.plans[7] = ("triton", GemmConfig(16, 32, 32, 1, 4, 2))
+        logits = [plan.run(StepContext(cache, meta), feeds) for plan, cache in zip(plans, caches, strict=True)]
+        assert torch.equal(logits[0].view(torch.int16), logits[1].view(torch.int16))
+        for layer in range(spec.num_layers):
+            assert torch.equal(caches[0].k[layer].view(torch.int16), caches[1].k[layer].view(torch.int16))
+            assert torch.equal(caches[0].v[layer].view(torch.int16), caches[1].v[layer].view(torch.int16))
+    assert sum(deferred) == 2 * spec.num_layers  # one token's row, to each qkv and gate_up of the decode step
