@@ -1,5 +1,6 @@
 """load(..., prologue_folds=True) on the GPU, in CUDA graphs: at batch-1 decode each AddRMSNormQuant
-runs inside the qkv / gate_up GEMV that reads it (ops/triton_ops.fold_norm_quant); the engine's greedy
+runs inside the qkv / gate_up GEMV that reads it (ops/triton_ops.fold_norm_quant) and gate_up's GEMV
+makes the SiLU-mul-quant in its last program (fold_silu_quant); the engine's greedy
 tokens are the unfolded engine's and their logprobs agree to the rounding that the two sums of
 squares' orders allow (kernels/gemv_prologue.py)."""
 
@@ -20,6 +21,8 @@ def _generate(artifact, prompt, folds: bool) -> tuple[list[int], list]:
     ) as engine:
         deferred = [n.op.defer for n in engine.runner.plan.nodes if type(n.op) is triton_ops.AddRMSNormQuant]
         assert deferred and all(d == folds for d in deferred)
+        tails = [n.op for n in engine.runner.plan.nodes if getattr(n.op, "counter", None) is not None]
+        assert bool(tails) == folds
         out = engine.generate([prompt], qruntime.SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2))[0]
     return out.token_ids, out.logprobs
 

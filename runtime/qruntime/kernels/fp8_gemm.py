@@ -46,6 +46,7 @@ import triton.language as tl
 
 from qruntime.kernels.deferred_sum import deferred_value
 from qruntime.kernels.dynamic_quant import (
+    CHUNK,
     FP8_FORMATS,
     MAX_BLOCK,
     check_model_dtype,
@@ -57,6 +58,7 @@ from qruntime.kernels.dynamic_quant import (
     row_config,
     use_hw_casts,
 )
+from qruntime.kernels.gemv_epilogue import last_program_silu_quant
 from qruntime.kernels.gemv_prologue import normed_value, row_rstd
 from qruntime.kernels.pdl import launch_options, prefetch_l2, wait_for_inputs
 
@@ -309,6 +311,9 @@ def _ptpc_fp8_gemv_kernel(
     nw_ptr,  # NORM: the RMSNorm weight [K] (model dtype)
     ro_ptr,  # NORM with HAS_RES: residual_out [1, K], written by program 0
     eps,  # NORM
+    counter_ptr,  # SILU: [1] int32, zero between launches (the last program puts it back)
+    q_ptr,  # SILU: yq [1, N / 2] (uint8 view of the codes)
+    s_ptr,  # SILU: ys [1] fp32
     NUM_K: tl.constexpr,  # K steps, unrolled
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -322,6 +327,9 @@ def _ptpc_fp8_gemv_kernel(
     FNUZ: tl.constexpr = False,  # QUANT: the codes made as e4m3fnuz (the weights' format), the scale doubled
     NORM: tl.constexpr = False,  # QUANT of AddRMSNorm's y: a_ptr is x (gemv_prologue.normed_value)
     HAS_RES: tl.constexpr = False,  # NORM: a residual to add first
+    SILU: tl.constexpr = False,  # c is gate_up: the last program also makes silu_mul_quant's yq, ys (gemv_epilogue.py)
+    SILU_BLOCK: tl.constexpr = 16,  # SILU: its row's chunks
+    SILU_CHUNKS: tl.constexpr = 1,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = tl.where(offs_n < N, offs_n, 0)  # rows past N read row 0 (never stored)
@@ -368,6 +376,10 @@ def _ptpc_fp8_gemv_kernel(
         scale = fp8_scale(scale, FNUZ)
     y = tl.sum(acc, axis=1) * scale * tl.load(bs_ptr + rn * stride_bs).to(tl.float32)
     tl.store(c_ptr + offs_n, y.to(c_ptr.dtype.element_ty), mask=offs_n < N)
+    if SILU:
+        last_program_silu_quant(
+            c_ptr, q_ptr, s_ptr, counter_ptr, N // 2, SILU_BLOCK, SILU_CHUNKS, c_ptr.dtype.element_ty, HW, FNUZ
+        )
 
 
 @triton.jit
@@ -493,11 +505,15 @@ def _reduce(part: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor, out: torch.T
 
 
 def _gemv(
-    a, xs, w, ws, out, cfg: GemmConfig, pdl: bool, prefetch_k: int, quant: bool = False, norm: tuple | None = None
-) -> None:
+    a, xs, w, ws, out, cfg: GemmConfig, pdl: bool, prefetch_k: int, quant: bool = False, norm: tuple | None = None,
+    silu: tuple | None = None,
+) -> None:  # fmt: skip
     """Launch the GEMV of one token: a [1, K] fp8 codes with scale xs, or (quant) the model-dtype row,
-    or (norm: (residual | None, norm weight, residual_out, eps)) AddRMSNorm's x, normalized here."""
+    or (norm: (residual | None, norm weight, residual_out, eps)) AddRMSNorm's x, normalized here;
+    silu: (yq, ys, counter), out being gate_up, made into silu_mul_quant's (yq, ys) by the last program."""
     n, k = w.shape
+    counter, yq, ys = (out, out, out) if silu is None else (silu[2], silu[0].view(torch.uint8), silu[1])
+    silu_block, silu_chunks, _ = row_config(max(n // 2, 1), CHUNK)
     block_k, steps = gemv_steps(k, cfg.block_k)
     if norm is None:
         block_x, num_x = min(triton.next_power_of_2(k), MAX_BLOCK), None
@@ -507,13 +523,14 @@ def _gemv(
         r, nw, ro, eps = norm
     _ptpc_fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         a, xs, w, ws, out, n, k, w.stride(0), ws.stride(0),
-        a if r is None else r, nw, ro, float(eps),
+        a if r is None else r, nw, ro, float(eps), counter, yq, ys,
         NUM_K=steps, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         num_warps=cfg.num_warps,
         PREFETCH_K=_gemv_prefetch(n, k, prefetch_k) if pdl else 0,
         QUANT=quant or norm is not None, BLOCK_X=block_x, NUM_X=num_x or triton.cdiv(k, block_x),
         HW=use_hw_casts(a), FNUZ=w.dtype == torch.float8_e4m3fnuz,
         NORM=norm is not None, HAS_RES=norm is not None and r is not None,
+        SILU=silu is not None, SILU_BLOCK=silu_block, SILU_CHUNKS=silu_chunks,
         **launch_options(pdl),
     )  # fmt: skip
 
@@ -539,6 +556,22 @@ def _check_gemv(
         raise ValueError(f"all inputs must be on one device, got {[str(t.device) for t in (x, w, ws)]}")
 
 
+def _check_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, residual_out: torch.Tensor
+) -> None:
+    """ValueError unless residual (when given), residual_out and norm_w fit x's row [1, K]."""
+    k = x.shape[1]
+    for name, t in (("residual", residual), ("residual_out", residual_out)):
+        if t is not None and (
+            tuple(t.shape) != (1, k) or t.dtype != x.dtype or t.device != x.device or t.stride(1) != 1
+        ):
+            raise ValueError(
+                f"{name} must be [1, {k}] {x.dtype} on {x.device}, got {tuple(t.shape)} {t.dtype} {t.device}"
+            )
+    if tuple(norm_w.shape) != (k,) or norm_w.dtype != x.dtype or norm_w.device != x.device or norm_w.stride(0) != 1:
+        raise ValueError(f"norm_w must be [{k}] {x.dtype} on {x.device}, got {tuple(norm_w.shape)} {norm_w.dtype}")
+
+
 def ptpc_fp8_gemv_norm_quant(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -560,18 +593,9 @@ def ptpc_fp8_gemv_norm_quant(
     returns it). x, residual, norm_w of the model dtype; config a GEMV's (block_m 1). Raises ValueError
     on a shape, dtype or config mismatch."""
     _check_gemv(x, w, ws, out_dtype, config, "ptpc_fp8_gemv_norm_quant")
-    k = x.shape[1]
-    for name, t in (("residual", residual), ("residual_out", residual_out)):
-        if t is not None and (
-            tuple(t.shape) != (1, k) or t.dtype != x.dtype or t.device != x.device or t.stride(1) != 1
-        ):
-            raise ValueError(
-                f"{name} must be [1, {k}] {x.dtype} on {x.device}, got {tuple(t.shape)} {t.dtype} {t.device}"
-            )
-    if tuple(norm_w.shape) != (k,) or norm_w.dtype != x.dtype or norm_w.device != x.device or norm_w.stride(0) != 1:
-        raise ValueError(f"norm_w must be [{k}] {x.dtype} on {x.device}, got {tuple(norm_w.shape)} {norm_w.dtype}")
+    _check_norm(x, residual, norm_w, residual_out)
     out = torch.empty((1, w.shape[0]), dtype=out_dtype, device=x.device)
-    if w.shape[0] and k:
+    if w.shape[0] and x.shape[1]:
         _gemv(x, x, w, ws, out, config, pdl, prefetch_k, norm=(residual, norm_w, residual_out, eps))
     elif w.shape[0]:
         out.zero_()
@@ -601,6 +625,52 @@ def ptpc_fp8_gemv_quant(
     elif w.shape[0]:
         out.zero_()
     return out
+
+
+def ptpc_fp8_gemv_silu_quant(
+    xq: torch.Tensor,
+    xs: torch.Tensor | None,
+    w: torch.Tensor,
+    ws: torch.Tensor,
+    out_dtype: torch.dtype,
+    config: GemmConfig,
+    counter: torch.Tensor,
+    *,
+    norm: tuple | None = None,
+    pdl: bool = False,
+    prefetch_k: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu_mul_quant(ptpc_fp8_gemm(xq, xs, w, ws, out_dtype, config), fp8=w's format) for one token
+    in one launch, w being gate_up's weight [2I, K] (gate rows, then up rows): the GEMV's programs
+    store gate_up [1, 2I] as ever and the last to finish makes (yq [1, I], ys [1, 1]) from it
+    (kernels/gemv_epilogue.py: silu_mul_quant's arithmetic, so its bits). counter: int32 [1], zero,
+    left zero (one per call site: launches of one counter must not overlap). norm: (residual | None,
+    norm weight, residual_out, eps): xq is then AddRMSNorm's x [1, K] in the model dtype, normalized
+    and quantized in every program as ptpc_fp8_gemv_norm_quant does (xs unused). Raises ValueError on
+    a shape, dtype or config mismatch."""
+    if norm is None:
+        _check(xq, xs, w, ws, out_dtype)
+        if xq.shape[0] != 1 or config.block_m != 1:
+            raise ValueError(
+                f"ptpc_fp8_gemv_silu_quant runs one token [1, K] on a GEMV config (block_m 1), got {tuple(xq.shape)}"
+            )
+    else:
+        _check_gemv(xq, w, ws, out_dtype, config, "ptpc_fp8_gemv_silu_quant")
+        _check_norm(xq, norm[0], norm[1], norm[2])
+    if counter.dtype != torch.int32 or counter.numel() != 1 or counter.device != w.device:
+        raise ValueError(
+            f"counter must be one int32 on {w.device}, got {counter.dtype} {tuple(counter.shape)} on {counter.device}"
+        )
+    n = w.shape[0]
+    if n % 2 or n == 0 or w.shape[1] == 0:
+        raise ValueError(
+            f"w must be gate_up's weight [2I, K] (an even, non-zero row count, K > 0), got {tuple(w.shape)}"
+        )
+    gate_up = torch.empty((1, n), dtype=out_dtype, device=w.device)
+    yq = torch.empty((1, n // 2), dtype=w.dtype, device=w.device)
+    ys = torch.empty((1, 1), dtype=torch.float32, device=w.device)
+    _gemv(xq, xq if xs is None else xs, w, ws, gate_up, config, pdl, prefetch_k, norm=norm, silu=(yq, ys, counter))
+    return yq, ys
 
 
 def _check(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, out_dtype: torch.dtype) -> None:

@@ -35,12 +35,12 @@ from qruntime.kernels.dynamic_quant import (
     fp8_e4m3_code,
     fp8_scale,
     quant_scale,
-    round_to,
     row_config,
     rows_of,
     use_hw_casts,
 )
 from qruntime.kernels.fp8_gemm import SplitKPartials, splitk_value
+from qruntime.kernels.gemv_epilogue import silu_times
 from qruntime.kernels.pdl import launch_options, wait_for_inputs
 
 MAX_REG_CHUNKS = tl.constexpr(4)  # chunks of y a program keeps in registers (one pass); beyond: two passes
@@ -62,8 +62,7 @@ def _silu_mul(
         u = splitk_value(
             g_row, xs_ptr, ws_ptr, row, inter + offs, mask, T, width, stride_xs, stride_ws, SPLIT, DTYPE, HW
         )
-    sg = round_to(1.0 / (1.0 + tl.exp(-g)), DTYPE, HW)
-    return round_to(round_to(g * sg, DTYPE, HW) * u, DTYPE, HW)
+    return silu_times(g, u, DTYPE, HW)
 
 
 @triton.jit

@@ -14,6 +14,7 @@ product equals the nvidia-sm90 artifact's; a reference fallback's e4m3fn codes a
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,15 @@ def in_target_format(env, quantized: tuple) -> tuple:
     if env.fp8 == torch.float8_e4m3fn:
         return quantized
     return (*to_e4m3fnuz(quantized[0], quantized[1]), *quantized[2:])
+
+
+@dataclass(frozen=True)
+class SiluQuantDone:
+    """A one-token gate_up PTPCLinear's output when its GEMV's last program already made the next
+    SiluMulQuant's (yq, ys) (fold_silu_quant): the SiluMulQuant hands them on."""
+
+    yq: torch.Tensor
+    ys: torch.Tensor
 
 
 class DynamicQuant(quant.DynamicQuant):
@@ -97,6 +107,8 @@ class SiluMulQuant(quant.SiluMulQuant):
         self.kernel = silu_mul_quant if self.a["group_size"] == 0 else None
 
     def __call__(self, step, gate_up):
+        if isinstance(gate_up, SiluQuantDone):  # made by the gate_up GEMV's last program (fold_silu_quant)
+            return gate_up.yq, gate_up.ys
         if self.kernel is None:
             return in_target_format(self.env, super().__call__(step, gate_up))
         return self.kernel(gate_up, pdl=self.env.pdl, fp8=self.env.fp8)
@@ -133,11 +145,13 @@ class PTPCLinear(quant.PTPCLinear):
             ptpc_fp8_gemm,
             ptpc_fp8_gemv_norm_quant,
             ptpc_fp8_gemv_quant,
+            ptpc_fp8_gemv_silu_quant,
         )
 
         self.gemm, self.config_from, self.default = ptpc_fp8_gemm, GemmConfig.from_dict, default_config
         self.gemv_quant, self.deferred = ptpc_fp8_gemv_quant, DeferredQuant
         self.gemv_norm_quant, self.deferred_norm = ptpc_fp8_gemv_norm_quant, DeferredNormQuant
+        self.gemv_silu_quant = ptpc_fp8_gemv_silu_quant
         w, ws = (consts + (None,) * 4)[2:4]
         if w is None or ws is None:
             raise OpBindError("PTPCLinear's weight and scale must be graph initializers")
@@ -147,6 +161,14 @@ class PTPCLinear(quant.PTPCLinear):
         self.plans: dict[int, tuple[str, object]] = {}  # tokens -> (backend, config), filled on first use
         # the node after this one reads its output as split-K partials (fold_split_k_reductions)
         self.defer_reduce = False
+        # gate_up whose SiLU-mul-quant the GEMV's last program makes (fold_silu_quant): that launch's counter
+        self.counter: torch.Tensor | None = None
+
+    def _silu_args(self, config) -> dict:
+        return {
+            "out_dtype": self.env.dtype, "config": config, "counter": self.counter, "pdl": self.env.pdl,
+            "prefetch_k": self.prefetch_k,
+        }  # fmt: skip
 
     def _plan(self, m: int) -> tuple[str, object]:
         if m not in self.plans:
@@ -172,12 +194,17 @@ class PTPCLinear(quant.PTPCLinear):
         elif isinstance(xq, self.deferred_norm):  # one token's row, its AddRMSNormQuant folded in (fold_norm_quant)
             backend, config = self._plan(1)
             if backend == "triton" and config.block_m == 1:
+                norm = (xq.residual, xq.w, xq.residual_out, xq.eps)
+                if self.counter is not None:  # gate_up, its SiLU-mul-quant folded in too (fold_silu_quant)
+                    return SiluQuantDone(*self.gemv_silu_quant(xq.x, None, w, ws, **self._silu_args(config), norm=norm))
                 return self.gemv_norm_quant(
                     xq.x, xq.residual, xq.w, xq.eps, xq.residual_out, w, ws, self.env.dtype, config,
                     pdl=self.env.pdl, prefetch_k=self.prefetch_k,
                 )  # fmt: skip
             xq, xs = xq.quantize()  # the tuned kernel is not the GEMV: normalize in a launch first
         backend, config = self._plan(xq.shape[0])
+        if self.counter is not None and xq.shape[0] == 1 and backend == "triton" and config.block_m == 1:
+            return SiluQuantDone(*self.gemv_silu_quant(xq, xs, w, ws, **self._silu_args(config)))
         if backend == "cublaslt":
             return torch._scaled_mm(xq, w.T, scale_a=xs, scale_b=self.ws_row, out_dtype=self.env.dtype)
         return self.gemm(
@@ -560,6 +587,30 @@ def fold_norm_quant(plan) -> int:
             and all(readers.get(out) == [index + 1] and out != plan.output for out in outs)
         ):
             node.op.defer = True
+            folded += 1
+    return folded
+
+
+def fold_silu_quant(plan) -> int:
+    """Let each Triton PTPCLinear whose output only the next node reads, a SiluMulQuant (per-token:
+    a dense MLP's gate_up), make that node's (yq, ys) itself at batch-1 decode: where it runs the
+    GEMV, the GEMV's last program computes silu_mul_quant's row from the gate_up the programs stored
+    (fp8_gemm.ptpc_fp8_gemv_silu_quant: its bits; each op gets its own int32 counter), saving the
+    SiLU-mul-quant's launch; tiles (and every step of more tokens) leave it to the SiluMulQuant as
+    before. Off unless load(..., prologue_folds=True): not yet timed on a GPU. Returns the ops changed."""
+    readers = _readers(plan)
+    folded = 0
+    for index, (node, reader) in enumerate(zip(plan.nodes, plan.nodes[1:], strict=False)):
+        out = node.outputs[0]
+        if (
+            type(node.op) is PTPCLinear
+            and type(reader.op) is SiluMulQuant
+            and reader.op.kernel is not None
+            and reader.inputs[0] == out
+            and readers.get(out) == [index + 1]
+            and out != plan.output
+        ):
+            node.op.counter = torch.zeros(1, dtype=torch.int32, device=node.op.env.device)
             folded += 1
     return folded
 

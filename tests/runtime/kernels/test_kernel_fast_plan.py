@@ -223,17 +223,20 @@ def test_o_proj_quantization_folds_into_the_gemv_to_the_same_bits(tiny_ckpt, com
 def test_norms_fold_into_the_next_gemv_to_the_same_bits(tiny_ckpt, compiled, linears, monkeypatch):
     """load(prologue_folds=True): each AddRMSNormQuant whose yq and ys only the next PTPCLinear reads
     (input norm -> qkv, post-attention norm -> gate_up) hands it one token's x, residual and norm
-    weight: a batch-1 decode step gives the unfolded plan's logits and cache bits (the residual
-    stream included: the next layer reads residual_out), whether those linears run the GEMV (which
-    normalizes the row itself, no norm launch) or tiles (the norm launched first); the prefill step
-    (7 tokens) is not deferred. The default folds run in both plans."""
+    weight, and gate_up's GEMV makes the SiluMulQuant's output in its last program: a batch-1 decode
+    step gives the unfolded plan's logits and cache bits (the residual stream included: the next
+    layer reads residual_out), whether those linears run the GEMV (which normalizes the row itself,
+    no norm or SiLU-mul-quant launch) or tiles (both launched as before); the prefill step (7 tokens)
+    is not deferred. The default folds run in both plans."""
     from qruntime.kernels.add_rmsnorm_quant import DeferredNormQuant
     from qruntime.kernels.fp8_gemm import GemmConfig
     from qruntime.ops.triton_ops import (
         AddRMSNormQuant,
         PTPCLinear,
+        SiluQuantDone,
         fold_dynamic_quant,
         fold_norm_quant,
+        fold_silu_quant,
         fold_split_k_reductions,
     )
 
@@ -243,7 +246,7 @@ def test_norms_fold_into_the_next_gemv_to_the_same_bits(tiny_ckpt, compiled, lin
     for plan in plans:
         fold_split_k_reductions(plan)
         fold_dynamic_quant(plan)
-    assert fold_norm_quant(plans[1]) == 2 * spec.num_layers
+    assert fold_norm_quant(plans[1]) == 2 * spec.num_layers and fold_silu_quant(plans[1]) == spec.num_layers
     folded = [(n, m) for n, m in zip(plans[1].nodes, plans[1].nodes[1:], strict=False) if type(n.op) is AddRMSNormQuant]
     assert all(n.op.defer and type(m.op) is PTPCLinear for n, m in folded) and len(folded) == 2 * spec.num_layers
     vocab = int(read_manifest(artifact)["spec"]["vocab_size"])
@@ -251,11 +254,14 @@ def test_norms_fold_into_the_next_gemv_to_the_same_bits(tiny_ckpt, compiled, lin
     steps = [_step([(prompt, 0)], table, 64), _step([([torch.randint(0, vocab, ()).item()], 7)], table, 64)]
     gemv = GemmConfig(1, 4, 32, 1, 2, 1)
     deferred: list[int] = []
+    silu_done: list[int] = []
     call = PTPCLinear.__call__
 
     def counted(op, step, xq, *rest):
         deferred.append(isinstance(xq, DeferredNormQuant))
-        return call(op, step, xq, *rest)
+        out = call(op, step, xq, *rest)
+        silu_done.append(isinstance(out, SiluQuantDone))
+        return out
 
     monkeypatch.setattr(PTPCLinear, "__call__", counted)
     caches = [KVCache(spec, 4, torch.bfloat16, torch.device("cpu")) for _ in plans]
@@ -272,3 +278,4 @@ def test_norms_fold_into_the_next_gemv_to_the_same_bits(tiny_ckpt, compiled, lin
             assert torch.equal(caches[0].k[layer].view(torch.int16), caches[1].k[layer].view(torch.int16))
             assert torch.equal(caches[0].v[layer].view(torch.int16), caches[1].v[layer].view(torch.int16))
     assert sum(deferred) == 2 * spec.num_layers  # one token's row, to each qkv and gate_up of the decode step
+    assert sum(silu_done) == (spec.num_layers if linears == "gemv" else 0)  # gate_up's GEMV made the SiLU-mul-quant
