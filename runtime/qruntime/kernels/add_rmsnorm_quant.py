@@ -274,15 +274,23 @@ class DeferredNormQuant:
 
     @classmethod
     def of(cls, x, residual, w, eps: float, pdl: bool, fp8: torch.dtype) -> DeferredNormQuant | None:
-        """The deferred row, or None unless x is one token's contiguous row of the model dtype (and the
-        residual its like) that the GEMV can read."""
-        if not (isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1):
+        """The deferred row, or None unless x is one token's row of the model dtype that the GEMV can
+        read (and the residual its like): a tensor with unit column stride, or a deferred output
+        (split-K partials, MoE pair rows) of at most MAX_BLOCK columns beside a residual."""
+        if isinstance(x, DEFERRED):  # slices the GEMV adds up, as this kernel would: one tile, a residual
+            if residual is None or x.shape[1] > MAX_BLOCK:
+                return None
+        elif not (isinstance(x, torch.Tensor) and x.dim() == 2 and x.stride(1) == 1):
             return None
-        if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
+        if tuple(x.shape[:1]) != (1,) or x.dtype != w.dtype:
             return None
-        if w.shape != (x.shape[1],) or w.dtype != x.dtype or not w.is_contiguous():
+        if residual is not None and (
+            tuple(residual.shape) != tuple(x.shape) or residual.dtype != x.dtype or residual.stride(1) != 1
+        ):
             return None
-        residual_out = x if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+        if w.shape != (x.shape[1],) or not w.is_contiguous():
+            return None
+        residual_out = x if residual is None else torch.empty_like(residual, memory_format=torch.contiguous_format)
         return cls(x, residual, w, eps, residual_out, pdl, fp8)
 
     def quantize(self) -> tuple[torch.Tensor, torch.Tensor]:

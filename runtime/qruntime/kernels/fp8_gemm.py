@@ -314,6 +314,11 @@ def _ptpc_fp8_gemv_kernel(
     counter_ptr,  # SILU: [1] int32, zero between launches (the last program puts it back)
     q_ptr,  # SILU: yq [1, N / 2] (uint8 view of the codes)
     s_ptr,  # SILU: ys [1] fp32
+    sx_ptr,  # NORM with SLICES: a deferred x's scales (deferred_sum.py; read when SCALED)
+    sw_ptr,
+    slice_stride,  # NORM with SLICES: elements between x's slices
+    stride_sx,
+    stride_sw,
     NUM_K: tl.constexpr,  # K steps, unrolled
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -327,6 +332,8 @@ def _ptpc_fp8_gemv_kernel(
     FNUZ: tl.constexpr = False,  # QUANT: the codes made as e4m3fnuz (the weights' format), the scale doubled
     NORM: tl.constexpr = False,  # QUANT of AddRMSNorm's y: a_ptr is x (gemv_prologue.normed_value)
     HAS_RES: tl.constexpr = False,  # NORM: a residual to add first
+    SLICES: tl.constexpr = 0,  # NORM: x is a deferred output of that many slices to add up (split-K, MoE rows)
+    SCALED: tl.constexpr = False,  # SLICES: times sx then sw (split-K partials)
     SILU: tl.constexpr = False,  # c is gate_up: the last program also makes silu_mul_quant's yq, ys (gemv_epilogue.py)
     SILU_BLOCK: tl.constexpr = 16,  # SILU: its row's chunks
     SILU_CHUNKS: tl.constexpr = 1,
@@ -341,14 +348,20 @@ def _ptpc_fp8_gemv_kernel(
     wait_for_inputs(PDL)
     rstd = 0.0
     if NORM:  # every program normalizes the row itself (x, residual, w: a few KB each, from L2)
-        rstd = row_rstd(a_ptr, r_ptr, ro_ptr, K, eps, tl.program_id(0) == 0, BLOCK_X, NUM_X, HAS_RES, HW)
+        rstd = row_rstd(
+            a_ptr, r_ptr, ro_ptr, nw_ptr, K, eps, tl.program_id(0) == 0, sx_ptr, sw_ptr, slice_stride, stride_sx,
+            stride_sw, BLOCK_X, NUM_X, SLICES, SCALED, HAS_RES, HW,
+        )  # fmt: skip
     if QUANT:  # every program takes the row's max |x| itself (the row is a few KB, from L2)
         cols = tl.arange(0, BLOCK_X)
         amax = tl.zeros((BLOCK_X,), dtype=tl.float32)
         for chunk in tl.static_range(NUM_X):
             offs_x = chunk * BLOCK_X + cols
             if NORM:
-                x = normed_value(a_ptr, r_ptr, nw_ptr, offs_x, offs_x < K, rstd, HAS_RES, HW)
+                x = normed_value(
+                    a_ptr, r_ptr, nw_ptr, offs_x, offs_x < K, rstd, sx_ptr, sw_ptr, slice_stride, stride_sx,
+                    stride_sw, SLICES, SCALED, HAS_RES, HW,
+                )  # fmt: skip
             else:
                 x = tl.load(a_ptr + offs_x, mask=offs_x < K, other=0.0)
             amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
@@ -364,7 +377,10 @@ def _ptpc_fp8_gemv_kernel(
         else:
             b = tl.load(b_ptrs + k, mask=(k + offs_k < K)[None, :], other=0.0).to(tl.float32)
         if NORM:  # y recomputed from x, residual and w (identical to the max pass's)
-            a = normed_value(a_ptr, r_ptr, nw_ptr, k + offs_k, k + offs_k < K, rstd, HAS_RES, HW)
+            a = normed_value(
+                a_ptr, r_ptr, nw_ptr, k + offs_k, k + offs_k < K, rstd, sx_ptr, sw_ptr, slice_stride, stride_sx,
+                stride_sw, SLICES, SCALED, HAS_RES, HW,
+            )  # fmt: skip
         elif EVEN_K:
             a = tl.load(a_ptr + k + offs_k).to(tl.float32)
         else:
@@ -515,21 +531,26 @@ def _gemv(
     counter, yq, ys = (out, out, out) if silu is None else (silu[2], silu[0].view(torch.uint8), silu[1])
     silu_block, silu_chunks, _ = row_config(max(n // 2, 1), CHUNK)
     block_k, steps = gemv_steps(k, cfg.block_k)
+    slices, scaled, sums = 0, False, (a, a, 0, 0, 0)  # (sx, sw, slice stride, stride of sx, of sw)
     if norm is None:
         block_x, num_x = min(triton.next_power_of_2(k), MAX_BLOCK), None
         r, nw, ro, eps = a, a, a, 0.0
     else:  # the row's tiles as add_rmsnorm_quant's kernel sums its squares
         block_x, num_x, _ = row_config(k)
         r, nw, ro, eps = norm
+        if not isinstance(a, torch.Tensor):  # a deferred output (SplitKPartials, moe_combine.PairRows)
+            slices, scaled = a.slices, a.scaled
+            a, sx, sw, slice_stride, _, stride_sx, stride_sw = a.sum_args()  # one token: its row stride unused
+            xs, sums = a, (sx, sw, slice_stride, stride_sx, stride_sw)
     _ptpc_fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         a, xs, w, ws, out, n, k, w.stride(0), ws.stride(0),
-        a if r is None else r, nw, ro, float(eps), counter, yq, ys,
+        a if r is None else r, nw, ro, float(eps), counter, yq, ys, *sums,
         NUM_K=steps, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         num_warps=cfg.num_warps,
         PREFETCH_K=_gemv_prefetch(n, k, prefetch_k) if pdl else 0,
         QUANT=quant or norm is not None, BLOCK_X=block_x, NUM_X=num_x or triton.cdiv(k, block_x),
         HW=use_hw_casts(a), FNUZ=w.dtype == torch.float8_e4m3fnuz,
-        NORM=norm is not None, HAS_RES=norm is not None and r is not None,
+        NORM=norm is not None, HAS_RES=norm is not None and r is not None, SLICES=slices, SCALED=scaled,
         SILU=silu is not None, SILU_BLOCK=silu_block, SILU_CHUNKS=silu_chunks,
         **launch_options(pdl),
     )  # fmt: skip
@@ -554,6 +575,21 @@ def _check_gemv(
         raise ValueError(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
     if len({t.device for t in (x, w, ws)}) != 1:
         raise ValueError(f"all inputs must be on one device, got {[str(t.device) for t in (x, w, ws)]}")
+
+
+def _norm_row(x, residual: torch.Tensor | None) -> torch.Tensor:
+    """The [1, K] model-dtype row that x stands for, for the checks: x itself, or for a deferred
+    output (SplitKPartials, moe_combine.PairRows: slices the GEMV adds up) the residual, after
+    checking that x's output would be that row and fits one of the norm's tiles (as add_rmsnorm_quant
+    adds one up itself only then)."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if residual is None:
+        raise ValueError("a deferred x (split-K partials / MoE pair rows) needs a residual: residual_out is x itself")
+    check_partials(x, residual, residual)
+    if x.shape[1] > MAX_BLOCK:
+        raise ValueError(f"a deferred x is added up in one tile of at most {MAX_BLOCK} columns, got {x.shape[1]}")
+    return residual
 
 
 def _check_norm(
@@ -590,12 +626,15 @@ def ptpc_fp8_gemv_norm_quant(
     norm_w, eps), for one token in one launch: every program normalizes and quantizes the row as it
     reads it (kernels/gemv_prologue.py: that kernel's arithmetic) and program 0 writes residual_out
     [1, K] (left alone without a residual: then residual_out is x itself, as add_rmsnorm_quant
-    returns it). x, residual, norm_w of the model dtype; config a GEMV's (block_m 1). Raises ValueError
-    on a shape, dtype or config mismatch."""
-    _check_gemv(x, w, ws, out_dtype, config, "ptpc_fp8_gemv_norm_quant")
-    _check_norm(x, residual, norm_w, residual_out)
-    out = torch.empty((1, w.shape[0]), dtype=out_dtype, device=x.device)
-    if w.shape[0] and x.shape[1]:
+    returns it). x, residual, norm_w of the model dtype; config a GEMV's (block_m 1). x may be a
+    deferred output of one token (SplitKPartials, moe_combine.PairRows; then with a residual and
+    K <= MAX_BLOCK): every program adds its slices up first, as add_rmsnorm_quant does. Raises
+    ValueError on a shape, dtype or config mismatch."""
+    row = _norm_row(x, residual)
+    _check_gemv(row, w, ws, out_dtype, config, "ptpc_fp8_gemv_norm_quant")
+    _check_norm(row, residual, norm_w, residual_out)
+    out = torch.empty((1, w.shape[0]), dtype=out_dtype, device=w.device)
+    if w.shape[0] and row.shape[1]:
         _gemv(x, x, w, ws, out, config, pdl, prefetch_k, norm=(residual, norm_w, residual_out, eps))
     elif w.shape[0]:
         out.zero_()
@@ -646,7 +685,8 @@ def ptpc_fp8_gemv_silu_quant(
     (kernels/gemv_epilogue.py: silu_mul_quant's arithmetic, so its bits). counter: int32 [1], zero,
     left zero (one per call site: launches of one counter must not overlap). norm: (residual | None,
     norm weight, residual_out, eps): xq is then AddRMSNorm's x [1, K] in the model dtype, normalized
-    and quantized in every program as ptpc_fp8_gemv_norm_quant does (xs unused). Raises ValueError on
+    and quantized in every program as ptpc_fp8_gemv_norm_quant does (xs unused; x may be deferred there
+    too). Raises ValueError on
     a shape, dtype or config mismatch."""
     if norm is None:
         _check(xq, xs, w, ws, out_dtype)
@@ -655,8 +695,9 @@ def ptpc_fp8_gemv_silu_quant(
                 f"ptpc_fp8_gemv_silu_quant runs one token [1, K] on a GEMV config (block_m 1), got {tuple(xq.shape)}"
             )
     else:
-        _check_gemv(xq, w, ws, out_dtype, config, "ptpc_fp8_gemv_silu_quant")
-        _check_norm(xq, norm[0], norm[1], norm[2])
+        row = _norm_row(xq, norm[0])
+        _check_gemv(row, w, ws, out_dtype, config, "ptpc_fp8_gemv_silu_quant")
+        _check_norm(row, norm[0], norm[1], norm[2])
     if counter.dtype != torch.int32 or counter.numel() != 1 or counter.device != w.device:
         raise ValueError(
             f"counter must be one int32 on {w.device}, got {counter.dtype} {tuple(counter.shape)} on {counter.device}"

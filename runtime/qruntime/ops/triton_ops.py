@@ -573,8 +573,11 @@ def fold_norm_quant(plan) -> int:
     (DeferredNormQuant) at batch-1 decode: where that GEMM runs the GEMV, every GEMV program
     normalizes and quantizes the row as it reads it (fp8_gemm.ptpc_fp8_gemv_norm_quant: the norm
     kernel's arithmetic) and program 0 writes residual_out, saving the norm's launch; otherwise the
-    norm runs in its own launch first. Not their all-reduce forms. Off unless load(...,
-    prologue_folds=True): not yet timed on a GPU. Returns the ops changed."""
+    norm runs in its own launch first. A fused MoE right before such a norm (its only reader) then
+    leaves its combine to it (defer_combine: the GEMV, or the norm kernel at other token counts, adds
+    each token's expert rows as the combine launch would), saving that launch too. Not their
+    all-reduce forms. Off unless load(..., prologue_folds=True): not yet timed on a GPU. Returns the
+    norms changed."""
     readers = _readers(plan)
     folded = 0
     for index, (node, reader) in enumerate(zip(plan.nodes, plan.nodes[1:], strict=False)):
@@ -588,6 +591,15 @@ def fold_norm_quant(plan) -> int:
         ):
             node.op.defer = True
             folded += 1
+            before = plan.nodes[index - 1] if index else None
+            if (  # a fused MoE right before, read only by this norm: the GEMV adds its expert rows too
+                before is not None
+                and type(before.op) is MoE
+                and before.op.kernel is not None
+                and node.inputs[0] == before.outputs[0]
+                and readers.get(before.outputs[0]) == [index]
+            ):
+                before.op.defer_combine = True
     return folded
 
 

@@ -279,3 +279,51 @@ def test_norms_fold_into_the_next_gemv_to_the_same_bits(tiny_ckpt, compiled, lin
             assert torch.equal(caches[0].v[layer].view(torch.int16), caches[1].v[layer].view(torch.int16))
     assert sum(deferred) == 2 * spec.num_layers  # one token's row, to each qkv and gate_up of the decode step
     assert sum(silu_done) == (spec.num_layers if linears == "gemv" else 0)  # gate_up's GEMV made the SiLU-mul-quant
+
+
+def test_a_moe_combine_folds_with_the_norm_into_the_next_gemv_to_the_same_bits(tiny_moe_ckpt, compiled, monkeypatch):
+    """prologue_folds on a MoE model: the input norm after each fused MoE defers to the qkv GEMV and the
+    MoE leaves its combine to it (defer_combine), so at batch-1 decode the GEMV adds each token's
+    expert rows, the residual, normalizes and quantizes; at the prefill's 7 tokens the norm kernel
+    adds the rows. Logits and cache bits equal the default plan's over both steps."""
+    from qruntime.kernels.add_rmsnorm_quant import DeferredNormQuant
+    from qruntime.kernels.moe_combine import PairRows
+    from qruntime.ops.triton_ops import (
+        MoE,
+        PTPCLinear,
+        fold_dynamic_quant,
+        fold_norm_quant,
+        fold_silu_quant,
+        fold_split_k_reductions,
+    )
+
+    artifact = compiled(tiny_moe_ckpt, "ptpc-fp8")
+    graph, spec, weights, env = load_artifact(artifact)
+    plans = [Plan.build(graph, weights, env, triton_ops()) for _ in range(2)]
+    for plan in plans:
+        fold_split_k_reductions(plan)
+        fold_dynamic_quant(plan)
+    fold_norm_quant(plans[1])
+    fold_silu_quant(plans[1])
+    # MoE layers 0 and 2 (layer 1 is dense): layer 0's output goes to layer 1's input norm, layer 2's to
+    # the final norm (AddRMSNorm before lm_head, no GEMV to fold into)
+    assert [n.op.defer_combine for n in plans[1].nodes if isinstance(n.op, MoE)] == [True, False]
+    assert not any(n.op.defer_combine for n in plans[0].nodes if isinstance(n.op, MoE))
+    seen: list[tuple[bool, bool]] = []
+    call = PTPCLinear.__call__
+
+    def spied(op, step, xq, *rest):
+        seen.append((isinstance(xq, DeferredNormQuant), isinstance(getattr(xq, "x", None), PairRows)))
+        return call(op, step, xq, *rest)
+
+    monkeypatch.setattr(PTPCLinear, "__call__", spied)
+    vocab = int(read_manifest(artifact)["spec"]["vocab_size"])
+    prompt, table = torch.randint(0, vocab, (7,)).tolist(), [[2]]
+    steps = [_step([(prompt, 0)], table, 64), _step([([torch.randint(0, vocab, ()).item()], 7)], table, 64)]
+    caches = [KVCache(spec, 4, torch.bfloat16, torch.device("cpu")) for _ in plans]
+    for feeds, meta in steps:
+        logits = [plan.run(StepContext(cache, meta), feeds) for plan, cache in zip(plans, caches, strict=True)]
+        assert torch.equal(logits[0].view(torch.int16), logits[1].view(torch.int16))
+        for layer in range(spec.num_layers):
+            assert torch.equal(caches[0].k[layer].view(torch.int16), caches[1].k[layer].view(torch.int16))
+    assert (True, True) in seen  # a GEMV took a MoE's expert rows at the decode step

@@ -55,3 +55,30 @@ def test_bad_operands_are_refused_by_name():
         ptpc_fp8_gemv_norm_quant(x, x, norm_w[:32], 1e-6, ro, w, ws, torch.bfloat16, GEMV)
     with pytest.raises(ValueError, match="GEMV config"):
         ptpc_fp8_gemv_norm_quant(x, x, norm_w, 1e-6, ro, w, ws, torch.bfloat16, GemmConfig(16, 32, 64))
+
+
+@pytest.mark.parametrize("deferred", ["split-k", "moe-rows"])
+def test_a_deferred_x_is_added_up_in_the_gemv_as_the_norm_kernel_adds_it(deferred: str):
+    """x left as slices by the GEMM or MoE before the norm (o_proj / down tiles' split-K partials, a
+    fused MoE's k weighted expert rows without its combine launch): each GEMV program adds them up
+    as add_rmsnorm_quant does, so the folded launch gives that kernel's and the GEMV's bits."""
+    from qruntime.kernels.fp8_gemm import SplitKPartials
+    from qruntime.kernels.moe_combine import PairRows
+
+    k, n = 96, 40
+    if deferred == "split-k":
+        xq, xs, w0, ws0 = operands(1, k, 128)
+        x = ptpc_fp8_gemm(xq, xs, w0, ws0 * 0.01, torch.bfloat16, GemmConfig(16, 32, 32, 2, 4, 2), defer_reduce=True)
+        assert isinstance(x, SplitKPartials) and x.split == 2
+    else:
+        x = PairRows((torch.randn(4, k, device=DEVICE) * 2).bfloat16(), top_k=4)
+    res = _row(k, torch.bfloat16)
+    norm_w = (torch.rand(k, device=DEVICE) + 0.5).bfloat16()
+    _, _, w, ws = operands(1, n, k)
+    yq, ys, want_ro = add_rmsnorm_quant(x, res, norm_w, 1e-6)
+    want = ptpc_fp8_gemm(yq, ys, w, ws, torch.bfloat16, GEMV)
+    ro = torch.full_like(res, float("nan"))
+    _same(ptpc_fp8_gemv_norm_quant(x, res, norm_w, 1e-6, ro, w, ws, torch.bfloat16, GEMV), want)
+    assert torch.equal(ro.view(torch.int16), want_ro.view(torch.int16))
+    with pytest.raises(ValueError, match="needs a residual"):
+        ptpc_fp8_gemv_norm_quant(x, None, norm_w, 1e-6, ro, w, ws, torch.bfloat16, GEMV)
