@@ -10,6 +10,9 @@ batch sizes):
   unfolded  prefetch, but every split-K GEMM launches its own reduction instead of handing its
             partials to the next kernel, and every MoE its combine (ops/triton_ops.fold_split_k_reductions)
   moe-combine  prefetch with the GEMMs' reductions folded but the MoEs' combines launched
+  prologues prefetch, and load(prologue_folds=True): batch-1 norms run inside the GEMV that reads
+            them (with a MoE's combine before them), a dense MLP's SiLU-mul-quant in its gate_up
+            GEMV's last program (ops/triton_ops.fold_norm_quant, fold_silu_quant)
 All modes but `unfolded` fold the GEMMs' reductions.
 
 Modes are loaded in turn, twice each (graphs are captured at load, so a mode is a fresh engine).
@@ -42,7 +45,7 @@ from compile_bench import gpu_report_header
 from qcompile.recipe.schema import load_recipe
 from qcompile.synth.artifact import write_synthetic_artifact
 
-MODES = ("plain", "pdl", "prefetch", "unfolded", "moe-combine")
+MODES = ("plain", "pdl", "prefetch", "unfolded", "moe-combine", "prologues")
 
 
 def replay_ms(engine, batch: int, iters: int = 200) -> float:
@@ -82,13 +85,13 @@ def greedy_tokens(engine) -> list[list[int]]:
 def run_mode(art: Path, mode: str, args, layers: int, reference: list | None) -> dict:
     default_prefetch, fold = triton_ops.PTPCLinear.prefetch_k, triton_ops.fold_split_k_reductions
     pair_readers = triton_ops.PAIR_ROWS_READERS
-    triton_ops.PTPCLinear.prefetch_k = args.prefetch_k if mode in ("prefetch", "unfolded", "moe-combine") else 0
+    triton_ops.PTPCLinear.prefetch_k = args.prefetch_k if mode not in ("plain", "pdl") else 0
     if mode == "unfolded":
         triton_ops.fold_split_k_reductions = lambda plan: 0
     if mode == "moe-combine":
         triton_ops.PAIR_ROWS_READERS = ()
     load_kw = dict(device="cuda", max_model_len=1024, max_num_seqs=max(args.batches), kv_cache_memory=8 << 30)
-    with qruntime.load(art, pdl=mode != "plain", **load_kw) as engine:
+    with qruntime.load(art, pdl=mode != "plain", prologue_folds=mode == "prologues", **load_kw) as engine:
         row: dict = {"mode": mode, "pdl": engine.description.get("pdl")}
         tokens = greedy_tokens(engine)
         row["greedy_equal_to_first"] = None if reference is None else tokens == reference
