@@ -5,7 +5,7 @@ Each GEMV program stores its columns of gate_up [1, 2I] (model dtype, as always)
 in on an int32 counter (a barrier first, then an acq_rel atomic at GPU scope, so its stores are
 visible to whoever counts last); the program that counts last puts the counter back to zero (a
 captured CUDA graph replays the launch) and computes silu_mul_quant.py's row from the stored
-gate_up, op for op (silu_times below is that kernel's arithmetic, shared with it): yq [1, I] e4m3
+gate_up, op for op (activation.silu_times, shared with that kernel): yq [1, I] e4m3
 codes and ys [1] fp32, bit for bit. At one token the SiLU-mul-quant kernel is a single program
 anyway; here it runs as that launch's tail, saving the launch and the gap before it.
 """
@@ -15,14 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from qruntime.kernels.dynamic_quant import fp8_e4m3_code, fp8_scale, quant_scale, round_to
-
-
-@triton.jit
-def silu_times(g, u, DTYPE: tl.constexpr, HW: tl.constexpr):
-    """D(D(g * D(sigmoid(g))) * u) in fp32, torch's op-by-op roundings to the model dtype D."""
-    sg = round_to(1.0 / (1.0 + tl.exp(-g)), DTYPE, HW)
-    return round_to(round_to(g * sg, DTYPE, HW) * u, DTYPE, HW)
+from qruntime.kernels.activation import silu_times
+from qruntime.kernels.dynamic_quant import fp8_e4m3_code, fp8_scale, quant_scale
 
 
 @triton.jit

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qruntime.kernels.activation import silu_times
 from qruntime.kernels.dynamic_quant import (
     FP8_FORMATS,
     fp8_e4m3_code,
@@ -51,13 +52,6 @@ class PairBlocks:
     block_m: int
     top_k: int
     num_pairs: int  # T * k, also the sentinel
-
-
-@triton.jit
-def _silu_mul(g, u, DTYPE: tl.constexpr, HW: tl.constexpr):
-    """D(D(g * D(sigmoid(g))) * u) in fp32, as functional.silu_mul evaluates it in the model dtype."""
-    sg = round_to(1.0 / (1.0 + tl.exp(-g)), DTYPE, HW)
-    return round_to(round_to(g * sg, DTYPE, HW) * u, DTYPE, HW)
 
 
 @triton.jit
@@ -149,7 +143,7 @@ def _moe_up_silu_kernel(
     ws_u = tl.load(s_e + (rn + INTER) * stride_sn).to(tl.float32)[None, :]
     g = round_to(acc_g * xs * ws_g, DTYPE, HW)  # the PTPC linear's output h, in the model dtype
     u = round_to(acc_u * xs * ws_u, DTYPE, HW)
-    act = _silu_mul(g, u, DTYPE, HW)
+    act = silu_times(g, u, DTYPE, HW)
     mask = valid[:, None] & (offs_n < INTER)[None, :]
     tl.store(act_ptr + rows.to(tl.int64)[:, None] * INTER + offs_n[None, :], act.to(DTYPE), mask=mask)
     tl.atomic_max(amax_ptr + rows, tl.max(tl.where(mask, tl.abs(act), 0.0), axis=1), mask=valid)

@@ -22,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from qruntime.kernels.activation import silu_times
 from qruntime.kernels.dynamic_quant import round_to, use_hw_casts
-from qruntime.kernels.moe_gemm import PairBlocks, _pair_rows, _silu_mul, _tile_cols
+from qruntime.kernels.moe_gemm import PairBlocks, _pair_rows, _tile_cols
 from qruntime.kernels.pdl import launch_options, wait_for_inputs
 from qruntime.kernels.w4a16_gemm import _dequant_tile
 
@@ -171,7 +172,7 @@ def _moe_up_silu_w4a16_kernel(
         g_ptrs += BLOCK_K // 8
         u_ptrs += BLOCK_K // 8
 
-    act = _silu_mul(round_to(acc_g, DTYPE, HW), round_to(acc_u, DTYPE, HW), DTYPE, HW)  # h rounded to D first
+    act = silu_times(round_to(acc_g, DTYPE, HW), round_to(acc_u, DTYPE, HW), DTYPE, HW)  # h rounded to D first
     mask = valid[:, None] & (offs_n < INTER)[None, :]
     tl.store(act_ptr + rows.to(tl.int64)[:, None] * INTER + offs_n[None, :], act.to(DTYPE), mask=mask)
 

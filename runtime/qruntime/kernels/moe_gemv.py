@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qruntime.kernels.activation import silu_times
 from qruntime.kernels.dynamic_quant import (
     FP8_FORMATS,
     fp8_e4m3_code,
@@ -37,7 +38,7 @@ from qruntime.kernels.dynamic_quant import (
     use_hw_casts,
 )
 from qruntime.kernels.fp8_gemm import gemv_steps
-from qruntime.kernels.moe_gemm import _silu_mul, _tile_cols
+from qruntime.kernels.moe_gemm import _tile_cols
 from qruntime.kernels.pdl import launch_options, wait_for_inputs
 
 _TILE_KEYS = ("block_n", "block_k", "num_warps")
@@ -151,7 +152,7 @@ def _moe_up_one_kernel(
     s_e = ws_ptr + expert * stride_se
     g = round_to(tl.sum(acc_g, axis=1) * xs * tl.load(s_e + rn * stride_sn).to(tl.float32), DTYPE, HW)
     u = round_to(tl.sum(acc_u, axis=1) * xs * tl.load(s_e + (rn + INTER) * stride_sn).to(tl.float32), DTYPE, HW)
-    act = _silu_mul(g, u, DTYPE, HW)
+    act = silu_times(g, u, DTYPE, HW)
     tl.store(act_ptr + slot * INTER + offs_n, act.to(DTYPE), mask=offs_n < INTER)
 
 

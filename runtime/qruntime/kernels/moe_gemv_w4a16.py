@@ -15,9 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
+from qruntime.kernels.activation import silu_times
 from qruntime.kernels.dynamic_quant import round_to, use_hw_casts
 from qruntime.kernels.fp8_gemm import gemv_steps
-from qruntime.kernels.moe_gemm import _silu_mul, _tile_cols
+from qruntime.kernels.moe_gemm import _tile_cols
 from qruntime.kernels.moe_gemm_w4a16 import DTYPES, _int4_rows, _int4_tile, _zp_args, check_int4_experts, fit_block_k
 from qruntime.kernels.moe_gemv import GemvTile, _check_ids
 from qruntime.kernels.pdl import launch_options, wait_for_inputs
@@ -72,7 +73,7 @@ def _moe_up_one_w4a16_kernel(
         acc_u += u.to(tl.float32) * x[None, :]
     g = round_to(tl.sum(acc_g, axis=1), DTYPE, HW)
     u = round_to(tl.sum(acc_u, axis=1), DTYPE, HW)
-    act = _silu_mul(g, u, DTYPE, HW)
+    act = silu_times(g, u, DTYPE, HW)
     tl.store(act_ptr + slot * INTER + offs_n, act.to(DTYPE), mask=offs_n < INTER)
 
 

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qruntime.kernels.activation import silu_times
 from qruntime.kernels.dynamic_quant import (
     CHUNK,
     FP8,
@@ -40,7 +41,6 @@ from qruntime.kernels.dynamic_quant import (
     use_hw_casts,
 )
 from qruntime.kernels.fp8_gemm import SplitKPartials, splitk_value
-from qruntime.kernels.gemv_epilogue import silu_times
 from qruntime.kernels.pdl import launch_options, wait_for_inputs
 
 MAX_REG_CHUNKS = tl.constexpr(4)  # chunks of y a program keeps in registers (one pass); beyond: two passes

@@ -545,25 +545,31 @@ def fold_split_k_reductions(plan) -> int:
     return folded
 
 
+def _quantized_inputs(plan, kind: type, readers: dict[str, list[int]]):
+    """(index, node) of each Triton `kind` node (its kernel bound) whose first two outputs, an FP8
+    row and its scale, only the next node reads, a PTPCLinear taking them as its input."""
+    for index, (node, reader) in enumerate(zip(plan.nodes, plan.nodes[1:], strict=False)):
+        outs = tuple(node.outputs[:2])
+        if (
+            type(node.op) is kind
+            and node.op.kernel is not None
+            and type(reader.op) is PTPCLinear
+            and tuple(reader.inputs[:2]) == outs
+            and all(readers.get(out) == [index + 1] and out != plan.output for out in outs)
+        ):
+            yield index, node
+
+
 def fold_dynamic_quant(plan) -> int:
     """Let each Triton DynamicQuant (per-token) whose two outputs only the next node reads, a
     PTPCLinear (o_proj after attention), hand it one token's unquantized row (DeferredQuant) at
     batch-1 decode: where that GEMM runs the GEMV, the GEMV quantizes the row as it reads it
     (fp8_gemm.ptpc_fp8_gemv_quant: the same codes and scale, so the same bits), saving the
     quantization's launch; otherwise the GEMM quantizes it in that launch first. Returns the ops changed."""
-    readers = _readers(plan)
     folded = 0
-    for index, (node, reader) in enumerate(zip(plan.nodes, plan.nodes[1:], strict=False)):
-        outs = tuple(node.outputs[:2])
-        if (
-            type(node.op) is DynamicQuant
-            and node.op.kernel is not None
-            and type(reader.op) is PTPCLinear
-            and tuple(reader.inputs[:2]) == outs
-            and all(readers.get(out) == [index + 1] and out != plan.output for out in outs)
-        ):
-            node.op.defer = True
-            folded += 1
+    for _, node in _quantized_inputs(plan, DynamicQuant, _readers(plan)):
+        node.op.defer = True
+        folded += 1
     return folded
 
 
@@ -580,26 +586,18 @@ def fold_norm_quant(plan) -> int:
     norms changed."""
     readers = _readers(plan)
     folded = 0
-    for index, (node, reader) in enumerate(zip(plan.nodes, plan.nodes[1:], strict=False)):
-        outs = tuple(node.outputs[:2])
-        if (
-            type(node.op) is AddRMSNormQuant
-            and node.op.kernel is not None
-            and type(reader.op) is PTPCLinear
-            and tuple(reader.inputs[:2]) == outs
-            and all(readers.get(out) == [index + 1] and out != plan.output for out in outs)
+    for index, node in _quantized_inputs(plan, AddRMSNormQuant, readers):
+        node.op.defer = True
+        folded += 1
+        before = plan.nodes[index - 1] if index else None
+        if (  # a fused MoE right before, read only by this norm: the GEMV adds its expert rows too
+            before is not None
+            and type(before.op) is MoE
+            and before.op.kernel is not None
+            and node.inputs[0] == before.outputs[0]
+            and readers.get(before.outputs[0]) == [index]
         ):
-            node.op.defer = True
-            folded += 1
-            before = plan.nodes[index - 1] if index else None
-            if (  # a fused MoE right before, read only by this norm: the GEMV adds its expert rows too
-                before is not None
-                and type(before.op) is MoE
-                and before.op.kernel is not None
-                and node.inputs[0] == before.outputs[0]
-                and readers.get(before.outputs[0]) == [index]
-            ):
-                before.op.defer_combine = True
+            before.op.defer_combine = True
     return folded
 
 

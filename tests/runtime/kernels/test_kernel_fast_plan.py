@@ -175,6 +175,32 @@ def test_a_moe_combine_folds_into_the_next_norm_to_the_same_bits(tiny_moe_ckpt, 
         assert torch.equal(logits[0].view(torch.int16), logits[1].view(torch.int16))
 
 
+def _prefill_then_decode(artifact, spec, plans, linears=None) -> None:
+    """A fresh 7-token prompt's prefill, then its batch-1 decode step, through each plan: every plan
+    gives the first's logits and K/V cache bits. linears(node) -> tiles?, when given: every PTPCLinear
+    runs the GEMV at one token, or 16-row tiles where it says so (and tiles at 7 tokens)."""
+    from qruntime.kernels.fp8_gemm import GemmConfig
+    from qruntime.ops.triton_ops import PTPCLinear
+
+    vocab = int(read_manifest(artifact)["spec"]["vocab_size"])
+    prompt, table = torch.randint(0, vocab, (7,)).tolist(), [[2]]
+    steps = [_step([(prompt, 0)], table, 64), _step([([torch.randint(0, vocab, ()).item()], 7)], table, 64)]
+    gemv, tiles = GemmConfig(1, 4, 32, 1, 2, 1), GemmConfig(16, 32, 32, 1, 4, 2)
+    caches = [KVCache(spec, 4, torch.bfloat16, torch.device("cpu")) for _ in plans]
+    for feeds, meta in steps:
+        for plan in plans if linears is not None else ():
+            for node in plan.nodes:
+                if isinstance(node.op, PTPCLinear):
+                    node.op.plans[1] = ("triton", tiles if linears(node) else gemv)
+                    node.op.plans[7] = ("triton", tiles)
+        logits = [plan.run(StepContext(cache, meta), feeds) for plan, cache in zip(plans, caches, strict=True)]
+        for other, cache in zip(logits[1:], caches[1:], strict=True):
+            assert torch.equal(logits[0].view(torch.int16), other.view(torch.int16))
+            for layer in range(spec.num_layers):
+                assert torch.equal(caches[0].k[layer].view(torch.int16), cache.k[layer].view(torch.int16))
+                assert torch.equal(caches[0].v[layer].view(torch.int16), cache.v[layer].view(torch.int16))
+
+
 @pytest.mark.parametrize("o_proj", ["gemv", "tiles"])
 def test_o_proj_quantization_folds_into_the_gemv_to_the_same_bits(tiny_ckpt, compiled, o_proj, monkeypatch):
     """Each DynamicQuant whose outputs only the next PTPCLinear reads (attention output -> o_proj)
@@ -182,7 +208,6 @@ def test_o_proj_quantization_folds_into_the_gemv_to_the_same_bits(tiny_ckpt, com
     whether o_proj runs the GEMV (which quantizes the row itself, no quantization launch) or tiles
     (which quantize it in a launch first); the prefill step (7 tokens) is not deferred."""
     from qruntime.kernels.dynamic_quant import DeferredQuant
-    from qruntime.kernels.fp8_gemm import GemmConfig
     from qruntime.ops.triton_ops import DynamicQuant, PTPCLinear, fold_dynamic_quant
 
     artifact = compiled(tiny_ckpt, "ptpc-fp8")
@@ -191,10 +216,6 @@ def test_o_proj_quantization_folds_into_the_gemv_to_the_same_bits(tiny_ckpt, com
     assert fold_dynamic_quant(plans[1]) == spec.num_layers
     folded = [(n, m) for n, m in zip(plans[1].nodes, plans[1].nodes[1:], strict=False) if getattr(n.op, "defer", 0)]
     assert all(type(n.op) is DynamicQuant and type(m.op) is PTPCLinear for n, m in folded)
-    vocab = int(read_manifest(artifact)["spec"]["vocab_size"])
-    prompt, table = torch.randint(0, vocab, (7,)).tolist(), [[2]]
-    steps = [_step([(prompt, 0)], table, 64), _step([([5], 7)], table, 64)]
-    gemv = GemmConfig(1, 4, 32, 1, 2, 1)
     deferred: list[int] = []
     call = PTPCLinear.__call__
 
@@ -203,19 +224,7 @@ def test_o_proj_quantization_folds_into_the_gemv_to_the_same_bits(tiny_ckpt, com
         return call(op, step, xq, *rest)
 
     monkeypatch.setattr(PTPCLinear, "__call__", counted)
-    caches = [KVCache(spec, 4, torch.bfloat16, torch.device("cpu")) for _ in plans]
-    for feeds, meta in steps:
-        for plan in plans:
-            for node in plan.nodes:
-                if isinstance(node.op, PTPCLinear):  # every linear the GEMV at one token; o_proj as asked
-                    tiles = o_proj == "tiles" and any(node is m for _, m in folded)
-                    node.op.plans[1] = ("triton", GemmConfig(16, 32, 32, 1, 4, 2) if tiles else gemv)
-                    node.op.plans[7] = ("triton", GemmConfig(16, 32, 32, 1, 4, 2))
-        logits = [plan.run(StepContext(cache, meta), feeds) for plan, cache in zip(plans, caches, strict=True)]
-        assert torch.equal(logits[0].view(torch.int16), logits[1].view(torch.int16))
-        for layer in range(spec.num_layers):
-            assert torch.equal(caches[0].k[layer].view(torch.int16), caches[1].k[layer].view(torch.int16))
-            assert torch.equal(caches[0].v[layer].view(torch.int16), caches[1].v[layer].view(torch.int16))
+    _prefill_then_decode(artifact, spec, plans, lambda node: o_proj == "tiles" and any(node is m for _, m in folded))
     assert sum(deferred) == spec.num_layers  # one token's row, to each o_proj of the decode step
 
 
@@ -229,7 +238,6 @@ def test_norms_fold_into_the_next_gemv_to_the_same_bits(tiny_ckpt, compiled, lin
     no norm or SiLU-mul-quant launch) or tiles (both launched as before); the prefill step (7 tokens)
     is not deferred. The default folds run in both plans."""
     from qruntime.kernels.add_rmsnorm_quant import DeferredNormQuant
-    from qruntime.kernels.fp8_gemm import GemmConfig
     from qruntime.ops.triton_ops import (
         AddRMSNormQuant,
         PTPCLinear,
@@ -249,10 +257,6 @@ def test_norms_fold_into_the_next_gemv_to_the_same_bits(tiny_ckpt, compiled, lin
     assert fold_norm_quant(plans[1]) == 2 * spec.num_layers and fold_silu_quant(plans[1]) == spec.num_layers
     folded = [(n, m) for n, m in zip(plans[1].nodes, plans[1].nodes[1:], strict=False) if type(n.op) is AddRMSNormQuant]
     assert all(n.op.defer and type(m.op) is PTPCLinear for n, m in folded) and len(folded) == 2 * spec.num_layers
-    vocab = int(read_manifest(artifact)["spec"]["vocab_size"])
-    prompt, table = torch.randint(0, vocab, (7,)).tolist(), [[2]]
-    steps = [_step([(prompt, 0)], table, 64), _step([([torch.randint(0, vocab, ()).item()], 7)], table, 64)]
-    gemv = GemmConfig(1, 4, 32, 1, 2, 1)
     deferred: list[int] = []
     silu_done: list[int] = []
     call = PTPCLinear.__call__
@@ -264,19 +268,7 @@ def test_norms_fold_into_the_next_gemv_to_the_same_bits(tiny_ckpt, compiled, lin
         return out
 
     monkeypatch.setattr(PTPCLinear, "__call__", counted)
-    caches = [KVCache(spec, 4, torch.bfloat16, torch.device("cpu")) for _ in plans]
-    for feeds, meta in steps:
-        for plan in plans:
-            for node in plan.nodes:
-                if isinstance(node.op, PTPCLinear):  # every linear the GEMV at one token; the norms' readers as asked
-                    tiles = linears == "tiles" and any(node is m for _, m in folded)
-                    node.op.plans[1] = ("triton", GemmConfig(16, 32, 32, 1, 4, 2) if tiles else gemv)
-                    node.op.plans[7] = ("triton", GemmConfig(16, 32, 32, 1, 4, 2))
-        logits = [plan.run(StepContext(cache, meta), feeds) for plan, cache in zip(plans, caches, strict=True)]
-        assert torch.equal(logits[0].view(torch.int16), logits[1].view(torch.int16))
-        for layer in range(spec.num_layers):
-            assert torch.equal(caches[0].k[layer].view(torch.int16), caches[1].k[layer].view(torch.int16))
-            assert torch.equal(caches[0].v[layer].view(torch.int16), caches[1].v[layer].view(torch.int16))
+    _prefill_then_decode(artifact, spec, plans, lambda node: linears == "tiles" and any(node is m for _, m in folded))
     assert sum(deferred) == 2 * spec.num_layers  # one token's row, to each qkv and gate_up of the decode step
     assert sum(silu_done) == (spec.num_layers if linears == "gemv" else 0)  # gate_up's GEMV made the SiLU-mul-quant
 
@@ -317,13 +309,5 @@ def test_a_moe_combine_folds_with_the_norm_into_the_next_gemv_to_the_same_bits(t
         return call(op, step, xq, *rest)
 
     monkeypatch.setattr(PTPCLinear, "__call__", spied)
-    vocab = int(read_manifest(artifact)["spec"]["vocab_size"])
-    prompt, table = torch.randint(0, vocab, (7,)).tolist(), [[2]]
-    steps = [_step([(prompt, 0)], table, 64), _step([([torch.randint(0, vocab, ()).item()], 7)], table, 64)]
-    caches = [KVCache(spec, 4, torch.bfloat16, torch.device("cpu")) for _ in plans]
-    for feeds, meta in steps:
-        logits = [plan.run(StepContext(cache, meta), feeds) for plan, cache in zip(plans, caches, strict=True)]
-        assert torch.equal(logits[0].view(torch.int16), logits[1].view(torch.int16))
-        for layer in range(spec.num_layers):
-            assert torch.equal(caches[0].k[layer].view(torch.int16), caches[1].k[layer].view(torch.int16))
+    _prefill_then_decode(artifact, spec, plans)
     assert (True, True) in seen  # a GEMV took a MoE's expert rows at the decode step
