@@ -5,6 +5,8 @@ PTPC kernel)."""
 
 from __future__ import annotations
 
+import collections
+
 import onnx
 import pytest
 import torch
@@ -311,3 +313,56 @@ def test_a_moe_combine_folds_with_the_norm_into_the_next_gemv_to_the_same_bits(t
     monkeypatch.setattr(PTPCLinear, "__call__", spied)
     _prefill_then_decode(artifact, spec, plans)
     assert (True, True) in seen  # a GEMV took a MoE's expert rows at the decode step
+
+
+def _decode_launches(artifact, prologue_folds: bool, monkeypatch) -> collections.Counter:
+    """The Triton kernels a one-token step launches (by name: a batch-1 decode's kernels), with the
+    runtime's default folds and, when asked, prologue_folds' (the interpreter counts each launch)."""
+    import triton.runtime.interpreter as interpreter
+    from qruntime.kernels.fp8_gemm import GemmConfig
+    from qruntime.ops import triton_ops as fast_ops
+
+    graph, spec, weights, env = load_artifact(artifact)
+    plan = Plan.build(graph, weights, env, triton_ops())
+    folds = ("fold_split_k_reductions", "fold_dynamic_quant") + (
+        ("fold_norm_quant", "fold_silu_quant") * prologue_folds
+    )
+    for fold in folds:
+        getattr(fast_ops, fold)(plan)
+    for node in plan.nodes:  # the GEMV every linear runs at one token, in few (interpreted) programs
+        if isinstance(node.op, fast_ops.PTPCLinear):
+            node.op.plans[1] = ("triton", GemmConfig(1, 32, 64, 1, 2, 1))
+    vocab = int(read_manifest(artifact)["spec"]["vocab_size"])
+    feeds, meta = _step([([int(torch.randint(0, vocab, ()))], 0)], [[2]], 64)  # one token: a decode's launches
+    names: list[str] = []
+    run = interpreter.InterpretedFunction.run
+
+    def counted(kernel, *args, **kwargs):
+        names.append(kernel.fn.__name__)
+        return run(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", counted)
+    plan.run(StepContext(KVCache(spec, 4, torch.bfloat16, torch.device("cpu")), meta), feeds)
+    monkeypatch.undo()
+    return collections.Counter(names)
+
+
+def test_prologue_folds_launch_three_kernels_fewer_per_dense_decode_layer(
+    tiny_ckpt, tiny_moe_ckpt, compiled, monkeypatch
+):
+    """Issue 17's count of kernels per decode layer, as the plan launches them at batch 1 (here one
+    decode attention launch: the interpreter's short context takes one partition; a GPU adds the
+    reduce): dense 9 -> 6 with prologue_folds (no norm launch but the final one, no SiLU-mul-quant);
+    on the MoE model the combine before a folded norm goes too."""
+    dense = compiled(tiny_ckpt, "ptpc-fp8")
+    layers = read_manifest(dense)["kv_cache"]["num_layers"]
+    default, folded = (_decode_launches(dense, folds, monkeypatch) for folds in (False, True))
+    print(f"dense, {layers} layers: default {dict(default)}; prologue_folds {dict(folded)}")
+    assert sum(default.values()) == 9 * layers + 1 and sum(folded.values()) == 6 * layers + 1  # + the final norm
+    assert folded["_add_rmsnorm_kernel"] == 1 and "_silu_mul_quant_kernel" not in folded
+    assert folded["_ptpc_fp8_gemv_kernel"] == default["_ptpc_fp8_gemv_kernel"] == 4 * layers
+    moe = compiled(tiny_moe_ckpt, "ptpc-fp8")  # layers 0 and 2 MoE, 1 dense
+    default, folded = (_decode_launches(moe, folds, monkeypatch) for folds in (False, True))
+    print(f"moe: default {dict(default)}; prologue_folds {dict(folded)}")
+    assert default["_moe_combine_kernel"] == 2 and folded["_moe_combine_kernel"] == 1  # layer 2's: the final norm's
+    assert sum(default.values()) - sum(folded.values()) == 6  # 3 input norms, 1 combine, 1 SiLU-mul-quant, 1 norm
