@@ -13,6 +13,8 @@ batch sizes):
   prologues prefetch, and load(prologue_folds=True): batch-1 norms run inside the GEMV that reads
             them (with a MoE's combine before them), a dense MLP's SiLU-mul-quant in its gate_up
             GEMV's last program (ops/triton_ops.fold_norm_quant, fold_silu_quant)
+  attn-fold prefetch, and PagedAttention.fold_reduce: the split-context decode attention merges
+            its partitions in its own last programs (an atomic count) instead of a reduce launch
 All modes but `unfolded` fold the GEMMs' reductions.
 
 Modes are loaded in turn, twice each (graphs are captured at load, so a mode is a fresh engine).
@@ -45,7 +47,7 @@ from compile_bench import gpu_report_header
 from qcompile.recipe.schema import load_recipe
 from qcompile.synth.artifact import write_synthetic_artifact
 
-MODES = ("plain", "pdl", "prefetch", "unfolded", "moe-combine", "prologues")
+MODES = ("plain", "pdl", "prefetch", "unfolded", "moe-combine", "prologues", "attn-fold")
 
 
 def replay_ms(engine, batch: int, iters: int = 200) -> float:
@@ -85,6 +87,8 @@ def greedy_tokens(engine) -> list[list[int]]:
 def run_mode(art: Path, mode: str, args, layers: int, reference: list | None) -> dict:
     default_prefetch, fold = triton_ops.PTPCLinear.prefetch_k, triton_ops.fold_split_k_reductions
     pair_readers = triton_ops.PAIR_ROWS_READERS
+    fold_reduce = triton_ops.PagedAttention.fold_reduce
+    triton_ops.PagedAttention.fold_reduce = mode == "attn-fold"
     triton_ops.PTPCLinear.prefetch_k = args.prefetch_k if mode not in ("plain", "pdl") else 0
     if mode == "unfolded":
         triton_ops.fold_split_k_reductions = lambda plan: 0
@@ -102,6 +106,7 @@ def run_mode(art: Path, mode: str, args, layers: int, reference: list | None) ->
         row.update(graph_kernels(engine, 1, layers))
     triton_ops.PTPCLinear.prefetch_k, triton_ops.fold_split_k_reductions = default_prefetch, fold
     triton_ops.PAIR_ROWS_READERS = pair_readers
+    triton_ops.PagedAttention.fold_reduce = fold_reduce
     gc.collect()
     torch.cuda.empty_cache()
     return row, tokens

@@ -394,6 +394,10 @@ class PagedAttention(attention.PagedAttention):
     capturable = True
     launches_from_bounds = True
     SDPA_MIN_TOKENS = 512
+    # the decode kernel merges its partitions in its own last programs (paged_decode_attention's
+    # counters): one launch, not two. Off until timed on a GPU (bench/launch_ab.py --modes attn-fold)
+    fold_reduce = False
+    FOLD_MIN_DECODES = 256  # the counters' first size, in decodes (grown when a step's bound is more)
 
     def __init__(self, attrs, env, consts=()) -> None:
         super().__init__(attrs, env, consts)
@@ -402,6 +406,21 @@ class PagedAttention(attention.PagedAttention):
 
         self.decode, self.prefill, self.paged_kv = paged_decode_attention, paged_prefill_attention, paged_kv
         self._checked = None  # (k_pool, v_pool, q dtype, their PagedKV): the pools' checks, done once
+        self.counters: torch.Tensor | None = None  # int32 zeros, one per (decode, kv head): fold_reduce
+        self._retired: list[torch.Tensor] = []  # smaller counters a captured graph may still use
+
+    def _counters(self, decodes: int) -> torch.Tensor | None:
+        """The decode kernel's counters for a bound of `decodes` (None unless fold_reduce): allocated
+        on first use (outside a capture: graphs run their steps eagerly first), grown when too small."""
+        if not self.fold_reduce:
+            return None
+        counters, wanted = self.counters, decodes * self.a["num_kv_heads"]
+        if counters is None or counters.numel() < wanted:
+            if counters is not None:
+                self._retired.append(counters)
+            size = max(decodes, self.FOLD_MIN_DECODES) * self.a["num_kv_heads"]
+            self.counters = counters = torch.zeros(size, dtype=torch.int32, device=self.env.device)
+        return counters
 
     def __call__(self, step, q, ready, block_tables, context_lens, query_start_loc):
         a, cache, meta = self.a, step.kv_cache, step.attn
@@ -421,13 +440,16 @@ class PagedAttention(attention.PagedAttention):
             out = self.prefill(*args, max_q_len=q.shape[0], work=meta.work, kv=kv, pdl=pdl, **common)
             bound = min(block_tables.shape[0], q.shape[0])
             kwargs = dict(query_start_loc=query_start_loc, num_decodes=bound, work=meta.work, out=out)
+            kwargs["counters"] = self._counters(bound)
             self.decode(*args[:5], max_context_len=meta.max_context_len, kv=kv, pdl=pdl, **kwargs, **common)
             return out
         if meta.decode_only:
             kv = self._pools_checked(q, pools, common)
+            counters = self._counters(block_tables.shape[0])
             return self.decode(
-                q, *pools, block_tables, context_lens, max_context_len=meta.max_context_len, kv=kv, pdl=pdl, **common
-            )
+                q, *pools, block_tables, context_lens, max_context_len=meta.max_context_len, kv=kv, pdl=pdl,
+                counters=counters, **common,
+            )  # fmt: skip
         q_lens = list(map(operator.sub, meta.query_start[1:], meta.query_start[:-1]))
         num_decodes = q_lens.count(1)  # host ints only: no sync, no index tensor (the kernels scan)
         longest = meta.max_q_len or max(q_lens, default=0)  # metadata built without max_q_len: 0
@@ -441,6 +463,7 @@ class PagedAttention(attention.PagedAttention):
         if num_decodes:
             args = (q, *pools, block_tables, context_lens)
             kwargs = dict(query_start_loc=query_start_loc, num_decodes=num_decodes, out=out, **common)
+            kwargs["counters"] = self._counters(num_decodes)
             kv = self._pools_checked(q, pools, common)
             self.decode(*args, max_context_len=meta.max_context_len, kv=kv, pdl=pdl, **kwargs)
         return out

@@ -390,3 +390,64 @@ def test_bad_inputs_are_refused():
         step.decode(out=torch.empty(1, 4 * 32))
     with pytest.raises(ValueError, match="num_prefills"):
         step.prefill(num_prefills=2)
+
+
+def _decode_both_ways(step: Step, rng: random.Random, mode: str) -> None:
+    """The decode rows of `step` two ways, two launches and folded (counters), in `mode`: plain (a
+    decode-only step), varlen (query_start_loc) or flat (a bounds_work list, padded sequences after the
+    step's own). Bit for bit, every counter back at zero; several splits of partitions of 32 tokens."""
+    splits = rng.randint(2, 5)
+    print(mode, "num_splits", splits)
+    tables, lens, kwargs = step.block_tables, step.context_lens, {}
+    if mode != "plain":
+        pad = rng.randint(0, 2)
+        tables = torch.cat([tables, tables[:1].expand(pad, -1)])
+        lens = torch.cat([lens, lens[:1].expand(pad)])
+        starts = torch.cat([step.query_start_loc, step.query_start_loc[-1:].expand(pad)])
+        kwargs = dict(query_start_loc=starts, num_decodes=tables.shape[0])
+    if mode == "flat":
+        starts_h, lens_h = step.meta.query_start, step.meta.context_lens
+        kwargs["work"] = torch.from_numpy(
+            prefill_kernel.bounds_work(starts_h, lens_h, len(step.q), tables.shape[0])
+        ).to(DEVICE)
+    bound = tables.shape[0] * step.kvh
+    counters = torch.zeros(bound + rng.randint(0, 3), dtype=torch.int32, device=DEVICE)
+    args = (step.q, step.cache.k[0], step.cache.v[0], tables, lens)
+    common = step.kwargs() | kwargs | dict(num_splits=splits, config=decode_kernel.DecodeConfig(block_n=32))
+    two = paged_decode_attention(*args, **common, out=torch.full_like(step.ref, float("nan")))
+    folded = paged_decode_attention(*args, **common, out=torch.full_like(step.ref, float("nan")), counters=counters)
+    assert torch.equal(two.isnan(), folded.isnan())
+    assert torch.equal(
+        two.nan_to_num().view(torch.int16 if two.dtype != torch.float32 else torch.int32),
+        folded.nan_to_num().view(torch.int16 if two.dtype != torch.float32 else torch.int32),
+    )
+    assert not counters.any()
+    rows = step.rows(decodes=True)
+    assert_close(folded[rows], step.ref[rows])
+
+
+@pytest.mark.parametrize("mode", ["plain", "varlen", "flat"])
+def test_folded_reduce_gives_the_two_launch_bits(rng, mode):
+    """paged_decode_attention(counters=...): the partitions merged by the partition launch's last
+    program of each (decode, kv head) give the reduce launch's bits, in each grid mode, with GQA
+    groups of 2-8 and contexts shorter than some of the partitions (which write nothing)."""
+    torch.manual_seed(rng.randrange(1 << 30))
+    layout, pool, shape = rng.choice(list(KV_LAYOUTS)), rng.choice(list(POOLS)), rng.choice(list(SHAPES))
+    seqs = [(rng.randint(1, 40), 1), (rng.randint(100, 160), 1)]  # 1-2 partitions of 32 used, and 4-5
+    seqs += [(rng.randint(1, 160), 1) for _ in range(rng.randint(0, 1))]
+    if mode != "plain":
+        seqs.append((rng.randint(2, 12), rng.randint(2, 6)))  # a prompt's rows, which stay as they are
+    rng.shuffle(seqs)
+    print(f"{layout} {pool} {shape} (context, q_len): {seqs}")
+    _decode_both_ways(Step(layout, *POOLS[pool], SHAPES[shape], seqs, rng), rng, mode)
+
+
+def test_bad_counters_are_refused():
+    step = Step("nhd", "bf16", torch.bfloat16, (4, 2, 32, 16), [(5, 1), (9, 1)])
+    for bad in (
+        torch.zeros(3, dtype=torch.int32),
+        torch.zeros(4, dtype=torch.int64),
+        torch.zeros(2, 2, dtype=torch.int32),
+    ):
+        with pytest.raises(ValueError, match="counters"):
+            step.decode(counters=bad.to(DEVICE), num_splits=2)
