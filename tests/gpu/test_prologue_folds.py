@@ -19,19 +19,26 @@ def _generate(artifact, prompt, folds: bool) -> tuple[list[int], list]:
     with qruntime.load(
         artifact, device="cuda", max_num_seqs=8, kv_cache_memory=256 << 20, prologue_folds=folds
     ) as engine:
-        deferred = [n.op.defer for n in engine.runner.plan.nodes if type(n.op) is triton_ops.AddRMSNormQuant]
-        assert deferred and all(d == folds for d in deferred)
-        tails = [n.op for n in engine.runner.plan.nodes if getattr(n.op, "counter", None) is not None]
-        assert bool(tails) == folds
+        ops = [n.op for n in engine.runner.plan.nodes]
+        deferred = [op for op in ops if type(op) in (triton_ops.AddRMSNormQuant, triton_ops.AddRMSNorm) and op.defer]
+        tails = [op for op in ops if type(op) is triton_ops.PTPCLinear and op.counter is not None]
+        assert bool(deferred) == bool(tails) == folds  # the final norm (before lm_head) is never deferred
         out = engine.generate([prompt], qruntime.SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2))[0]
     return out.token_ids, out.logprobs
 
 
-def test_folded_norms_decode_as_the_launched_norms(gpu_artifact, cuda, rng):
-    vocab = json.loads((gpu_artifact / "manifest.json").read_text())["spec"]["vocab_size"]
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_folded_norms_decode_as_the_launched_norms(gpu_artifact, make_ckpt, compiled, cuda, rng, model):
+    """moe: the norms before the fused MoEs run in their routing launches, the combines in the next
+    layer's qkv GEMV."""
+    artifact = gpu_artifact
+    if model == "moe":
+        moe = {"hidden_size": 256, "head_dim": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
+        artifact = compiled(make_ckpt("tiny-moe", **moe), "ptpc-fp8")
+    vocab = json.loads((artifact / "manifest.json").read_text())["spec"]["vocab_size"]
     prompt = [rng.randrange(vocab) for _ in range(rng.randrange(3, 40))]
-    tokens, logprobs = _generate(gpu_artifact, prompt, True)
-    want_tokens, want_logprobs = _generate(gpu_artifact, prompt, False)
+    tokens, logprobs = _generate(artifact, prompt, True)
+    want_tokens, want_logprobs = _generate(artifact, prompt, False)
     assert tokens == want_tokens
     for got, want in zip(logprobs, want_logprobs, strict=True):
         assert got.token_id == want.token_id and got.logprob == pytest.approx(want.logprob, abs=2e-2)

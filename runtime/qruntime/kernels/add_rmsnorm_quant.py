@@ -305,6 +305,43 @@ class DeferredNormQuant:
         return yq, ys
 
 
+@dataclass(frozen=True)
+class DeferredRMSNorm:
+    """The AddRMSNorm op's y left to its reader (ops/triton_ops.fold_norm_quant): one token's x,
+    residual and norm weight, which a fused MoE's one-token routing launch normalizes as it reads
+    them (moe_routing.moe_router_one's rms), writing residual_out (already handed to the op's other
+    readers). `normalize()` is the add_rmsnorm launch instead, into the same residual_out."""
+
+    x: torch.Tensor
+    residual: torch.Tensor
+    w: torch.Tensor
+    eps: float
+    residual_out: torch.Tensor
+    pdl: bool = False
+
+    @classmethod
+    def of(cls, x, residual, w, eps: float, pdl: bool) -> DeferredRMSNorm | None:
+        """The deferred row, or None unless x and the residual are one token's rows of w's dtype with
+        unit column stride (plain tensors)."""
+        rows = (x, residual)
+        if not all(isinstance(t, torch.Tensor) and t.dim() == 2 and t.stride(1) == 1 for t in rows):
+            return None
+        if tuple(x.shape) != (1, w.shape[0]) or residual.shape != x.shape or {x.dtype, residual.dtype} != {w.dtype}:
+            return None
+        residual_out = torch.empty_like(residual, memory_format=torch.contiguous_format)
+        return cls(x, residual, w, eps, residual_out, pdl)
+
+    def rms_args(self) -> tuple:
+        """(residual, norm weight, residual_out, eps): moe_router_one's rms."""
+        return (self.residual, self.w.contiguous(), self.residual_out, self.eps)
+
+    def normalize(self) -> torch.Tensor:
+        """y in a launch of its own (add_rmsnorm's), residual_out written as the routing launch would."""
+        y = torch.empty_like(self.x, memory_format=torch.contiguous_format)
+        _launch(self.x, self.residual, self.w, self.eps, self.residual_out, y, None, False, MAX_BLOCK, self.pdl)
+        return y
+
+
 def add_rmsnorm(
     x: torch.Tensor,
     residual: torch.Tensor | None,

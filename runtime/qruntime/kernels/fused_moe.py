@@ -212,7 +212,8 @@ def fused_moe(
     config: default_config(T, E, I, H, k) when None; a MoEGemvConfig runs one token's projections
     as GEMVs (above one token it stands for grouped_config's). router: (router_w [E, H], a zero int32
     counter), for a single token the router GEMV then runs in its routing launch (router_logits may
-    be None then; moe_routing.moe_router_one). pdl: every launch with programmatic dependent launch
+    be None then; moe_routing.moe_router_one); a third element (residual, norm weight, residual_out,
+    eps) makes x AddRMSNorm's x, normalized in that launch (moe_router_one's rms). pdl: every launch with programmatic dependent launch
     (kernels/pdl.py). defer_combine: with k > 1, return the PairRows without the combine launch, for
     a kernel that adds them itself. w13 and w2 float8_e4m3fnuz (amd-gfx942, their scales doubled):
     the activations are quantized to e4m3fnuz with doubled scales, the same result.
@@ -287,7 +288,8 @@ def route(
     num_padded, row_amax)). One token: its routing launch lays the pairs out (with the router GEMV
     when `router` is given); more: moe_align groups them."""
     if router is not None and x.shape[0] == 1:  # batch-1 decode: router GEMV, routing, quant, layout
-        return moe_router_one(x, router[0], top_k, norm_topk_prob, block_m, router[1], pdl=pdl, fp8=fp8)
+        rms = router[2] if len(router) > 2 else None  # x is AddRMSNorm's x, normalized in the launch
+        return moe_router_one(x, router[0], top_k, norm_topk_prob, block_m, router[1], pdl=pdl, fp8=fp8, rms=rms)
     if x.shape[0] == 1:  # the routing launch lays out the k pairs itself
         return moe_route_quant_one(router_logits, x, top_k, norm_topk_prob, block_m, pdl=pdl, fp8=fp8)
     routed = moe_route_quant(router_logits, x, top_k, norm_topk_prob, pdl=pdl, fp8=fp8)

@@ -38,6 +38,7 @@ from qruntime.kernels.dynamic_quant import (
     rows_of,
     use_hw_casts,
 )
+from qruntime.kernels.gemv_prologue import normed_value, row_rstd
 from qruntime.kernels.pdl import launch_options, wait_for_inputs
 
 MAX_EXPERTS = 4096  # the router row is one register tile
@@ -155,6 +156,10 @@ def _router_one_kernel(
     E,
     H,
     stride_w,
+    r_ptr,  # RMS: the residual row [1, H]
+    nw_ptr,  # RMS: the norm weight [H]
+    ro_ptr,  # RMS: residual_out [1, H], written by program 0
+    eps,  # RMS
     TOP_K: tl.constexpr,
     NORM: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -167,9 +172,18 @@ def _router_one_kernel(
     SLICE: tl.constexpr,  # columns of x each program quantizes
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
     FNUZ: tl.constexpr = False,  # xq in e4m3fnuz (amd-gfx942), xs doubled
+    RMS: tl.constexpr = False,  # x is AddRMSNorm's x: every program takes y = rms_norm(x + residual) itself
+    RMS_BLOCK: tl.constexpr = 16,  # RMS: the row's tiles for its sum of squares (add_rmsnorm_quant's)
+    RMS_CHUNKS: tl.constexpr = 1,
 ):
     wait_for_inputs(PDL)
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty  # the model dtype, which F.linear's logits are in
+    rstd = 0.0
+    if RMS:  # gemv_prologue.py: the norm kernel's arithmetic; program 0 writes residual_out
+        rstd = row_rstd(
+            x_ptr, r_ptr, ro_ptr, nw_ptr, H, eps, tl.program_id(0) == 0, x_ptr, x_ptr, 0, 0, 0,
+            RMS_BLOCK, RMS_CHUNKS, 0, False, True, HW,
+        )  # fmt: skip
     # ---- logits of this program's experts: fp32 dot products over H, rounded as F.linear's output;
     # the row's max |x| on the way (every program reads all of x)
     pid = tl.program_id(0)
@@ -179,7 +193,10 @@ def _router_one_kernel(
     amax = tl.zeros([BLOCK_H], dtype=tl.float32)
     for start in range(0, H, BLOCK_H):
         mask = start + cols < H
-        x = tl.load(x_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+        if RMS:
+            x = normed_value(x_ptr, r_ptr, nw_ptr, start + cols, mask, rstd, x_ptr, x_ptr, 0, 0, 0, 0, False, True, HW)
+        else:
+            x = tl.load(x_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + (start + cols)[None, :],
                     mask=(rows[:, None] < E) & mask[None, :], other=0.0).to(tl.float32)  # fmt: skip
@@ -188,7 +205,10 @@ def _router_one_kernel(
     # ---- per-token FP8 quantization of x, a slice per program (quantize_row's scale and codes)
     scale = quant_scale(tl.max(amax, axis=0))
     part = pid * SLICE + tl.arange(0, SLICE)
-    xv = tl.load(x_ptr + part, mask=part < H, other=0.0).to(tl.float32)
+    if RMS:
+        xv = normed_value(x_ptr, r_ptr, nw_ptr, part, part < H, rstd, x_ptr, x_ptr, 0, 0, 0, 0, False, True, HW)
+    else:
+        xv = tl.load(x_ptr + part, mask=part < H, other=0.0).to(tl.float32)
     tl.store(xq_ptr + part, fp8_e4m3_code(xv, scale, tl.math.div_rn(1.0, scale), HW, FNUZ), mask=part < H)
     if pid == 0:
         tl.store(xs_ptr, fp8_scale(scale, FNUZ))
@@ -357,6 +377,7 @@ def moe_router_one(
     *,
     pdl: bool = False,
     fp8: torch.dtype = FP8,
+    rms: tuple | None = None,
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """moe_route_quant_one(x · router_wᵀ, x, ...) with the router GEMV in the same launch: x [1, H],
     router_w [E, H] in x's dtype; the logits are fp32 sums of the products rounded to x's dtype (as
@@ -364,7 +385,11 @@ def moe_router_one(
     (router_one_programs), each also taking max |x| as it reads x and quantizing its slice of x with
     it (quantize_row's scale and codes, bit for bit); the one that finishes last (an atomic count in
     `counter`, an int32 [1] of zero that it puts back) routes and lays out the pairs, so the serial
-    tail is the top-k alone. Returns what moe_route_quant_one does (fp8: as moe_route_quant's)."""
+    tail is the top-k alone. Returns what moe_route_quant_one does (fp8: as moe_route_quant's).
+    rms: (residual [1, H], norm weight [H], residual_out [1, H], eps): x is then AddRMSNorm's x, and
+    the token routed and quantized is y = rms_norm(x + residual), which every program computes with
+    add_rmsnorm's arithmetic (kernels/gemv_prologue.py) and program 0 stores x + residual at
+    residual_out: the norm's launch saved."""
     fnuz = fnuz_format(fp8)
     if router_w.dtype != x.dtype or router_w.dim() != 2 or router_w.shape[1] != x.shape[-1]:
         raise ValueError(f"router_w must be [E, {x.shape[-1]}] {x.dtype}, got {tuple(router_w.shape)} {router_w.dtype}")
@@ -380,15 +405,24 @@ def moe_router_one(
     weights, ids, xq, xs = _outputs(1, hidden, top_k, dev, fp8)
     logits = torch.empty(num_experts, dtype=torch.float32, device=dev)
     per, programs, num_warps = router_one_programs(num_experts, hidden)
+    residual, norm_w, residual_out, eps = rms if rms is not None else (x, x, x, 0.0)
+    if rms is not None:
+        for name, t, shape in (("residual", residual, (1, hidden)), ("residual_out", residual_out, (1, hidden)),
+                               ("norm weight", norm_w, (hidden,))):  # fmt: skip
+            if tuple(t.shape) != shape or t.dtype != x.dtype or t.device != x.device or t.stride(-1) != 1:
+                raise ValueError(
+                    f"{name} must be {list(shape)} {x.dtype} on {x.device}, got {tuple(t.shape)} {t.dtype}"
+                )
+    rms_block, rms_chunks, _ = row_config(hidden)
     _router_one_kernel[(programs,)](
         x, router_w, logits, counter, weights, ids, xq.view(torch.uint8), xs, *layout,
-        num_experts, hidden, router_w.stride(0),
+        num_experts, hidden, router_w.stride(0), residual, norm_w, residual_out, float(eps),
         TOP_K=top_k, NORM=bool(norm_topk_prob), BLOCK_E=triton.next_power_of_2(num_experts),
         BLOCK_TOPK=triton.next_power_of_2(top_k), HW=use_hw_casts(x),
         BLOCK_M=block_m, BLOCK_PAIRS=triton.next_power_of_2(positions), EXPERTS=per,
         BLOCK_H=min(triton.next_power_of_2(hidden), max(64, MAX_ROUTER_TILE // per)),
         SLICE=triton.next_power_of_2(triton.cdiv(hidden, programs)),
-        FNUZ=fnuz,
+        FNUZ=fnuz, RMS=rms is not None, RMS_BLOCK=rms_block, RMS_CHUNKS=rms_chunks,
         num_warps=num_warps,
         **launch_options(pdl),
     )  # fmt: skip

@@ -73,11 +73,16 @@ class DynamicQuant(quant.DynamicQuant):
 class AddRMSNorm(quant.AddRMSNorm):
     def __init__(self, attrs, env, consts=()) -> None:
         super().__init__(attrs, env, consts)
-        from qruntime.kernels.add_rmsnorm_quant import add_rmsnorm
+        from qruntime.kernels.add_rmsnorm_quant import DeferredRMSNorm, add_rmsnorm
 
         self.kernel = add_rmsnorm
+        self.deferred = DeferredRMSNorm
+        # the fused MoE after this node normalizes one token's row in its routing launch (fold_norm_quant)
+        self.defer = False
 
     def __call__(self, step, x, residual, w):
+        if self.defer and (row := self.deferred.of(x, residual, w, self.a["epsilon"], self.env.pdl)):
+            return row, row.residual_out
         return self.kernel(x, residual, w, self.a["epsilon"], pdl=self.env.pdl)
 
 
@@ -277,8 +282,10 @@ class MoE(moe.MoE):
     def __init__(self, attrs, env, consts=()) -> None:
         super().__init__(attrs, env, consts)
         from qruntime.kernels import fused_moe, fused_moe_w4a16, kernel_runs_on
+        from qruntime.kernels.add_rmsnorm_quant import DeferredRMSNorm
         from qruntime.kernels.w4a16_gemm import supports_group
 
+        self.deferred_rms = DeferredRMSNorm
         self.kernel = self.counter = None
         linear, group = self.a["linear"], self.a["group_size"]
         self.int4 = linear == "W4A16Linear"
@@ -323,6 +330,14 @@ class MoE(moe.MoE):
         return self.configs[tokens]
 
     def __call__(self, step, x, router_w, w13, w13_scale, w2, w2_scale, *zero_points):
+        if isinstance(x, self.deferred_rms):  # one token's row, its AddRMSNorm folded in (fold_norm_quant)
+            if not self.int4 and self.expert_counts is None and router_w.dtype == x.x.dtype:
+                top_k, norm = self.a["top_k"], bool(self.a["norm_topk_prob"])
+                return self.kernel(
+                    x.x, None, w13, w13_scale, w2, w2_scale, top_k, norm, self._config(1, w13, False),
+                    (router_w, self.counter, x.rms_args()), **self._launch,
+                )  # fmt: skip
+            x = x.normalize()
         if self.kernel is None or (self.int4 and x.dtype != self.env.dtype):
             return super().__call__(step, x, router_w, w13, w13_scale, w2, w2_scale, *zero_points)
         top_k, norm = self.a["top_k"], bool(self.a["norm_topk_prob"])
@@ -604,7 +619,10 @@ def fold_norm_quant(plan) -> int:
     kernel's arithmetic) and program 0 writes residual_out, saving the norm's launch; otherwise the
     norm runs in its own launch first. A fused MoE right before such a norm (its only reader) then
     leaves its combine to it (defer_combine: the GEMV, or the norm kernel at other token counts, adds
-    each token's expert rows as the combine launch would), saving that launch too. Not their
+    each token's expert rows as the combine launch would), saving that launch too. And each
+    AddRMSNorm whose y only the next node reads, a fused FP8 MoE, hands it one token's x, residual
+    and norm weight (DeferredRMSNorm): its routing launch, whose every program reads the whole row
+    for the router GEMV anyway, normalizes it (moe_routing.moe_router_one's rms). Not their
     all-reduce forms. Off unless load(..., prologue_folds=True): not yet timed on a GPU. Returns the
     norms changed."""
     readers = _readers(plan)
@@ -621,6 +639,19 @@ def fold_norm_quant(plan) -> int:
             and readers.get(before.outputs[0]) == [index]
         ):
             before.op.defer_combine = True
+    for index, (node, reader) in enumerate(zip(plan.nodes, plan.nodes[1:], strict=False)):
+        y = node.outputs[0]
+        if (  # the norm before a fused FP8 MoE: its one-token routing launch normalizes the row
+            type(node.op) is AddRMSNorm
+            and type(reader.op) is MoE
+            and reader.op.kernel is not None
+            and not reader.op.int4
+            and reader.inputs[0] == y
+            and readers.get(y) == [index + 1]
+            and y != plan.output
+        ):
+            node.op.defer = True
+            folded += 1
     return folded
 
 

@@ -353,7 +353,7 @@ def test_prologue_folds_launch_three_kernels_fewer_per_dense_decode_layer(
     """Issue 17's count of kernels per decode layer, as the plan launches them at batch 1 (here one
     decode attention launch: the interpreter's short context takes one partition; a GPU adds the
     reduce): dense 9 -> 6 with prologue_folds (no norm launch but the final one, no SiLU-mul-quant);
-    on the MoE model the combine before a folded norm goes too."""
+    on the MoE model a MoE layer 10 -> 7 (its two norms and the combine before a folded norm)."""
     dense = compiled(tiny_ckpt, "ptpc-fp8")
     layers = read_manifest(dense)["kv_cache"]["num_layers"]
     default, folded = (_decode_launches(dense, folds, monkeypatch) for folds in (False, True))
@@ -365,4 +365,6 @@ def test_prologue_folds_launch_three_kernels_fewer_per_dense_decode_layer(
     default, folded = (_decode_launches(moe, folds, monkeypatch) for folds in (False, True))
     print(f"moe: default {dict(default)}; prologue_folds {dict(folded)}")
     assert default["_moe_combine_kernel"] == 2 and folded["_moe_combine_kernel"] == 1  # layer 2's: the final norm's
-    assert sum(default.values()) - sum(folded.values()) == 6  # 3 input norms, 1 combine, 1 SiLU-mul-quant, 1 norm
+    assert folded["_add_rmsnorm_kernel"] == 1  # every norm but the final one runs in its reader's launch
+    # 3 input norms, 2 norms before the MoEs, 1 before the dense MLP, 1 combine, 1 SiLU-mul-quant
+    assert sum(default.values()) - sum(folded.values()) == 8

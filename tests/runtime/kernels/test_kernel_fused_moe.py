@@ -261,6 +261,31 @@ def test_one_tokens_router_runs_in_its_routing_launch(num_experts, top_k, hidden
         moe_router_one(x, router_w, top_k, True, 16, counter.long())
 
 
+@pytest.mark.parametrize(("num_experts", "top_k", "hidden"), [(10, 3, 72), (6, 2, 9000)])
+def test_one_tokens_routing_launch_can_normalize_its_row(num_experts, top_k, hidden):
+    """moe_router_one(..., rms=(residual, w, residual_out, eps)): every program computes y =
+    rms_norm(x + residual) itself (add_rmsnorm's arithmetic) and program 0 stores x + residual: the
+    add_rmsnorm launch then moe_router_one of its y, bit for bit under the interpreter (H = 9000: the
+    norm's and the router's tiles both chunked)."""
+    from qruntime.kernels.add_rmsnorm_quant import add_rmsnorm
+
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    x, residual = (torch.randn(1, hidden) * 2).bfloat16().to(DEVICE), torch.randn(1, hidden).bfloat16().to(DEVICE)
+    norm_w = (torch.rand(hidden) + 0.5).bfloat16().to(DEVICE)
+    y, want_ro = add_rmsnorm(x, residual, norm_w, 1e-6)
+    router_w = untied_router(y.float().cpu(), num_experts, top_k).bfloat16().to(DEVICE)
+    want, want_layout = moe_router_one(y, router_w, top_k, True, 16, counter)
+    ro = torch.full_like(x, float("nan"))
+    got, layout = moe_router_one(x, router_w, top_k, True, 16, counter, rms=(residual, norm_w, ro, 1e-6))
+    assert int(counter.item()) == 0 and torch.equal(ro, want_ro)
+    assert torch.equal(got[1], want[1])  # the experts (the router's margin covers a GPU's rounding)
+    if DEVICE == "cpu":  # the rest bit for bit; on a GPU the sums of squares may round in another order
+        for a, b in zip((*got, *layout), (*want, *want_layout), strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1 else torch.equal(a, b)
+    with pytest.raises(ValueError, match="norm weight must be"):
+        moe_router_one(x, router_w, top_k, True, 16, counter, rms=(residual, norm_w[:-1], ro, 1e-6))
+
+
 def test_align_checks_its_inputs():
     with pytest.raises(ValueError, match="int32"):
         moe_align(torch.zeros(2, 2, dtype=torch.int64, device=DEVICE), 4, 16)
