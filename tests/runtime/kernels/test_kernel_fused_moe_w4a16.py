@@ -93,12 +93,15 @@ def test_w4a16_moe_op_runs_the_kernel_and_matches_the_reference_op(
     # cancelled to less: a one-ulp flip of h or act (summation order, or torch's sigmoid against
     # tl.exp) moves an output by about the row's rounding, which is many ulps of an element that
     # cancelled near zero (seen: 8 ulps of -0.0098 in a row reaching 17, fp16, torch seed 308278443);
-    # seen up to 2 ulps in fp16 (8x finer than bf16) otherwise. A wrong nibble moves whole rows.
+    # fp16 is 8x finer than bf16: over 61 torch seeds of the fp16 zero-point case, 4 ulps once (seed
+    # 407203950) and up to 1.1% of the elements apart (seeds 37, 49), so fp16 may reach 8 ulps and 3%.
+    # A wrong nibble moves whole rows (128 elements, 11% of the 9 x 128), by far more.
     floor = ref.float().abs().amax(-1, keepdim=True) / 16
     apart = (y.float() - ref.float()).abs() / ulp(
         torch.maximum(torch.maximum(y.abs(), ref.abs()).float(), floor), dtype
     )
-    assert float(apart.max()) <= 2 and float((apart > 0).float().mean()) <= 0.01, float(apart.max())
+    limit, share = (8, 0.03) if dtype == torch.float16 else (2, 0.01)
+    assert float(apart.max()) <= limit and float((apart > 0).float().mean()) <= share, float(apart.max())
 
 
 def test_a_w4a16_moe_graph_binds_the_kernel(make_ckpt, compiled, rng, monkeypatch):
