@@ -145,9 +145,9 @@ def main() -> None:
                 row["preset"] = preset
                 report["rows"].append(row)
                 print(json.dumps(row), flush=True)
+                if args.out is not None:  # after every row: a call cut short keeps what it measured
+                    args.out.write_text(json.dumps(report, indent=1) + "\n")
         shutil.rmtree(art, ignore_errors=True)
-    if args.out is not None:
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":
