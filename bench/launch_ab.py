@@ -78,6 +78,27 @@ def graph_kernels(engine, batch: int, layers: int) -> dict:
     return {"kernels_per_step": launches, "kernels_per_layer": round(launches / layers, 2)}
 
 
+def graph_trace(engine, batch: int) -> list[list]:
+    """One replay of the decode graph of `batch`, kernel by kernel in launch order: [name, start µs
+    from the replay's first kernel, µs on the GPU] (profiler spans: with PDL a span includes its wait
+    for the kernel before it)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    graph, _ = engine.runner.decode_graphs.graphs[batch]
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == DeviceType.CUDA and e.time_range.elapsed_us() > 0),
+        key=lambda e: e.time_range.start,
+    )
+    first = kernels[0].time_range.start if kernels else 0
+    return [[e.name[:48], round(e.time_range.start - first, 2), round(e.time_range.elapsed_us(), 2)] for e in kernels]
+
+
 def greedy_tokens(engine) -> list[list[int]]:
     prompts = [[(7 * i + 3 * j) % 5000 + 10 for j in range(40)] for i in range(3)]
     outs = engine.generate(prompts, qruntime.SamplingParams(max_tokens=24, ignore_eos=True))
@@ -95,7 +116,9 @@ def run_mode(art: Path, mode: str, args, layers: int, reference: list | None) ->
     if mode == "moe-combine":
         triton_ops.PAIR_ROWS_READERS = ()
     load_kw = dict(device="cuda", max_model_len=1024, max_num_seqs=max(args.batches), kv_cache_memory=8 << 30)
-    with qruntime.load(art, pdl=mode != "plain", prologue_folds=mode == "prologues", **load_kw) as engine:
+    with qruntime.load(
+        art, pdl=mode != "plain" and not args.no_pdl, prologue_folds=mode == "prologues", **load_kw
+    ) as engine:
         row: dict = {"mode": mode, "pdl": engine.description.get("pdl")}
         tokens = greedy_tokens(engine)
         row["greedy_equal_to_first"] = None if reference is None else tokens == reference
@@ -104,6 +127,8 @@ def run_mode(art: Path, mode: str, args, layers: int, reference: list | None) ->
             row[f"tpot_ms_b{batch}"] = round(measure(engine, 128, 128, batch, seed=batch)["tpot_ms"], 3)
         row["replay_ms_b1"] = round(replay_ms(engine, 1), 3)
         row.update(graph_kernels(engine, 1, layers))
+        if args.trace:
+            row["trace_b1"] = graph_trace(engine, 1)
     triton_ops.PTPCLinear.prefetch_k, triton_ops.fold_split_k_reductions = default_prefetch, fold
     triton_ops.PAIR_ROWS_READERS = pair_readers
     triton_ops.PagedAttention.fold_reduce = fold_reduce
@@ -119,6 +144,8 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--prefetch-k", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--no-pdl", action="store_true", help="every mode without PDL: a kernel's span is its own time")
+    parser.add_argument("--trace", action="store_true", help="each row also lists one batch-1 replay kernel by kernel")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/qlaunch"))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -144,7 +171,7 @@ def main() -> None:
                 reference = tokens if reference is None else reference
                 row["preset"] = preset
                 report["rows"].append(row)
-                print(json.dumps(row), flush=True)
+                print(json.dumps({k: v for k, v in row.items() if k != "trace_b1"}), flush=True)
                 if args.out is not None:  # after every row: a call cut short keeps what it measured
                     args.out.write_text(json.dumps(report, indent=1) + "\n")
         shutil.rmtree(art, ignore_errors=True)
