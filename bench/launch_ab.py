@@ -15,6 +15,8 @@ batch sizes):
             GEMV's last program (ops/triton_ops.fold_norm_quant, fold_silu_quant)
   attn-fold prefetch, and PagedAttention.fold_reduce: the split-context decode attention merges
             its partitions in its own last programs (an atomic count) instead of a reduce launch
+  router-launched  prefetch, but the norm before each fused MoE launched (not fold_router_norm)
+  quant-launched   prefetch, but o_proj's input quantized in its own launch (not fold_dynamic_quant)
 All modes but `unfolded` fold the GEMMs' reductions.
 
 Modes are loaded in turn, twice each (graphs are captured at load, so a mode is a fresh engine).
@@ -47,7 +49,10 @@ from compile_bench import gpu_report_header
 from qcompile.recipe.schema import load_recipe
 from qcompile.synth.artifact import write_synthetic_artifact
 
-MODES = ("plain", "pdl", "prefetch", "unfolded", "moe-combine", "prologues", "attn-fold")
+MODES = (
+    "plain", "pdl", "prefetch", "unfolded", "moe-combine", "prologues", "attn-fold", "router-launched",
+    "quant-launched",
+)  # fmt: skip
 
 
 def replay_ms(engine, batch: int, iters: int = 200) -> float:
@@ -105,33 +110,57 @@ def greedy_tokens(engine) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
+def no_fold(plan) -> int:
+    return 0
+
+
+def overrides(mode: str, args) -> dict:
+    """The triton_ops attributes a mode sets (each put back after its load)."""
+    changed = {"PagedAttention.fold_reduce": mode == "attn-fold"}
+    changed["PTPCLinear.prefetch_k"] = args.prefetch_k if mode not in ("plain", "pdl") else 0
+    changed.update(
+        {
+            "unfolded": {"fold_split_k_reductions": no_fold},
+            "moe-combine": {"PAIR_ROWS_READERS": ()},
+            "router-launched": {"fold_router_norm": no_fold},
+            "quant-launched": {"fold_dynamic_quant": no_fold},
+        }.get(mode, {})
+    )
+    return changed
+
+
+def set_attrs(values: dict) -> dict:
+    """Set triton_ops' dotted attributes; returns what they were."""
+    before = {}
+    for name, value in values.items():
+        *path, attr = name.split(".")
+        owner = triton_ops
+        for part in path:
+            owner = getattr(owner, part)
+        before[name] = getattr(owner, attr)
+        setattr(owner, attr, value)
+    return before
+
+
 def run_mode(art: Path, mode: str, args, layers: int, reference: list | None) -> dict:
-    default_prefetch, fold = triton_ops.PTPCLinear.prefetch_k, triton_ops.fold_split_k_reductions
-    pair_readers = triton_ops.PAIR_ROWS_READERS
-    fold_reduce = triton_ops.PagedAttention.fold_reduce
-    triton_ops.PagedAttention.fold_reduce = mode == "attn-fold"
-    triton_ops.PTPCLinear.prefetch_k = args.prefetch_k if mode not in ("plain", "pdl") else 0
-    if mode == "unfolded":
-        triton_ops.fold_split_k_reductions = lambda plan: 0
-    if mode == "moe-combine":
-        triton_ops.PAIR_ROWS_READERS = ()
-    load_kw = dict(device="cuda", max_model_len=1024, max_num_seqs=max(args.batches), kv_cache_memory=8 << 30)
-    with qruntime.load(
-        art, pdl=mode != "plain" and not args.no_pdl, prologue_folds=mode == "prologues", **load_kw
-    ) as engine:
-        row: dict = {"mode": mode, "pdl": engine.description.get("pdl")}
-        tokens = greedy_tokens(engine)
-        row["greedy_equal_to_first"] = None if reference is None else tokens == reference
-        for batch in args.batches:
-            measure(engine, 128, 8, batch, seed=batch)  # the prompts' KV into the prefix cache
-            row[f"tpot_ms_b{batch}"] = round(measure(engine, 128, 128, batch, seed=batch)["tpot_ms"], 3)
-        row["replay_ms_b1"] = round(replay_ms(engine, 1), 3)
-        row.update(graph_kernels(engine, 1, layers))
-        if args.trace:
-            row["trace_b1"] = graph_trace(engine, 1)
-    triton_ops.PTPCLinear.prefetch_k, triton_ops.fold_split_k_reductions = default_prefetch, fold
-    triton_ops.PAIR_ROWS_READERS = pair_readers
-    triton_ops.PagedAttention.fold_reduce = fold_reduce
+    saved = set_attrs(overrides(mode, args))
+    try:
+        load_kw = dict(device="cuda", max_model_len=1024, max_num_seqs=max(args.batches), kv_cache_memory=8 << 30)
+        with qruntime.load(
+            art, pdl=mode != "plain" and not args.no_pdl, prologue_folds=mode == "prologues", **load_kw
+        ) as engine:
+            row: dict = {"mode": mode, "pdl": engine.description.get("pdl")}
+            tokens = greedy_tokens(engine)
+            row["greedy_equal_to_first"] = None if reference is None else tokens == reference
+            for batch in args.batches:
+                measure(engine, 128, 8, batch, seed=batch)  # the prompts' KV into the prefix cache
+                row[f"tpot_ms_b{batch}"] = round(measure(engine, 128, 128, batch, seed=batch)["tpot_ms"], 3)
+            row["replay_ms_b1"] = round(replay_ms(engine, 1), 3)
+            row.update(graph_kernels(engine, 1, layers))
+            if args.trace:
+                row["trace_b1"] = graph_trace(engine, 1)
+    finally:
+        set_attrs(saved)
     gc.collect()
     torch.cuda.empty_cache()
     return row, tokens

@@ -235,12 +235,14 @@ def build_rank(
         from qruntime.ops.triton_ops import (
             fold_dynamic_quant,
             fold_norm_quant,
+            fold_router_norm,
             fold_silu_quant,
             fold_split_k_reductions,
         )
 
         fold_split_k_reductions(plan)
         fold_dynamic_quant(plan)
+        fold_router_norm(plan)
         if config.prologue_folds:
             fold_norm_quant(plan)
             fold_silu_quant(plan)

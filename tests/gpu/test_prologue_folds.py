@@ -20,9 +20,11 @@ def _generate(artifact, prompt, folds: bool) -> tuple[list[int], list]:
         artifact, device="cuda", max_num_seqs=8, kv_cache_memory=256 << 20, prologue_folds=folds
     ) as engine:
         ops = [n.op for n in engine.runner.plan.nodes]
-        deferred = [op for op in ops if type(op) in (triton_ops.AddRMSNormQuant, triton_ops.AddRMSNorm) and op.defer]
+        deferred = [op for op in ops if type(op) is triton_ops.AddRMSNormQuant and op.defer]
         tails = [op for op in ops if type(op) is triton_ops.PTPCLinear and op.counter is not None]
-        assert bool(deferred) == bool(tails) == folds  # the final norm (before lm_head) is never deferred
+        assert bool(deferred) == bool(tails) == folds
+        routed = [op for op in ops if type(op) is triton_ops.AddRMSNorm and op.defer]  # fold_router_norm: default
+        assert len(routed) == sum(type(op) is triton_ops.MoE for op in ops)  # the final norm is never deferred
         out = engine.generate([prompt], qruntime.SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2))[0]
     return out.token_ids, out.logprobs
 

@@ -307,7 +307,7 @@ class DeferredNormQuant:
 
 @dataclass(frozen=True)
 class DeferredRMSNorm:
-    """The AddRMSNorm op's y left to its reader (ops/triton_ops.fold_norm_quant): one token's x,
+    """The AddRMSNorm op's y left to its reader (ops/triton_ops.fold_router_norm): one token's x,
     residual and norm weight, which a fused MoE's one-token routing launch normalizes as it reads
     them (moe_routing.moe_router_one's rms), writing residual_out (already handed to the op's other
     readers). `normalize()` is the add_rmsnorm launch instead, into the same residual_out."""

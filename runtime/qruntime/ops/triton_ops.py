@@ -77,7 +77,7 @@ class AddRMSNorm(quant.AddRMSNorm):
 
         self.kernel = add_rmsnorm
         self.deferred = DeferredRMSNorm
-        # the fused MoE after this node normalizes one token's row in its routing launch (fold_norm_quant)
+        # the fused MoE after this node normalizes one token's row in its routing launch (fold_router_norm)
         self.defer = False
 
     def __call__(self, step, x, residual, w):
@@ -330,7 +330,7 @@ class MoE(moe.MoE):
         return self.configs[tokens]
 
     def __call__(self, step, x, router_w, w13, w13_scale, w2, w2_scale, *zero_points):
-        if isinstance(x, self.deferred_rms):  # one token's row, its AddRMSNorm folded in (fold_norm_quant)
+        if isinstance(x, self.deferred_rms):  # one token's row, its AddRMSNorm folded in (fold_router_norm)
             if not self.int4 and self.expert_counts is None and router_w.dtype == x.x.dtype:
                 top_k, norm = self.a["top_k"], bool(self.a["norm_topk_prob"])
                 return self.kernel(
@@ -619,11 +619,10 @@ def fold_norm_quant(plan) -> int:
     kernel's arithmetic) and program 0 writes residual_out, saving the norm's launch; otherwise the
     norm runs in its own launch first. A fused MoE right before such a norm (its only reader) then
     leaves its combine to it (defer_combine: the GEMV, or the norm kernel at other token counts, adds
-    each token's expert rows as the combine launch would), saving that launch too. And each
-    AddRMSNorm whose y only the next node reads, a fused FP8 MoE, hands it one token's x, residual
-    and norm weight (DeferredRMSNorm): its routing launch, whose every program reads the whole row
-    for the router GEMV anyway, normalizes it (moe_routing.moe_router_one's rms). Not their
-    all-reduce forms. Off unless load(..., prologue_folds=True): not yet timed on a GPU. Returns the
+    each token's expert rows as the combine launch would), saving that launch too. Not the
+    all-reduce forms. Off unless load(..., prologue_folds=True): it costs more than the launches it
+    saves, since every one of the GEMV's ~N/4 programs re-reads the row (H200: qwen3-8b's qkv GEMV
+    8.0 -> 22.7 us for a 3.5 us norm launch saved; bench/results/launch_ab_folds_*). Returns the
     norms changed."""
     readers = _readers(plan)
     folded = 0
@@ -639,6 +638,18 @@ def fold_norm_quant(plan) -> int:
             and readers.get(before.outputs[0]) == [index]
         ):
             before.op.defer_combine = True
+    return folded
+
+
+def fold_router_norm(plan) -> int:
+    """Let each Triton AddRMSNorm whose y only the next node reads, a fused FP8 MoE, hand it one
+    token's x, residual and norm weight (DeferredRMSNorm) at batch-1 decode: its routing launch,
+    whose every program reads the whole row for the router GEMV anyway, normalizes it
+    (moe_routing.moe_router_one's rms; program 0 writes residual_out), saving the norm's launch. On
+    by default: about 1 us a MoE layer saved (H200, qwen3-30b-a3b without PDL: the routing launch
+    5.3 -> 6.1 us for a 1.8 us norm launch). Not the all-reduce form. Returns the norms changed."""
+    readers = _readers(plan)
+    folded = 0
     for index, (node, reader) in enumerate(zip(plan.nodes, plan.nodes[1:], strict=False)):
         y = node.outputs[0]
         if (  # the norm before a fused FP8 MoE: its one-token routing launch normalizes the row

@@ -279,14 +279,16 @@ def test_a_moe_combine_folds_with_the_norm_into_the_next_gemv_to_the_same_bits(t
     """prologue_folds on a MoE model: the input norm after each fused MoE defers to the qkv GEMV and the
     MoE leaves its combine to it (defer_combine), so at batch-1 decode the GEMV adds each token's
     expert rows, the residual, normalizes and quantizes; at the prefill's 7 tokens the norm kernel
-    adds the rows. Logits and cache bits equal the default plan's over both steps."""
-    from qruntime.kernels.add_rmsnorm_quant import DeferredNormQuant
+    adds the rows. And (a default fold) the norm before each fused MoE runs in its one-token routing
+    launch (fold_router_norm). Logits and cache bits equal the plan without these folds over both steps."""
+    from qruntime.kernels.add_rmsnorm_quant import DeferredNormQuant, DeferredRMSNorm
     from qruntime.kernels.moe_combine import PairRows
     from qruntime.ops.triton_ops import (
         MoE,
         PTPCLinear,
         fold_dynamic_quant,
         fold_norm_quant,
+        fold_router_norm,
         fold_silu_quant,
         fold_split_k_reductions,
     )
@@ -297,6 +299,7 @@ def test_a_moe_combine_folds_with_the_norm_into_the_next_gemv_to_the_same_bits(t
     for plan in plans:
         fold_split_k_reductions(plan)
         fold_dynamic_quant(plan)
+    assert fold_router_norm(plans[1]) == 2  # the norms before layers 0 and 2's MoEs
     fold_norm_quant(plans[1])
     fold_silu_quant(plans[1])
     # MoE layers 0 and 2 (layer 1 is dense): layer 0's output goes to layer 1's input norm, layer 2's to
@@ -310,9 +313,18 @@ def test_a_moe_combine_folds_with_the_norm_into_the_next_gemv_to_the_same_bits(t
         seen.append((isinstance(xq, DeferredNormQuant), isinstance(getattr(xq, "x", None), PairRows)))
         return call(op, step, xq, *rest)
 
+    routed: list[bool] = []
+    route = MoE.__call__
+
+    def spied_moe(op, step, x, *rest):
+        routed.append(isinstance(x, DeferredRMSNorm))
+        return route(op, step, x, *rest)
+
     monkeypatch.setattr(PTPCLinear, "__call__", spied)
+    monkeypatch.setattr(MoE, "__call__", spied_moe)
     _prefill_then_decode(artifact, spec, plans)
     assert (True, True) in seen  # a GEMV took a MoE's expert rows at the decode step
+    assert sum(routed) == 2  # the decode step's two MoEs normalized their rows in their routing launches
 
 
 def _decode_launches(artifact, prologue_folds: bool, monkeypatch) -> collections.Counter:
@@ -324,7 +336,7 @@ def _decode_launches(artifact, prologue_folds: bool, monkeypatch) -> collections
 
     graph, spec, weights, env = load_artifact(artifact)
     plan = Plan.build(graph, weights, env, triton_ops())
-    folds = ("fold_split_k_reductions", "fold_dynamic_quant") + (
+    folds = ("fold_split_k_reductions", "fold_dynamic_quant", "fold_router_norm") + (
         ("fold_norm_quant", "fold_silu_quant") * prologue_folds
     )
     for fold in folds:
@@ -353,7 +365,8 @@ def test_prologue_folds_launch_three_kernels_fewer_per_dense_decode_layer(
     """Issue 17's count of kernels per decode layer, as the plan launches them at batch 1 (here one
     decode attention launch: the interpreter's short context takes one partition; a GPU adds the
     reduce): dense 9 -> 6 with prologue_folds (no norm launch but the final one, no SiLU-mul-quant);
-    on the MoE model a MoE layer 10 -> 7 (its two norms and the combine before a folded norm)."""
+    on the MoE model a MoE layer 9 by default (its norm before the MoE in the routing launch) -> 7
+    (its input norm and the combine before it too)."""
     dense = compiled(tiny_ckpt, "ptpc-fp8")
     layers = read_manifest(dense)["kv_cache"]["num_layers"]
     default, folded = (_decode_launches(dense, folds, monkeypatch) for folds in (False, True))
@@ -365,6 +378,8 @@ def test_prologue_folds_launch_three_kernels_fewer_per_dense_decode_layer(
     default, folded = (_decode_launches(moe, folds, monkeypatch) for folds in (False, True))
     print(f"moe: default {dict(default)}; prologue_folds {dict(folded)}")
     assert default["_moe_combine_kernel"] == 2 and folded["_moe_combine_kernel"] == 1  # layer 2's: the final norm's
-    assert folded["_add_rmsnorm_kernel"] == 1  # every norm but the final one runs in its reader's launch
-    # 3 input norms, 2 norms before the MoEs, 1 before the dense MLP, 1 combine, 1 SiLU-mul-quant
-    assert sum(default.values()) - sum(folded.values()) == 8
+    # by default the norms before the MoEs run in their routing launches: the 3 input norms, the one
+    # before the dense MLP and the final norm are launched
+    assert default["_add_rmsnorm_kernel"] == 5 and folded["_add_rmsnorm_kernel"] == 1
+    # 3 input norms, 1 before the dense MLP, 1 combine, 1 SiLU-mul-quant
+    assert sum(default.values()) - sum(folded.values()) == 6
