@@ -17,6 +17,8 @@ batch sizes):
             its partitions in its own last programs (an atomic count) instead of a reduce launch
   router-launched  prefetch, but the norm before each fused MoE launched (not fold_router_norm)
   quant-launched   prefetch, but o_proj's input quantized in its own launch (not fold_dynamic_quant)
+  silu-tail prefetch, and a dense MLP's SiLU-mul-quant in its gate_up GEMV's last program
+            (fold_silu_quant) without prologues' norm folds
 All modes but `unfolded` fold the GEMMs' reductions.
 
 Modes are loaded in turn, twice each (graphs are captured at load, so a mode is a fresh engine).
@@ -51,7 +53,7 @@ from qcompile.synth.artifact import write_synthetic_artifact
 
 MODES = (
     "plain", "pdl", "prefetch", "unfolded", "moe-combine", "prologues", "attn-fold", "router-launched",
-    "quant-launched",
+    "quant-launched", "silu-tail",
 )  # fmt: skip
 
 
@@ -114,6 +116,12 @@ def no_fold(plan) -> int:
     return 0
 
 
+def with_silu_tail(plan, router_norm=triton_ops.fold_router_norm) -> int:
+    """fold_router_norm (a default fold, which the rank always runs), then fold_silu_quant without
+    the GEMV norm prologues that load(prologue_folds=True) brings with it."""
+    return router_norm(plan) + triton_ops.fold_silu_quant(plan)
+
+
 def overrides(mode: str, args) -> dict:
     """The triton_ops attributes a mode sets (each put back after its load)."""
     changed = {"PagedAttention.fold_reduce": mode == "attn-fold"}
@@ -124,6 +132,7 @@ def overrides(mode: str, args) -> dict:
             "moe-combine": {"PAIR_ROWS_READERS": ()},
             "router-launched": {"fold_router_norm": no_fold},
             "quant-launched": {"fold_dynamic_quant": no_fold},
+            "silu-tail": {"fold_router_norm": with_silu_tail},
         }.get(mode, {})
     )
     return changed
