@@ -10,15 +10,8 @@ batch sizes):
   unfolded  prefetch, but every split-K GEMM launches its own reduction instead of handing its
             partials to the next kernel, and every MoE its combine (ops/triton_ops.fold_split_k_reductions)
   moe-combine  prefetch with the GEMMs' reductions folded but the MoEs' combines launched
-  prologues prefetch, and load(prologue_folds=True): batch-1 norms run inside the GEMV that reads
-            them (with a MoE's combine before them), a dense MLP's SiLU-mul-quant in its gate_up
-            GEMV's last program (ops/triton_ops.fold_norm_quant, fold_silu_quant)
-  attn-fold prefetch, and PagedAttention.fold_reduce: the split-context decode attention merges
-            its partitions in its own last programs (an atomic count) instead of a reduce launch
   router-launched  prefetch, but the norm before each fused MoE launched (not fold_router_norm)
   quant-launched   prefetch, but o_proj's input quantized in its own launch (not fold_dynamic_quant)
-  silu-tail prefetch, and a dense MLP's SiLU-mul-quant in its gate_up GEMV's last program
-            (fold_silu_quant) without prologues' norm folds
 All modes but `unfolded` fold the GEMMs' reductions.
 
 Modes are loaded in turn, twice each (graphs are captured at load, so a mode is a fresh engine).
@@ -52,8 +45,7 @@ from qcompile.recipe.schema import load_recipe
 from qcompile.synth.artifact import write_synthetic_artifact
 
 MODES = (
-    "plain", "pdl", "prefetch", "unfolded", "moe-combine", "prologues", "attn-fold", "router-launched",
-    "quant-launched", "silu-tail",
+    "plain", "pdl", "prefetch", "unfolded", "moe-combine", "router-launched", "quant-launched",
 )  # fmt: skip
 
 
@@ -116,23 +108,15 @@ def no_fold(plan) -> int:
     return 0
 
 
-def with_silu_tail(plan, router_norm=triton_ops.fold_router_norm) -> int:
-    """fold_router_norm (a default fold, which the rank always runs), then fold_silu_quant without
-    the GEMV norm prologues that load(prologue_folds=True) brings with it."""
-    return router_norm(plan) + triton_ops.fold_silu_quant(plan)
-
-
 def overrides(mode: str, args) -> dict:
     """The triton_ops attributes a mode sets (each put back after its load)."""
-    changed = {"PagedAttention.fold_reduce": mode == "attn-fold"}
-    changed["PTPCLinear.prefetch_k"] = args.prefetch_k if mode not in ("plain", "pdl") else 0
+    changed = {"PTPCLinear.prefetch_k": args.prefetch_k if mode not in ("plain", "pdl") else 0}
     changed.update(
         {
             "unfolded": {"fold_split_k_reductions": no_fold},
             "moe-combine": {"PAIR_ROWS_READERS": ()},
             "router-launched": {"fold_router_norm": no_fold},
             "quant-launched": {"fold_dynamic_quant": no_fold},
-            "silu-tail": {"fold_router_norm": with_silu_tail},
         }.get(mode, {})
     )
     return changed
@@ -155,9 +139,7 @@ def run_mode(art: Path, mode: str, args, layers: int, reference: list | None) ->
     saved = set_attrs(overrides(mode, args))
     try:
         load_kw = dict(device="cuda", max_model_len=1024, max_num_seqs=max(args.batches), kv_cache_memory=8 << 30)
-        with qruntime.load(
-            art, pdl=mode != "plain" and not args.no_pdl, prologue_folds=mode == "prologues", **load_kw
-        ) as engine:
+        with qruntime.load(art, pdl=mode != "plain" and not args.no_pdl, **load_kw) as engine:
             row: dict = {"mode": mode, "pdl": engine.description.get("pdl")}
             tokens = greedy_tokens(engine)
             row["greedy_equal_to_first"] = None if reference is None else tokens == reference

@@ -209,7 +209,6 @@ def load(
     pdl: bool | None = None,
     speculative: str | SpeculativeConfig | None = None,
     small_step_graphs: bool | None = None,
-    prologue_folds: bool = False,
 ) -> Engine:
     """Load a qcompile artifact and return an Engine.
 
@@ -264,11 +263,7 @@ def load(
     which otherwise pad to 128 (engine/piecewise_graphs.py VERIFY_BUCKETS): default on when
     speculative (its verification steps hold k + 1 tokens a request), and a draft model's engine has
     them (its steps compute what a verification kept).
-    prologue_folds (triton backend): at batch-1 decode, each norm runs inside the kernel that reads
-    it (a PTPC GEMV, or a fused MoE's routing launch), a MoE's combine inside the next layer's qkv
-    GEMV, and a dense MLP's SiLU-mul-quant in the last program of its gate_up GEMV
-    (ops/triton_ops.fold_norm_quant, fold_silu_quant: the same bits, three launches fewer a layer);
-    off by default until timed on a GPU (bench/launch_ab.py --modes prefetch,prologues). The tp > 1
+    The tp > 1
     workers are spawned: a script that loads at tp > 1 must guard its entry point with
     `if __name__ == "__main__":`. One tp engine per process at a time,
     in a process without a torch.distributed default group of its own.
@@ -329,7 +324,6 @@ def load(
         pdl=pdl,
         target=manifest.get("target", DEFAULT_TARGET),
         small_step_graphs=speculative is not None if small_step_graphs is None else small_step_graphs,
-        prologue_folds=prologue_folds,
     )
     if "vision" in manifest and speculative is not None:
         raise ValueError(f"{root}: a Qwen3-VL artifact runs without speculative decoding for now")

@@ -71,9 +71,6 @@ class RankConfig:
     pdl: bool = False  # triton backend: programmatic dependent launch (kernels/pdl.py), resolved by load
     target: str = DEFAULT_TARGET  # the artifact's compile target (qruntime.target): the fast path's FP8 format
     small_step_graphs: bool = False  # whole-step graphs for 8..64-token steps too (VERIFY_BUCKETS: speculation)
-    prologue_folds: bool = (
-        False  # triton backend: batch-1 norms / SiLU-mul-quants run in their GEMVs (fold_norm_quant, fold_silu_quant)
-    )
 
     @property
     def tp(self) -> int:
@@ -234,18 +231,13 @@ def build_rank(
     if config.backend == "triton":
         from qruntime.ops.triton_ops import (
             fold_dynamic_quant,
-            fold_norm_quant,
             fold_router_norm,
-            fold_silu_quant,
             fold_split_k_reductions,
         )
 
         fold_split_k_reductions(plan)
         fold_dynamic_quant(plan)
         fold_router_norm(plan)
-        if config.prologue_folds:
-            fold_norm_quant(plan)
-            fold_silu_quant(plan)
     blocks, capturable = _local_blocks(config, device), plan.capturable
     checkpoint("planned")
     if group is not None:

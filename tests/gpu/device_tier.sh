@@ -23,7 +23,7 @@ export QCOMPILE_GIT_COMMIT=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo
 K=tests/runtime/kernels
 # the kernel test files whose tensors go to the GPU when there is one (the others run on CPU tensors)
 kernels=()
-for name in fp8_gemm fused_moe fused_moe_w4a16 gemv_norm gemv_silu paged_attention qknorm_mrope qknorm_rope quant splitk_fold w4a16_gemm; do
+for name in fp8_gemm fused_moe fused_moe_w4a16 paged_attention qknorm_mrope qknorm_rope quant splitk_fold w4a16_gemm; do
     kernels+=("$K/test_kernel_$name.py")
 done
 native() {

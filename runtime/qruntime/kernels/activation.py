@@ -1,5 +1,5 @@
 """The SiLU-mul's arithmetic, shared by every kernel that computes it (silu_mul_quant.py, the fused
-MoE's GEMMs and GEMVs, the gate_up GEMV's tail in gemv_epilogue.py), so they agree bit for bit."""
+MoE's GEMMs and GEMVs), so they agree bit for bit."""
 
 from __future__ import annotations
 

@@ -257,55 +257,6 @@ def add_rmsnorm_quant(
 
 
 @dataclass(frozen=True)
-class DeferredNormQuant:
-    """The AddRMSNormQuant op's (yq, ys) left to its reader (ops/triton_ops.fold_norm_quant): one
-    token's x, residual and norm weight, which a PTPC GEMV normalizes and quantizes as it reads them
-    (fp8_gemm.ptpc_fp8_gemv_norm_quant), writing residual_out (already handed to the op's other
-    readers: x itself without a residual). `quantize()` is the add_rmsnorm_quant launch instead, into
-    the same residual_out, for any other reader."""
-
-    x: torch.Tensor
-    residual: torch.Tensor | None
-    w: torch.Tensor
-    eps: float
-    residual_out: torch.Tensor
-    pdl: bool = False
-    fp8: torch.dtype = FP8
-
-    @classmethod
-    def of(cls, x, residual, w, eps: float, pdl: bool, fp8: torch.dtype) -> DeferredNormQuant | None:
-        """The deferred row, or None unless x is one token's row of the model dtype that the GEMV can
-        read (and the residual its like): a tensor with unit column stride, or a deferred output
-        (split-K partials, MoE pair rows) of at most MAX_BLOCK columns beside a residual."""
-        if isinstance(x, DEFERRED):  # slices the GEMV adds up, as this kernel would: one tile, a residual
-            if residual is None or x.shape[1] > MAX_BLOCK:
-                return None
-        elif not (isinstance(x, torch.Tensor) and x.dim() == 2 and x.stride(1) == 1):
-            return None
-        if tuple(x.shape[:1]) != (1,) or x.dtype != w.dtype:
-            return None
-        if residual is not None and (
-            tuple(residual.shape) != tuple(x.shape) or residual.dtype != x.dtype or residual.stride(1) != 1
-        ):
-            return None
-        if w.shape != (x.shape[1],) or not w.is_contiguous():
-            return None
-        residual_out = x if residual is None else torch.empty_like(residual, memory_format=torch.contiguous_format)
-        return cls(x, residual, w, eps, residual_out, pdl, fp8)
-
-    def quantize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(yq, ys) in a launch of their own (add_rmsnorm_quant's), residual_out written as the GEMV would."""
-        x, residual = _check(self.x, self.residual, self.w, MAX_BLOCK)
-        yq = torch.empty(x.shape, dtype=self.fp8, device=x.device)
-        ys = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
-        _launch(
-            x, residual, self.w, self.eps, self.residual_out, yq.view(torch.uint8), ys, True, MAX_BLOCK, self.pdl,
-            fnuz_format(self.fp8),
-        )  # fmt: skip
-        return yq, ys
-
-
-@dataclass(frozen=True)
 class DeferredRMSNorm:
     """The AddRMSNorm op's y left to its reader (ops/triton_ops.fold_router_norm): one token's x,
     residual and norm weight, which a fused MoE's one-token routing launch normalizes as it reads

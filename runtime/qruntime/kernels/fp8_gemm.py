@@ -46,7 +46,6 @@ import triton.language as tl
 
 from qruntime.kernels.deferred_sum import deferred_value
 from qruntime.kernels.dynamic_quant import (
-    CHUNK,
     FP8_FORMATS,
     MAX_BLOCK,
     check_model_dtype,
@@ -55,11 +54,8 @@ from qruntime.kernels.dynamic_quant import (
     fp8_values,
     quant_scale,
     round_to,
-    row_config,
     use_hw_casts,
 )
-from qruntime.kernels.gemv_epilogue import last_program_silu_quant
-from qruntime.kernels.gemv_prologue import normed_value, row_rstd
 from qruntime.kernels.pdl import launch_options, prefetch_l2, wait_for_inputs
 
 _SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -307,18 +303,6 @@ def _ptpc_fp8_gemv_kernel(
     K,
     stride_bn,
     stride_bs,
-    r_ptr,  # NORM with HAS_RES: the residual row [1, K]
-    nw_ptr,  # NORM: the RMSNorm weight [K] (model dtype)
-    ro_ptr,  # NORM with HAS_RES: residual_out [1, K], written by program 0
-    eps,  # NORM
-    counter_ptr,  # SILU: [1] int32, zero between launches (the last program puts it back)
-    q_ptr,  # SILU: yq [1, N / 2] (uint8 view of the codes)
-    s_ptr,  # SILU: ys [1] fp32
-    sx_ptr,  # NORM with SLICES: a deferred x's scales (deferred_sum.py; read when SCALED)
-    sw_ptr,
-    slice_stride,  # NORM with SLICES: elements between x's slices
-    stride_sx,
-    stride_sw,
     NUM_K: tl.constexpr,  # K steps, unrolled
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -330,13 +314,6 @@ def _ptpc_fp8_gemv_kernel(
     NUM_X: tl.constexpr = 1,
     HW: tl.constexpr = False,  # QUANT: hardware casts (dynamic_quant.use_hw_casts)
     FNUZ: tl.constexpr = False,  # QUANT: the codes made as e4m3fnuz (the weights' format), the scale doubled
-    NORM: tl.constexpr = False,  # QUANT of AddRMSNorm's y: a_ptr is x (gemv_prologue.normed_value)
-    HAS_RES: tl.constexpr = False,  # NORM: a residual to add first
-    SLICES: tl.constexpr = 0,  # NORM: x is a deferred output of that many slices to add up (split-K, MoE rows)
-    SCALED: tl.constexpr = False,  # SLICES: times sx then sw (split-K partials)
-    SILU: tl.constexpr = False,  # c is gate_up: the last program also makes silu_mul_quant's yq, ys (gemv_epilogue.py)
-    SILU_BLOCK: tl.constexpr = 16,  # SILU: its row's chunks
-    SILU_CHUNKS: tl.constexpr = 1,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = tl.where(offs_n < N, offs_n, 0)  # rows past N read row 0 (never stored)
@@ -346,24 +323,11 @@ def _ptpc_fp8_gemv_kernel(
         lines = tl.arange(0, PREFETCH_K // 128) * 128  # 128-byte L2 lines
         prefetch_l2(b_ptr + rn[:, None].to(tl.int64) * stride_bn + tl.minimum(lines, K - 1)[None, :])
     wait_for_inputs(PDL)
-    rstd = 0.0
-    if NORM:  # every program normalizes the row itself (x, residual, w: a few KB each, from L2)
-        rstd = row_rstd(
-            a_ptr, r_ptr, ro_ptr, nw_ptr, K, eps, tl.program_id(0) == 0, sx_ptr, sw_ptr, slice_stride, stride_sx,
-            stride_sw, BLOCK_X, NUM_X, SLICES, SCALED, HAS_RES, HW,
-        )  # fmt: skip
     if QUANT:  # every program takes the row's max |x| itself (the row is a few KB, from L2)
         cols = tl.arange(0, BLOCK_X)
         amax = tl.zeros((BLOCK_X,), dtype=tl.float32)
         for chunk in tl.static_range(NUM_X):
-            offs_x = chunk * BLOCK_X + cols
-            if NORM:
-                x = normed_value(
-                    a_ptr, r_ptr, nw_ptr, offs_x, offs_x < K, rstd, sx_ptr, sw_ptr, slice_stride, stride_sx,
-                    stride_sw, SLICES, SCALED, HAS_RES, HW,
-                )  # fmt: skip
-            else:
-                x = tl.load(a_ptr + offs_x, mask=offs_x < K, other=0.0)
+            x = tl.load(a_ptr + chunk * BLOCK_X + cols, mask=chunk * BLOCK_X + cols < K, other=0.0)
             amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
         scale = quant_scale(tl.max(amax, axis=0))
         inv_scale = tl.math.div_rn(1.0, scale)
@@ -373,18 +337,11 @@ def _ptpc_fp8_gemv_kernel(
     for step in tl.static_range(NUM_K):
         k = step * BLOCK_K
         if EVEN_K:
+            a = tl.load(a_ptr + k + offs_k).to(tl.float32)
             b = tl.load(b_ptrs + k).to(tl.float32)
         else:
-            b = tl.load(b_ptrs + k, mask=(k + offs_k < K)[None, :], other=0.0).to(tl.float32)
-        if NORM:  # y recomputed from x, residual and w (identical to the max pass's)
-            a = normed_value(
-                a_ptr, r_ptr, nw_ptr, k + offs_k, k + offs_k < K, rstd, sx_ptr, sw_ptr, slice_stride, stride_sx,
-                stride_sw, SLICES, SCALED, HAS_RES, HW,
-            )  # fmt: skip
-        elif EVEN_K:
-            a = tl.load(a_ptr + k + offs_k).to(tl.float32)
-        else:
             a = tl.load(a_ptr + k + offs_k, mask=k + offs_k < K, other=0.0).to(tl.float32)
+            b = tl.load(b_ptrs + k, mask=(k + offs_k < K)[None, :], other=0.0).to(tl.float32)
         if QUANT:
             a = fp8_values(fp8_e4m3_code(a, scale, inv_scale, HW, FNUZ), FNUZ).to(tl.float32)
         acc += b * a[None, :]  # fp8 codes widened: exact products, fp32 sums
@@ -392,10 +349,6 @@ def _ptpc_fp8_gemv_kernel(
         scale = fp8_scale(scale, FNUZ)
     y = tl.sum(acc, axis=1) * scale * tl.load(bs_ptr + rn * stride_bs).to(tl.float32)
     tl.store(c_ptr + offs_n, y.to(c_ptr.dtype.element_ty), mask=offs_n < N)
-    if SILU:
-        last_program_silu_quant(
-            c_ptr, q_ptr, s_ptr, counter_ptr, N // 2, SILU_BLOCK, SILU_CHUNKS, c_ptr.dtype.element_ty, HW, FNUZ
-        )
 
 
 @triton.jit
@@ -520,125 +473,20 @@ def _reduce(part: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor, out: torch.T
     )
 
 
-def _gemv(
-    a, xs, w, ws, out, cfg: GemmConfig, pdl: bool, prefetch_k: int, quant: bool = False, norm: tuple | None = None,
-    silu: tuple | None = None,
-) -> None:  # fmt: skip
-    """Launch the GEMV of one token: a [1, K] fp8 codes with scale xs, or (quant) the model-dtype row,
-    or (norm: (residual | None, norm weight, residual_out, eps)) AddRMSNorm's x, normalized here;
-    silu: (yq, ys, counter), out being gate_up, made into silu_mul_quant's (yq, ys) by the last program."""
+def _gemv(a, xs, w, ws, out, cfg: GemmConfig, pdl: bool, prefetch_k: int, quant: bool = False) -> None:
+    """Launch the GEMV of one token: a [1, K] fp8 codes with scale xs, or (quant) the model-dtype row."""
     n, k = w.shape
-    counter, yq, ys = (out, out, out) if silu is None else (silu[2], silu[0].view(torch.uint8), silu[1])
-    silu_block, silu_chunks, _ = row_config(max(n // 2, 1), CHUNK)
     block_k, steps = gemv_steps(k, cfg.block_k)
-    slices, scaled, sums = 0, False, (a, a, 0, 0, 0)  # (sx, sw, slice stride, stride of sx, of sw)
-    if norm is None:
-        block_x, num_x = min(triton.next_power_of_2(k), MAX_BLOCK), None
-        r, nw, ro, eps = a, a, a, 0.0
-    else:  # the row's tiles as add_rmsnorm_quant's kernel sums its squares
-        block_x, num_x, _ = row_config(k)
-        r, nw, ro, eps = norm
-        if not isinstance(a, torch.Tensor):  # a deferred output (SplitKPartials, moe_combine.PairRows)
-            slices, scaled = a.slices, a.scaled
-            a, sx, sw, slice_stride, _, stride_sx, stride_sw = a.sum_args()  # one token: its row stride unused
-            xs, sums = a, (sx, sw, slice_stride, stride_sx, stride_sw)
+    block_x = min(triton.next_power_of_2(k), MAX_BLOCK)
     _ptpc_fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         a, xs, w, ws, out, n, k, w.stride(0), ws.stride(0),
-        a if r is None else r, nw, ro, float(eps), counter, yq, ys, *sums,
         NUM_K=steps, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         num_warps=cfg.num_warps,
         PREFETCH_K=_gemv_prefetch(n, k, prefetch_k) if pdl else 0,
-        QUANT=quant or norm is not None, BLOCK_X=block_x, NUM_X=num_x or triton.cdiv(k, block_x),
-        HW=use_hw_casts(a), FNUZ=w.dtype == torch.float8_e4m3fnuz,
-        NORM=norm is not None, HAS_RES=norm is not None and r is not None, SLICES=slices, SCALED=scaled,
-        SILU=silu is not None, SILU_BLOCK=silu_block, SILU_CHUNKS=silu_chunks,
+        QUANT=quant, BLOCK_X=block_x, NUM_X=triton.cdiv(k, block_x), HW=use_hw_casts(a),
+        FNUZ=w.dtype == torch.float8_e4m3fnuz,
         **launch_options(pdl),
     )  # fmt: skip
-
-
-def _check_gemv(
-    x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, out_dtype: torch.dtype, config: GemmConfig, name: str
-):
-    check_model_dtype("x", x)
-    if x.dim() != 2 or x.shape[0] != 1 or x.stride(1) != 1:
-        raise ValueError(f"x must be one token's row [1, K] with unit column stride, got {tuple(x.shape)}")
-    if config.block_m != 1:
-        raise ValueError(f"{name} runs a GEMV config (block_m 1), got block_m {config.block_m}")
-    if w.dtype not in FP8_FORMATS or w.dim() != 2 or w.shape[1] != x.shape[1] or w.stride(1) != 1:
-        raise ValueError(
-            f"w must be float8_e4m3fn or float8_e4m3fnuz [N, {x.shape[1]}] with contiguous rows, got {w.dtype} "
-            f"{tuple(w.shape)}"
-        )
-    if ws.dtype not in _SCALE_DTYPES or tuple(ws.shape) != (w.shape[0], 1):
-        raise ValueError(f"ws must be bf16/fp16/fp32 [N,1] = [{w.shape[0]},1], got {ws.dtype} {tuple(ws.shape)}")
-    if out_dtype not in _OUT_DTYPES:
-        raise ValueError(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
-    if len({t.device for t in (x, w, ws)}) != 1:
-        raise ValueError(f"all inputs must be on one device, got {[str(t.device) for t in (x, w, ws)]}")
-
-
-def _norm_row(x, residual: torch.Tensor | None) -> torch.Tensor:
-    """The [1, K] model-dtype row that x stands for, for the checks: x itself, or for a deferred
-    output (SplitKPartials, moe_combine.PairRows: slices the GEMV adds up) the residual, after
-    checking that x's output would be that row and fits one of the norm's tiles (as add_rmsnorm_quant
-    adds one up itself only then)."""
-    if isinstance(x, torch.Tensor):
-        return x
-    if residual is None:
-        raise ValueError("a deferred x (split-K partials / MoE pair rows) needs a residual: residual_out is x itself")
-    check_partials(x, residual, residual)
-    if x.shape[1] > MAX_BLOCK:
-        raise ValueError(f"a deferred x is added up in one tile of at most {MAX_BLOCK} columns, got {x.shape[1]}")
-    return residual
-
-
-def _check_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, residual_out: torch.Tensor
-) -> None:
-    """ValueError unless residual (when given), residual_out and norm_w fit x's row [1, K]."""
-    k = x.shape[1]
-    for name, t in (("residual", residual), ("residual_out", residual_out)):
-        if t is not None and (
-            tuple(t.shape) != (1, k) or t.dtype != x.dtype or t.device != x.device or t.stride(1) != 1
-        ):
-            raise ValueError(
-                f"{name} must be [1, {k}] {x.dtype} on {x.device}, got {tuple(t.shape)} {t.dtype} {t.device}"
-            )
-    if tuple(norm_w.shape) != (k,) or norm_w.dtype != x.dtype or norm_w.device != x.device or norm_w.stride(0) != 1:
-        raise ValueError(f"norm_w must be [{k}] {x.dtype} on {x.device}, got {tuple(norm_w.shape)} {norm_w.dtype}")
-
-
-def ptpc_fp8_gemv_norm_quant(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_w: torch.Tensor,
-    eps: float,
-    residual_out: torch.Tensor,
-    w: torch.Tensor,
-    ws: torch.Tensor,
-    out_dtype: torch.dtype,
-    config: GemmConfig,
-    *,
-    pdl: bool = False,
-    prefetch_k: int = 0,
-) -> torch.Tensor:
-    """ptpc_fp8_gemm(yq, ys, w, ws, ...) where (yq, ys, residual_out) = add_rmsnorm_quant(x, residual,
-    norm_w, eps), for one token in one launch: every program normalizes and quantizes the row as it
-    reads it (kernels/gemv_prologue.py: that kernel's arithmetic) and program 0 writes residual_out
-    [1, K] (left alone without a residual: then residual_out is x itself, as add_rmsnorm_quant
-    returns it). x, residual, norm_w of the model dtype; config a GEMV's (block_m 1). x may be a
-    deferred output of one token (SplitKPartials, moe_combine.PairRows; then with a residual and
-    K <= MAX_BLOCK): every program adds its slices up first, as add_rmsnorm_quant does. Raises
-    ValueError on a shape, dtype or config mismatch."""
-    row = _norm_row(x, residual)
-    _check_gemv(row, w, ws, out_dtype, config, "ptpc_fp8_gemv_norm_quant")
-    _check_norm(row, residual, norm_w, residual_out)
-    out = torch.empty((1, w.shape[0]), dtype=out_dtype, device=w.device)
-    if w.shape[0] and row.shape[1]:
-        _gemv(x, x, w, ws, out, config, pdl, prefetch_k, norm=(residual, norm_w, residual_out, eps))
-    elif w.shape[0]:
-        out.zero_()
-    return out
 
 
 def ptpc_fp8_gemv_quant(
@@ -657,61 +505,28 @@ def ptpc_fp8_gemv_quant(
     bit for bit. w float8_e4m3fnuz (amd-gfx942, its scales doubled): the codes made as e4m3fnuz
     with the scale doubled, dynamic_quant(x, fp8=float8_e4m3fnuz)'s. Raises ValueError on a shape,
     dtype or config mismatch."""
-    _check_gemv(x, w, ws, out_dtype, config, "ptpc_fp8_gemv_quant")
+    check_model_dtype("x", x)
+    if x.dim() != 2 or x.shape[0] != 1 or x.stride(1) != 1:
+        raise ValueError(f"x must be one token's row [1, K] with unit column stride, got {tuple(x.shape)}")
+    if config.block_m != 1:
+        raise ValueError(f"ptpc_fp8_gemv_quant runs a GEMV config (block_m 1), got block_m {config.block_m}")
+    if w.dtype not in FP8_FORMATS or w.dim() != 2 or w.shape[1] != x.shape[1] or w.stride(1) != 1:
+        raise ValueError(
+            f"w must be float8_e4m3fn or float8_e4m3fnuz [N, {x.shape[1]}] with contiguous rows, got {w.dtype} "
+            f"{tuple(w.shape)}"
+        )
+    if ws.dtype not in _SCALE_DTYPES or tuple(ws.shape) != (w.shape[0], 1):
+        raise ValueError(f"ws must be bf16/fp16/fp32 [N,1] = [{w.shape[0]},1], got {ws.dtype} {tuple(ws.shape)}")
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
+    if len({t.device for t in (x, w, ws)}) != 1:
+        raise ValueError(f"all inputs must be on one device, got {[str(t.device) for t in (x, w, ws)]}")
     out = torch.empty((1, w.shape[0]), dtype=out_dtype, device=x.device)
     if w.shape[0] and x.shape[1]:
         _gemv(x, x, w, ws, out, config, pdl, prefetch_k, quant=True)  # (no scale to pass: x stands in)
     elif w.shape[0]:
         out.zero_()
     return out
-
-
-def ptpc_fp8_gemv_silu_quant(
-    xq: torch.Tensor,
-    xs: torch.Tensor | None,
-    w: torch.Tensor,
-    ws: torch.Tensor,
-    out_dtype: torch.dtype,
-    config: GemmConfig,
-    counter: torch.Tensor,
-    *,
-    norm: tuple | None = None,
-    pdl: bool = False,
-    prefetch_k: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """silu_mul_quant(ptpc_fp8_gemm(xq, xs, w, ws, out_dtype, config), fp8=w's format) for one token
-    in one launch, w being gate_up's weight [2I, K] (gate rows, then up rows): the GEMV's programs
-    store gate_up [1, 2I] as ever and the last to finish makes (yq [1, I], ys [1, 1]) from it
-    (kernels/gemv_epilogue.py: silu_mul_quant's arithmetic, so its bits). counter: int32 [1], zero,
-    left zero (one per call site: launches of one counter must not overlap). norm: (residual | None,
-    norm weight, residual_out, eps): xq is then AddRMSNorm's x [1, K] in the model dtype, normalized
-    and quantized in every program as ptpc_fp8_gemv_norm_quant does (xs unused; x may be deferred there
-    too). Raises ValueError on
-    a shape, dtype or config mismatch."""
-    if norm is None:
-        _check(xq, xs, w, ws, out_dtype)
-        if xq.shape[0] != 1 or config.block_m != 1:
-            raise ValueError(
-                f"ptpc_fp8_gemv_silu_quant runs one token [1, K] on a GEMV config (block_m 1), got {tuple(xq.shape)}"
-            )
-    else:
-        row = _norm_row(xq, norm[0])
-        _check_gemv(row, w, ws, out_dtype, config, "ptpc_fp8_gemv_silu_quant")
-        _check_norm(row, norm[0], norm[1], norm[2])
-    if counter.dtype != torch.int32 or counter.numel() != 1 or counter.device != w.device:
-        raise ValueError(
-            f"counter must be one int32 on {w.device}, got {counter.dtype} {tuple(counter.shape)} on {counter.device}"
-        )
-    n = w.shape[0]
-    if n % 2 or n == 0 or w.shape[1] == 0:
-        raise ValueError(
-            f"w must be gate_up's weight [2I, K] (an even, non-zero row count, K > 0), got {tuple(w.shape)}"
-        )
-    gate_up = torch.empty((1, n), dtype=out_dtype, device=w.device)
-    yq = torch.empty((1, n // 2), dtype=w.dtype, device=w.device)
-    ys = torch.empty((1, 1), dtype=torch.float32, device=w.device)
-    _gemv(xq, xq if xs is None else xs, w, ws, gate_up, config, pdl, prefetch_k, norm=norm, silu=(yq, ys, counter))
-    return yq, ys
 
 
 def _check(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, out_dtype: torch.dtype) -> None:

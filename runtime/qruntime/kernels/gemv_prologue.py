@@ -1,12 +1,16 @@
-"""The AddRMSNorm + per-token quantization of one token's row, computed inside the GEMV that reads
-it (fp8_gemm.ptpc_fp8_gemv_norm_quant) instead of in a launch of its own.
+"""AddRMSNorm of one token's row, computed inside the GEMV launch that reads it instead of in a
+launch of its own: the fused MoE's one-token routing launch (moe_routing.moe_router_one's rms),
+whose every program reads the whole row for its router rows anyway.
 
-Every GEMV program normalizes the whole row itself (x, residual and the norm weight are a few KB,
-read from L2) with the arithmetic of add_rmsnorm_quant.py's kernel, op for op: h = D(x + residual),
-the fp32 sum of squares of h over the same tiles in the same order, rstd = 1 / sqrt(sum / H + eps)
-in IEEE ops, y = D(w * D(h * rstd)). So y, its max |y| and the e4m3 codes are that kernel's, bit
-for bit wherever the two sums of squares agree (always under the interpreter; on a GPU the tree of
-a tile's sum may differ in its last bit, as the kernel's own note says of torch's order).
+Each program normalizes the row with the arithmetic of add_rmsnorm_quant.py's kernel, op for op:
+h = D(x + residual), the fp32 sum of squares of h over the same tiles in the same order, rstd =
+1 / sqrt(sum / H + eps) in IEEE ops, y = D(w * D(h * rstd)). So y is that kernel's, bit for bit
+wherever the two sums of squares agree (always under the interpreter; on a GPU the tree of a tile's
+sum may differ in its last bit, as the kernel's own note says of torch's order).
+
+A norm folded this way pays only where its extra work is small beside the launch's own: the router
+reads the row anyway. Folded into a PTPC GEMV's prologue instead, every one of its ~N/4 programs
+re-read the row, and qwen3-8b's batch-1 decode got 16% slower on an H200 (docs/OPS.md).
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from qruntime.kernels.deferred_sum import deferred_value
 from qruntime.kernels.dynamic_quant import round_to
 
 
@@ -26,60 +29,36 @@ def rms_rstd(sum_sq, H, eps):
 
 
 @triton.jit
-def residual_sum(
-    x_ptr, r_ptr, offs, mask, sx_ptr, sw_ptr, slice_stride, stride_sx, stride_sw,
-    SLICES: tl.constexpr, SCALED: tl.constexpr, HAS_RES: tl.constexpr, DTYPE: tl.constexpr, HW: tl.constexpr,
-):  # fmt: skip
-    """h = D(x + residual) at offs (x itself without a residual), as fp32 holding D values; 0 past mask.
-    SLICES > 0: x is a deferred output's SLICES slices (deferred_sum.py: split-K partials with their
-    scales sx, sw when SCALED, or a fused MoE's k weighted expert rows), added up first as the
-    launch they stand for would."""
-    if SLICES > 0:
-        h = deferred_value(
-            x_ptr, sx_ptr, sw_ptr, 0, offs, mask, slice_stride, 0, stride_sx, stride_sw, SLICES, SCALED, DTYPE, HW
-        )
-    else:
-        h = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RES:
-        h = round_to(h + tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32), DTYPE, HW)
-    return h
+def residual_sum(x_ptr, r_ptr, offs, mask, DTYPE: tl.constexpr, HW: tl.constexpr):
+    """h = D(x + residual) at offs, as fp32 holding D values; 0 past mask."""
+    h = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return round_to(h + tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32), DTYPE, HW)
 
 
 @triton.jit
 def row_rstd(
-    x_ptr, r_ptr, ro_ptr, w_ptr, H, eps, WRITE, sx_ptr, sw_ptr, slice_stride, stride_sx, stride_sw,
-    BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, SLICES: tl.constexpr, SCALED: tl.constexpr,
-    HAS_RES: tl.constexpr, HW: tl.constexpr,
-):  # fmt: skip
+    x_ptr, r_ptr, ro_ptr, w_ptr, H, eps, WRITE, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, HW: tl.constexpr
+):
     """rstd of the row h = D(x + residual) [H], its squares summed over NUM_CHUNKS tiles of BLOCK as
-    add_rmsnorm_quant's kernel sums them; where WRITE (and HAS_RES), h is stored at ro_ptr (w_ptr,
-    the norm weight, gives the model dtype D)."""
+    add_rmsnorm_quant's kernel sums them; where WRITE, h is stored at ro_ptr (w_ptr, the norm
+    weight, gives the model dtype D)."""
     dtype = w_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for chunk in tl.static_range(NUM_CHUNKS):
         offs = chunk * BLOCK + cols
         mask = offs < H
-        h = residual_sum(
-            x_ptr, r_ptr, offs, mask, sx_ptr, sw_ptr, slice_stride, stride_sx, stride_sw, SLICES, SCALED, HAS_RES,
-            dtype, HW,
-        )  # fmt: skip
-        if HAS_RES:  # noqa: SIM102 (a constexpr branch around a runtime one)
-            if WRITE:
-                tl.store(ro_ptr + offs, h.to(dtype), mask=mask)  # exact: h is a D value
+        h = residual_sum(x_ptr, r_ptr, offs, mask, dtype, HW)
+        if WRITE:
+            tl.store(ro_ptr + offs, h.to(dtype), mask=mask)  # exact: h is a D value
         acc += h * h
     return rms_rstd(tl.sum(acc, axis=0), H, eps)
 
 
 @triton.jit
-def normed_value(
-    x_ptr, r_ptr, w_ptr, offs, mask, rstd, sx_ptr, sw_ptr, slice_stride, stride_sx, stride_sw,
-    SLICES: tl.constexpr, SCALED: tl.constexpr, HAS_RES: tl.constexpr, HW: tl.constexpr,
-):  # fmt: skip
+def normed_value(x_ptr, r_ptr, w_ptr, offs, mask, rstd, HW: tl.constexpr):
     """y = D(w * D(h * rstd)) at offs, in fp32 (0 past mask)."""
     dtype = w_ptr.dtype.element_ty
-    h = residual_sum(
-        x_ptr, r_ptr, offs, mask, sx_ptr, sw_ptr, slice_stride, stride_sx, stride_sw, SLICES, SCALED, HAS_RES, dtype, HW
-    )
+    h = residual_sum(x_ptr, r_ptr, offs, mask, dtype, HW)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     return round_to(w * round_to(h * rstd, dtype, HW), dtype, HW)

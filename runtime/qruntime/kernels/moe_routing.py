@@ -180,10 +180,7 @@ def _router_one_kernel(
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty  # the model dtype, which F.linear's logits are in
     rstd = 0.0
     if RMS:  # gemv_prologue.py: the norm kernel's arithmetic; program 0 writes residual_out
-        rstd = row_rstd(
-            x_ptr, r_ptr, ro_ptr, nw_ptr, H, eps, tl.program_id(0) == 0, x_ptr, x_ptr, 0, 0, 0,
-            RMS_BLOCK, RMS_CHUNKS, 0, False, True, HW,
-        )  # fmt: skip
+        rstd = row_rstd(x_ptr, r_ptr, ro_ptr, nw_ptr, H, eps, tl.program_id(0) == 0, RMS_BLOCK, RMS_CHUNKS, HW)
     # ---- logits of this program's experts: fp32 dot products over H, rounded as F.linear's output;
     # the row's max |x| on the way (every program reads all of x)
     pid = tl.program_id(0)
@@ -194,7 +191,7 @@ def _router_one_kernel(
     for start in range(0, H, BLOCK_H):
         mask = start + cols < H
         if RMS:
-            x = normed_value(x_ptr, r_ptr, nw_ptr, start + cols, mask, rstd, x_ptr, x_ptr, 0, 0, 0, 0, False, True, HW)
+            x = normed_value(x_ptr, r_ptr, nw_ptr, start + cols, mask, rstd, HW)
         else:
             x = tl.load(x_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
@@ -206,7 +203,7 @@ def _router_one_kernel(
     scale = quant_scale(tl.max(amax, axis=0))
     part = pid * SLICE + tl.arange(0, SLICE)
     if RMS:
-        xv = normed_value(x_ptr, r_ptr, nw_ptr, part, part < H, rstd, x_ptr, x_ptr, 0, 0, 0, 0, False, True, HW)
+        xv = normed_value(x_ptr, r_ptr, nw_ptr, part, part < H, rstd, HW)
     else:
         xv = tl.load(x_ptr + part, mask=part < H, other=0.0).to(tl.float32)
     tl.store(xq_ptr + part, fp8_e4m3_code(xv, scale, tl.math.div_rn(1.0, scale), HW, FNUZ), mask=part < H)

@@ -5,9 +5,6 @@ of the partition once for all the q heads of that kv head (GQA group, padded to 
 tl.dot), keeps the online-softmax running max / sum in fp32 and writes the partition's normalized
 output and log-sum-exp. Stage 2 merges the partitions of each (sequence, head) with the
 log-sum-exp trick. With one partition, stage 1 writes the output directly and stage 2 is skipped.
-Folded (a counters buffer given): stage 1's last program of each (sequence, kv head), found by an
-atomic count, merges that kv head's GROUP heads itself (reduce_partitions, stage 2's arithmetic): one
-launch.
 
 The number of partitions comes from host ints the caller fixes (num_splits, or max_context_len, or
 the block table's width), never from context_lens' data: no host sync, CUDA-graph capturable. The
@@ -297,47 +294,6 @@ def partition_len(ctx, num_splits, min_partition, STEP: tl.constexpr):
     return tl.maximum(part, min_partition)
 
 
-@triton.jit
-def reduce_partitions(
-    partial_ptr,  # [decodes, nh, S, d] fp32
-    lse_ptr,  # [decodes, nh, S] fp32
-    row0,  # this (decode, head)'s first partition row
-    used,  # partitions stage 1 wrote
-    o_ptr,  # this (decode, head)'s output row
-    v_scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    VOLATILE: tl.constexpr,  # other programs of this launch wrote the partitions: read past the L1
-):
-    """One (decode, head)'s output: its partitions merged by the log-sum-exp trick, BLOCK_S at a time
-    in split order (the reduce kernel and the folded partition kernel both call it: the same bits)."""
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    m_run = tl.full([BLOCK_S], float("-inf"), tl.float32)  # running max, kept as a uniform vector
-    l_run = tl.zeros([BLOCK_S], tl.float32)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, used, BLOCK_S):
-        s_mask = s0 + offs_s < used
-        lse = tl.load(lse_ptr + row0 + s0 + offs_s, mask=s_mask, other=float("-inf"), volatile=VOLATILE)
-        m_new = tl.maximum(m_run, tl.max(lse, 0))
-        alpha = tl.exp2(m_run - m_new)
-        w = tl.where(s_mask, tl.exp2(lse - m_new), 0.0)  # [S]
-        part = tl.load(
-            partial_ptr + (row0 + s0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-            mask=s_mask[:, None] & d_mask[None, :],
-            other=0.0,
-            volatile=VOLATILE,
-        )
-        acc = acc * tl.max(alpha, 0) + tl.sum(w[:, None] * part, 0)
-        l_run = l_run * alpha + w
-        m_run = m_new
-    total = tl.sum(l_run, 0)
-    o = acc * (v_scale / tl.where(total > 0.0, total, 1.0))
-    tl.store(o_ptr + offs_d, o.to(o_ptr.dtype.element_ty), mask=d_mask)
-
-
 # no variants per step: Triton would compile one for each int argument equal to 1 or a multiple of
 # 16, and the step's size, its block tables' width and its split count are either from step to step
 @triton.jit(do_not_specialize=["num_seqs", "bt_stride", "num_splits", "target_programs"])
@@ -351,8 +307,6 @@ def _decode_partition_kernel(
     work_ptr,  # FLAT only: paged_prefill_attention.bounds_work's list (decode count, then the decodes)
     out_ptr,  # [B, nh * d] (VARLEN: [T, nh * d]) when DIRECT, else partial outputs [decodes, nh, splits, d] fp32
     lse_ptr,  # [decodes, nh, S] fp32, log2 domain
-    final_ptr,  # FOLD only: the output, [B, nh * d] (VARLEN: [T, nh * d])
-    counters_ptr,  # FOLD only: [decodes * kv heads] int32, zero between launches (the last program puts it back)
     num_seqs,  # B (VARLEN only)
     q_stride_b,
     q_stride_h,
@@ -393,8 +347,6 @@ def _decode_partition_kernel(
     KV_HEADS: tl.constexpr,  # FLAT only
     WORK_HEADER: tl.constexpr,  # FLAT only
     SCAN: tl.constexpr,
-    FOLD: tl.constexpr,  # the last program of each (decode, kv head) merges its partitions (not DIRECT)
-    BLOCK_S: tl.constexpr,  # FOLD only: the reduce's partitions at a time
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     wait_for_inputs(PDL)
@@ -464,20 +416,6 @@ def _decode_partition_kernel(
         tl.store(lse_ptr + part, m_i + tl.log2(l_safe), mask=g_written)
         o_ptr = out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(o_ptr, acc / l_safe[:, None], mask=g_written[:, None] & d_mask[None, :])
-        if FOLD:  # every program of this (decode, kv head) counts in, partitions past the context too
-            tl.debug_barrier()  # this program's stores, before its release
-            counter = counters_ptr + idx * num_kv_heads + kv_head
-            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if done == splits - 1:  # the last of them: the others' partitions are stored
-                tl.store(counter, 0)  # for the next launch (a captured graph replays this one)
-                used = tl.cdiv(ctx, partition)  # partitions written (the reduce kernel's count)
-                out_row = final_ptr + row * (GROUP * num_kv_heads * HEAD_DIM)
-                for g in range(GROUP):
-                    head = kv_head * GROUP + g
-                    reduce_partitions(
-                        out_ptr, lse_ptr, (idx * GROUP * num_kv_heads + head) * splits, used,
-                        out_row + head * HEAD_DIM, v_scale, HEAD_DIM, BLOCK_D, BLOCK_S, True,
-                    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_seqs", "num_splits", "target_programs"])  # no variants per step (above)
@@ -527,10 +465,35 @@ def _decode_reduce_kernel(
     else:
         splits = num_splits
     used = tl.cdiv(ctx, partition_len(ctx, splits, min_partition, STEP))  # partitions stage 1 wrote
-    reduce_partitions(
-        partial_ptr, lse_ptr, (idx * tl.num_programs(1) + head) * splits, used,
-        out_ptr + row * (tl.num_programs(1) * HEAD_DIM) + head * HEAD_DIM, v_scale, HEAD_DIM, BLOCK_D, BLOCK_S, False,
-    )  # fmt: skip
+    row0 = (idx * tl.num_programs(1) + head) * splits
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+
+    m_run = tl.full([BLOCK_S], float("-inf"), tl.float32)  # running max, kept as a uniform vector
+    l_run = tl.zeros([BLOCK_S], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, used, BLOCK_S):
+        s_mask = s0 + offs_s < used
+        lse = tl.load(lse_ptr + row0 + s0 + offs_s, mask=s_mask, other=float("-inf"))
+        m_new = tl.maximum(m_run, tl.max(lse, 0))
+        alpha = tl.exp2(m_run - m_new)
+        w = tl.where(s_mask, tl.exp2(lse - m_new), 0.0)  # [S]
+        part = tl.load(
+            partial_ptr + (row0 + s0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=s_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        acc = acc * tl.max(alpha, 0) + tl.sum(w[:, None] * part, 0)
+        l_run = l_run * alpha + w
+        m_run = m_new
+    total = tl.sum(l_run, 0)
+    o = acc * (v_scale / tl.where(total > 0.0, total, 1.0))
+    tl.store(
+        out_ptr + row * (tl.num_programs(1) * HEAD_DIM) + head * HEAD_DIM + offs_d,
+        o.to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
 
 
 def cdiv(a: int, b: int) -> int:
@@ -581,7 +544,6 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     kv: PagedKV | None = None,
     pdl: bool = False,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode-step paged attention: o [B, nh*d] for q [B, nh, d], one query per sequence at position
     context_lens[b] - 1 (it sees the whole cached context).
@@ -607,10 +569,6 @@ def paged_decode_attention(
     out: the output to write (o's shape, q's dtype); allocated when None.
     kv: paged_kv(...) of these pools, q's dtype and heads and these scales, when the caller keeps it;
     None computes it. pdl: programmatic dependent launch (kernels/pdl.py).
-    counters: int32 zeros, at least (B or num_decodes) x num_kv_heads of them on q's device: with more
-    than one partition, the partitions are merged in the partition launch (its last program of each
-    sequence and kv head, by an atomic count in counters, which it puts back to zero) instead of a
-    second launch; the same bits. None: two launches.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, nh, d], got {tuple(q.shape)}")
@@ -654,19 +612,10 @@ def paged_decode_attention(
         out = torch.empty(tokens, nh * d, dtype=q.dtype, device=q.device)
     elif out.dtype != q.dtype or tuple(out.shape) != (tokens, nh * d) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {q.dtype} [{tokens}, {nh * d}], got {out.dtype} {tuple(out.shape)}")
-    if counters is not None and (
-        counters.dtype != torch.int32 or counters.dim() != 1 or counters.numel() < batch * num_kv_heads
-        or counters.device != q.device
-    ):  # fmt: skip
-        raise ValueError(
-            f"counters must be int32 [>= {batch * num_kv_heads}] (decodes x kv heads) on q's device, "
-            f"got {counters.dtype} {tuple(counters.shape)} on {counters.device}"
-        )
     if batch == 0:
         return out
     group = nh // num_kv_heads
     direct = num_splits == 1
-    fold = counters is not None and not direct
     # [decodes, nh, splits] rows; with a work list: as many as the step's count and split count take
     rows = max(batch * nh, 2 * target * group) if flat else batch * nh * num_splits
     if direct:
@@ -682,16 +631,16 @@ def paged_decode_attention(
     else:
         grid = (batch, num_kv_heads, num_splits)
     _decode_partition_kernel[grid](
-        q, k_pool, v_pool, block_tables, context_lens, qsl, work if flat else qsl, partial, lse, out,
-        counters if fold else qsl, seqs, q.stride(0), q.stride(1), block_tables.stride(0), min_partition, num_splits, target,
+        q, k_pool, v_pool, block_tables, context_lens, qsl, work if flat else qsl, partial, lse, seqs,
+        q.stride(0), q.stride(1), block_tables.stride(0), min_partition, num_splits, target,
         scale * kv.k_scale * LOG2E, kv.v_scale, *kv.k_args(), *kv.v_args(),
         STEP=block_n, GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_SIZE=block_size, **kv.splits(), SPLIT_P=q.dtype != torch.float32,
         UPCAST=q.device.type != "cuda", DIRECT=direct, VARLEN=varlen, FLAT=flat,
-        KV_HEADS=num_kv_heads, WORK_HEADER=WORK_HEADER, SCAN=SCAN_BLOCK, FOLD=fold, BLOCK_S=REDUCE_BLOCK_S,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
+        KV_HEADS=num_kv_heads, WORK_HEADER=WORK_HEADER, SCAN=SCAN_BLOCK, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **launch_options(pdl),
     )  # fmt: skip
-    if not direct and not fold:
+    if not direct:
         _decode_reduce_kernel[(batch, nh)](
             partial, lse, context_lens, qsl, work if flat else qsl, out, seqs, min_partition, num_splits, target,
             kv.v_scale,

@@ -14,7 +14,6 @@ product equals the nvidia-sm90 artifact's; a reference fallback's e4m3fn codes a
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -40,15 +39,6 @@ def in_target_format(env, quantized: tuple) -> tuple:
     if env.fp8 == torch.float8_e4m3fn:
         return quantized
     return (*to_e4m3fnuz(quantized[0], quantized[1]), *quantized[2:])
-
-
-@dataclass(frozen=True)
-class SiluQuantDone:
-    """A one-token gate_up PTPCLinear's output when its GEMV's last program already made the next
-    SiluMulQuant's (yq, ys) (fold_silu_quant): the SiluMulQuant hands them on."""
-
-    yq: torch.Tensor
-    ys: torch.Tensor
 
 
 class DynamicQuant(quant.DynamicQuant):
@@ -89,18 +79,13 @@ class AddRMSNorm(quant.AddRMSNorm):
 class AddRMSNormQuant(quant.AddRMSNormQuant):
     def __init__(self, attrs, env, consts=()) -> None:
         super().__init__(attrs, env, consts)
-        from qruntime.kernels.add_rmsnorm_quant import DeferredNormQuant, add_rmsnorm_quant
+        from qruntime.kernels.add_rmsnorm_quant import add_rmsnorm_quant
 
         self.kernel = add_rmsnorm_quant if self.a["group_size"] == 0 else None
-        self.deferred = DeferredNormQuant
-        # the PTPCLinear after this node normalizes and quantizes one token's row itself (fold_norm_quant)
-        self.defer = False
 
     def __call__(self, step, x, residual, w):
         if self.kernel is None:
             return in_target_format(self.env, super().__call__(step, x, residual, w))
-        if self.defer and (row := self.deferred.of(x, residual, w, self.a["epsilon"], self.env.pdl, self.env.fp8)):
-            return row, row, row.residual_out  # (yq, ys): the reader takes both as the one row
         return self.kernel(x, residual, w, self.a["epsilon"], pdl=self.env.pdl, fp8=self.env.fp8)
 
 
@@ -112,8 +97,6 @@ class SiluMulQuant(quant.SiluMulQuant):
         self.kernel = silu_mul_quant if self.a["group_size"] == 0 else None
 
     def __call__(self, step, gate_up):
-        if isinstance(gate_up, SiluQuantDone):  # made by the gate_up GEMV's last program (fold_silu_quant)
-            return gate_up.yq, gate_up.ys
         if self.kernel is None:
             return in_target_format(self.env, super().__call__(step, gate_up))
         return self.kernel(gate_up, pdl=self.env.pdl, fp8=self.env.fp8)
@@ -142,21 +125,11 @@ class PTPCLinear(quant.PTPCLinear):
 
     def __init__(self, attrs, env, consts=()) -> None:
         super().__init__(attrs, env, consts)
-        from qruntime.kernels.add_rmsnorm_quant import DeferredNormQuant
         from qruntime.kernels.dynamic_quant import DeferredQuant
-        from qruntime.kernels.fp8_gemm import (
-            GemmConfig,
-            default_config,
-            ptpc_fp8_gemm,
-            ptpc_fp8_gemv_norm_quant,
-            ptpc_fp8_gemv_quant,
-            ptpc_fp8_gemv_silu_quant,
-        )
+        from qruntime.kernels.fp8_gemm import GemmConfig, default_config, ptpc_fp8_gemm, ptpc_fp8_gemv_quant
 
         self.gemm, self.config_from, self.default = ptpc_fp8_gemm, GemmConfig.from_dict, default_config
         self.gemv_quant, self.deferred = ptpc_fp8_gemv_quant, DeferredQuant
-        self.gemv_norm_quant, self.deferred_norm = ptpc_fp8_gemv_norm_quant, DeferredNormQuant
-        self.gemv_silu_quant = ptpc_fp8_gemv_silu_quant
         w, ws = (consts + (None,) * 4)[2:4]
         if w is None or ws is None:
             raise OpBindError("PTPCLinear's weight and scale must be graph initializers")
@@ -166,14 +139,6 @@ class PTPCLinear(quant.PTPCLinear):
         self.plans: dict[int, tuple[str, object]] = {}  # tokens -> (backend, config), filled on first use
         # the node after this one reads its output as split-K partials (fold_split_k_reductions)
         self.defer_reduce = False
-        # gate_up whose SiLU-mul-quant the GEMV's last program makes (fold_silu_quant): that launch's counter
-        self.counter: torch.Tensor | None = None
-
-    def _silu_args(self, config) -> dict:
-        return {
-            "out_dtype": self.env.dtype, "config": config, "counter": self.counter, "pdl": self.env.pdl,
-            "prefetch_k": self.prefetch_k,
-        }  # fmt: skip
 
     def _plan(self, m: int) -> tuple[str, object]:
         if m not in self.plans:
@@ -196,20 +161,7 @@ class PTPCLinear(quant.PTPCLinear):
                     xq.x, w, ws, self.env.dtype, config, pdl=self.env.pdl, prefetch_k=self.prefetch_k
                 )  # quantizes to w's format, the target's
             xq, xs = xq.quantize()  # the tuned kernel is not the GEMV: quantize in a launch first
-        elif isinstance(xq, self.deferred_norm):  # one token's row, its AddRMSNormQuant folded in (fold_norm_quant)
-            backend, config = self._plan(1)
-            if backend == "triton" and config.block_m == 1:
-                norm = (xq.residual, xq.w, xq.residual_out, xq.eps)
-                if self.counter is not None:  # gate_up, its SiLU-mul-quant folded in too (fold_silu_quant)
-                    return SiluQuantDone(*self.gemv_silu_quant(xq.x, None, w, ws, **self._silu_args(config), norm=norm))
-                return self.gemv_norm_quant(
-                    xq.x, xq.residual, xq.w, xq.eps, xq.residual_out, w, ws, self.env.dtype, config,
-                    pdl=self.env.pdl, prefetch_k=self.prefetch_k,
-                )  # fmt: skip
-            xq, xs = xq.quantize()  # the tuned kernel is not the GEMV: normalize in a launch first
         backend, config = self._plan(xq.shape[0])
-        if self.counter is not None and xq.shape[0] == 1 and backend == "triton" and config.block_m == 1:
-            return SiluQuantDone(*self.gemv_silu_quant(xq, xs, w, ws, **self._silu_args(config)))
         if backend == "cublaslt":
             return torch._scaled_mm(xq, w.T, scale_a=xs, scale_b=self.ws_row, out_dtype=self.env.dtype)
         return self.gemm(
@@ -409,10 +361,6 @@ class PagedAttention(attention.PagedAttention):
     capturable = True
     launches_from_bounds = True
     SDPA_MIN_TOKENS = 512
-    # the decode kernel merges its partitions in its own last programs (paged_decode_attention's
-    # counters): one launch, not two. Off until timed on a GPU (bench/launch_ab.py --modes attn-fold)
-    fold_reduce = False
-    FOLD_MIN_DECODES = 256  # the counters' first size, in decodes (grown when a step's bound is more)
 
     def __init__(self, attrs, env, consts=()) -> None:
         super().__init__(attrs, env, consts)
@@ -421,21 +369,6 @@ class PagedAttention(attention.PagedAttention):
 
         self.decode, self.prefill, self.paged_kv = paged_decode_attention, paged_prefill_attention, paged_kv
         self._checked = None  # (k_pool, v_pool, q dtype, their PagedKV): the pools' checks, done once
-        self.counters: torch.Tensor | None = None  # int32 zeros, one per (decode, kv head): fold_reduce
-        self._retired: list[torch.Tensor] = []  # smaller counters a captured graph may still use
-
-    def _counters(self, decodes: int) -> torch.Tensor | None:
-        """The decode kernel's counters for a bound of `decodes` (None unless fold_reduce): allocated
-        on first use (outside a capture: graphs run their steps eagerly first), grown when too small."""
-        if not self.fold_reduce:
-            return None
-        counters, wanted = self.counters, decodes * self.a["num_kv_heads"]
-        if counters is None or counters.numel() < wanted:
-            if counters is not None:
-                self._retired.append(counters)
-            size = max(decodes, self.FOLD_MIN_DECODES) * self.a["num_kv_heads"]
-            self.counters = counters = torch.zeros(size, dtype=torch.int32, device=self.env.device)
-        return counters
 
     def __call__(self, step, q, ready, block_tables, context_lens, query_start_loc):
         a, cache, meta = self.a, step.kv_cache, step.attn
@@ -455,16 +388,13 @@ class PagedAttention(attention.PagedAttention):
             out = self.prefill(*args, max_q_len=q.shape[0], work=meta.work, kv=kv, pdl=pdl, **common)
             bound = min(block_tables.shape[0], q.shape[0])
             kwargs = dict(query_start_loc=query_start_loc, num_decodes=bound, work=meta.work, out=out)
-            kwargs["counters"] = self._counters(bound)
             self.decode(*args[:5], max_context_len=meta.max_context_len, kv=kv, pdl=pdl, **kwargs, **common)
             return out
         if meta.decode_only:
             kv = self._pools_checked(q, pools, common)
-            counters = self._counters(block_tables.shape[0])
             return self.decode(
-                q, *pools, block_tables, context_lens, max_context_len=meta.max_context_len, kv=kv, pdl=pdl,
-                counters=counters, **common,
-            )  # fmt: skip
+                q, *pools, block_tables, context_lens, max_context_len=meta.max_context_len, kv=kv, pdl=pdl, **common
+            )
         q_lens = list(map(operator.sub, meta.query_start[1:], meta.query_start[:-1]))
         num_decodes = q_lens.count(1)  # host ints only: no sync, no index tensor (the kernels scan)
         longest = meta.max_q_len or max(q_lens, default=0)  # metadata built without max_q_len: 0
@@ -478,7 +408,6 @@ class PagedAttention(attention.PagedAttention):
         if num_decodes:
             args = (q, *pools, block_tables, context_lens)
             kwargs = dict(query_start_loc=query_start_loc, num_decodes=num_decodes, out=out, **common)
-            kwargs["counters"] = self._counters(num_decodes)
             kv = self._pools_checked(q, pools, common)
             self.decode(*args, max_context_len=meta.max_context_len, kv=kv, pdl=pdl, **kwargs)
         return out
@@ -611,36 +540,6 @@ def fold_dynamic_quant(plan) -> int:
     return folded
 
 
-def fold_norm_quant(plan) -> int:
-    """Let each Triton AddRMSNormQuant (per-token) whose yq and ys only the next node reads, a
-    PTPCLinear (qkv_proj, a dense MLP's gate_up), hand it one token's x, residual and norm weight
-    (DeferredNormQuant) at batch-1 decode: where that GEMM runs the GEMV, every GEMV program
-    normalizes and quantizes the row as it reads it (fp8_gemm.ptpc_fp8_gemv_norm_quant: the norm
-    kernel's arithmetic) and program 0 writes residual_out, saving the norm's launch; otherwise the
-    norm runs in its own launch first. A fused MoE right before such a norm (its only reader) then
-    leaves its combine to it (defer_combine: the GEMV, or the norm kernel at other token counts, adds
-    each token's expert rows as the combine launch would), saving that launch too. Not the
-    all-reduce forms. Off unless load(..., prologue_folds=True): it costs more than the launches it
-    saves, since every one of the GEMV's ~N/4 programs re-reads the row (H200: qwen3-8b's qkv GEMV
-    8.0 -> 22.7 us for a 3.5 us norm launch saved; bench/results/launch_ab_folds_*). Returns the
-    norms changed."""
-    readers = _readers(plan)
-    folded = 0
-    for index, node in _quantized_inputs(plan, AddRMSNormQuant, readers):
-        node.op.defer = True
-        folded += 1
-        before = plan.nodes[index - 1] if index else None
-        if (  # a fused MoE right before, read only by this norm: the GEMV adds its expert rows too
-            before is not None
-            and type(before.op) is MoE
-            and before.op.kernel is not None
-            and node.inputs[0] == before.outputs[0]
-            and readers.get(before.outputs[0]) == [index]
-        ):
-            before.op.defer_combine = True
-    return folded
-
-
 def fold_router_norm(plan) -> int:
     """Let each Triton AddRMSNorm whose y only the next node reads, a fused FP8 MoE, hand it one
     token's x, residual and norm weight (DeferredRMSNorm) at batch-1 decode: its routing launch,
@@ -662,30 +561,6 @@ def fold_router_norm(plan) -> int:
             and y != plan.output
         ):
             node.op.defer = True
-            folded += 1
-    return folded
-
-
-def fold_silu_quant(plan) -> int:
-    """Let each Triton PTPCLinear whose output only the next node reads, a SiluMulQuant (per-token:
-    a dense MLP's gate_up), make that node's (yq, ys) itself at batch-1 decode: where it runs the
-    GEMV, the GEMV's last program computes silu_mul_quant's row from the gate_up the programs stored
-    (fp8_gemm.ptpc_fp8_gemv_silu_quant: its bits; each op gets its own int32 counter), saving the
-    SiLU-mul-quant's launch; tiles (and every step of more tokens) leave it to the SiluMulQuant as
-    before. Off unless load(..., prologue_folds=True): not yet timed on a GPU. Returns the ops changed."""
-    readers = _readers(plan)
-    folded = 0
-    for index, (node, reader) in enumerate(zip(plan.nodes, plan.nodes[1:], strict=False)):
-        out = node.outputs[0]
-        if (
-            type(node.op) is PTPCLinear
-            and type(reader.op) is SiluMulQuant
-            and reader.op.kernel is not None
-            and reader.inputs[0] == out
-            and readers.get(out) == [index + 1]
-            and out != plan.output
-        ):
-            node.op.counter = torch.zeros(1, dtype=torch.int32, device=node.op.env.device)
             folded += 1
     return folded
 

@@ -30,7 +30,6 @@ class ServeOptions:
     backend: str = "auto"
     prefix_cache: bool = True
     launch_pacing: bool = False
-    prologue_folds: bool = False
     speculative: str | None = None
     threads: int | None = None
     engine: str = "process"
@@ -125,15 +124,6 @@ def add_serve_parser(verbs: Any) -> None:
         "measures), so that requests arriving meanwhile join it rather than the step after. Off by default: on "
         "an H200 it gave the first token sooner in one shared-prefix run of two, and later at 64 clients in both "
         "(docs/performance.md).",
-    )
-    add(
-        "--prologue-folds",
-        dest="prologue_folds",
-        action="store_true",
-        default=None,
-        help="Batch-1 decode launches fewer kernels: each norm runs inside the GEMV that reads it and a dense MLP's "
-        "SiLU-mul in its gate_up GEMV's last program (qruntime.load(prologue_folds=True); the same outputs). Off by "
-        "default until timed on a GPU (docs/OPS.md).",
     )
     add(
         "--speculative",

@@ -99,7 +99,6 @@ def serve(options: ServeOptions, err: TextIO | None = None) -> None:
         "num_kv_blocks": options.num_kv_blocks,
         "backend": options.backend,
         "prefix_cache": options.prefix_cache,
-        "prologue_folds": options.prologue_folds,
         "speculative": speculative,
     }
     # the port first: one in use is an error now, not after a model's minutes of loading

@@ -230,68 +230,13 @@ def test_o_proj_quantization_folds_into_the_gemv_to_the_same_bits(tiny_ckpt, com
     assert sum(deferred) == spec.num_layers  # one token's row, to each o_proj of the decode step
 
 
-@pytest.mark.parametrize("linears", ["gemv", "tiles"])
-def test_norms_fold_into_the_next_gemv_to_the_same_bits(tiny_ckpt, compiled, linears, monkeypatch):
-    """load(prologue_folds=True): each AddRMSNormQuant whose yq and ys only the next PTPCLinear reads
-    (input norm -> qkv, post-attention norm -> gate_up) hands it one token's x, residual and norm
-    weight, and gate_up's GEMV makes the SiluMulQuant's output in its last program: a batch-1 decode
-    step gives the unfolded plan's logits and cache bits (the residual stream included: the next
-    layer reads residual_out), whether those linears run the GEMV (which normalizes the row itself,
-    no norm or SiLU-mul-quant launch) or tiles (both launched as before); the prefill step (7 tokens)
-    is not deferred. The default folds run in both plans."""
-    from qruntime.kernels.add_rmsnorm_quant import DeferredNormQuant
-    from qruntime.ops.triton_ops import (
-        AddRMSNormQuant,
-        PTPCLinear,
-        SiluQuantDone,
-        fold_dynamic_quant,
-        fold_norm_quant,
-        fold_silu_quant,
-        fold_split_k_reductions,
-    )
-
-    artifact = compiled(tiny_ckpt, "ptpc-fp8")
-    graph, spec, weights, env = load_artifact(artifact)
-    plans = [Plan.build(graph, weights, env, triton_ops()) for _ in range(2)]
-    for plan in plans:
-        fold_split_k_reductions(plan)
-        fold_dynamic_quant(plan)
-    assert fold_norm_quant(plans[1]) == 2 * spec.num_layers and fold_silu_quant(plans[1]) == spec.num_layers
-    folded = [(n, m) for n, m in zip(plans[1].nodes, plans[1].nodes[1:], strict=False) if type(n.op) is AddRMSNormQuant]
-    assert all(n.op.defer and type(m.op) is PTPCLinear for n, m in folded) and len(folded) == 2 * spec.num_layers
-    deferred: list[int] = []
-    silu_done: list[int] = []
-    call = PTPCLinear.__call__
-
-    def counted(op, step, xq, *rest):
-        deferred.append(isinstance(xq, DeferredNormQuant))
-        out = call(op, step, xq, *rest)
-        silu_done.append(isinstance(out, SiluQuantDone))
-        return out
-
-    monkeypatch.setattr(PTPCLinear, "__call__", counted)
-    _prefill_then_decode(artifact, spec, plans, lambda node: linears == "tiles" and any(node is m for _, m in folded))
-    assert sum(deferred) == 2 * spec.num_layers  # one token's row, to each qkv and gate_up of the decode step
-    assert sum(silu_done) == (spec.num_layers if linears == "gemv" else 0)  # gate_up's GEMV made the SiLU-mul-quant
-
-
-def test_a_moe_combine_folds_with_the_norm_into_the_next_gemv_to_the_same_bits(tiny_moe_ckpt, compiled, monkeypatch):
-    """prologue_folds on a MoE model: the input norm after each fused MoE defers to the qkv GEMV and the
-    MoE leaves its combine to it (defer_combine), so at batch-1 decode the GEMV adds each token's
-    expert rows, the residual, normalizes and quantizes; at the prefill's 7 tokens the norm kernel
-    adds the rows. And (a default fold) the norm before each fused MoE runs in its one-token routing
-    launch (fold_router_norm). Logits and cache bits equal the plan without these folds over both steps."""
-    from qruntime.kernels.add_rmsnorm_quant import DeferredNormQuant, DeferredRMSNorm
-    from qruntime.kernels.moe_combine import PairRows
-    from qruntime.ops.triton_ops import (
-        MoE,
-        PTPCLinear,
-        fold_dynamic_quant,
-        fold_norm_quant,
-        fold_router_norm,
-        fold_silu_quant,
-        fold_split_k_reductions,
-    )
+def test_the_norm_before_a_moe_folds_into_its_routing_launch_to_the_same_bits(tiny_moe_ckpt, compiled, monkeypatch):
+    """fold_router_norm (a default fold): the AddRMSNorm before each fused MoE hands the MoE one
+    token's x, residual and norm weight, and at batch-1 decode the routing launch normalizes the row
+    (at the prefill's 7 tokens the norm launches as before): the logits and cache bits of the plan
+    without the fold over both steps (the residual stream included: the next layer reads residual_out)."""
+    from qruntime.kernels.add_rmsnorm_quant import DeferredRMSNorm
+    from qruntime.ops.triton_ops import MoE, fold_dynamic_quant, fold_router_norm, fold_split_k_reductions
 
     artifact = compiled(tiny_moe_ckpt, "ptpc-fp8")
     graph, spec, weights, env = load_artifact(artifact)
@@ -299,47 +244,30 @@ def test_a_moe_combine_folds_with_the_norm_into_the_next_gemv_to_the_same_bits(t
     for plan in plans:
         fold_split_k_reductions(plan)
         fold_dynamic_quant(plan)
-    assert fold_router_norm(plans[1]) == 2  # the norms before layers 0 and 2's MoEs
-    fold_norm_quant(plans[1])
-    fold_silu_quant(plans[1])
-    # MoE layers 0 and 2 (layer 1 is dense): layer 0's output goes to layer 1's input norm, layer 2's to
-    # the final norm (AddRMSNorm before lm_head, no GEMV to fold into)
-    assert [n.op.defer_combine for n in plans[1].nodes if isinstance(n.op, MoE)] == [True, False]
-    assert not any(n.op.defer_combine for n in plans[0].nodes if isinstance(n.op, MoE))
-    seen: list[tuple[bool, bool]] = []
-    call = PTPCLinear.__call__
-
-    def spied(op, step, xq, *rest):
-        seen.append((isinstance(xq, DeferredNormQuant), isinstance(getattr(xq, "x", None), PairRows)))
-        return call(op, step, xq, *rest)
-
+    assert fold_router_norm(plans[1]) == 2  # the norms before layers 0 and 2's MoEs (layer 1 is dense)
     routed: list[bool] = []
     route = MoE.__call__
 
-    def spied_moe(op, step, x, *rest):
+    def spied(op, step, x, *rest):
         routed.append(isinstance(x, DeferredRMSNorm))
         return route(op, step, x, *rest)
 
-    monkeypatch.setattr(PTPCLinear, "__call__", spied)
-    monkeypatch.setattr(MoE, "__call__", spied_moe)
+    monkeypatch.setattr(MoE, "__call__", spied)
     _prefill_then_decode(artifact, spec, plans)
-    assert (True, True) in seen  # a GEMV took a MoE's expert rows at the decode step
     assert sum(routed) == 2  # the decode step's two MoEs normalized their rows in their routing launches
 
 
-def _decode_launches(artifact, prologue_folds: bool, monkeypatch) -> collections.Counter:
+def _decode_launches(artifact, router_norm: bool, monkeypatch) -> collections.Counter:
     """The Triton kernels a one-token step launches (by name: a batch-1 decode's kernels), with the
-    runtime's default folds and, when asked, prologue_folds' (the interpreter counts each launch)."""
+    runtime's default folds (fold_router_norm left out unless router_norm; the interpreter counts
+    each launch)."""
     import triton.runtime.interpreter as interpreter
     from qruntime.kernels.fp8_gemm import GemmConfig
     from qruntime.ops import triton_ops as fast_ops
 
     graph, spec, weights, env = load_artifact(artifact)
     plan = Plan.build(graph, weights, env, triton_ops())
-    folds = ("fold_split_k_reductions", "fold_dynamic_quant", "fold_router_norm") + (
-        ("fold_norm_quant", "fold_silu_quant") * prologue_folds
-    )
-    for fold in folds:
+    for fold in ("fold_split_k_reductions", "fold_dynamic_quant") + ("fold_router_norm",) * router_norm:
         getattr(fast_ops, fold)(plan)
     for node in plan.nodes:  # the GEMV every linear runs at one token, in few (interpreted) programs
         if isinstance(node.op, fast_ops.PTPCLinear):
@@ -359,27 +287,21 @@ def _decode_launches(artifact, prologue_folds: bool, monkeypatch) -> collections
     return collections.Counter(names)
 
 
-def test_prologue_folds_launch_three_kernels_fewer_per_dense_decode_layer(
-    tiny_ckpt, tiny_moe_ckpt, compiled, monkeypatch
-):
-    """Issue 17's count of kernels per decode layer, as the plan launches them at batch 1 (here one
-    decode attention launch: the interpreter's short context takes one partition; a GPU adds the
-    reduce): dense 9 -> 6 with prologue_folds (no norm launch but the final one, no SiLU-mul-quant);
-    on the MoE model a MoE layer 9 by default (its norm before the MoE in the routing launch) -> 7
-    (its input norm and the combine before it too)."""
+def test_kernels_per_decode_layer(tiny_ckpt, tiny_moe_ckpt, compiled, monkeypatch):
+    """Issue 17's count of kernels per decode layer, as the plan launches them at batch 1 (one decode
+    attention launch: the interpreter's short context takes one partition; a GPU adds the reduce):
+    dense 9 (input norm, qkv GEMV, QK-norm/RoPE/KV write, attention, o_proj GEMV with its input's
+    quantization, norm, gate_up, SiLU-mul-quant, down); a MoE layer 10 (input norm, qkv, QK-norm,
+    attention, o_proj, norm, routing, up, down, combine), 9 with fold_router_norm (the norm in the
+    routing launch)."""
     dense = compiled(tiny_ckpt, "ptpc-fp8")
     layers = read_manifest(dense)["kv_cache"]["num_layers"]
-    default, folded = (_decode_launches(dense, folds, monkeypatch) for folds in (False, True))
-    print(f"dense, {layers} layers: default {dict(default)}; prologue_folds {dict(folded)}")
-    assert sum(default.values()) == 9 * layers + 1 and sum(folded.values()) == 6 * layers + 1  # + the final norm
-    assert folded["_add_rmsnorm_kernel"] == 1 and "_silu_mul_quant_kernel" not in folded
-    assert folded["_ptpc_fp8_gemv_kernel"] == default["_ptpc_fp8_gemv_kernel"] == 4 * layers
+    default = _decode_launches(dense, True, monkeypatch)
+    print(f"dense, {layers} layers: {dict(default)}")
+    assert sum(default.values()) == 9 * layers + 1  # + the final norm
+    assert default["_ptpc_fp8_gemv_kernel"] == 4 * layers and "_dynamic_quant_kernel" not in default
     moe = compiled(tiny_moe_ckpt, "ptpc-fp8")  # layers 0 and 2 MoE, 1 dense
-    default, folded = (_decode_launches(moe, folds, monkeypatch) for folds in (False, True))
-    print(f"moe: default {dict(default)}; prologue_folds {dict(folded)}")
-    assert default["_moe_combine_kernel"] == 2 and folded["_moe_combine_kernel"] == 1  # layer 2's: the final norm's
-    # by default the norms before the MoEs run in their routing launches: the 3 input norms, the one
-    # before the dense MLP and the final norm are launched
-    assert default["_add_rmsnorm_kernel"] == 5 and folded["_add_rmsnorm_kernel"] == 1
-    # 3 input norms, 1 before the dense MLP, 1 combine, 1 SiLU-mul-quant
-    assert sum(default.values()) - sum(folded.values()) == 6
+    default, launched = (_decode_launches(moe, router_norm, monkeypatch) for router_norm in (True, False))
+    print(f"moe: default {dict(default)}; norms before the MoEs launched {dict(launched)}")
+    assert sum(default.values()) == 9 * 2 + 9 + 1 and sum(launched.values()) == 10 * 2 + 9 + 1
+    assert launched["_add_rmsnorm_kernel"] - default["_add_rmsnorm_kernel"] == 2
