@@ -12,8 +12,6 @@ batch sizes):
   moe-combine  prefetch with the GEMMs' reductions folded but the MoEs' combines launched
   router-launched  prefetch, but the norm before each fused MoE launched (not fold_router_norm)
   quant-launched   prefetch, but o_proj's input quantized in its own launch (not fold_dynamic_quant)
-  qknorm-launched  prefetch, but the decode step's QK-norm/RoPE/KV write in its own launch, not in the
-            decode attention's programs (not fold_qknorm_rope)
 All modes but `unfolded` fold the GEMMs' reductions.
 
 Modes are loaded in turn, twice each (graphs are captured at load, so a mode is a fresh engine).
@@ -47,7 +45,7 @@ from qcompile.recipe.schema import load_recipe
 from qcompile.synth.artifact import write_synthetic_artifact
 
 MODES = (
-    "plain", "pdl", "prefetch", "unfolded", "moe-combine", "router-launched", "quant-launched", "qknorm-launched",
+    "plain", "pdl", "prefetch", "unfolded", "moe-combine", "router-launched", "quant-launched",
 )  # fmt: skip
 
 
@@ -119,7 +117,6 @@ def overrides(mode: str, args) -> dict:
             "moe-combine": {"PAIR_ROWS_READERS": ()},
             "router-launched": {"fold_router_norm": no_fold},
             "quant-launched": {"fold_dynamic_quant": no_fold},
-            "qknorm-launched": {"fold_qknorm_rope": no_fold},
         }.get(mode, {})
     )
     return changed

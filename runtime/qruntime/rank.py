@@ -231,7 +231,6 @@ def build_rank(
     if config.backend == "triton":
         from qruntime.ops.triton_ops import (
             fold_dynamic_quant,
-            fold_qknorm_rope,
             fold_router_norm,
             fold_split_k_reductions,
         )
@@ -239,7 +238,6 @@ def build_rank(
         fold_split_k_reductions(plan)
         fold_dynamic_quant(plan)
         fold_router_norm(plan)
-        fold_qknorm_rope(plan)
     blocks, capturable = _local_blocks(config, device), plan.capturable
     checkpoint("planned")
     if group is not None:

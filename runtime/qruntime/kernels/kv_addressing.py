@@ -30,11 +30,6 @@ class PoolAddressing:
     dim_outer: int
     dim_inner: int
 
-    def args(self) -> tuple[int, int, int, int, int, int]:
-        """The six strides a kernel takes (block, head, tok_outer, tok_inner, dim_outer, dim_inner); the
-        two splits go as constexprs."""
-        return self.block, self.head, self.tok_outer, self.tok_inner, self.dim_outer, self.dim_inner
-
     def offset(self, b: int, h: int, t: int, i: int) -> int:
         """The formula above, for tests."""
         return (

@@ -30,7 +30,6 @@ import triton.language as tl
 
 from qruntime.kernels.kv_addressing import PoolAddressing, pool_addressing, pool_offsets
 from qruntime.kernels.pdl import launch_options, wait_for_inputs
-from qruntime.kernels.qknorm_rope_kvwrite import DeferredQKNorm, norm_rope, rope_inv_freq, write_kv_head
 from qruntime.kv_layout import KV_LAYOUTS, KVLayout
 
 FP8 = torch.float8_e4m3fn
@@ -329,31 +328,6 @@ def _decode_partition_kernel(
     v_tok_inner,
     v_dim_outer,
     v_dim_inner,
-    # QKNORM only (qknorm_rope_kvwrite.DeferredQKNorm): q_ptr is the qkv rows, their q heads raw
-    wk_ptr,  # the pools to write k and v to (fp8: their uint8 views)
-    wv_ptr,
-    qn_w_ptr,  # [d] q_norm weight
-    kn_w_ptr,  # [d] k_norm weight
-    pos_ptr,  # [B] positions
-    slot_ptr,  # [B] cache slots of the queries' own positions
-    pos_stride,
-    slot_stride,
-    qk_eps,
-    theta,
-    kw_scale,  # the scales k and v are stored at (qknorm_rope_kvwrite's k_scale, v_scale)
-    vw_scale,
-    wk_block,  # the pools' addressing for the write (kv_addressing.PoolAddressing.args)
-    wk_head,
-    wk_tok_outer,
-    wk_tok_inner,
-    wk_dim_outer,
-    wk_dim_inner,
-    wv_block,
-    wv_head,
-    wv_tok_outer,
-    wv_tok_inner,
-    wv_dim_outer,
-    wv_dim_inner,
     STEP: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -374,14 +348,6 @@ def _decode_partition_kernel(
     WORK_HEADER: tl.constexpr,  # FLAT only
     SCAN: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
-    QKNORM: tl.constexpr = False,  # plain grid: q's norm + RoPE and the query's K/V write done here
-    QK_TOK_SPLIT: tl.constexpr = 1,
-    QK_DIM_SPLIT: tl.constexpr = 1,
-    QV_TOK_SPLIT: tl.constexpr = 1,
-    QV_DIM_SPLIT: tl.constexpr = 1,
-    QK_FP8: tl.constexpr = False,  # QKNORM: fp8 pools (stored as qknorm_rope_kvwrite stores them)
-    QK_FNUZ: tl.constexpr = False,
-    QK_HW: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     if FLAT:
@@ -421,37 +387,7 @@ def _decode_partition_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + offs_g
     gd_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    if QKNORM:  # qknorm_rope_kvwrite's work for this program's heads (the query's row of qkv is q_ptr's)
-        HALF: tl.constexpr = HEAD_DIM // 2
-        half = tl.arange(0, 2)[None, :, None]  # [1, 2, 1] which half of the head dim
-        j = tl.arange(0, HALF)[None, None, :]  # [1, 1, HALF] (HEAD_DIM a power of two)
-        dim = half * HALF + j
-        partner = (1 - half) * HALF + j  # rotate-half partner
-        sign = tl.where(half == 0, -1.0, 1.0)
-        angle = tl.load(pos_ptr + row * pos_stride).to(tl.float32) * rope_inv_freq(j, theta, HEAD_DIM)
-        cos = tl.cos(angle)
-        sin = tl.sin(angle)
-        qkv_row = q_ptr + row * q_stride_b
-        DTYPE: tl.constexpr = qn_w_ptr.dtype.element_ty
-        hh = heads[:, None, None]  # [BLOCK_G, 1, 1]
-        q3 = norm_rope(
-            qkv_row, hh * HEAD_DIM, qn_w_ptr, dim, partner, sign, (offs_g < GROUP)[:, None, None] & (j < HALF),
-            cos, sin, qk_eps, qkv_row, qkv_row, 0, 1, 0, 0, HEAD_DIM, (GROUP + 2) * KV_HEADS * HEAD_DIM, 0, DTYPE, QK_HW,
-        )  # fmt: skip
-        q = tl.reshape(q3, [BLOCK_G, BLOCK_D]).to(q_ptr.dtype.element_ty)  # [G, 2, HALF] row-major is [G, d]
-        if (lo < ctx) & (hi == ctx):  # this partition holds the query's own position: its K and V first
-            slot = tl.load(slot_ptr + row * slot_stride).to(tl.int64)
-            write_kv_head(
-                qkv_row, kv_head + tl.zeros([1, 1, 1], tl.int32), slot, kn_w_ptr, dim, partner, sign,
-                (half < 2) & (j < HALF), cos, sin, qk_eps, wk_ptr, wv_ptr, kw_scale, vw_scale, qkv_row, qkv_row, 0, 1,
-                0, 0, wk_block, wk_head, wk_tok_outer, wk_tok_inner, wk_dim_outer, wk_dim_inner,
-                wv_block, wv_head, wv_tok_outer, wv_tok_inner, wv_dim_outer, wv_dim_inner,
-                QK_TOK_SPLIT, QK_DIM_SPLIT, QV_TOK_SPLIT, QV_DIM_SPLIT, GROUP * KV_HEADS, KV_HEADS, HEAD_DIM,
-                BLOCK_SIZE, QK_FP8, QK_HW, QK_FNUZ, 0, DTYPE,
-            )  # fmt: skip
-        tl.debug_barrier()  # the program's K/V stores before its loads of that position
-    else:
-        q = tl.load(q_ptr + row * q_stride_b + heads[:, None] * q_stride_h + offs_d[None, :], mask=gd_mask, other=0.0)
+    q = tl.load(q_ptr + row * q_stride_b + heads[:, None] * q_stride_h + offs_d[None, :], mask=gd_mask, other=0.0)
     d_mask = offs_d < HEAD_DIM
     table = block_tables_ptr + seq * bt_stride
 
@@ -586,12 +522,6 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int, num_s
     return max(1, min(wanted, cdiv(max_context_len, MIN_PARTITION)))
 
 
-def _no_qknorm(q: torch.Tensor) -> tuple:
-    """The partition kernel's QKNORM arguments when it has none (never read): 6 pointers, 2 strides,
-    4 scalars, 12 pool strides."""
-    return (q,) * 6 + (0, 0, 0.0, 0.0, 0.0, 0.0) + (0,) * 12
-
-
 def paged_decode_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -614,16 +544,9 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     kv: PagedKV | None = None,
     pdl: bool = False,
-    qknorm: DeferredQKNorm | None = None,
 ) -> torch.Tensor:
     """Decode-step paged attention: o [B, nh*d] for q [B, nh, d], one query per sequence at position
     context_lens[b] - 1 (it sees the whole cached context).
-
-    qknorm (one query per sequence, no query_start_loc; q is then None): the step's QKNormRoPEKVWrite
-    done here (qknorm_rope_kvwrite.DeferredQKNorm: its pools must be k_pool and v_pool), one launch
-    fewer: every program normalizes and rotates its q heads from the qkv row itself, and the one whose
-    partition holds the query's own position first writes that position's k and v, as
-    qknorm_rope_kvwrite would (its arithmetic: the same q, the same cache bits).
 
     k_pool / v_pool are one layer's block pools in `layout` (a name of KV_LAYOUTS or a KVLayout),
     model dtype or fp8 (stored as fp8(x / scale)); block_tables [B, max_blocks] int32, context_lens
@@ -647,13 +570,6 @@ def paged_decode_attention(
     kv: paged_kv(...) of these pools, q's dtype and heads and these scales, when the caller keeps it;
     None computes it. pdl: programmatic dependent launch (kernels/pdl.py).
     """
-    fused = (), {}
-    if qknorm is not None:
-        if q is not None or query_start_loc is not None:
-            raise ValueError("qknorm stands for q (None) at a step of one query per sequence (no query_start_loc)")
-        if qknorm.k_pool is not k_pool or qknorm.v_pool is not v_pool:
-            raise ValueError("qknorm must write the pools this attention reads")
-        fused, q = qknorm.kernel_args(), qknorm.q_view()
     if q.dim() != 3:
         raise ValueError(f"q must be [B, nh, d], got {tuple(q.shape)}")
     tokens, nh, d = q.shape
@@ -717,12 +633,12 @@ def paged_decode_attention(
     _decode_partition_kernel[grid](
         q, k_pool, v_pool, block_tables, context_lens, qsl, work if flat else qsl, partial, lse, seqs,
         q.stride(0), q.stride(1), block_tables.stride(0), min_partition, num_splits, target,
-        scale * kv.k_scale * LOG2E, kv.v_scale, *kv.k_args(), *kv.v_args(), *(fused[0] or _no_qknorm(q)),
+        scale * kv.k_scale * LOG2E, kv.v_scale, *kv.k_args(), *kv.v_args(),
         STEP=block_n, GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_SIZE=block_size, **kv.splits(), SPLIT_P=q.dtype != torch.float32,
         UPCAST=q.device.type != "cuda", DIRECT=direct, VARLEN=varlen, FLAT=flat,
         KV_HEADS=num_kv_heads, WORK_HEADER=WORK_HEADER, SCAN=SCAN_BLOCK, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        QKNORM=qknorm is not None, **fused[1], **launch_options(pdl),
+        **launch_options(pdl),
     )  # fmt: skip
     if not direct:
         _decode_reduce_kernel[(batch, nh)](

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -76,7 +75,7 @@ def _qkv(
 
 
 @triton.jit
-def norm_rope(
+def _norm_rope(
     row_ptr, col0, w_ptr, dim, partner, sign, mask, cos, sin, eps, xs_ptr, ws_ptr, t, T, stride_xs, stride_ws,
     D: tl.constexpr, WIDTH: tl.constexpr, SPLIT: tl.constexpr, DTYPE: tl.constexpr, HW: tl.constexpr,
 ):  # fmt: skip
@@ -94,51 +93,6 @@ def norm_rope(
     y = round_to(round_to(a * r, DTYPE, HW) * w, DTYPE, HW)
     yp = round_to(round_to(ap * r, DTYPE, HW) * wp, DTYPE, HW)
     return round_to(y * cos + (sign * yp) * sin, DTYPE, HW)  # x * cos + rotate_half(x) * sin
-
-
-@triton.jit
-def rope_inv_freq(j, theta, D: tl.constexpr):
-    """RoPE's inverse frequencies of index j as torch computes them: e = fp32(2j / d), inv_freq =
-    1 / fp32(theta ** e) (the angle is then fp32(position) * inv_freq)."""
-    if (D & (D - 1)) == 0:
-        e = j.to(tl.float32) * (2.0 / D)  # exact: 2 / D is a power of two
-    else:
-        e = tl.math.div_rn((2 * j).to(tl.float32), tl.full(j.shape, D, tl.float32))
-    p = tl.exp2(e.to(tl.float64) * tl.log2(tl.cast(theta, tl.float64))).to(tl.float32)
-    return tl.math.div_rn(tl.full(p.shape, 1.0, tl.float32), p)
-
-
-@triton.jit
-def write_kv_head(
-    row, hk, slot, k_norm_w_ptr, dim, partner, sign, mask, cos, sin, eps, k_pool_ptr, v_pool_ptr, k_scale, v_scale,
-    xs_ptr, ws_ptr, t, T, stride_xs, stride_ws,
-    k_s_block, k_s_head, k_s_tok_outer, k_s_tok_inner, k_s_dim_outer, k_s_dim_inner,
-    v_s_block, v_s_head, v_s_tok_outer, v_s_tok_inner, v_s_dim_outer, v_s_dim_inner,
-    K_TOK_SPLIT: tl.constexpr, K_DIM_SPLIT: tl.constexpr, V_TOK_SPLIT: tl.constexpr, V_DIM_SPLIT: tl.constexpr,
-    NH: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
-    HW: tl.constexpr, FNUZ: tl.constexpr, SPLIT: tl.constexpr, DTYPE: tl.constexpr,
-):  # fmt: skip
-    """kv heads hk [HEADS, 1, 1] of the token whose qkv row is at `row`: k normalized and rotated, v as
-    it is, both stored at `slot` of the pools (a negative slot writes nothing)."""
-    WIDTH: tl.constexpr = (NH + 2 * KVH) * D
-    v = _qkv(row, (NH + KVH + hk) * D + dim, mask, xs_ptr, ws_ptr, t, T, stride_xs, stride_ws, WIDTH, SPLIT, DTYPE, HW)
-    out = norm_rope(
-        row, (NH + hk) * D, k_norm_w_ptr, dim, partner, sign, mask, cos, sin, eps,
-        xs_ptr, ws_ptr, t, T, stride_xs, stride_ws, D, WIDTH, SPLIT, DTYPE, HW,
-    )  # fmt: skip
-    if slot >= 0:  # a negative slot (padding) writes nothing
-        block = slot // BLOCK_SIZE
-        tok = slot % BLOCK_SIZE
-        k_off = pool_offsets(
-            block, tok, hk, dim, k_s_block, k_s_head, k_s_tok_outer, k_s_tok_inner,
-            k_s_dim_outer, k_s_dim_inner, K_TOK_SPLIT, K_DIM_SPLIT,
-        )  # fmt: skip
-        _store_kv(k_pool_ptr, k_off, out, mask, k_scale, FP8, HW, FNUZ)
-        v_off = pool_offsets(
-            block, tok, hk, dim, v_s_block, v_s_head, v_s_tok_outer, v_s_tok_inner,
-            v_s_dim_outer, v_s_dim_inner, V_TOK_SPLIT, V_DIM_SPLIT,
-        )  # fmt: skip
-        _store_kv(v_pool_ptr, v_off, v, mask, v_scale, FP8, HW, FNUZ)
 
 
 @triton.jit
@@ -209,7 +163,14 @@ def _qknorm_rope_kvwrite_kernel(
     sign = tl.where(half == 0, -1.0, 1.0)  # rotate_half(x) = [-x2, x1]
     mask = (j < HALF) & (half < 2) & (hh < HEADS)  # [HEADS, 2, HALF_PAD]
 
-    inv_freq = rope_inv_freq(j, theta, D)  # [1, 1, HALF_PAD]
+    # RoPE angles as torch computes them: e = fp32(2j / d), inv_freq = 1 / fp32(theta ** e),
+    # angle = fp32(position) * inv_freq, all [1, 1, HALF_PAD]
+    if (D & (D - 1)) == 0:
+        e = j.to(tl.float32) * (2.0 / D)  # exact: 2 / D is a power of two
+    else:
+        e = tl.math.div_rn((2 * j).to(tl.float32), tl.full(j.shape, D, tl.float32))
+    p = tl.exp2(e.to(tl.float64) * tl.log2(tl.cast(theta, tl.float64))).to(tl.float32)
+    inv_freq = tl.math.div_rn(tl.full(p.shape, 1.0, tl.float32), p)
     if MROPE:  # transformers' apply_interleaved_mrope: each frequency's row of positions
         row_of = tl.where((j % 3 == 1) & (j < 3 * S_H), 1, tl.where((j % 3 == 2) & (j < 3 * S_W), 2, 0))
         pos = tl.load(pos_ptr + row_of.to(tl.int64) * pos_row_stride + t * pos_stride, mask=j < HALF, other=0)
@@ -224,20 +185,34 @@ def _qknorm_rope_kvwrite_kernel(
     row = qkv_ptr + t * qkv_stride  # qkv_stride 0 with SPLIT: the partials' base
     if h0 < NH:
         h = h0 + hh
-        out = norm_rope(
+        out = _norm_rope(
             row, h * D, q_norm_w_ptr, dim, partner, sign, mask, cos, sin, eps,
             xs_ptr, ws_ptr, t, T, stride_xs, stride_ws, D, WIDTH, SPLIT, DTYPE, HW,
         )  # fmt: skip
         tl.store(q_ptr + (t * NH + h) * D + dim, out.to(q_ptr.dtype.element_ty), mask=mask)
     else:
+        hk = h0 - NH + hh  # kv heads
         slot = tl.load(slot_ptr + t * slot_stride).to(tl.int64)
-        write_kv_head(
-            row, h0 - NH + hh, slot, k_norm_w_ptr, dim, partner, sign, mask, cos, sin, eps, k_pool_ptr, v_pool_ptr,
-            k_scale, v_scale, xs_ptr, ws_ptr, t, T, stride_xs, stride_ws,
-            k_s_block, k_s_head, k_s_tok_outer, k_s_tok_inner, k_s_dim_outer, k_s_dim_inner,
-            v_s_block, v_s_head, v_s_tok_outer, v_s_tok_inner, v_s_dim_outer, v_s_dim_inner,
-            K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT, NH, KVH, D, BLOCK_SIZE, FP8, HW, FNUZ, SPLIT, DTYPE,
+        v = _qkv(
+            row, (NH + KVH + hk) * D + dim, mask, xs_ptr, ws_ptr, t, T, stride_xs, stride_ws, WIDTH, SPLIT, DTYPE, HW
+        )
+        out = _norm_rope(
+            row, (NH + hk) * D, k_norm_w_ptr, dim, partner, sign, mask, cos, sin, eps,
+            xs_ptr, ws_ptr, t, T, stride_xs, stride_ws, D, WIDTH, SPLIT, DTYPE, HW,
         )  # fmt: skip
+        if slot >= 0:  # a negative slot (padding) writes nothing
+            block = slot // BLOCK_SIZE
+            tok = slot % BLOCK_SIZE
+            k_off = pool_offsets(
+                block, tok, hk, dim, k_s_block, k_s_head, k_s_tok_outer, k_s_tok_inner,
+                k_s_dim_outer, k_s_dim_inner, K_TOK_SPLIT, K_DIM_SPLIT,
+            )  # fmt: skip
+            _store_kv(k_pool_ptr, k_off, out, mask, k_scale, FP8, HW, FNUZ)
+            v_off = pool_offsets(
+                block, tok, hk, dim, v_s_block, v_s_head, v_s_tok_outer, v_s_tok_inner,
+                v_s_dim_outer, v_s_dim_inner, V_TOK_SPLIT, V_DIM_SPLIT,
+            )  # fmt: skip
+            _store_kv(v_pool_ptr, v_off, v, mask, v_scale, FP8, HW, FNUZ)
 
 
 # (max tokens, heads per program, num_warps), from sweeps on an H100 at qwen3-8b shapes (CUDA-graph
@@ -345,9 +320,16 @@ def qknorm_rope_kvwrite(
             f"pools must both be float8_e4m3fn, both float8_e4m3fnuz or both {qkv.dtype}, got {k_pool.dtype} / "
             f"{v_pool.dtype}"
         )
-    ka, va = _pool_addressing(
-        qkv, k_pool, v_pool, (positions, slot_mapping, q_norm_w, k_norm_w), kvh, d, layout, block_size
-    )
+    kv_dtype = "fp8_e4m3" if fp8 else "bf16"  # layout shapes depend only on the element size
+    layout.check(block_size, d, kv_dtype)
+    k_shape, v_shape = layout.shapes(k_pool.shape[0], block_size, kvh, d, kv_dtype)
+    if tuple(k_pool.shape) != k_shape or tuple(v_pool.shape) != v_shape:
+        raise ValueError(
+            f"pools {tuple(k_pool.shape)} / {tuple(v_pool.shape)} do not match layout {layout.name}: {k_shape} / {v_shape}"
+        )
+    for x in (positions, slot_mapping, q_norm_w, k_norm_w, k_pool, v_pool):
+        if x.device != qkv.device:
+            raise ValueError(f"all tensors must be on {qkv.device}, got one on {x.device}")
 
     q = torch.empty((t, nh, d), dtype=qkv.dtype, device=qkv.device)
     if t == 0:
@@ -356,12 +338,16 @@ def qknorm_rope_kvwrite(
     heads, warps = heads_per_program or heads, num_warps or warps
     if heads & (heads - 1) or nh % heads or kvh % heads:
         raise ValueError(f"heads_per_program must be a power of two dividing {nh} and {kvh}, got {heads}")
+    ka = _addressing(layout.k_dims, k_shape, tuple(k_pool.stride()), block_size, d)
+    va = _addressing(layout.v_dims, v_shape, tuple(v_pool.stride()), block_size, d)
     pools = (k_pool.view(torch.uint8), v_pool.view(torch.uint8)) if fp8 else (k_pool, v_pool)
     part, xs, ws, _, stride_xs, stride_ws = qkv.kernel_args() if split else (qkv, q, q, t, 0, 0)
     _qknorm_rope_kvwrite_kernel[(t, (nh + kvh) // heads)](
         part, q_norm_w, k_norm_w, positions, slot_mapping, q, *pools,
         0 if split else qkv.stride(0), positions.stride(-1), positions.stride(0), slot_mapping.stride(0),
-        eps, theta, k_scale, v_scale, xs, ws, t, stride_xs, stride_ws, *ka.args(), *va.args(),
+        eps, theta, k_scale, v_scale, xs, ws, t, stride_xs, stride_ws,
+        ka.block, ka.head, ka.tok_outer, ka.tok_inner, ka.dim_outer, ka.dim_inner,
+        va.block, va.head, va.tok_outer, va.tok_inner, va.dim_outer, va.dim_inner,
         K_TOK_SPLIT=ka.tok_split, K_DIM_SPLIT=ka.dim_split, V_TOK_SPLIT=va.tok_split, V_DIM_SPLIT=va.dim_split,
         NH=nh, KVH=kvh, D=d, HALF_PAD=triton.next_power_of_2(d // 2), HEADS=heads,
         BLOCK_SIZE=block_size, FP8=fp8, HW=use_hw_casts(q), SPLIT=qkv.split if split else 0, num_warps=warps,
@@ -369,102 +355,3 @@ def qknorm_rope_kvwrite(
         **launch_options(pdl),
     )  # fmt: skip
     return q
-
-
-def _pool_addressing(
-    qkv, k_pool: torch.Tensor, v_pool: torch.Tensor, others: tuple, kvh: int, d: int, layout: KVLayout, block_size: int
-) -> tuple[PoolAddressing, PoolAddressing]:
-    """The K and V pools' addressing, after checking they are `layout`'s pools (and every tensor on qkv's device)."""
-    kv_dtype = "fp8_e4m3" if k_pool.dtype in FP8_FORMATS else "bf16"  # layout shapes depend only on the element size
-    layout.check(block_size, d, kv_dtype)
-    k_shape, v_shape = layout.shapes(k_pool.shape[0], block_size, kvh, d, kv_dtype)
-    if tuple(k_pool.shape) != k_shape or tuple(v_pool.shape) != v_shape:
-        raise ValueError(
-            f"pools {tuple(k_pool.shape)} / {tuple(v_pool.shape)} do not match layout {layout.name}: {k_shape} / {v_shape}"
-        )
-    for x in (*others, k_pool, v_pool):
-        if x.device != qkv.device:
-            raise ValueError(f"all tensors must be on {qkv.device}, got one on {x.device}")
-    ka = _addressing(layout.k_dims, k_shape, tuple(k_pool.stride()), block_size, d)
-    return ka, _addressing(layout.v_dims, v_shape, tuple(v_pool.stride()), block_size, d)
-
-
-@dataclass(frozen=True)
-class DeferredQKNorm:
-    """A decode-only step's QKNormRoPEKVWrite left to the decode attention (ops/triton_ops.
-    fold_qknorm_rope): the arguments of qknorm_rope_kvwrite, which the attention's partition programs
-    run themselves (paged_decode_attention's qknorm: each normalizes and rotates its q heads, the one
-    holding the query's own position writes its kv head's k and v first), saving this launch.
-    `launch()` is the launch instead, for any other reader."""
-
-    qkv: torch.Tensor
-    q_norm_w: torch.Tensor
-    k_norm_w: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    k_pool: torch.Tensor
-    v_pool: torch.Tensor
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    eps: float
-    theta: float
-    layout: KVLayout
-    block_size: int
-    k_scale: float
-    v_scale: float
-    pdl: bool = False
-
-    @staticmethod
-    def foldable(qkv, head_dim: int, mrope_section) -> bool:
-        """Whether the decode attention can take this step's QK-norm: plain RoPE, qkv a tensor (not
-        split-K partials), a power-of-two head dim (the attention's q tile is one head wide)."""
-        return mrope_section is None and isinstance(qkv, torch.Tensor) and head_dim & (head_dim - 1) == 0
-
-    def launch(self) -> torch.Tensor:
-        """q, from qknorm_rope_kvwrite's own launch (k and v written)."""
-        return qknorm_rope_kvwrite(
-            self.qkv, self.q_norm_w, self.k_norm_w, self.positions, self.slot_mapping, self.k_pool, self.v_pool,
-            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, eps=self.eps,
-            theta=self.theta, layout=self.layout, block_size=self.block_size, k_scale=self.k_scale,
-            v_scale=self.v_scale, pdl=self.pdl,
-        )  # fmt: skip
-
-    def q_view(self) -> torch.Tensor:
-        """qkv's q columns as [T, nh, d] (unnormalized: shapes, dtype and row stride for the attention)."""
-        nh, d = self.num_heads, self.head_dim
-        return self.qkv[:, : nh * d].unflatten(1, (nh, d))
-
-    def kernel_args(self) -> tuple[tuple, dict]:
-        """(arguments, constexprs) of the partition kernel's QKNORM branch, after the checks
-        qknorm_rope_kvwrite makes."""
-        qkv, nh, kvh, d = self.qkv, self.num_heads, self.num_kv_heads, self.head_dim
-        if qkv.dim() != 2 or qkv.shape[1] != (nh + 2 * kvh) * d or qkv.stride(1) != 1 or qkv.dtype not in _MODEL_DTYPES:
-            raise ValueError(f"qkv must be a bf16/fp16 [T, {(nh + 2 * kvh) * d}] with unit last stride")
-        t = qkv.shape[0]
-        for name, x in (("positions", self.positions), ("slot_mapping", self.slot_mapping)):
-            if x.shape != (t,) or x.dtype not in (torch.int64, torch.int32):
-                raise ValueError(f"{name} must be an int64/int32 [{t}] tensor, got {tuple(x.shape)} {x.dtype}")
-        for name, w in (("q_norm_w", self.q_norm_w), ("k_norm_w", self.k_norm_w)):
-            if w.shape != (d,) or w.dtype != qkv.dtype or w.stride(0) != 1:
-                raise ValueError(f"{name} must be a contiguous [{d}] {qkv.dtype} tensor")
-        fp8 = self.k_pool.dtype in FP8_FORMATS
-        ka, va = _pool_addressing(
-            qkv, self.k_pool, self.v_pool, (self.positions, self.slot_mapping, self.q_norm_w, self.k_norm_w), kvh, d,
-            self.layout, self.block_size,
-        )  # fmt: skip
-        pools = (self.k_pool.view(torch.uint8), self.v_pool.view(torch.uint8)) if fp8 else (self.k_pool, self.v_pool)
-        args = (
-            *pools, self.q_norm_w, self.k_norm_w, self.positions, self.slot_mapping, self.positions.stride(0),
-            self.slot_mapping.stride(0), self.eps, self.theta, self.k_scale, self.v_scale, *ka.args(), *va.args(),
-        )  # fmt: skip
-        constexprs = dict(
-            QK_TOK_SPLIT=ka.tok_split,
-            QK_DIM_SPLIT=ka.dim_split,
-            QV_TOK_SPLIT=va.tok_split,
-            QV_DIM_SPLIT=va.dim_split,
-            QK_FP8=fp8,
-            QK_FNUZ=self.k_pool.dtype == torch.float8_e4m3fnuz,
-            QK_HW=use_hw_casts(qkv),
-        )
-        return args, constexprs

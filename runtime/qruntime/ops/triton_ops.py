@@ -317,26 +317,12 @@ class MoE(moe.MoE):
 class QKNormRoPEKVWrite(attention.QKNormRoPEKVWrite):
     def __init__(self, attrs, env, consts=()) -> None:
         super().__init__(attrs, env, consts)
-        from qruntime.kernels.qknorm_rope_kvwrite import DeferredQKNorm, qknorm_rope_kvwrite
+        from qruntime.kernels.qknorm_rope_kvwrite import qknorm_rope_kvwrite
 
-        self.kernel, self.deferred = qknorm_rope_kvwrite, DeferredQKNorm
-        # the PagedAttention after this node does this one's work at decode-only steps (fold_qknorm_rope)
-        self.defer = False
+        self.kernel = qknorm_rope_kvwrite
 
     def __call__(self, step, qkv, q_norm_w, k_norm_w, positions, slots):
-        a, cache, meta = self.a, step.kv_cache, step.attn
-        if (
-            self.defer
-            and meta.decode_only
-            and not meta.bounds_only
-            and self.deferred.foldable(qkv, a["head_dim"], self.mrope_section)
-        ):
-            deferred = self.deferred(
-                qkv, q_norm_w, k_norm_w, positions, slots, cache.k[a["layer"]], cache.v[a["layer"]], a["num_heads"],
-                a["num_kv_heads"], a["head_dim"], a["epsilon"], a["theta"], cache.spec.layout, a["block_size"],
-                a["k_scale"], a["v_scale"], self.env.pdl,
-            )  # fmt: skip
-            return deferred, qkv.new_empty(0, dtype=torch.uint8)
+        a, cache = self.a, step.kv_cache
         q = self.kernel(
             qkv,
             q_norm_w,
@@ -380,20 +366,12 @@ class PagedAttention(attention.PagedAttention):
         super().__init__(attrs, env, consts)
         from qruntime.kernels.paged_decode_attention import paged_decode_attention, paged_kv
         from qruntime.kernels.paged_prefill_attention import paged_prefill_attention
-        from qruntime.kernels.qknorm_rope_kvwrite import DeferredQKNorm
 
         self.decode, self.prefill, self.paged_kv = paged_decode_attention, paged_prefill_attention, paged_kv
-        self.deferred_qk = DeferredQKNorm
         self._checked = None  # (k_pool, v_pool, q dtype, their PagedKV): the pools' checks, done once
 
     def __call__(self, step, q, ready, block_tables, context_lens, query_start_loc):
         a, cache, meta = self.a, step.kv_cache, step.attn
-        qknorm = None
-        if isinstance(q, self.deferred_qk):  # the QKNormRoPEKVWrite before this node left its work here
-            if meta.decode_only and not meta.bounds_only:  # (fold_qknorm_rope) the partition programs do it
-                qknorm, q = q, q.q_view()
-            else:
-                q = q.launch()
         common = dict(
             layout=cache.spec.layout,
             block_size=a["block_size"],
@@ -415,9 +393,8 @@ class PagedAttention(attention.PagedAttention):
         if meta.decode_only:
             kv = self._pools_checked(q, pools, common)
             return self.decode(
-                None if qknorm else q, *pools, block_tables, context_lens, max_context_len=meta.max_context_len,
-                kv=kv, pdl=pdl, qknorm=qknorm, **common,
-            )  # fmt: skip
+                q, *pools, block_tables, context_lens, max_context_len=meta.max_context_len, kv=kv, pdl=pdl, **common
+            )
         q_lens = list(map(operator.sub, meta.query_start[1:], meta.query_start[:-1]))
         num_decodes = q_lens.count(1)  # host ints only: no sync, no index tensor (the kernels scan)
         longest = meta.max_q_len or max(q_lens, default=0)  # metadata built without max_q_len: 0
@@ -560,33 +537,6 @@ def fold_dynamic_quant(plan) -> int:
     for _, node in _quantized_inputs(plan, DynamicQuant, _readers(plan)):
         node.op.defer = True
         folded += 1
-    return folded
-
-
-def fold_qknorm_rope(plan) -> int:
-    """Let each Triton QKNormRoPEKVWrite whose q and ready only a PagedAttention reads hand it the
-    step's qkv row, norm weights, positions and slots at decode-only steps (DeferredQKNorm): the decode
-    attention's partition programs normalize and rotate their q heads themselves and the one whose
-    partition holds the query's position writes its k and v first (paged_decode_attention's qknorm:
-    qknorm_rope_kvwrite's arithmetic, so the same bits), saving that launch each layer. Not with
-    M-RoPE or a split-K qkv (the op launches the kernel then). Returns the ops changed."""
-    readers = _readers(plan)
-    folded = 0
-    for node in plan.nodes:
-        outs = node.outputs[:2]
-        if type(node.op) is not QKNormRoPEKVWrite or len(outs) != 2 or plan.output in outs:
-            continue
-        q_readers = readers.get(outs[0], [])
-        if len(q_readers) != 1:
-            continue
-        reader = plan.nodes[q_readers[0]]
-        if (
-            type(reader.op) is PagedAttention
-            and readers.get(outs[1]) == q_readers
-            and tuple(reader.inputs[:2]) == tuple(outs)
-        ):
-            node.op.defer = True
-            folded += 1
     return folded
 
 

@@ -257,51 +257,18 @@ def test_the_norm_before_a_moe_folds_into_its_routing_launch_to_the_same_bits(ti
     assert sum(routed) == 2  # the decode step's two MoEs normalized their rows in their routing launches
 
 
-@pytest.mark.parametrize("model", ["dense", "moe"])
-def test_the_qk_norm_folds_into_the_decode_attention_to_the_same_bits(
-    tiny_ckpt, tiny_moe_ckpt, compiled, model, monkeypatch
-):
-    """fold_qknorm_rope (a default fold): each QKNormRoPEKVWrite hands the PagedAttention after it the
-    qkv row and what it needs, and at a decode-only step the decode attention's programs do its work
-    (the prefill step's 7 tokens launch it as before): the logits and cache bits of the plan without
-    the fold over both steps."""
-    from qruntime.kernels.qknorm_rope_kvwrite import DeferredQKNorm
-    from qruntime.ops import triton_ops as fast_ops
-
-    artifact = compiled(tiny_ckpt if model == "dense" else tiny_moe_ckpt, "ptpc-fp8")
-    graph, spec, weights, env = load_artifact(artifact)
-    plans = [Plan.build(graph, weights, env, triton_ops()) for _ in range(2)]
-    for plan in plans:
-        for fold in ("fold_split_k_reductions", "fold_dynamic_quant", "fold_router_norm"):
-            getattr(fast_ops, fold)(plan)
-    assert fast_ops.fold_qknorm_rope(plans[1]) == spec.num_layers
-    deferred: list[bool] = []
-    attend = fast_ops.PagedAttention.__call__
-
-    def spied(op, step, q, *rest):
-        deferred.append(isinstance(q, DeferredQKNorm))
-        return attend(op, step, q, *rest)
-
-    monkeypatch.setattr(fast_ops.PagedAttention, "__call__", spied)
-    _prefill_then_decode(artifact, spec, plans)
-    assert sum(deferred) == spec.num_layers  # the decode step's, not the prefill's
-
-
-_DEFAULT_FOLDS = ("fold_split_k_reductions", "fold_dynamic_quant", "fold_router_norm", "fold_qknorm_rope")
-
-
-def _decode_launches(artifact, monkeypatch, leave_out: str = "") -> collections.Counter:
+def _decode_launches(artifact, router_norm: bool, monkeypatch) -> collections.Counter:
     """The Triton kernels a one-token step launches (by name: a batch-1 decode's kernels), with the
-    runtime's default folds but `leave_out` (the interpreter counts each launch)."""
+    runtime's default folds (fold_router_norm left out unless router_norm; the interpreter counts
+    each launch)."""
     import triton.runtime.interpreter as interpreter
     from qruntime.kernels.fp8_gemm import GemmConfig
     from qruntime.ops import triton_ops as fast_ops
 
     graph, spec, weights, env = load_artifact(artifact)
     plan = Plan.build(graph, weights, env, triton_ops())
-    for fold in _DEFAULT_FOLDS:
-        if fold != leave_out:
-            getattr(fast_ops, fold)(plan)
+    for fold in ("fold_split_k_reductions", "fold_dynamic_quant") + ("fold_router_norm",) * router_norm:
+        getattr(fast_ops, fold)(plan)
     for node in plan.nodes:  # the GEMV every linear runs at one token, in few (interpreted) programs
         if isinstance(node.op, fast_ops.PTPCLinear):
             node.op.plans[1] = ("triton", GemmConfig(1, 32, 64, 1, 2, 1))
@@ -323,19 +290,18 @@ def _decode_launches(artifact, monkeypatch, leave_out: str = "") -> collections.
 def test_kernels_per_decode_layer(tiny_ckpt, tiny_moe_ckpt, compiled, monkeypatch):
     """Issue 17's count of kernels per decode layer, as the plan launches them at batch 1 (one decode
     attention launch: the interpreter's short context takes one partition; a GPU adds the reduce):
-    dense 8 (input norm, qkv GEMV, attention with the QK-norm/RoPE/KV write, o_proj GEMV with its
-    input's quantization, norm, gate_up, SiLU-mul-quant, down), 9 with the QK-norm launched; a MoE
-    layer 8 (input norm, qkv, attention, o_proj, routing with the norm before it, up, down,
-    combine), 9 with that norm launched."""
+    dense 9 (input norm, qkv GEMV, QK-norm/RoPE/KV write, attention, o_proj GEMV with its input's
+    quantization, norm, gate_up, SiLU-mul-quant, down); a MoE layer 10 (input norm, qkv, QK-norm,
+    attention, o_proj, norm, routing, up, down, combine), 9 with fold_router_norm (the norm in the
+    routing launch)."""
     dense = compiled(tiny_ckpt, "ptpc-fp8")
     layers = read_manifest(dense)["kv_cache"]["num_layers"]
-    default, launched = _decode_launches(dense, monkeypatch), _decode_launches(dense, monkeypatch, "fold_qknorm_rope")
+    default = _decode_launches(dense, True, monkeypatch)
     print(f"dense, {layers} layers: {dict(default)}")
-    assert sum(default.values()) == 8 * layers + 1 and sum(launched.values()) == 9 * layers + 1  # + the final norm
+    assert sum(default.values()) == 9 * layers + 1  # + the final norm
     assert default["_ptpc_fp8_gemv_kernel"] == 4 * layers and "_dynamic_quant_kernel" not in default
-    assert "_qknorm_rope_kvwrite_kernel" not in default and launched["_qknorm_rope_kvwrite_kernel"] == layers
     moe = compiled(tiny_moe_ckpt, "ptpc-fp8")  # layers 0 and 2 MoE, 1 dense
-    default, launched = _decode_launches(moe, monkeypatch), _decode_launches(moe, monkeypatch, "fold_router_norm")
+    default, launched = (_decode_launches(moe, router_norm, monkeypatch) for router_norm in (True, False))
     print(f"moe: default {dict(default)}; norms before the MoEs launched {dict(launched)}")
-    assert sum(default.values()) == 8 * 2 + 8 + 1 and sum(launched.values()) == 9 * 2 + 8 + 1
+    assert sum(default.values()) == 9 * 2 + 9 + 1 and sum(launched.values()) == 10 * 2 + 9 + 1
     assert launched["_add_rmsnorm_kernel"] - default["_add_rmsnorm_kernel"] == 2
