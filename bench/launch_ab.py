@@ -98,6 +98,19 @@ def graph_trace(engine, batch: int) -> list[list]:
     return [[e.name[:48], round(e.time_range.start - first, 2), round(e.time_range.elapsed_us(), 2)] for e in kernels]
 
 
+def layer_path(trace: list[list]) -> list[list]:
+    """A middle decoder layer's kernels in a graph_trace, each with what it adds to the step: its end
+    minus the end of the kernel before it (µs; with PDL the kernels overlap, so their spans do not
+    say it). Layers are found by their one QK-norm launch; a layer starts at its input norm, two
+    kernels before it. Empty for fewer than three layers."""
+    anchors = [i for i, kernel in enumerate(trace) if "qknorm" in kernel[0]]
+    if len(anchors) < 3:
+        return []
+    mid = len(anchors) // 2
+    ends = [start + span for _, start, span in trace]
+    return [[trace[i][0], round(ends[i] - ends[i - 1], 2)] for i in range(anchors[mid] - 2, anchors[mid + 1] - 2)]
+
+
 def greedy_tokens(engine) -> list[list[int]]:
     prompts = [[(7 * i + 3 * j) % 5000 + 10 for j in range(40)] for i in range(3)]
     outs = engine.generate(prompts, qruntime.SamplingParams(max_tokens=24, ignore_eos=True))
@@ -150,6 +163,7 @@ def run_mode(art: Path, mode: str, args, layers: int, reference: list | None) ->
             row.update(graph_kernels(engine, 1, layers))
             if args.trace:
                 row["trace_b1"] = graph_trace(engine, 1)
+                row["layer_path_b1"] = layer_path(row["trace_b1"])
     finally:
         set_attrs(saved)
     gc.collect()
@@ -165,7 +179,12 @@ def main() -> None:
     parser.add_argument("--prefetch-k", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-pdl", action="store_true", help="every mode without PDL: a kernel's span is its own time")
-    parser.add_argument("--trace", action="store_true", help="each row also lists one batch-1 replay kernel by kernel")
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="each row also lists one batch-1 replay kernel by kernel (trace_b1) and what each kernel of a middle "
+        "layer adds to the step (layer_path_b1, printed)",
+    )
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/qlaunch"))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -191,7 +210,9 @@ def main() -> None:
                 reference = tokens if reference is None else reference
                 row["preset"] = preset
                 report["rows"].append(row)
-                print(json.dumps({k: v for k, v in row.items() if k != "trace_b1"}), flush=True)
+                print(json.dumps({k: v for k, v in row.items() if k not in ("trace_b1", "layer_path_b1")}), flush=True)
+                for name, us in row.get("layer_path_b1", ()):
+                    print(f"    {name[:40]:40s} {us:7.2f} us")
                 if args.out is not None:  # after every row: a call cut short keeps what it measured
                     args.out.write_text(json.dumps(report, indent=1) + "\n")
         shutil.rmtree(art, ignore_errors=True)
