@@ -214,7 +214,7 @@ def main() -> None:
                 for name, us in row.get("layer_path_b1", ()):
                     print(f"    {name[:40]:40s} {us:7.2f} us")
                 if args.out is not None:  # after every row: a call cut short keeps what it measured
-                    args.out.write_text(json.dumps(report, indent=1) + "\n")
+                    args.out.write_text(json.dumps(report, indent=None if args.trace else 1) + "\n")
         shutil.rmtree(art, ignore_errors=True)
 
 
