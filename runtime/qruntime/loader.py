@@ -3,6 +3,7 @@ at tp > 1 with a worker process per rank beyond the first (engine/workers.py).""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -172,13 +173,43 @@ def kv_identity(kv_cache: dict, dtype: torch.dtype, plan: Plan) -> dict:
     return {"kv_cache": kv_cache, "dtype": str(dtype).removeprefix("torch."), "kv_ops": kv_ops}
 
 
-def _build(config: RankConfig) -> tuple[Rank, Workers | None]:
-    """Rank 0's runner; at tp > 1 also the workers of the other ranks, built alongside it."""
+class LoadClock:
+    """Seconds since load() began at the marks of a load: "build" (the ranks' build begins: manifest,
+    tokenizer and checks before it), build_rank's checkpoints "loaded" (weights bound), "planned"
+    (the plan and its folds) and "ready" (KV cache allocated, CUDA graphs captured, the kernels they
+    launch built), and "done"."""
+
+    def __init__(self) -> None:
+        self.start, self.at = time.perf_counter(), {}
+
+    def mark(self, tag: str) -> None:
+        self.at[tag] = time.perf_counter() - self.start
+
+    def phases(self) -> dict[str, float]:
+        """Seconds each phase took (those whose marks were reached), and the total."""
+        names = {"build": "setup", "loaded": "weights", "planned": "plan", "ready": "cache_and_graphs", "done": "rest"}
+        out, last = {}, 0.0
+        for tag, name in names.items():
+            if tag in self.at:
+                out[name], last = round(self.at[tag] - last, 3), self.at[tag]
+        out["total"] = round(last, 3)
+        return out
+
+
+def _build(config: RankConfig, clock: LoadClock) -> tuple[Rank, Workers | None]:
+    """Rank 0's runner; at tp > 1 also the workers of the other ranks, built alongside it (the
+    checkpoints marked on `clock` when every rank has passed them)."""
+    clock.mark("build")
     if config.tp == 1:
-        return build_rank(config), None
+        return build_rank(config, checkpoint=clock.mark), None
     workers = Workers(config)
+
+    def checkpoint(tag: str) -> None:
+        workers.checkpoint(tag)
+        clock.mark(tag)
+
     try:
-        built = build_rank(config, 0, workers.store, workers.checkpoint)
+        built = build_rank(config, 0, workers.store, checkpoint)
         if built.all_reduce is not None:  # a worker that dies must not leave rank 0's kernels waiting for it
             workers.on_death(built.all_reduce.abort)
         return built, workers
@@ -267,7 +298,9 @@ def load(
     workers are spawned: a script that loads at tp > 1 must guard its entry point with
     `if __name__ == "__main__":`. One tp engine per process at a time,
     in a process without a torch.distributed default group of its own.
+    The engine's description["load_seconds"] says where the load's time went (LoadClock.phases).
     """
+    clock = LoadClock()
     if isinstance(speculative, str):
         speculative = SpeculativeConfig.parse(speculative)
     if is_hub_url(path):
@@ -332,7 +365,7 @@ def load(
         draft_layers = manifest.get("speculative", {}).get("draft_layers")
         speculator = _speculator(speculative, config, vocab_size, tokenizer, draft_layers)
     try:
-        built, workers = _build(config)
+        built, workers = _build(config, clock)
     except BaseException:
         if speculator is not None:
             speculator.close()
@@ -387,6 +420,8 @@ def load(
         description["pdl"] = pdl
     if config.synthetic:
         description["weights"] = "SYNTHETIC: random values made on the device (qcompile synth --artifact)"
+    clock.mark("done")
+    description["load_seconds"] = clock.phases()
     return Engine(
         built.runner,
         scheduler,

@@ -10,6 +10,7 @@ import os
 import random
 import re
 import shutil
+import time
 
 import onnx
 import pytest
@@ -154,6 +155,21 @@ def test_kv_cache_too_small_says_what_to_change(art):
     assert "give more num_kv_blocks / kv_cache_memory or a smaller max_model_len" in message
     engine = qruntime.load(art, max_model_len=64, num_kv_blocks=4)  # exactly enough
     assert engine.description["max_model_len"] == 64 and "4 blocks x 16" in engine.description["kv_cache"]
+
+
+def test_load_says_where_its_time_went(art):
+    """description["load_seconds"]: each phase of the load (setup, weights, plan, cache and graphs,
+    rest) in order, none negative, adding up to the total, which is within the wall time of load()."""
+    start = time.perf_counter()
+    engine = qruntime.load(art, **SMALL_CACHE)
+    wall = time.perf_counter() - start
+    phases = engine.description["load_seconds"]
+    print(phases)
+    assert list(phases) == ["setup", "weights", "plan", "cache_and_graphs", "rest", "total"]
+    parts = [v for k, v in phases.items() if k != "total"]
+    assert all(v >= 0 for v in parts)
+    assert sum(parts) == pytest.approx(phases["total"], abs=0.005)
+    assert 0 < phases["total"] <= wall + 0.0005  # rounded to the millisecond
 
 
 def test_failed_loads_leave_no_trace(art, copy):

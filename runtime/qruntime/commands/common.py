@@ -49,8 +49,11 @@ def speculative_config(text: str | None, flag: str = "--speculative") -> Specula
 
 def load_line(description: dict[str, Any], seconds: float) -> str:
     d = description
+    phases = d.get("load_seconds", {})
+    split = ", ".join(f"{name.replace('_', ' ')} {s:.2f}" for name, s in phases.items() if name != "total")
     return (
-        f"loaded {d['artifact']} in {seconds:.2f} s: device {d['device']}, dtype {d['dtype']}, "
+        f"loaded {d['artifact']} in {seconds:.2f} s{f' ({split})' if split else ''}: device {d['device']}, "
+        f"dtype {d['dtype']}, "
         f"kv cache {d['kv_cache']}, max_model_len {d['max_model_len']}"
         + (f", speculative {d['speculative']}" if d.get("speculative") else "")
     )

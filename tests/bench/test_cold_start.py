@@ -1,0 +1,51 @@
+"""bench/cold_start.py on CPU: fresh processes from spawn to the first token and `qruntime serve` to
+ready, with the artifact's pages evicted (posix_fadvise: no root) or read first; the JSON carries what
+a bench report does and each row's parts add up to its whole."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import cold_start  # noqa: E402 -- bench/ is scripts, not a package
+
+
+def test_rows_time_each_part_from_spawn_to_first_token_and_serve_to_ready(tiny_ckpt, compiled, tmp_path):
+    art = compiled(tiny_ckpt, "ptpc-fp8")
+    out = tmp_path / "cold.json"
+    argv = ["--artifact", str(art), "--device", "cpu", "--rows", "cold,warm", "--drop", "artifact", "--serve"]
+    cold_start.main([*argv, "--load", "num_kv_blocks=64", "--workdir", str(tmp_path / "work"), "--out", str(out)])
+    report = json.loads(out.read_text())
+    for key in ("benchmark", "date", "command", "git_commit", "machine", "versions"):
+        assert report[key], key
+    assert report["artifact_bytes"] == sum(p.stat().st_size for p in art.rglob("*") if p.is_file())
+    assert [r["row"] for r in report["rows"]] == ["cold", "warm"]
+    for row in report["rows"]:
+        print(row)
+        assert row["tokens"] == 1
+        parts = ("interpreter_s", "import_torch_s", "import_qruntime_s", "import_loader_s", "load_s", "first_token_s")
+        assert all(row[p] >= 0 for p in parts) and row["import_torch_s"] > 0 and row["first_token_s"] > 0, row
+        assert row["to_first_token_s"] == pytest.approx(sum(row[p] for p in parts), abs=0.01)
+        assert 0 < row["load_seconds"]["total"] <= row["load_s"] + 0.005
+        assert row["artifact_gb_s"] is None or row["artifact_gb_s"] > 0
+        # serve loads the same engine and answers /health only once it can serve
+        assert row["serve_ready_s"] > row["import_torch_s"] + row["load_seconds"]["total"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--rows", "cold,lukewarm"], "lukewarm"),
+        (["--load", "num_kv_blocks=many"], "KEY=INT"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as info:
+        cold_start.main(["--artifact", str(tmp_path), "--device", "cpu", *argv])
+    assert info.value.code == 2 and message in capsys.readouterr().err
