@@ -120,7 +120,13 @@ def test_a_w4a16_moe_graph_binds_the_kernel(make_ckpt, compiled, rng, monkeypatc
     router_w = untied_router(x.cpu(), 8, ref_node.op.a["top_k"])
     args[0] = router_w.to(DEVICE)  # the synthetic router's logits tie in bf16 too often
     ref, y = ref_node.op(None, x, *args), fast_node.op(None, x, *args)
-    apart = (y.float() - ref.float()).abs() / ulp(torch.maximum(y.abs(), ref.abs()), torch.bfloat16)
+    # ulps of the larger value, at least of a quarter of the row's largest: where the k experts' rows
+    # cancel near zero, the sums' orders differ by a fraction of the addends' ulp, not the result's
+    # (torch seed 474440472, rng seed 829709372: 3.8e-5 against 2.3e-5 in a row reaching 0.014)
+    floor = ref.float().abs().amax(-1, keepdim=True) / 4
+    apart = (y.float() - ref.float()).abs() / ulp(
+        torch.maximum(torch.maximum(y.abs(), ref.abs()).float(), floor), torch.bfloat16
+    )
     assert float(apart.max()) <= 2 and float((apart > 0).float().mean()) <= 0.01, float(apart.max())
     # with the fold turned on (PAIR_ROWS_READERS, off by default), the residual add + norm after
     # each MoE node adds its k rows itself
