@@ -9,7 +9,8 @@ batch sizes):
             weight rows before it waits (what the runtime does)
   unfolded  prefetch, but every split-K GEMM launches its own reduction instead of handing its
             partials to the next kernel, and every MoE its combine (ops/triton_ops.fold_split_k_reductions)
-  moe-combine  prefetch with the GEMMs' reductions folded but the MoEs' combines launched
+  moe-combine  prefetch with the GEMMs' reductions folded but the MoEs' combines launched (the default)
+  combine-folded  prefetch, and each MoE's combine added up by the norm after it (PAIR_ROWS_READERS)
   router-launched  prefetch, but the norm before each fused MoE launched (not fold_router_norm)
   quant-launched   prefetch, but o_proj's input quantized in its own launch (not fold_dynamic_quant)
 All modes but `unfolded` fold the GEMMs' reductions.
@@ -45,7 +46,7 @@ from qcompile.recipe.schema import load_recipe
 from qcompile.synth.artifact import write_synthetic_artifact
 
 MODES = (
-    "plain", "pdl", "prefetch", "unfolded", "moe-combine", "router-launched", "quant-launched",
+    "plain", "pdl", "prefetch", "unfolded", "moe-combine", "combine-folded", "router-launched", "quant-launched",
 )  # fmt: skip
 
 
@@ -128,6 +129,7 @@ def overrides(mode: str, args) -> dict:
         {
             "unfolded": {"fold_split_k_reductions": no_fold},
             "moe-combine": {"PAIR_ROWS_READERS": ()},
+            "combine-folded": {"PAIR_ROWS_READERS": (triton_ops.AddRMSNorm, triton_ops.AddRMSNormQuant)},
             "router-launched": {"fold_router_norm": no_fold},
             "quant-launched": {"fold_dynamic_quant": no_fold},
         }.get(mode, {})
