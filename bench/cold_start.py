@@ -171,17 +171,20 @@ def serve_ready(art: Path, env: dict, args) -> float:
             proc.wait()
 
 
+QCOMPILE = (sys.executable, "-m", "qcompile")  # also where the console script is not installed (the lent GPU)
+
+
 def build_artifact(preset: str, workdir: Path, device: str) -> Path:
     """PRESET's random-weight checkpoint compiled to ptpc-fp8 (weights on disk, unlike `synth
     --artifact`), tuned for this GPU; kept under workdir for the next run."""
     art = workdir / f"{preset}-ptpc-fp8"
     if not (art / "manifest.json").is_file():
         ckpt = workdir / f"{preset}-ckpt"
-        subprocess.run(["qcompile", "synth", preset, "-o", str(ckpt), "--force"], check=True)
-        subprocess.run(["qcompile", "compile", str(ckpt), "-o", str(art), "--recipe", "ptpc-fp8"], check=True)
+        subprocess.run([*QCOMPILE, "synth", preset, "-o", str(ckpt), "--force"], check=True)
+        subprocess.run([*QCOMPILE, "compile", str(ckpt), "-o", str(art), "--recipe", "ptpc-fp8"], check=True)
         shutil.rmtree(ckpt)
         if device.startswith("cuda"):
-            subprocess.run(["qcompile", "tune", str(art)], check=True)
+            subprocess.run([*QCOMPILE, "tune", str(art)], check=True)
     return art
 
 
