@@ -75,6 +75,8 @@ print("COLD_START " + json.dumps({
     "load_s": round(loaded - resolved, 3),
     "first_token_s": round(done - loaded, 3), "to_first_token_s": round(done - spawned, 3),
     "load_seconds": engine.description["load_seconds"], "tokens": len(out.token_ids),
+    "graph_seconds": engine.description.get("graph_seconds"),
+    "kernel_prebuild": engine.description.get("kernel_prebuild"),
 }), flush=True)
 engine.close()
 """

@@ -6,7 +6,7 @@ token-count bucket; for a tp = N > 1 artifact on a machine with N GPUs, the all-
 from the custom kernel to NCCL (allreduce.py; with fewer GPUs it is left out and the runtime keeps
 its default). Writes kernels/<device>.json (docs/ARTIFACT.md)
 and updates the manifest's file table in the same step, so `qcompile verify` still covers every
-file. Needs a GPU.
+file; then records the kernels the tuned engine launches (builds.py). Needs a GPU.
 """
 
 from __future__ import annotations
@@ -24,16 +24,22 @@ from qruntime.kernel_configs import KERNELS_DIR, device_file
 from qcompile.compile.manifest import relist_files
 from qcompile.errors import QCompileError
 from qcompile.tune.allreduce import tune_all_reduce
+from qcompile.tune.builds import record_kernel_builds
 from qcompile.tune.gemm import ROTATE_BYTES, TOKEN_BUCKETS, gemm_shapes, time_us, tune_gemm
 from qcompile.tune.moe import moe_shapes, tune_moe
 from qcompile.tune.w4a16 import table_key, tune_w4a16, w4a16_shapes
 
 
 def tune_artifact(
-    root: str | Path, buckets: Iterable[int] = TOKEN_BUCKETS, progress: Callable[[str], None] | None = None
+    root: str | Path,
+    buckets: Iterable[int] = TOKEN_BUCKETS,
+    progress: Callable[[str], None] | None = None,
+    record_builds: bool = True,
 ) -> Path:
     """Tune every GEMM (FP8 and W4A16) and fused-MoE shape of the artifact on the current GPU;
-    returns the kernels/<device>.json written."""
+    returns the kernels/<device>.json written. record_builds: then record the kernels the tuned
+    engine launches (kernel_builds/<device>.json, qcompile.tune.builds), which later loads on this
+    GPU model build in parallel beside reading the weights."""
     if not torch.cuda.is_available():
         raise QCompileError("tuning needs a CUDA GPU (it times the runtime's kernels on it)")
     import triton
@@ -79,4 +85,8 @@ def tune_artifact(
     tmp.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
     os.replace(tmp, path)
     relist_files(root, manifest, [rel])
+    if record_builds:
+        builds = record_kernel_builds(root)
+        if progress is not None:
+            progress(f"kernel builds recorded in {builds.relative_to(root)}")
     return path

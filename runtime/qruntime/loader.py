@@ -176,7 +176,8 @@ def kv_identity(kv_cache: dict, dtype: torch.dtype, plan: Plan) -> dict:
 class LoadClock:
     """Seconds since load() began at the marks of a load: "build" (the ranks' build begins: manifest,
     tokenizer and checks before it), build_rank's checkpoints "loaded" (weights bound), "planned"
-    (the plan and its folds) and "ready" (KV cache allocated, CUDA graphs captured, the kernels they
+    (the plan and its folds), "kernels" (the recorded kernels built: what the load waited for them
+    beyond the weights) and "ready" (KV cache allocated, CUDA graphs captured, the kernels they
     launch built), and "done"."""
 
     def __init__(self) -> None:
@@ -187,7 +188,14 @@ class LoadClock:
 
     def phases(self) -> dict[str, float]:
         """Seconds each phase took (those whose marks were reached), and the total."""
-        names = {"build": "setup", "loaded": "weights", "planned": "plan", "ready": "cache_and_graphs", "done": "rest"}
+        names = {
+            "build": "setup",
+            "loaded": "weights",
+            "planned": "plan",
+            "kernels": "kernels",
+            "ready": "cache_and_graphs",
+            "done": "rest",
+        }
         out, last = {}, 0.0
         for tag, name in names.items():
             if tag in self.at:
@@ -240,6 +248,7 @@ def load(
     pdl: bool | None = None,
     speculative: str | SpeculativeConfig | None = None,
     small_step_graphs: bool | None = None,
+    prebuild_kernels: bool = True,
 ) -> Engine:
     """Load a qcompile artifact and return an Engine.
 
@@ -298,6 +307,11 @@ def load(
     workers are spawned: a script that loads at tp > 1 must guard its entry point with
     `if __name__ == "__main__":`. One tp engine per process at a time,
     in a process without a torch.distributed default group of its own.
+    prebuild_kernels (triton backend on an NVIDIA GPU): when the artifact has a kernel build list for
+    this GPU model and Triton (kernel_builds/<device>.json, written by `qcompile tune`), build every
+    kernel in it in parallel while the weights load, so the first launches find them in Triton's
+    cache (qruntime.kernel_prebuild; the list holds choices of our own kernels, never code: nothing
+    to trust). description["kernel_prebuild"] reports it.
     The engine's description["load_seconds"] says where the load's time went (LoadClock.phases).
     """
     clock = LoadClock()
@@ -357,6 +371,7 @@ def load(
         pdl=pdl,
         target=manifest.get("target", DEFAULT_TARGET),
         small_step_graphs=speculative is not None if small_step_graphs is None else small_step_graphs,
+        prebuild_kernels=prebuild_kernels,
     )
     if "vision" in manifest and speculative is not None:
         raise ValueError(f"{root}: a Qwen3-VL artifact runs without speculative decoding for now")
@@ -418,6 +433,10 @@ def load(
         description["speculative"] = f"{speculative.method}, up to {speculative.num_tokens} draft tokens"
     if backend == "triton":
         description["pdl"] = pdl
+    if built.prebuild is not None:
+        description["kernel_prebuild"] = built.prebuild.summary()
+    if built.graph_seconds:
+        description["graph_seconds"] = dict(built.graph_seconds)
     if config.synthetic:
         description["weights"] = "SYNTHETIC: random values made on the device (qcompile synth --artifact)"
     clock.mark("done")

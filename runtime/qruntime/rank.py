@@ -3,7 +3,8 @@ its decode steps captured, and the other steps as whole-step (mixed) and piecewi
 
 tp=1 builds rank 0 alone. At tp=N every rank runs `build_rank` (rank 0 in the caller's process,
 ranks 1..N-1 in spawned workers, engine/workers.py) and they meet at checkpoints: "loaded" (graph
-and weights read: what a bad file breaks), "planned" (process group joined, plan bound), "ready"
+and weights read: what a bad file breaks), "planned" (process group joined, plan bound), "kernels"
+(the artifact's recorded kernels built beside the weights, qruntime.kernel_prebuild), "ready"
 (cache allocated, graphs captured). Rank 0 passes a checkpoint only when every worker reports it, so
 a rank that fails is reported, with its traceback, before any rank waits in a collective for it.
 """
@@ -11,11 +12,13 @@ a rank that fails is reported, with its traceback, before any rank waits in a co
 from __future__ import annotations
 
 import os
+import time
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from types import MappingProxyType
 
 import onnx
 import torch
@@ -31,6 +34,7 @@ from qruntime.engine.sharded_sampler import VocabShard
 from qruntime.engine.sharded_sampler import warm_up as warm_up_sampling
 from qruntime.engine.warm_up import warm_up_steps
 from qruntime.kernel_configs import KernelTable, load_kernel_table
+from qruntime.kernel_prebuild import Prebuild, PrebuildReport, default_jobs, start_prebuild
 from qruntime.kv_cache import KVCache, KVCacheSpec
 from qruntime.ops.base import OpEnv
 from qruntime.ops.collective import AllGather
@@ -71,6 +75,7 @@ class RankConfig:
     pdl: bool = False  # triton backend: programmatic dependent launch (kernels/pdl.py), resolved by load
     target: str = DEFAULT_TARGET  # the artifact's compile target (qruntime.target): the fast path's FP8 format
     small_step_graphs: bool = False  # whole-step graphs for 8..64-token steps too (VERIFY_BUCKETS: speculation)
+    prebuild_kernels: bool = True  # build the artifact's recorded kernels while the weights load (kernel_prebuild)
 
     @property
     def tp(self) -> int:
@@ -93,6 +98,8 @@ class Rank:
     piecewise_buckets: tuple[int, ...] | None = None  # token counts of the piecewise graphs (other steps)
     mixed_buckets: tuple[int, ...] | None = None  # token counts of the whole-step graphs of other steps
     all_reduce: AllReducer | None = None  # how tp > 1 sums over the ranks on the fast path
+    prebuild: PrebuildReport | None = None  # the recorded kernels built beside the load, when it had a list
+    graph_seconds: Mapping[str, float] = field(default_factory=dict)  # kv_cache, each kind of graph, warm_up_steps
 
 
 def _no_checkpoint(tag: str) -> None:
@@ -133,6 +140,15 @@ def _kernels(config: RankConfig, device: torch.device, warn: bool) -> KernelTabl
             stacklevel=5,  # load's caller
         )
     return kernels
+
+
+def _start_prebuild(config: RankConfig, device: torch.device) -> Prebuild | None:
+    """The artifact's recorded kernels building for this GPU (qruntime.kernel_prebuild), the cores
+    shared among the ranks; None on the CPU, the reference path, or without a list for this GPU."""
+    if not config.prebuild_kernels or config.backend != "triton" or device.type != "cuda" or torch.version.hip:
+        return None
+    name, capability = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+    return start_prebuild(config.root, config.listed, name, capability, max(1, default_jobs() // config.tp))
 
 
 def _all_reduce_policy(config: RankConfig, kernels: KernelTable | None) -> AllReducePolicy:
@@ -200,10 +216,16 @@ def build_rank(
     graph_path = artifact_path(config.root, config.graph_files[rank], listed=config.listed)
     graph = read_graph(graph_path)
     kernels = _kernels(config, device, warn=rank == 0)
-    if config.synthetic:
-        weights = random_initializers(config.root, graph, device, config.dtype, config.listed)
-    else:
-        weights = load_initializers(config.root, graph, device, config.dtype, listed=config.listed)
+    prebuild = _start_prebuild(config, device)
+    try:
+        if config.synthetic:
+            weights = random_initializers(config.root, graph, device, config.dtype, config.listed)
+        else:
+            weights = load_initializers(config.root, graph, device, config.dtype, listed=config.listed)
+    except BaseException:
+        if prebuild is not None:
+            prebuild.proc.kill()
+        raise
     checkpoint("loaded")
 
     group = init_group(config, rank, store) if config.tp > 1 else None
@@ -240,6 +262,8 @@ def build_rank(
         fold_router_norm(plan)
     blocks, capturable = _local_blocks(config, device), plan.capturable
     checkpoint("planned")
+    report = prebuild.wait() if prebuild is not None else None  # before the first launch
+    checkpoint("kernels")
     if group is not None:
         blocks, capturable = _agree(device, blocks, capturable)
 
@@ -256,22 +280,34 @@ def build_rank(
         cuda_graphs = config.backend == "triton" and capturable
     if cuda_graphs and not capturable:
         raise ValueError("cuda_graphs=True but some ops of this graph cannot be captured (MoE, reference attention)")
+    laps, lap_start = {}, [time.perf_counter()]
+
+    def lap(tag: str) -> None:  # seconds of each part of the cache-and-graphs phase, for the load's report
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        laps[tag], lap_start[0] = round(now - lap_start[0], 3), now
+
     # one block more than the scheduler hands out: the scratch block padded graph rows write to
     kv_cache = KVCache(spec, blocks + int(cuda_graphs), config.dtype, device, get_target(config.target).fp8_dtype)
     graphs = piecewise = mixed = None
     mrope, vision = vision_inputs(graph, config.dtype)
     if cuda_graphs:  # every rank captures the same buckets in the same order: the graphs hold the all-reduces
         buckets = [b for b in DEFAULT_BUCKETS if b <= config.max_num_seqs] or [config.max_num_seqs]
+        lap("kv_cache")
         graphs = DecodeGraphs(plan, kv_cache, blocks, max_model_len, buckets, mrope=mrope, vision=vision)
+        lap("decode_graphs")
         # a plan that mixes rows (per-tensor activation scales) runs its other steps eagerly instead (as
         # a Qwen3-VL engine runs its steps holding image rows)
         if unfit_reason(plan) is None:
             tokens = token_buckets(config.max_num_batched_tokens, verify=config.small_step_graphs)
             piecewise = PiecewiseGraphs(plan, kv_cache, tokens, blocks, max_model_len, mrope=mrope, vision=vision)
+            lap("piecewise_graphs")
             if mixed_unfit_reason(plan) is None:  # whole-step graphs where attention launches from bounds
                 mixed = MixedGraphs(
                     plan, kv_cache, tokens, blocks, max_model_len, config.max_num_seqs, mrope=mrope, vision=vision
                 )
+                lap("mixed_graphs")
     runner = ModelRunner(plan, kv_cache, device, max_model_len, graphs, piecewise, shard, mrope=mrope, vision=vision)
     if cuda_graphs:  # every rank runs them (their collectives pair up): the kernels of mixed steps build now
         # without the mixed graphs (their kernels built at capture): the piecewise and eager steps'
@@ -284,6 +320,7 @@ def build_rank(
         runner.mixed_graphs = mixed
         if shard is not None:  # every rank, together: the sharded sampler's kernels build now too
             warm_up_sampling(shard, columns, config.dtype, device)
+        lap("warm_up_steps")
     checkpoint("ready")
     return Rank(
         runner,
@@ -293,4 +330,6 @@ def build_rank(
         piecewise.buckets if piecewise is not None else None,
         mixed.buckets if mixed is not None else None,
         reducer,
+        report,
+        MappingProxyType(laps),
     )

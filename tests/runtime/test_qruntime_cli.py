@@ -81,7 +81,8 @@ def test_module_subprocess_prints_text_then_timings(art, engine):
     load_line, summary = stderr.splitlines()
     assert load_line.startswith(f"loaded {art} in ")
     assert re.search(
-        r" s \(setup [\d.]+, weights [\d.]+, plan [\d.]+, cache and graphs [\d.]+, rest [\d.]+\): ", load_line
+        r" s \(setup [\d.]+, weights [\d.]+, plan [\d.]+, kernels [\d.]+, cache and graphs [\d.]+, rest [\d.]+\): ",
+        load_line,
     )
     assert "device cpu, dtype bfloat16, kv cache nhd bf16, " in load_line
     match = SUMMARY.match(summary)

@@ -56,4 +56,5 @@ def load_line(description: dict[str, Any], seconds: float) -> str:
         f"dtype {d['dtype']}, "
         f"kv cache {d['kv_cache']}, max_model_len {d['max_model_len']}"
         + (f", speculative {d['speculative']}" if d.get("speculative") else "")
+        + (f", kernels prebuilt: {d['kernel_prebuild']}" if d.get("kernel_prebuild") else "")
     )

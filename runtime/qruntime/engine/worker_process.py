@@ -1,7 +1,7 @@
 """What runs in a spawned tensor-parallel worker: build one rank, then run the steps rank 0 sends.
 
 Messages, over the worker's pipe to rank 0 (engine/workers.py has rank 0's side):
-  worker -> rank 0: `(tag, None)` at each build checkpoint ("loaded", "planned", "ready");
+  worker -> rank 0: `(tag, None)` at each build checkpoint ("loaded", "planned", "kernels", "ready");
                     `("error", Report)` when it raises, then it exits.
   rank 0 -> worker: `("step", chunks, all_logits, sampling, shared, rows)` (StepChunk tuples,
                     pickled once by rank 0 for every worker; sampling: ShardedSampling or None, for

@@ -1,0 +1,70 @@
+"""Record the Triton kernels an artifact's engine launches on this GPU: kernel_builds/<device>.json.
+
+The last step of `qcompile tune`: a fresh process (its JIT has compiled nothing yet, so it sees every
+kernel the load launches, including those Triton's cache already holds) loads the artifact with its
+new tuned configs and the runtime's defaults, captures its graphs, runs its warm-up steps and
+generates a few tokens, while qruntime.kernel_builds.recorded_builds notes each kernel
+specialization compiled. The list lets a later load on this GPU model build them all in parallel
+beside reading the weights (qruntime.kernel_prebuild) instead of one by one at their first launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from qcompile.errors import QCompileError
+
+RECORD_TIMEOUT_S = 3600.0
+PROMPT = (1, 2, 3, 4, 5, 6, 7, 8)
+
+
+def record_kernel_builds(root: str | Path, timeout: float = RECORD_TIMEOUT_S) -> Path:
+    """Record the list in a fresh process and write it into the artifact (its manifest entry updated);
+    returns its path. A QCompileError with the child's last lines when it fails."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "qcompile.tune.builds", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        raise QCompileError(f"{root}: recording the engine's kernel builds failed (exit {proc.returncode}):\n{tail}")
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def _record(root: Path) -> Path:
+    import qruntime
+    import torch
+    import triton
+    from qruntime.artifact import read_manifest
+    from qruntime.kernel_builds import BuildList, builds_file, recorded_builds
+
+    from qcompile.compile.manifest import relist_files
+
+    device = torch.device("cuda")
+    with recorded_builds() as recording, qruntime.load(root, device=device, prebuild_kernels=False) as engine:
+        engine.generate([list(PROMPT)], qruntime.SamplingParams(max_tokens=4, ignore_eos=True))
+    for skipped in recording.skipped:
+        print(f"not recorded: {skipped}", file=sys.stderr)
+    name = torch.cuda.get_device_name(device)
+    builds = BuildList(name, torch.cuda.get_device_capability(device), triton.__version__, tuple(recording.kernels))
+    rel = builds_file(name)
+    path = root / rel
+    if path.parent.is_symlink() or path.is_symlink():
+        raise QCompileError(f"{path}: a symbolic link in the artifact; tune writes only the artifact's own files")
+    path.parent.mkdir(exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(builds.to_dict(), indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    relist_files(root, read_manifest(root), [rel])
+    return path
+
+
+if __name__ == "__main__":
+    print(_record(Path(sys.argv[1])))

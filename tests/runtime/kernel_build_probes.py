@@ -1,0 +1,125 @@
+"""Checks of qruntime.kernel_builds that need the runtime's kernels as Triton JITFunctions, run by
+test_kernel_builds.py in a fresh process without TRITON_INTERPRET (under the interpreter, which the
+test session runs, @triton.jit makes interpreted functions that Triton cannot compile).
+
+    python kernel_build_probes.py PROBE '<json args>'   ->   one JSON line on stdout
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+SM90 = ("cuda", 90, 32)
+
+
+def _record(data: dict) -> Any:
+    from qruntime.kernel_builds import KernelBuild
+
+    return KernelBuild.from_dict(data, "test")
+
+
+def _entry(record: Any, fn: Any = None, target: tuple = SM90, options: dict | None = None) -> str:
+    from qruntime.kernel_prebuild import cache_entry
+    from triton.backends.compiler import GPUTarget
+
+    fn = fn if fn is not None else record.resolve()
+    return str(cache_entry(record.source(fn), GPUTarget(*target), dict(record.options) if options is None else options))
+
+
+def resolve(records: list[dict]) -> list[str]:
+    """Each record's kernel function name, or the ValueError it raises."""
+    out = []
+    for data in records:
+        try:
+            out.append("ok: " + _record(data).resolve().fn.__name__)
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
+
+
+def build(record: dict) -> dict:
+    """build_record's result, and the cache folder the record keys."""
+    from qruntime.kernel_prebuild import build_record
+
+    result = build_record(SM90, _record(record))
+    return result | {"entry": _entry(_record(record))}
+
+
+def source(record: dict) -> dict:
+    """The ASTSource's decoded constants (type and text), or the ValueError building it raises."""
+    r = _record(record)
+    try:
+        src = r.source(r.resolve())
+    except ValueError as exc:
+        return {"error": str(exc)}
+    return {"constants": {str(k[0]): [type(v).__name__, str(v)] for k, v in src.constants.items()}}
+
+
+def keys(record: dict, tmp: str) -> dict:
+    """The cache folders of the record, and of it with one thing changed each: num_warps, a
+    constexpr, the target, the kernel's source (two copies of its module, one statement changed)."""
+    r = _record(record)
+    fn = r.resolve()
+    changed_block = _record(record | {"constants": [[[5], 512], *record["constants"][1:]]})
+    out = {
+        "entry": _entry(r),
+        "num_warps": _entry(r, options={"num_warps": 8}),
+        "constant": _entry(changed_block, fn),
+        "target": _entry(r, target=("cuda", 80, 32)),
+    }
+    text = Path(inspect.getfile(fn.fn)).read_text()
+    for i, body in enumerate((text, text.replace("row = tl.program_id(0)", "row = 0 + tl.program_id(0)"))):
+        path = Path(tmp) / f"copy{i}.py"
+        path.write_text(body)
+        spec = importlib.util.spec_from_file_location(f"copy{i}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look themselves up there
+        spec.loader.exec_module(module)
+        out[f"copy{i}"] = _entry(r, getattr(module, fn.fn.__name__))
+    return out
+
+
+def record_hook(record: dict) -> dict:
+    """Drive recorded_builds' hook as Triton's JIT does after a compile (twice for one
+    specialization, once for a kernel of another package) under a hook set before."""
+    import triton
+    from qruntime.kernel_builds import recorded_builds
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JitFunctionInfo, serialize_specialization_data
+
+    r = _record(record)
+    fn = r.resolve()
+    src = r.source(fn)
+    options = make_backend(GPUTarget(*SM90)).parse_options(dict(r.options))
+    args = [f"{fn.module}.{fn.fn.__qualname__}", src.signature, src.constants, src.attrs, options, "key"]
+    if "target" in inspect.signature(serialize_specialization_data).parameters:  # triton > 3.6
+        args.append(GPUTarget(*SM90))
+    spec = serialize_specialization_data(*args)
+    calls: list[str] = []
+    knobs = triton.knobs.runtime
+    knobs.jit_post_compile_hook = before = lambda **kw: calls.append(kw["fn"].name)
+    ours = {"key": "k", "repr": "r", "compile": {"specialization_data": spec}, "is_manual_warmup": False}
+    with recorded_builds() as recording:
+        swapped = knobs.jit_post_compile_hook is not before
+        for info in [JitFunctionInfo(fn.module, fn.fn.__qualname__, fn)] * 2 + [
+            JitFunctionInfo("triton.language.standard", "other", fn)
+        ]:
+            knobs.jit_post_compile_hook(fn=info, **ours)
+    return {
+        "swapped": swapped,
+        "restored": knobs.jit_post_compile_hook is before,
+        "calls": calls,
+        "recorded": [k.to_dict() for k in recording.kernels],
+        "skipped": recording.skipped,
+        "same_entry": [_entry(k, fn) for k in recording.kernels] == [_entry(r, fn)],
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(globals()[sys.argv[1]](*json.loads(sys.argv[2]))))

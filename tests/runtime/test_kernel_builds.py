@@ -1,0 +1,271 @@
+"""Kernel build lists (qruntime.kernel_builds) and building them ahead (qruntime.kernel_prebuild).
+
+Triton compiles for an NVIDIA target without a GPU (ptxas ships with it), so these build real
+kernels of the runtime for sm_90 into a fresh Triton cache per test: the records' checks and the
+trust rule, the cache's keying, a torn cache entry built again, a record that fails to build named
+with its config, the helper's deadline, and a build list of another GPU or Triton ignored."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from qruntime.kernel_builds import (
+    MAX_KERNELS,
+    BuildList,
+    KernelBuild,
+    builds_file,
+    read_build_list,
+)
+from qruntime.kernel_prebuild import Prebuild
+
+PROBES = Path(__file__).with_name("kernel_build_probes.py")
+
+SM90 = ("cuda", 90, 32)
+KERNEL = "qruntime.kernels.dynamic_quant:_dynamic_quant_kernel"
+SIGNATURE = {
+    "x_ptr": "*bf16",
+    "q_ptr": "*u8",
+    "s_ptr": "*fp32",
+    "K": "i32",
+    "stride_x": "i32",
+    "BLOCK": "constexpr",
+    "NUM_CHUNKS": "constexpr",
+    "HW": "constexpr",
+    "PDL": "constexpr",
+    "FNUZ": "constexpr",
+}
+
+
+def quant_record(block: int = 256, warps: int = 4, **options) -> dict:
+    """A record of dynamic_quant's kernel as the runtime launches it (one row chunk, hardware casts)."""
+    return {
+        "kernel": KERNEL,
+        "signature": dict(SIGNATURE),
+        "constants": [[[5], block], [[6], 1], [[7], True], [[8], False], [[9], False]],
+        "attrs": [[[0], [["tt.divisibility", 16]]], [[1], [["tt.divisibility", 16]]], [[2], [["tt.divisibility", 16]]]],
+        "options": {"num_warps": warps, **options},
+    }
+
+
+@pytest.fixture(autouse=True)
+def triton_cache(tmp_path, monkeypatch) -> Path:
+    """A fresh Triton cache for the test and the helper processes it starts."""
+    cache = tmp_path / "triton-cache"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    return cache
+
+
+def build(data: dict) -> KernelBuild:
+    return KernelBuild.from_dict(data, "test")
+
+
+def probe(name: str, *args):
+    """kernel_build_probes.NAME(*args) in a process where the kernels are Triton's JITFunctions."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, str(PROBES), name, json.dumps(args)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_record_round_trips_and_names_its_choices():
+    record = build(quant_record(block=512, warps=8))
+    assert build(json.loads(json.dumps(record.to_dict()))) == record
+    assert (
+        record.describe()
+        == "_dynamic_quant_kernel[num_warps=8, BLOCK=512, NUM_CHUNKS=1, HW=True, PDL=False, FNUZ=False]"
+    )
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"kernel": "os:system"}, r"test\.kernel: not a kernel of this runtime"),
+        ({"kernel": "qruntime.kernels.pdl"}, r"test\.kernel: not a kernel of this runtime"),
+        (
+            {"signature": {"x_ptr": "*bf16; rm -rf"}},
+            r"test\.signature\['x_ptr'\]: not a parameter and a Triton type \('\*bf16; rm -rf'\)",
+        ),
+        ({"signature": {}}, r"test\.signature: an object of 1 to 256"),
+        ({"constants": [[[5], [1, 2]]]}, r"test\.constants\[0\]: a constant is a number"),
+        ({"constants": [[[5], "import os"]]}, r"test\.constants\[0\]: a constant is a number"),
+        ({"constants": [[[-1], 4]]}, r"test\.constants\[0\]: an argument path"),
+        ({"attrs": [[[0], [["tt.pointer_range", 32]]]]}, r"test\.attrs\[0\]: a hint is one of tt\.divisibility"),
+        ({"options": {"num_warps": 3}}, r"test\.options\.num_warps: 3 is out of range"),
+        ({"options": {"num_warps": 64}}, r"test\.options\.num_warps: 64 is out of range"),
+        ({"options": {"num_stages": "3"}}, r"test\.options\.num_stages"),
+        ({"options": {"launch_pdl": 1}}, r"test\.options\.launch_pdl"),
+    ],
+)
+def test_records_are_checked_field_by_field(change, message):
+    with pytest.raises(ValueError, match=message):
+        build(quant_record() | change)
+
+
+def test_a_record_resolves_only_to_a_kernel_of_ours():
+    kernels = {
+        KERNEL: "ok: _dynamic_quant_kernel",
+        "qruntime.kernels.fp8_gemm:torch": "not a @triton.jit kernel defined in qruntime.kernels.fp8_gemm",
+        "qruntime.kernels.dynamic_quant:wait_for_inputs": "not a @triton.jit kernel defined in",  # pdl.py's
+        "qruntime.kernels.no_such_module:k": "no such kernel module",
+        "qruntime.kernels.dynamic_quant:fp8_scale": "parameters are not the kernel's",
+    }
+    got = probe("resolve", [quant_record() | {"kernel": k} for k in kernels])
+    for (kernel, want), message in zip(kernels.items(), got, strict=True):
+        assert want in message, (kernel, message)
+
+
+def test_options_other_than_the_launch_options_never_reach_triton(tmp_path):
+    """ir_override (a file Triton would compile instead of our source), extern_libs, ptx_options:
+    dropped from the record, so the build is of our source with Triton's defaults."""
+    garbage = tmp_path / "evil.ptx"
+    garbage.write_text("this is not PTX")
+    hostile = build(quant_record(ir_override=str(garbage), extern_libs={"libdevice": str(garbage)}, ptx_options="-O0"))
+    assert hostile == build(quant_record())
+    assert dict(hostile.options) == {"num_warps": 4}
+    assert probe("build", hostile.to_dict())["status"] == "built"
+
+
+def test_string_constants_must_name_a_dtype():
+    """Triton keys a constant by its text: "torch.bfloat16" as a string would share the key of the dtype."""
+    got = probe("source", quant_record() | {"constants": [[[5], 256], [[6], 1], [[7], "torch.bfloat16"]]})
+    assert "'torch.bfloat16' is not a Triton dtype's name" in got["error"]
+
+
+def test_decoded_constants_are_tritons_own_types():
+    got = probe("source", quant_record() | {"constants": [[[5], 256], [[6], {"constexpr": 2}], [[7], "bf16"]]})
+    assert got["constants"] == {"5": ["int", "256"], "6": ["constexpr", "constexpr[2]"], "7": ["dtype", "bf16"]}
+
+
+def test_the_list_holds_at_most_max_kernels():
+    data = {"device": "G", "capability": [9, 0], "triton": "3.6.0", "kernels": [quant_record()] * (MAX_KERNELS + 1)}
+    with pytest.raises(ValueError, match=rf"where\.kernels: a list of up to {MAX_KERNELS}"):
+        BuildList.from_dict(data, "where")
+
+
+def test_the_recorder_keeps_what_triton_reports_once_and_restores_the_hook():
+    got = probe("record_hook", quant_record(block=1024, warps=8))
+    assert got["swapped"] and got["restored"]
+    assert got["calls"] == ["_dynamic_quant_kernel", "_dynamic_quant_kernel", "other"]  # chained, every call
+    (recorded,) = [build(r) for r in got["recorded"]]
+    want = build(quant_record(block=1024, warps=8))
+    assert (recorded.kernel, recorded.signature, recorded.constants, recorded.attrs) == (
+        want.kernel,
+        want.signature,
+        want.constants,
+        want.attrs,
+    )
+    assert ("num_warps", 8) in recorded.options  # with Triton's defaults of the other launch options
+    assert got["skipped"] == []
+    assert got["same_entry"]  # what was recorded keys Triton's cache as the compile it saw
+
+
+def test_the_cache_key_changes_with_config_constants_target_and_source(tmp_path):
+    record = quant_record()
+    first = probe("build", record)
+    assert first["status"] == "built"
+    entry = Path(first["entry"])
+    assert any(entry.glob("__grp__*.json")), "cache_entry must name the folder triton.compile wrote"
+    assert probe("build", record)["status"] == "cached"
+    keys = probe("keys", record, str(tmp_path))
+    assert keys["entry"] == first["entry"]
+    assert keys["copy0"] != keys["copy1"]  # one statement of the kernel's source changed
+    for what in ("num_warps", "constant", "target", "copy1"):
+        assert keys[what] != keys["entry"], what
+        other = Path(keys[what])
+        assert not other.exists() or not any(other.glob("__grp__*")), what
+
+
+def test_a_torn_cache_entry_is_built_again_with_a_warning():
+    record = build(quant_record())
+    first = probe("build", record.to_dict())
+    assert first["status"] == "built"
+    metadata = Path(first["entry"]) / "_dynamic_quant_kernel.json"
+    metadata.write_text('{"hash": "')  # torn mid-write: Triton finds the entry, then fails to read it
+    with pytest.warns(UserWarning, match=r"unreadable Triton cache entries built again: _dynamic_quant_kernel\["):
+        report = Prebuild([record], SM90, jobs=1).wait(120)
+    assert (report.rebuilt, report.failed) == (1, ())
+    json.loads(metadata.read_text())
+    assert probe("build", record.to_dict())["status"] == "cached"
+
+
+def test_records_build_in_parallel_and_a_failing_one_is_named_with_its_config():
+    records = [build(quant_record(block=b, warps=w)) for b, w in ((256, 4), (512, 4), (100, 4), (1024, 8))]
+    with pytest.warns(UserWarning, match="1 recorded kernel") as caught:
+        report = Prebuild(records, SM90, jobs=2).wait(300)
+    print(report.summary())
+    assert (report.total, report.built, report.cached, report.unfinished) == (4, 3, 0, 0)
+    (failed,) = report.failed
+    assert failed.startswith("_dynamic_quant_kernel[num_warps=4, BLOCK=100, NUM_CHUNKS=1")
+    assert "arange's range must be a power of 2" in failed
+    assert "BLOCK=100" in str(caught[0].message)
+    again = Prebuild(records, SM90, jobs=2)
+    with pytest.warns(UserWarning):
+        report = again.wait(300)
+    assert (report.built, report.cached, len(report.failed)) == (0, 3, 1)
+
+
+def test_the_helper_is_killed_at_the_deadline():
+    records = [build(quant_record(block=1 << b, warps=w)) for b in range(5, 12) for w in (1, 2, 4, 8)]
+    began = time.perf_counter()
+    prebuild = Prebuild(records, SM90, jobs=1)
+    report = prebuild.wait(timeout=1.0)
+    assert time.perf_counter() - began < 30
+    assert prebuild.proc.returncode is not None  # killed, not left running
+    assert report.unfinished > 0 and report.unfinished + report.built == len(records)
+    assert "cut off by the deadline" in report.summary()
+
+
+def test_a_helper_that_cannot_build_reports_every_record():
+    records = [build(quant_record())]
+    with pytest.warns(UserWarning, match="did not build ahead"):
+        report = Prebuild(records, ("no-such-backend", 90, 32), jobs=1).wait(120)
+    assert report.built == 0 and len(report.failed) == 1 and "no-such-backend" in report.failed[0]
+
+
+def _artifact_with_list(tmp_path, data, listed=True) -> tuple[Path, set]:
+    root = tmp_path / "art"
+    rel = builds_file("NVIDIA H200")
+    (root / rel).parent.mkdir(parents=True)
+    (root / rel).write_text(data if isinstance(data, str) else json.dumps(data))
+    return root, {rel} if listed else set()
+
+
+def test_a_list_of_another_gpu_or_triton_is_ignored_with_a_warning(tmp_path):
+    good = {"device": "NVIDIA H200", "capability": [9, 0], "triton": "3.6.0", "kernels": [quant_record()]}
+    root, listed = _artifact_with_list(tmp_path, good)
+    builds = read_build_list(root, "NVIDIA H200", (9, 0), "3.6.0", listed)
+    assert builds.kernels == (build(quant_record()),)
+    for name, capability, version, why in [
+        ("NVIDIA H200", (9, 0), "3.9.0", "with Triton 3.6.0, not"),
+        ("NVIDIA H200", (10, 0), "3.6.0", r"\(sm 90\).*\(sm 100\)"),
+    ]:
+        with pytest.warns(UserWarning, match=why):
+            assert read_build_list(root, name, capability, version, listed) is None
+    assert read_build_list(tmp_path / "none", "NVIDIA H200", (9, 0), "3.6.0", set()) is None  # no list: quiet
+
+
+@pytest.mark.parametrize(
+    "data, listed, why",
+    [
+        ('{"device": "NVIDIA H200", "kernels": [', True, "kernel build list ignored"),
+        (
+            {"device": "NVIDIA H200", "capability": [9, 0], "triton": "3.6.0", "kernels": [{"kernel": "os:system"}]},
+            True,
+            r"kernels\[0\]\.kernel: not a kernel of this runtime",
+        ),
+        ({"device": "NVIDIA H200", "capability": [9], "triton": "3.6.0", "kernels": []}, True, r"\.capability"),
+        ({"device": "NVIDIA H200", "capability": [9, 0], "triton": "3.6.0", "kernels": []}, False, "not listed"),
+    ],
+)
+def test_a_corrupt_or_foreign_list_is_ignored_with_a_warning(tmp_path, data, listed, why):
+    root, files = _artifact_with_list(tmp_path, data, listed)
+    with pytest.warns(UserWarning, match=why):
+        assert read_build_list(root, "NVIDIA H200", (9, 0), "3.6.0", files) is None
