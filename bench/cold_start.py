@@ -176,9 +176,10 @@ def serve_ready(art: Path, env: dict, args) -> float:
 QCOMPILE = (sys.executable, "-m", "qcompile")  # also where the console script is not installed (the lent GPU)
 
 
-def build_artifact(preset: str, workdir: Path, device: str) -> Path:
+def build_artifact(preset: str, workdir: Path, device: str, buckets: str | None = None) -> Path:
     """PRESET's random-weight checkpoint compiled to ptpc-fp8 (weights on disk, unlike `synth
-    --artifact`), tuned for this GPU; kept under workdir for the next run."""
+    --artifact`), tuned for this GPU at `buckets` (tune's default: all), which records the kernels
+    its engine launches; kept under workdir for the next run."""
     art = workdir / f"{preset}-ptpc-fp8"
     if not (art / "manifest.json").is_file():
         ckpt = workdir / f"{preset}-ckpt"
@@ -186,7 +187,7 @@ def build_artifact(preset: str, workdir: Path, device: str) -> Path:
         subprocess.run([*QCOMPILE, "compile", str(ckpt), "-o", str(art), "--recipe", "ptpc-fp8"], check=True)
         shutil.rmtree(ckpt)
         if device.startswith("cuda"):
-            subprocess.run([*QCOMPILE, "tune", str(art)], check=True)
+            subprocess.run([*QCOMPILE, "tune", str(art), *(["--buckets", buckets] if buckets else [])], check=True)
     return art
 
 
@@ -203,6 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--load", action="append", default=[], metavar="KEY=INT",
                         help="a keyword of qruntime.load that is also a serve flag, for both children: num_kv_blocks=64, "
                         "max_model_len=4096, max_num_seqs=8")  # fmt: skip
+    parser.add_argument("--tune-buckets", default=None, help="--preset: token counts `qcompile tune` times")
+    parser.add_argument("--build-only", action="store_true", help="--preset: build the artifact, measure nothing")
     parser.add_argument("--timeout", type=float, default=900, help="seconds a child may take")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/qcold"))
     parser.add_argument("--out", type=Path, default=None)
@@ -216,7 +219,10 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError:
         parser.error(f"--load takes KEY=INT, got {args.load}")
     args.workdir.mkdir(parents=True, exist_ok=True)
-    art = args.artifact or build_artifact(args.preset, args.workdir, args.device)
+    art = args.artifact or build_artifact(args.preset, args.workdir, args.device, args.tune_buckets)
+    if args.build_only:
+        print(f"built {art}")
+        return
     size = sum(p.stat().st_size for p in artifact_files(art))
     report = gpu_report_header("cold_start") if args.device.startswith("cuda") else report_header("cold_start")
     report.update(device=args.device, artifact=str(art), artifact_bytes=size, drop=args.drop, rows=[])

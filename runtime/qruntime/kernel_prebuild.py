@@ -2,13 +2,16 @@
 
 Left to Triton's JIT, each kernel compiles when a step first launches it, one after another on the
 load's path (graph capture, warm-up steps): a 0.6B engine's first load on an H200 spent ~36 s there.
-`Prebuild.start` hands the records to a helper process (`python -m qruntime.kernel_prebuild`) that
-imports their modules once, then forks one worker per core, each compiling records into Triton's
-own cache (triton.compile for this GPU's architecture: no GPU, no CUDA context is touched). The load
-reads the weights meanwhile and `wait`s before its first launch; the JIT then finds every recorded
-kernel in the cache and only loads it. A separate process because it can be bounded: past the
-load's deadline it is killed (the kernels left build as they launch, as without a list); and
-because a compiler that crashes on some record cannot take the load down with it.
+`Prebuild` first looks each record up in Triton's cache (the key as triton.compile computes it,
+`cache_entry`; an entry whose files do not parse counts as missing), then forks one worker per
+core for the rest, each compiling records into that cache with triton.compile for this GPU's
+architecture and, on a Triton that compiles a C launcher per kernel signature (3.6), building the
+launcher too. Forked from the loading process so the workers start with its imports (torch, Triton,
+the kernel modules) instead of paying them again; they touch no GPU and no CUDA context, as
+PyTorch's DataLoader workers forked from a CUDA process do not. The load reads the weights
+meanwhile and `wait`s before its first launch; the JIT then finds every recorded kernel in the
+cache and only loads it. Past the deadline the workers are killed and what is left builds as it
+launches, as without a list.
 
 A cache entry Triton cannot read back (a torn or corrupt file) is removed and built again, with a
 warning; a record that fails to build is reported with its kernel and configuration and left to
@@ -22,12 +25,11 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
-import threading
 import time
 import warnings
 from collections.abc import Container, Mapping, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,7 @@ from qruntime.kernel_builds import KernelBuild, read_build_list
 
 DEADLINE_S = 300.0  # the longest a load waits for its kernels (an 8B engine's ~100 builds take ~20 s on one core)
 MAX_ERROR_CHARS = 2000
+Target = tuple[str, "int | str", int]  # Triton's GPUTarget fields: backend, arch, warp size
 
 
 @dataclass(frozen=True)
@@ -57,60 +60,58 @@ class PrebuildReport:
 
 
 class Prebuild:
-    """The helper process building `records` for `target` (Triton's GPUTarget fields: backend,
-    arch, warp size) with `jobs` workers; `wait` collects its report."""
+    """`records` building for `target` with up to `jobs` forked workers (module docstring);
+    `launchers`: build each kernel's C launcher too (on the GPU's machine: it links libcuda)."""
 
-    def __init__(self, records: Sequence[KernelBuild], target: tuple[str, int | str, int], jobs: int) -> None:
+    def __init__(self, records: Sequence[KernelBuild], target: Target, jobs: int, launchers: bool = False) -> None:
+        from triton.backends.compiler import GPUTarget
+
         self.records, self.start = tuple(records), time.perf_counter()
-        job = {"target": list(target), "jobs": jobs, "kernels": [r.to_dict() for r in self.records]}
         self.results: dict[int, dict[str, Any]] = {}
-        self.errors: list[str] = []
-        self.finished_at: float | None = None
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "qruntime.kernel_prebuild"],
-            env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},  # it compiles, whatever we run
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        # both pipes drained by threads: the helper never blocks on a full pipe while the load reads weights
-        self.reader = threading.Thread(target=self._read, args=(json.dumps(job),), daemon=True)
-        self.stderr = threading.Thread(target=self._drain_stderr, daemon=True)
-        self.reader.start()
-        self.stderr.start()
-
-    def _read(self, job: str) -> None:
-        try:
-            self.proc.stdin.write(job)
-            self.proc.stdin.close()
-        except OSError:  # the helper died at once: its stderr says why
-            pass
-        for line in self.proc.stdout:
+        todo = []
+        for index, record in enumerate(self.records):
             try:
-                result = json.loads(line)
-                self.results[int(result["index"])] = result
-            except (ValueError, KeyError, TypeError):
-                self.errors.append(line.strip()[:MAX_ERROR_CHARS])
-        self.finished_at = time.perf_counter()
+                src = record.source(record.resolve())
+                cached = _readable(cache_entry(src, GPUTarget(*target), dict(record.options)))
+            except Exception as exc:  # noqa: BLE001 - not ours (ValueError), or no backend for the target
+                self.results[index] = {"status": "failed", "error": _one_line(exc)}
+                continue
+            if cached:
+                self.results[index] = {"status": "cached", "error": None}
+            else:
+                todo.append(index)
+        self.executor: ProcessPoolExecutor | None = None
+        self.futures: dict[Future, int] = {}
+        if todo:
+            import multiprocessing
 
-    def _drain_stderr(self) -> None:
-        for line in self.proc.stderr:
-            if len(self.errors) < 50:
-                self.errors.append(line.rstrip()[:MAX_ERROR_CHARS])
+            self.executor = ProcessPoolExecutor(max(1, min(jobs, len(todo))), multiprocessing.get_context("fork"))
+            for index in todo:
+                self.futures[self.executor.submit(build_record, target, self.records[index], launchers)] = index
+        self.finished_at = None if todo else time.perf_counter()
 
     def wait(self, timeout: float = DEADLINE_S) -> PrebuildReport:
-        """Wait for the helper, at most `timeout` seconds after it started; then kill what is left.
+        """Wait for the workers, at most `timeout` seconds after the start; then kill what is left.
         Warns once for failed records and cache entries built again."""
         began = time.perf_counter()
-        self.reader.join(max(0.0, self.start + timeout - began))
-        if self.reader.is_alive():
-            self.proc.kill()
-            self.reader.join()
-        self.proc.wait()
-        self.stderr.join(5.0)
-        for pipe in (self.proc.stdout, self.proc.stderr):
-            pipe.close()
+        unfinished = 0
+        if self.executor is not None:
+            pending = set(self.futures)
+            while pending:  # a worker that dies fails the pool's futures at once (BrokenProcessPool)
+                done, pending = wait_for(pending, max(0.0, self.start + timeout - time.perf_counter()), FIRST_EXCEPTION)
+                for future in done:
+                    try:
+                        self.results[self.futures[future]] = future.result()
+                    except Exception as exc:  # noqa: BLE001 - the worker died: reported, left to the JIT
+                        self.results[self.futures[future]] = {"status": "failed", "error": _one_line(exc)}
+                if not done:
+                    break
+            unfinished = len(pending)
+            if pending:  # past the deadline: the workers still compiling are stopped, not waited for
+                for process in list((getattr(self.executor, "_processes", None) or {}).values()):
+                    process.kill()
+            self.executor.shutdown(wait=not pending, cancel_futures=True)
+            self.finished_at = time.perf_counter()
         waited = time.perf_counter() - began
         counts = {"built": 0, "cached": 0, "rebuilt": 0}
         failed, rebuilt = [], []
@@ -118,14 +119,10 @@ class Prebuild:
             status = result.get("status")
             if status in counts:
                 counts[status] += 1
-            name = self.records[index].describe() if 0 <= index < len(self.records) else f"record {index}"
             if status == "failed":
-                failed.append(f"{name}: {result.get('error')}")
+                failed.append(f"{self.records[index].describe()}: {result.get('error')}")
             elif status == "rebuilt":
-                rebuilt.append(f"{name} ({result.get('error')})")
-        unfinished = len(self.records) - len(self.results)
-        if self.proc.returncode not in (0, None) and unfinished and not (began + waited >= self.start + timeout):
-            failed.append(f"the kernel build helper exited with {self.proc.returncode}: {' | '.join(self.errors[-5:])}")
+                rebuilt.append(f"{self.records[index].describe()} ({result.get('error')})")
         report = PrebuildReport(
             total=len(self.records),
             built=counts["built"],
@@ -157,18 +154,33 @@ def start_prebuild(
     root: str | Path, listed: Container[str], device_name: str, capability: tuple[int, int], jobs: int | None = None
 ) -> Prebuild | None:
     """Start building the artifact's recorded kernels for this NVIDIA GPU; None when it has no list
-    that fits this GPU and Triton (read_build_list says why when one is there)."""
+    that fits this GPU and Triton (read_build_list says why when one is there), or when the
+    kernels run in Triton's interpreter (TRITON_INTERPRET=1: nothing is compiled)."""
     import triton
 
-    if triton.knobs.runtime.interpret:  # the kernels run in Triton's interpreter: nothing is compiled
+    if triton.knobs.runtime.interpret:
         return None
     builds = read_build_list(root, device_name, capability, triton.__version__, listed)
     if builds is None or not builds.kernels:
         return None
-    return Prebuild(builds.kernels, ("cuda", capability[0] * 10 + capability[1], 32), jobs or default_jobs())
+    target = ("cuda", capability[0] * 10 + capability[1], 32)
+    return Prebuild(builds.kernels, target, jobs or default_jobs(), launchers=True)
 
 
-# --- the helper process --------------------------------------------------------------------------
+def _readable(entry: Path) -> bool:
+    """Whether a cache folder holds a kernel Triton can read back: its group file and the metadata
+    it names parse, and every file it names is there."""
+    try:
+        for group in entry.glob("__grp__*.json"):
+            paths = json.loads(group.read_text())["child_paths"]
+            if all(os.path.exists(p) for p in paths.values()):
+                for name, path in paths.items():
+                    if name.endswith(".json"):
+                        json.loads(Path(path).read_text())
+                return True
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    return False
 
 
 def cache_entry(src: Any, target: Any, options: Mapping[str, Any]) -> Path:
@@ -185,9 +197,11 @@ def cache_entry(src: Any, target: Any, options: Mapping[str, Any]) -> Path:
     return Path(knobs.cache.dir) / _base32(hashlib.sha256(key.encode("utf-8")).hexdigest())
 
 
-def build_record(target: tuple[str, int | str, int], record: KernelBuild) -> dict[str, Any]:
+def build_record(target: Target, record: KernelBuild, launcher: bool = False) -> dict[str, Any]:
     """Compile one record into Triton's cache: {"status": "built" | "cached" | "rebuilt" | "failed",
-    "seconds", "error"}. A cache hit Triton cannot read back is removed and compiled again."""
+    "seconds", "error"}. A cache hit Triton cannot read back is removed and compiled again.
+    launcher: also build the kernel's C launcher where this Triton compiles one per signature (3.6;
+    later versions launch every kernel through one generic launcher)."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -205,17 +219,22 @@ def build_record(target: tuple[str, int | str, int], record: KernelBuild) -> dic
         options = dict(record.options)
         knobs.compilation.listener = listener
         try:
-            triton.compile(src, target=gpu, options=options)
+            kernel = triton.compile(src, target=gpu, options=options)
             status, note = ("cached" if hits and hits[-1] else "built"), None
         except Exception as exc:  # noqa: BLE001 - a torn entry raises whatever reading it raises
             entry = cache_entry(src, gpu, options)
             if not any(entry.glob("__grp__*")):  # nothing cached: the compile itself failed
                 raise
             shutil.rmtree(entry, ignore_errors=True)
-            triton.compile(src, target=gpu, options=options)
+            kernel = triton.compile(src, target=gpu, options=options)
             status, note = "rebuilt", _one_line(exc)
         finally:
             knobs.compilation.listener = None
+        if launcher:
+            from triton.backends.nvidia import driver
+
+            if hasattr(driver, "make_launcher"):  # the C launcher of this signature, compiled into the cache
+                driver.CudaLauncher(src, kernel.metadata)
     except Exception as exc:  # noqa: BLE001 - reported, the JIT builds it at launch instead
         status, note = "failed", _one_line(exc)
     return {"status": status, "seconds": round(time.perf_counter() - began, 3), "error": note}
@@ -232,38 +251,3 @@ def _one_line(exc: BaseException) -> str:
         parts.append(f"{type(exc).__name__}: {text}")
         exc = exc.__cause__ or exc.__context__
     return " <- ".join(parts)[:MAX_ERROR_CHARS]
-
-
-def _build_indexed(target: tuple[str, int | str, int], item: tuple[int, KernelBuild]) -> dict[str, Any]:
-    return {"index": item[0], **build_record(target, item[1])}
-
-
-def main() -> None:
-    """The helper: a job on stdin ({"target", "jobs", "kernels"}), one JSON line per record on stdout."""
-    import functools
-    import multiprocessing
-
-    job = json.loads(sys.stdin.read())
-    target = (str(job["target"][0]), job["target"][1], int(job["target"][2]))
-    records = []
-    for index, data in enumerate(job["kernels"]):
-        try:
-            record = KernelBuild.from_dict(data, f"kernels[{index}]")
-            record.resolve()  # imports its module here, once: the forked workers share it
-            records.append((index, record))
-        except ValueError as exc:
-            print(json.dumps({"index": index, "status": "failed", "error": str(exc)}), flush=True)
-    jobs = max(1, min(int(job["jobs"]), len(records)))
-    build = functools.partial(_build_indexed, target)
-    if jobs == 1:
-        for result in map(build, records):
-            print(json.dumps(result), flush=True)
-        return
-    # fork: this process holds no thread and no CUDA context; the workers inherit its imports
-    with multiprocessing.get_context("fork").Pool(jobs) as pool:
-        for result in pool.imap_unordered(build, records):
-            print(json.dumps(result), flush=True)
-
-
-if __name__ == "__main__":
-    main()

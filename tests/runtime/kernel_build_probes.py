@@ -121,5 +121,32 @@ def record_hook(record: dict) -> dict:
     }
 
 
+def prebuild(records: list[dict], target: list, jobs: int, timeout: float) -> dict:
+    """A Prebuild of the records: its report, the warnings it gave, the seconds it took, and
+    whether any worker outlived it."""
+    import dataclasses
+    import time
+    import warnings
+
+    from qruntime.kernel_prebuild import Prebuild
+
+    began = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        built = Prebuild([_record(r) for r in records], tuple(target), jobs)
+        workers = list(built.executor._processes.values()) if built.executor is not None else []
+        report = built.wait(timeout)
+    elapsed = time.perf_counter() - began
+    for worker in workers:
+        worker.join(10)
+    return dataclasses.asdict(report) | {
+        "summary": report.summary(),
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, UserWarning)],
+        "elapsed": elapsed,
+        "workers": len(workers),
+        "workers_alive": any(w.is_alive() for w in workers),
+    }
+
+
 if __name__ == "__main__":
     print(json.dumps(globals()[sys.argv[1]](*json.loads(sys.argv[2]))))
