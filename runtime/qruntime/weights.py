@@ -1,8 +1,9 @@
 """Graph initializers as torch tensors: external data mapped from the safetensors shards.
 
-Each initializer of graph.onnx names its bytes (file, offset, length). The shard is memory-mapped
-once and each weight is a view into it, so a CPU engine reads weights from the page cache and a GPU
-engine copies them straight from the mapping to the device, with no host copy in between.
+Each initializer of graph.onnx names its bytes (file, offset, length). On the CPU the shard is
+memory-mapped once and each weight is a view into it: the engine reads weights from the page cache.
+On a GPU each weight gets its own device tensor and weight_reader fills them all, reading the files
+in large chunks into a ring of pinned buffers, copies to the device overlapped with the reads.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from onnx import numpy_helper
 
 from qruntime.artifact import ArtifactFormatError, artifact_path
+from qruntime.weight_reader import Extent, read_extents
 
 ONNX_TO_TORCH = {
     onnx.TensorProto.FLOAT: torch.float32,
@@ -99,6 +101,7 @@ def load_initializers(
     `listed`: the manifest's files, the only ones it may name), the made ones too."""
     files: dict[Path, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
+    reads: list[Extent] = []  # on a GPU: read by weight_reader after the loop, into `out`'s tensors
     for init in graph.initializer:
         dtype = ONNX_TO_TORCH.get(init.data_type)
         if dtype is None:
@@ -115,7 +118,15 @@ def load_initializers(
             path, offset, length = external_extent(Path(root), init, dtype, listed)
             if external is not None:
                 tensor = external(init, dtype)
+            elif device.type == "cuda":
+                out[init.name] = torch.empty(list(init.dims), dtype=dtype, device=device)
+                reads.append(Extent(init.name, path, offset, length))
+                continue
             else:
                 tensor = _mapped(path, files)[offset : offset + length].view(dtype).reshape(list(init.dims))
         out[init.name] = tensor.to(runtime_dtype(dtype, compute_dtype)).to(device)
+    read_extents(reads, {e.key: out[e.key] for e in reads})
+    for extent in reads:
+        tensor = out[extent.key]
+        out[extent.key] = tensor.to(runtime_dtype(tensor.dtype, compute_dtype))
     return out
