@@ -278,19 +278,18 @@ def main(argv: list[str]) -> int:
     if rest[:1] == ["--switch-interval"]:  # an experiment: what the GIL's hand-over costs the engine thread
         sys.setswitchinterval(float(rest[1]))  # seconds (Python's default 0.005)
         rest = rest[2:]
-    from qruntime.serve import server
-    from qruntime.serve.engine_process import EngineProcess
+    from qruntime.serve import startup
 
     engine_out = out.with_suffix(".engine.json")
     engine_out.unlink(missing_ok=True)
     in_thread = "thread" in [b for a, b in zip(rest, rest[1:], strict=False) if a == "--engine"]
     if not in_thread:  # the engine runs in a process of its own: the timers go there, this process samples its threads
+        spawn = startup.spawn_engine
 
-        class ProfiledEngineProcess(EngineProcess):
-            def __init__(self, load_kwargs: dict[str, Any], **kwargs: Any) -> None:
-                super().__init__(load_kwargs, setup=functools.partial(engine_setup, str(engine_out)), **kwargs)
+        def profiled_spawn(load_kwargs: dict[str, Any], threads: int | None = None, setup: Any = None, **kwargs: Any):
+            return spawn(load_kwargs, threads, functools.partial(engine_setup, str(engine_out)), **kwargs)
 
-        server.EngineProcess = ProfiledEngineProcess
+        startup.spawn_engine = profiled_spawn  # the server spawns its engine process through startup.start
     profiler = start_profiler(out)
 
     def merge() -> None:  # registered after start_profiler's dump, so it runs before it (atexit is LIFO): dump last

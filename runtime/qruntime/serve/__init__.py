@@ -14,6 +14,7 @@ uvicorn, prometheus-client) and torch load when `main` starts a server.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -25,14 +26,19 @@ EXTRA_MODULES = ("starlette", "uvicorn", "prometheus_client")
 def main(options: ServeOptions) -> None:
     """Check the `serve` extra is installed (a RunError naming the install command if not), then serve."""
     from qruntime.commands.common import RunError
+    from qruntime.serve.startup import start
 
-    for name in EXTRA_MODULES:
-        try:
-            importlib.import_module(name)
-        except ImportError as exc:
+    for name in EXTRA_MODULES:  # found, not imported: the engine process starts before they load
+        if importlib.util.find_spec(name) is None:
             raise RunError(
-                f"`qruntime serve` needs the serve extra: pip install 'qcompile-runtime[serve]' ({exc})"
-            ) from None
-    from qruntime.serve.server import serve
-
-    serve(options)
+                f"`qruntime serve` needs the serve extra: pip install 'qcompile-runtime[serve]' (no module {name!r})"
+            )
+    startup = start(options)  # the engine process loads while the HTTP side imports below
+    try:
+        from qruntime.serve.server import serve
+    except BaseException:
+        startup.sock.close()
+        if startup.spawned is not None:
+            startup.spawned.kill()
+        raise
+    serve(options, startup=startup)

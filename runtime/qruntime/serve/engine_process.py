@@ -27,7 +27,6 @@ from __future__ import annotations
 import atexit
 import logging
 import logging.config
-import multiprocessing
 import os
 import pickle
 import threading
@@ -50,6 +49,7 @@ from qruntime.serve.engine_loop import (
     Submission,
     check_admission,
 )
+from qruntime.serve.engine_spawn import Spawned, spawn_engine
 from qruntime.serve.images import ServedVision
 from qruntime.serve.protocol import SequenceSpec
 from qruntime.tokenizer import TokenIdsOnly, Tokenizer
@@ -113,25 +113,22 @@ class EngineProcess:
         setup: Callable[[], None] | None = None,
         log_config: dict[str, Any] | None = None,
         pace_launches: bool = False,
+        spawned: Spawned | None = None,
     ) -> None:
         """Spawn the process and wait until it has loaded the engine (an artifact error raised there
         is raised here). `setup`, a picklable callable, runs there first (bench/step_profile.py's timers);
         `log_config` (logging.config.dictConfig's) is the engine process's log, the server's own;
-        `pace_launches`: the engine loop's launch pacing (EngineLoop)."""
+        `pace_launches`: the engine loop's launch pacing (EngineLoop). `spawned`: a process
+        engine_spawn.spawn_engine started already with these arguments, taken over instead."""
         if max_waiting < 1:
+            if spawned is not None:
+                spawned.kill()
             raise ValueError(f"max_waiting must be >= 1 (got {max_waiting})")
         self.max_waiting = max_waiting
         self.metrics: LoopMetrics | None = None
-        context = multiprocessing.get_context("spawn")
-        self._conn, child = context.Pipe(duplex=True)
-        # not a daemon: at tp > 1 the engine process spawns the other ranks itself
-        self._process = context.Process(
-            target=engine_process_main,
-            args=(child, load_kwargs, threads, setup, log_config, pace_launches),
-            name="qruntime-engine",
-        )
-        self._process.start()
-        child.close()
+        if spawned is None:
+            spawned = spawn_engine(load_kwargs, threads, setup, log_config, pace_launches)
+        self._process, self._conn = spawned.process, spawned.conn
         # before multiprocessing's own exit hook (registered earlier, so run later), which would wait
         # for this child forever while our end of its pipe stays open
         atexit.register(self._kill)

@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import logging
-import logging.config
 import signal
 import socket
 import sys
@@ -30,7 +28,7 @@ from uvicorn.server import HANDLED_SIGNALS
 
 import qruntime
 from qruntime.artifact import ArtifactFormatError
-from qruntime.commands.common import RunError, load_line, speculative_config
+from qruntime.commands.common import RunError, load_line
 from qruntime.engine.engine import Engine
 from qruntime.serve.app import build_app
 from qruntime.serve.connections import protocol_class
@@ -38,6 +36,7 @@ from qruntime.serve.engine_process import EngineProcess, EngineProcessError
 from qruntime.serve.limits import RequestLimits
 from qruntime.serve.logs import announce, log_config
 from qruntime.serve.options import ServeOptions
+from qruntime.serve.startup import Startup, start, url_of
 
 SHUTDOWN_GRACE_S = 5.0  # after the aborts, how long uvicorn waits for responses to finish sending
 
@@ -46,81 +45,36 @@ class _Terminated(Exception):
     """SIGTERM after a graceful shutdown: a requested stop, so the command exits 0."""
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A bound listening socket (port 0: a free one)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        return socket.create_server((host, port), family=family, backlog=2048)
-    except OSError as exc:
-        raise RunError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-
-
-def url_of(sock: socket.socket) -> str:
-    host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def serve(options: ServeOptions, err: TextIO | None = None) -> None:
+def serve(options: ServeOptions, err: TextIO | None = None, startup: Startup | None = None) -> None:
     """Run the server until it is stopped (returns after a SIGTERM; SIGINT ends in KeyboardInterrupt,
-    unless the process started with SIGINT ignored: then SIGINT is ignored)."""
+    unless the process started with SIGINT ignored: then SIGINT is ignored). `startup`: what
+    startup.start(options) began (its checks, the socket, the engine process spawned); started here
+    when not given."""
     err = err if err is not None else sys.stderr
-    if options.max_waiting < 1:
-        raise RunError(f"--max-waiting must be >= 1 (got {options.max_waiting})")
-    if options.shutdown_timeout < 0:
-        raise RunError(f"--shutdown-timeout must be >= 0 (got {options.shutdown_timeout})")
-    for flag, value in (
-        ("--max-body-bytes", options.max_body_bytes),
-        ("--header-timeout", options.header_timeout),
-        ("--body-timeout", options.body_timeout),
-        ("--limit-concurrency", options.limit_concurrency),
-        ("--max-images-per-request", options.max_images_per_request),
-        ("--max-image-bytes", options.max_image_bytes),
-    ):
-        if not value > 0:
-            raise RunError(f"{flag} must be > 0 (got {value})")
-    speculative = speculative_config(options.speculative)  # a bad SPEC before the port and the load
-    if options.api_key is not None and not options.api_key.strip():
-        raise RunError("--api-key is empty: give a key, or leave the option (and QRUNTIME_API_KEY) unset")
-    if options.threads is not None:
-        if options.threads < 1:
-            raise RunError(f"--threads must be >= 1 (got {options.threads})")
-        torch.set_num_threads(options.threads)  # process-wide: the engine thread's ops use it too (and the engine
-        # process's, which sets it itself)
-    started = time.perf_counter()
-    logging.config.dictConfig(log_config(options.log_format, options.log_level))  # the load's lines too
-    load_kwargs = {
-        "path": options.artifact,
-        "device": options.device,
-        "dtype": options.dtype,
-        "verify": options.verify,
-        "max_model_len": options.max_model_len,
-        "max_num_seqs": options.max_num_seqs,
-        "max_num_batched_tokens": options.max_num_batched_tokens,
-        "num_kv_blocks": options.num_kv_blocks,
-        "backend": options.backend,
-        "prefix_cache": options.prefix_cache,
-        "speculative": speculative,
-    }
-    # the port first: one in use is an error now, not after a model's minutes of loading
-    sock = listen(options.host, options.port)
+    startup = startup if startup is not None else start(options)
     try:
-        _serve_on(sock, options, load_kwargs, started, err)
+        if options.threads is not None:  # process-wide: the engine thread's ops use it too (and the engine
+            torch.set_num_threads(options.threads)  # process's, which sets it itself)
+        _serve_on(startup, options, err)
     finally:
-        sock.close()
+        startup.sock.close()
+        if startup.spawned is not None and not startup.taken:
+            startup.spawned.kill()
 
 
-def _serve_on(
-    sock: socket.socket, options: ServeOptions, load_kwargs: dict[str, Any], started: float, err: TextIO
-) -> None:
+def _serve_on(startup: Startup, options: ServeOptions, err: TextIO) -> None:
+    sock, load_kwargs, started = startup.sock, startup.load_kwargs, startup.started
     engine: Engine | EngineProcess
     try:
-        if options.engine == "process":
+        if startup.spawned is not None:
+            startup.taken = True  # EngineProcess kills it if the load fails
             engine = EngineProcess(
                 load_kwargs,
                 max_waiting=options.max_waiting,
                 threads=options.threads,
                 log_config=log_config(options.log_format, options.log_level),
                 pace_launches=options.launch_pacing,
+                spawned=startup.spawned,
             )
         else:
             engine = qruntime.load(**load_kwargs)
