@@ -15,8 +15,9 @@ artifact's files (posix_fadvise DONTNEED: no root, but torch's own libraries sta
 
 The child times, from the parent's spawn: the interpreter's start, `import torch`, `import
 qruntime`, the modules `qruntime.load` imports on first use (loader, engine, onnx), the load (with
-its own split, description["load_seconds"]: setup, weights, plan,
-cache and graphs with the kernels they build, rest), and one generated token. With --serve, a second
+its own split, description["load_seconds"]: setup, weights, plan, kernels (waiting for the
+recorded kernels built beside the weights), cache and graphs, rest; and description's
+graph_seconds and kernel_prebuild), and one generated token. With --serve, a second
 child per row (the caches put back in the row's state first) runs `qruntime serve ART --port 0`,
 timed from its spawn to the first 200 of /health. The artifact's GB/s is its size over the load's
 weights phase.

@@ -10,7 +10,8 @@ CHUNK_BYTES, and has READERS threads `preadv` chunks straight into a ring of pin
 thread issues each chunk's pieces as asynchronous host-to-device copies on a side stream and hands
 a buffer back to the readers once its copies are done (a CUDA event). Every destination is a tensor
 of its own, so the weights keep the alignment of separate allocations that the kernels were tuned
-and recorded with. The host holds only the ring, never a whole file.
+and recorded with. The host holds only the ring, never a whole file (torch's pinned-memory cache
+keeps the ring's 256 MiB for the process's later pinned allocations).
 
 On a CPU device the same pipeline runs with plain buffers and synchronous copies (how the tests
 check it); the engine's CPU path maps the files instead (weights.py: no copy at all).

@@ -61,7 +61,6 @@ def start(options: ServeOptions) -> Startup:
     if options.threads is not None and options.threads < 1:
         raise RunError(f"--threads must be >= 1 (got {options.threads})")
     started = time.perf_counter()
-    logging.config.dictConfig(log_config(options.log_format, options.log_level))  # the load's lines too
     load_kwargs = {
         "path": options.artifact,
         "device": options.device,
@@ -89,4 +88,7 @@ def start(options: ServeOptions) -> Startup:
         except BaseException:
             sock.close()
             raise
+    # after the spawn: the config names uvicorn's formatters, which imports it (the engine process
+    # configures its own log from the same dict)
+    logging.config.dictConfig(log_config(options.log_format, options.log_level))  # the load's lines too
     return Startup(sock, load_kwargs, started, spawned)
