@@ -90,6 +90,18 @@ class Prebuild:
                 self.futures[self.executor.submit(build_record, target, self.records[index], launchers)] = index
         self.finished_at = None if todo else time.perf_counter()
 
+    def cancel(self) -> None:
+        """Stop the workers now (a load that failed): queued records dropped, running ones killed."""
+        if self.executor is not None:
+            self._kill_workers()
+            self.executor.shutdown(wait=False, cancel_futures=True)
+            self.executor = None
+
+    def _kill_workers(self) -> None:
+        # ProcessPoolExecutor has no public way to stop a running task before Python 3.14's terminate_workers
+        for process in list((getattr(self.executor, "_processes", None) or {}).values()):
+            process.kill()
+
     def wait(self, timeout: float = DEADLINE_S) -> PrebuildReport:
         """Wait for the workers, at most `timeout` seconds after the start; then kill what is left.
         Warns once for failed records and cache entries built again."""
@@ -108,8 +120,7 @@ class Prebuild:
                     break
             unfinished = len(pending)
             if pending:  # past the deadline: the workers still compiling are stopped, not waited for
-                for process in list((getattr(self.executor, "_processes", None) or {}).values()):
-                    process.kill()
+                self._kill_workers()
             self.executor.shutdown(wait=not pending, cancel_futures=True)
             self.finished_at = time.perf_counter()
         waited = time.perf_counter() - began

@@ -217,52 +217,52 @@ def build_rank(
     graph = read_graph(graph_path)
     kernels = _kernels(config, device, warn=rank == 0)
     prebuild = _start_prebuild(config, device)
-    try:
+    try:  # the kernels build while the weights are read and the plan is bound
         if config.synthetic:
             weights = random_initializers(config.root, graph, device, config.dtype, config.listed)
         else:
             weights = load_initializers(config.root, graph, device, config.dtype, listed=config.listed)
-    except BaseException:
-        if prebuild is not None:
-            prebuild.proc.kill()
-        raise
-    checkpoint("loaded")
+        checkpoint("loaded")
 
-    group = init_group(config, rank, store) if config.tp > 1 else None
-    reducer = None
-    if group is not None and config.backend == "triton":
-        reducer = AllReducer.create(group, device, _all_reduce_policy(config, kernels))
-    registry = triton_ops() if config.backend == "triton" else reference_ops()
-    env = OpEnv(
-        config.dtype,
-        device,
-        config.kv_spec,
-        kernels,
-        tp_group=group,
-        all_reduce=reducer,
-        pdl=config.pdl,
-        fp8=get_target(config.target).fp8_dtype,
-    )
-    try:
-        plan = Plan.build(graph, weights, env, registry)
-    except PlanError as exc:
-        raise ArtifactFormatError(f"{graph_path}: {exc}") from exc
-    shard = None
-    if group is not None and config.sharded_sampling and (sharded := logits_shard(plan)) is not None:
-        plan, shard = sharded, VocabShard(rank, config.tp, group, reducer)
-    if config.backend == "triton":
-        from qruntime.ops.triton_ops import (
-            fold_dynamic_quant,
-            fold_router_norm,
-            fold_split_k_reductions,
+        group = init_group(config, rank, store) if config.tp > 1 else None
+        reducer = None
+        if group is not None and config.backend == "triton":
+            reducer = AllReducer.create(group, device, _all_reduce_policy(config, kernels))
+        registry = triton_ops() if config.backend == "triton" else reference_ops()
+        env = OpEnv(
+            config.dtype,
+            device,
+            config.kv_spec,
+            kernels,
+            tp_group=group,
+            all_reduce=reducer,
+            pdl=config.pdl,
+            fp8=get_target(config.target).fp8_dtype,
         )
+        try:
+            plan = Plan.build(graph, weights, env, registry)
+        except PlanError as exc:
+            raise ArtifactFormatError(f"{graph_path}: {exc}") from exc
+        shard = None
+        if group is not None and config.sharded_sampling and (sharded := logits_shard(plan)) is not None:
+            plan, shard = sharded, VocabShard(rank, config.tp, group, reducer)
+        if config.backend == "triton":
+            from qruntime.ops.triton_ops import (
+                fold_dynamic_quant,
+                fold_router_norm,
+                fold_split_k_reductions,
+            )
 
-        fold_split_k_reductions(plan)
-        fold_dynamic_quant(plan)
-        fold_router_norm(plan)
-    blocks, capturable = _local_blocks(config, device), plan.capturable
-    checkpoint("planned")
-    report = prebuild.wait() if prebuild is not None else None  # before the first launch
+            fold_split_k_reductions(plan)
+            fold_dynamic_quant(plan)
+            fold_router_norm(plan)
+        blocks, capturable = _local_blocks(config, device), plan.capturable
+        checkpoint("planned")
+        report = prebuild.wait() if prebuild is not None else None  # before the first launch
+    except BaseException:
+        if prebuild is not None:  # a load that fails leaves no worker compiling
+            prebuild.cancel()
+        raise
     checkpoint("kernels")
     if group is not None:
         blocks, capturable = _agree(device, blocks, capturable)

@@ -148,5 +148,24 @@ def prebuild(records: list[dict], target: list, jobs: int, timeout: float) -> di
     }
 
 
+def cancel(records: list[dict], target: list, jobs: int) -> dict:
+    """A Prebuild cancelled at once (a load that failed): how long cancel took, whether a worker lives on."""
+    import time
+
+    from qruntime.kernel_prebuild import Prebuild
+
+    built = Prebuild([_record(r) for r in records], tuple(target), jobs)
+    workers = list(built.executor._processes.values())
+    began = time.perf_counter()
+    built.cancel()
+    for worker in workers:
+        worker.join(10)
+    return {
+        "seconds": time.perf_counter() - began,
+        "workers": len(workers),
+        "alive": any(w.is_alive() for w in workers),
+    }
+
+
 if __name__ == "__main__":
     print(json.dumps(globals()[sys.argv[1]](*json.loads(sys.argv[2]))))

@@ -220,6 +220,12 @@ def test_the_workers_are_killed_at_the_deadline():
     assert "cut off by the deadline" in report["summary"]
 
 
+def test_a_failed_load_cancels_the_build_at_once():
+    records = [quant_record(block=1 << b, warps=w) for b in range(5, 12) for w in (1, 2, 4, 8)]
+    got = probe("cancel", records, SM90, 2)
+    assert got["workers"] == 2 and not got["alive"] and got["seconds"] < 10
+
+
 def test_a_target_nobody_builds_for_fails_every_record_by_name():
     report = probe("prebuild", [quant_record(), quant_record(block=512)], ("no-such-backend", 90, 32), 1, 120)
     assert report["built"] == 0 and len(report["failed"]) == 2 and report["workers"] == 0
