@@ -86,7 +86,5 @@ def tune_artifact(
     os.replace(tmp, path)
     relist_files(root, manifest, [rel])
     if record_builds:
-        builds = record_kernel_builds(root)
-        if progress is not None:
-            progress(f"kernel builds recorded in {builds.relative_to(root)}")
+        record_kernel_builds(root, progress=progress)
     return path

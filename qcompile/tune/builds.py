@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from qcompile.errors import QCompileError
@@ -22,9 +23,12 @@ RECORD_TIMEOUT_S = 3600.0
 PROMPT = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
-def record_kernel_builds(root: str | Path, timeout: float = RECORD_TIMEOUT_S) -> Path:
+def record_kernel_builds(
+    root: str | Path, timeout: float = RECORD_TIMEOUT_S, progress: Callable[[str], None] | None = None
+) -> Path:
     """Record the list in a fresh process and write it into the artifact (its manifest entry updated);
-    returns its path. A QCompileError with the child's last lines when it fails."""
+    returns its path. A QCompileError with the child's last lines when it fails. `progress` hears
+    how many kernels were recorded and each compile no record could hold."""
     proc = subprocess.run(
         [sys.executable, "-m", "qcompile.tune.builds", str(root)],
         capture_output=True,
@@ -35,7 +39,14 @@ def record_kernel_builds(root: str | Path, timeout: float = RECORD_TIMEOUT_S) ->
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
         raise QCompileError(f"{root}: recording the engine's kernel builds failed (exit {proc.returncode}):\n{tail}")
-    return Path(proc.stdout.strip().splitlines()[-1])
+    path = Path(proc.stdout.strip().splitlines()[-1])
+    if progress is not None:
+        for line in proc.stderr.splitlines():
+            if line.startswith("not recorded: "):
+                progress(line)
+        count = len(json.loads(path.read_text())["kernels"])
+        progress(f"{count} kernel builds recorded in {path.relative_to(root)}")
+    return path
 
 
 def _record(root: Path) -> Path:
