@@ -86,6 +86,25 @@ def _path(value: Any, where: str) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _pairs(data: dict, key: str, where: str) -> list[tuple[str, tuple[int, ...], Any]]:
+    """A record's list of [argument path, value] pairs under `key` (constants, attrs), each with
+    where it stands, its path checked."""
+    items = data.get(key, [])
+    if not isinstance(items, list) or len(items) > 256:
+        raise ValueError(f"{where}.{key}: a list of up to 256 [path, value] pairs")
+    out, seen = [], set()
+    for i, pair in enumerate(items):
+        at = f"{where}.{key}[{i}]"
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ValueError(f"{at}: a [path, value] pair")
+        path = _path(pair[0], at)
+        if path in seen:
+            raise ValueError(f"{at}: argument path {list(path)} given twice")
+        seen.add(path)
+        out.append((at, path, pair[1]))
+    return out
+
+
 def _constant(value: Any, where: str) -> Any:
     """A constexpr value a record may hold: None, a boolean, an integer, a finite float, a short
     name, or {"constexpr": one of those} (Triton's tl.constexpr, as it serializes it)."""
@@ -129,30 +148,17 @@ class KernelBuild:
         for arg, kind in signature.items():
             if not _ARG.fullmatch(arg) or not isinstance(kind, str) or not _TYPE.fullmatch(kind):
                 raise ValueError(f"{where}.signature[{shown(arg)}]: not a parameter and a Triton type ({shown(kind)})")
-        constants = data.get("constants", [])
-        if not isinstance(constants, list) or len(constants) > 256:
-            raise ValueError(f"{where}.constants: a list of up to 256 [path, value] pairs")
-        consts = []
-        for i, pair in enumerate(constants):
-            at = f"{where}.constants[{i}]"
-            if not isinstance(pair, list) or len(pair) != 2:
-                raise ValueError(f"{at}: a [path, value] pair")
-            consts.append((_path(pair[0], at), _constant(pair[1], at)))
-        attrs = data.get("attrs", [])
-        if not isinstance(attrs, list) or len(attrs) > 256:
-            raise ValueError(f"{where}.attrs: a list of up to 256 [path, hints] pairs")
+        consts = [(path, _constant(value, at)) for at, path, value in _pairs(data, "constants", where)]
         hints = []
-        for i, pair in enumerate(attrs):
-            at = f"{where}.attrs[{i}]"
-            if not isinstance(pair, list) or len(pair) != 2 or not isinstance(pair[1], list) or len(pair[1]) > 4:
-                raise ValueError(f"{at}: a [path, [[hint, value], ...]] pair")
-            given = []
-            for hint in pair[1]:
-                bounds = ATTRS.get(hint[0]) if isinstance(hint, list) and len(hint) == 2 else None
-                if bounds is None or hint[0] not in ATTRS or not _count(*bounds)(hint[1]):
+        for at, path, given in _pairs(data, "attrs", where):
+            if not isinstance(given, list) or len(given) > 4:
+                raise ValueError(f"{at}: hints are a list of up to 4 [hint, value] pairs")
+            for hint in given:
+                ok = isinstance(hint, list) and len(hint) == 2 and isinstance(hint[0], str)
+                bounds = ATTRS.get(hint[0]) if ok else None
+                if bounds is None or not _count(*bounds)(hint[1]):
                     raise ValueError(f"{at}: a hint is one of {', '.join(ATTRS)} with a count (got {shown(hint)})")
-                given.append((hint[0], hint[1]))
-            hints.append((_path(pair[0], at), tuple(given)))
+            hints.append((path, tuple((hint[0], hint[1]) for hint in given)))
         options = data.get("options", {})
         if not isinstance(options, dict):
             raise ValueError(f"{where}.options: an object of launch options")
@@ -162,7 +168,14 @@ class KernelBuild:
                 if not check(options[key]):
                     raise ValueError(f"{where}.options.{key}: {shown(options[key])} is out of range")
                 kept.append((key, options[key]))
-        return cls(kernel, tuple(signature.items()), tuple(sorted(consts)), tuple(sorted(hints)), tuple(kept))
+        by_path = lambda pair: pair[0]  # noqa: E731 - values of several types do not compare
+        return cls(
+            kernel,
+            tuple(signature.items()),
+            tuple(sorted(consts, key=by_path)),
+            tuple(sorted(hints, key=by_path)),
+            tuple(kept),
+        )
 
     @classmethod
     def from_specialization(cls, module: str, name: str, specialization: str) -> KernelBuild:

@@ -96,6 +96,8 @@ def test_a_record_round_trips_and_names_its_choices():
         ({"constants": [[[5], "import os"]]}, r"test\.constants\[0\]: a constant is a number"),
         ({"constants": [[[-1], 4]]}, r"test\.constants\[0\]: an argument path"),
         ({"attrs": [[[0], [["tt.pointer_range", 32]]]]}, r"test\.attrs\[0\]: a hint is one of tt\.divisibility"),
+        ({"attrs": [[[0], [[[1], 16]]]]}, r"test\.attrs\[0\]: a hint is one of tt\.divisibility"),
+        ({"constants": [[[5], 4], [[5], "bf16"]]}, r"test\.constants\[1\]: argument path \[5\] given twice"),
         ({"options": {"num_warps": 3}}, r"test\.options\.num_warps: 3 is out of range"),
         ({"options": {"num_warps": 64}}, r"test\.options\.num_warps: 64 is out of range"),
         ({"options": {"num_stages": "3"}}, r"test\.options\.num_stages"),
@@ -272,3 +274,41 @@ def test_a_corrupt_or_foreign_list_is_ignored_with_a_warning(tmp_path, data, lis
     root, files = _artifact_with_list(tmp_path, data, listed)
     with pytest.warns(UserWarning, match=why):
         assert read_build_list(root, "NVIDIA H200", (9, 0), "3.6.0", files) is None
+
+
+def _junk(rng, depth: int = 0):
+    """A random JSON value: what a hostile list could hold anywhere."""
+    kinds = ["int", "float", "str", "bool", "none"] + (["list", "dict"] if depth < 3 else [])
+    kind = rng.choice(kinds)
+    if kind == "int":
+        return rng.choice([0, 1, -1, 16, 1 << 70, rng.randrange(-1000, 1000)])
+    if kind == "float":
+        return rng.choice([0.5, -2.0, 1e308])
+    if kind == "str":
+        return rng.choice(["", "bf16", "x" * 300, "constexpr", "*fp8e4nv", "a b"])
+    if kind == "bool":
+        return rng.random() < 0.5
+    if kind == "none":
+        return None
+    if kind == "list":
+        return [_junk(rng, depth + 1) for _ in range(rng.randrange(4))]
+    return {rng.choice(["constexpr", "k", "num_warps"]): _junk(rng, depth + 1) for _ in range(rng.randrange(3))}
+
+
+def test_any_record_is_taken_or_refused_with_a_value_error(rng):
+    """Each field of a good record replaced by random JSON, 2000 times: from_dict never fails but
+    with a ValueError (no TypeError from comparing or hashing what it was given)."""
+    refused = 0
+    for _ in range(2000):
+        data = quant_record()
+        for field in rng.sample(["kernel", "signature", "constants", "attrs", "options"], rng.randrange(1, 3)):
+            data[field] = _junk(rng)
+        if rng.random() < 0.3:  # or one pair inside a list
+            data["constants"] = [*quant_record()["constants"], [_junk(rng), _junk(rng)]]
+        if rng.random() < 0.3:  # or one hint
+            data["attrs"] = [[[rng.randrange(3)], [[_junk(rng), _junk(rng)]]]]
+        try:
+            build(data)
+        except ValueError:
+            refused += 1
+    assert refused > 1000
