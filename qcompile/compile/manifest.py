@@ -136,6 +136,21 @@ def relist_files(root: Path, manifest: dict[str, Any], rels: list[str]) -> None:
     staging.rmdir()
 
 
+def write_listed_json(root: Path, manifest: dict[str, Any], rel: str, data: Any) -> Path:
+    """Write `data` as the artifact's JSON file `rel` (one folder deep, created; written beside and
+    renamed) and list it in the manifest (relist_files); refuses a symbolic link on the way, so
+    only the artifact's own files are ever written. Returns the file's path."""
+    path = root / rel
+    if path.parent.is_symlink() or path.is_symlink():
+        raise QCompileError(f"{path}: a symbolic link in the artifact; only the artifact's own files are written")
+    path.parent.mkdir(exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    relist_files(root, manifest, [rel])
+    return path
+
+
 def read_compiled(root: Path, error: type[QCompileError]) -> dict[str, Any]:
     """The manifest of a compiled artifact with every field a compiler verb reads (COMPILED_FIELDS),
     or `error` naming what is wrong."""

@@ -11,8 +11,6 @@ file; then records the kernels the tuned engine launches (builds.py). Needs a GP
 
 from __future__ import annotations
 
-import json
-import os
 import platform
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -21,7 +19,7 @@ import torch
 from qruntime.artifact import read_manifest
 from qruntime.kernel_configs import KERNELS_DIR, device_file
 
-from qcompile.compile.manifest import relist_files
+from qcompile.compile.manifest import write_listed_json
 from qcompile.errors import QCompileError
 from qcompile.tune.allreduce import tune_all_reduce
 from qcompile.tune.builds import record_kernel_builds
@@ -76,15 +74,7 @@ def tune_artifact(
         "python": platform.python_version(),
         "entries": entries,
     }
-    rel = f"{KERNELS_DIR}/{device_file(name)}"
-    path = root / rel
-    if path.parent.is_symlink() or path.is_symlink():
-        raise QCompileError(f"{path}: a symbolic link in the artifact; tune writes only the artifact's own files")
-    path.parent.mkdir(exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    relist_files(root, manifest, [rel])
+    path = write_listed_json(root, manifest, f"{KERNELS_DIR}/{device_file(name)}", table)
     if record_builds:
         record_kernel_builds(root, progress=progress)
     return path

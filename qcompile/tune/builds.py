@@ -11,7 +11,6 @@ beside reading the weights (qruntime.kernel_prebuild) instead of one by one at t
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -56,7 +55,7 @@ def _record(root: Path) -> Path:
     from qruntime.artifact import read_manifest
     from qruntime.kernel_builds import BuildList, builds_file, recorded_builds
 
-    from qcompile.compile.manifest import relist_files
+    from qcompile.compile.manifest import write_listed_json
 
     device = torch.device("cuda")
     with recorded_builds() as recording, qruntime.load(root, device=device, prebuild_kernels=False) as engine:
@@ -65,16 +64,7 @@ def _record(root: Path) -> Path:
         print(f"not recorded: {skipped}", file=sys.stderr)
     name = torch.cuda.get_device_name(device)
     builds = BuildList(name, torch.cuda.get_device_capability(device), triton.__version__, tuple(recording.kernels))
-    rel = builds_file(name)
-    path = root / rel
-    if path.parent.is_symlink() or path.is_symlink():
-        raise QCompileError(f"{path}: a symbolic link in the artifact; tune writes only the artifact's own files")
-    path.parent.mkdir(exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(builds.to_dict(), indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    relist_files(root, read_manifest(root), [rel])
-    return path
+    return write_listed_json(root, read_manifest(root), builds_file(name), builds.to_dict())
 
 
 if __name__ == "__main__":
