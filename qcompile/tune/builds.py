@@ -58,7 +58,15 @@ def _record(root: Path) -> Path:
     from qcompile.compile.manifest import write_listed_json
 
     device = torch.device("cuda")
-    with recorded_builds() as recording, qruntime.load(root, device=device, prebuild_kernels=False) as engine:
+    with (
+        recorded_builds() as recording,
+        qruntime.load(
+            root,
+            device=device,
+            prebuild_kernels=False,
+            graph_capture="load",  # every graph's kernels
+        ) as engine,
+    ):
         engine.generate([list(PROMPT)], qruntime.SamplingParams(max_tokens=4, ignore_eos=True))
     for skipped in recording.skipped:
         print(f"not recorded: {skipped}", file=sys.stderr)

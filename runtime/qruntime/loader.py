@@ -30,7 +30,7 @@ from qruntime.hub import is_hub_url, pull
 from qruntime.kv_cache import KVCacheSpec
 from qruntime.ops.base import KVOp
 from qruntime.plan import Plan
-from qruntime.rank import Rank, RankConfig, build_rank
+from qruntime.rank import GRAPH_CAPTURE, Rank, RankConfig, build_rank
 from qruntime.synthetic import is_synthetic
 from qruntime.target import DEFAULT_TARGET, check_device, device_target, get_target
 from qruntime.tokenizer import (
@@ -249,6 +249,7 @@ def load(
     speculative: str | SpeculativeConfig | None = None,
     small_step_graphs: bool | None = None,
     prebuild_kernels: bool = True,
+    graph_capture: str = "first-use",
 ) -> Engine:
     """Load a qcompile artifact and return an Engine.
 
@@ -312,8 +313,15 @@ def load(
     kernel in it in parallel while the weights load, so the first launches find them in Triton's
     cache (qruntime.kernel_prebuild; the list holds choices of our own kernels, never code: nothing
     to trust). description["kernel_prebuild"] reports it.
+    graph_capture (with cuda_graphs): "first-use" captures each graph (a decode batch size, a token
+    count) at the first step that needs it, and an idle server (or a caller of engine.idle_work)
+    captures the rest, largest first, then runs the warm-up steps; the load returns as soon as the
+    KV cache is allocated. "load" captures all of them and runs the warm-up steps before returning,
+    so that no step pays a capture (benchmarks of steady speed use it).
     The engine's description["load_seconds"] says where the load's time went (LoadClock.phases).
     """
+    if graph_capture not in GRAPH_CAPTURE:
+        raise ValueError(f"graph_capture must be one of {', '.join(GRAPH_CAPTURE)}, got {graph_capture!r}")
     clock = LoadClock()
     if isinstance(speculative, str):
         speculative = SpeculativeConfig.parse(speculative)
@@ -372,6 +380,7 @@ def load(
         target=manifest.get("target", DEFAULT_TARGET),
         small_step_graphs=speculative is not None if small_step_graphs is None else small_step_graphs,
         prebuild_kernels=prebuild_kernels,
+        graph_capture=graph_capture,
     )
     if "vision" in manifest and speculative is not None:
         raise ValueError(f"{root}: a Qwen3-VL artifact runs without speculative decoding for now")
@@ -424,6 +433,7 @@ def load(
             description["sampling"] = "from the ranks' vocabulary shards (rows gathered for top_p, penalties, logprobs)"
     if built.graph_buckets is not None:
         description["cuda_graphs"] = list(built.graph_buckets)
+        description["graph_capture"] = graph_capture
     if built.piecewise_buckets is not None:
         description["piecewise_graphs"] = list(built.piecewise_buckets)
     if built.mixed_buckets is not None:
@@ -518,6 +528,7 @@ def _speculator(
             num_kv_blocks=target.num_kv_blocks,
             kv_cache_memory=memory,
             small_step_graphs=True,
+            graph_capture="load",  # its steps come from the target's, which does no idle work for it
         )
         if draft.vocab_size != vocab_size or tuple(draft.tokenizer.eos_token_ids) != tuple(tokenizer.eos_token_ids):
             draft.close()

@@ -48,6 +48,10 @@ CPU_KV_BUDGET = 512 << 20  # default cache bytes on CPU (a GPU uses what is free
 GPU_HEADROOM = 0.10  # share of GPU memory left for activations when sizing the cache
 GROUP_TIMEOUT = timedelta(minutes=10)  # longest wait of one collective (or the group's rendezvous)
 
+# "first-use": each graph bucket is captured at its first step, or while the engine is idle
+# (ModelRunner.idle_work), the warm-up steps run then too; "load": all of them before load returns
+GRAPH_CAPTURE = ("first-use", "load")
+
 Checkpoint = Callable[[str], None]
 
 
@@ -76,6 +80,7 @@ class RankConfig:
     target: str = DEFAULT_TARGET  # the artifact's compile target (qruntime.target): the fast path's FP8 format
     small_step_graphs: bool = False  # whole-step graphs for 8..64-token steps too (VERIFY_BUCKETS: speculation)
     prebuild_kernels: bool = True  # build the artifact's recorded kernels while the weights load (kernel_prebuild)
+    graph_capture: str = "first-use"  # GRAPH_CAPTURE: when the CUDA graphs are captured (build_rank)
 
     @property
     def tp(self) -> int:
@@ -208,6 +213,20 @@ def vision_inputs(graph: onnx.GraphProto, dtype: torch.dtype) -> tuple[bool, tup
     return mrope, None if width is None else (width, dtype)
 
 
+def _warm_up(runner: ModelRunner, steps: list, shard: VocabShard | None, dtype: torch.dtype) -> None:
+    """Run the warm-up steps (engine/warm_up.py) without the mixed graphs, whose kernels build at
+    capture: the piecewise and eager steps' variants, which fresh long prompts and all-logits steps
+    still meet, build here; then, every rank together, the sharded sampler's kernels."""
+    mixed, runner.mixed_graphs = runner.mixed_graphs, None
+    try:
+        columns = [runner.execute(chunks).shape[1] for chunks in steps]
+    finally:
+        runner.mixed_graphs = mixed
+    torch.cuda.synchronize(runner.device)
+    if shard is not None and columns:
+        warm_up_sampling(shard, columns[-1], dtype, runner.device)
+
+
 def build_rank(
     config: RankConfig, rank: int = 0, store: dist.Store | None = None, checkpoint: Checkpoint = _no_checkpoint
 ) -> Rank:
@@ -292,35 +311,45 @@ def build_rank(
     kv_cache = KVCache(spec, blocks + int(cuda_graphs), config.dtype, device, get_target(config.target).fp8_dtype)
     graphs = piecewise = mixed = None
     mrope, vision = vision_inputs(graph, config.dtype)
-    if cuda_graphs:  # every rank captures the same buckets in the same order: the graphs hold the all-reduces
+    # every rank captures the same buckets in the same order: the graphs hold the all-reduces. Captured
+    # at first use, the order is still the same on every rank: each rank runs the same steps, and idle
+    # work comes at the same point of them (engine/workers.py)
+    lazy = config.graph_capture == "first-use"
+    if cuda_graphs:
         buckets = [b for b in DEFAULT_BUCKETS if b <= config.max_num_seqs] or [config.max_num_seqs]
         lap("kv_cache")
-        graphs = DecodeGraphs(plan, kv_cache, blocks, max_model_len, buckets, mrope=mrope, vision=vision)
+        graphs = DecodeGraphs(plan, kv_cache, blocks, max_model_len, buckets, mrope=mrope, vision=vision, lazy=lazy)
         lap("decode_graphs")
         # a plan that mixes rows (per-tensor activation scales) runs its other steps eagerly instead (as
         # a Qwen3-VL engine runs its steps holding image rows)
         if unfit_reason(plan) is None:
             tokens = token_buckets(config.max_num_batched_tokens, verify=config.small_step_graphs)
-            piecewise = PiecewiseGraphs(plan, kv_cache, tokens, blocks, max_model_len, mrope=mrope, vision=vision)
+            piecewise = PiecewiseGraphs(
+                plan, kv_cache, tokens, blocks, max_model_len, mrope=mrope, vision=vision, lazy=lazy
+            )
             lap("piecewise_graphs")
             if mixed_unfit_reason(plan) is None:  # whole-step graphs where attention launches from bounds
                 mixed = MixedGraphs(
-                    plan, kv_cache, tokens, blocks, max_model_len, config.max_num_seqs, mrope=mrope, vision=vision
+                    plan,
+                    kv_cache,
+                    tokens,
+                    blocks,
+                    max_model_len,
+                    config.max_num_seqs,
+                    mrope=mrope,
+                    vision=vision,
+                    lazy=lazy,
                 )
                 lap("mixed_graphs")
-    runner = ModelRunner(plan, kv_cache, device, max_model_len, graphs, piecewise, shard, mrope=mrope, vision=vision)
-    if cuda_graphs:  # every rank runs them (their collectives pair up): the kernels of mixed steps build now
-        # without the mixed graphs (their kernels built at capture): the piecewise and eager steps'
-        # variants, which fresh long prompts and all-logits steps still meet, build here
-        for chunks in warm_up_steps(
+    runner = ModelRunner(plan, kv_cache, device, max_model_len, graphs, piecewise, shard, mixed, mrope, vision)
+    if cuda_graphs:  # every rank runs them (their collectives pair up)
+        steps = warm_up_steps(
             spec.block_size, blocks, config.max_num_batched_tokens, max_model_len, config.max_num_seqs
-        ):
-            columns = runner.execute(chunks).shape[1]
-        torch.cuda.synchronize(device)
-        runner.mixed_graphs = mixed
-        if shard is not None:  # every rank, together: the sharded sampler's kernels build now too
-            warm_up_sampling(shard, columns, config.dtype, device)
-        lap("warm_up_steps")
+        )
+        runner.warm_up = lambda: _warm_up(runner, steps, shard, config.dtype)
+        if not lazy:
+            runner.idle_work()  # the graphs are captured: the warm-up steps alone
+            lap("warm_up_steps")
     checkpoint("ready")
     return Rank(
         runner,

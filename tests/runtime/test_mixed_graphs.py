@@ -12,9 +12,10 @@ import random
 
 import pytest
 import torch
+from qruntime.engine.graph_capture import eager_capture
 from qruntime.engine.mixed_graphs import MixedGraphs, mixed_unfit_reason
 from qruntime.engine.model_runner import ModelRunner
-from qruntime.engine.piecewise_graphs import PiecewiseGraphs, eager_capture
+from qruntime.engine.piecewise_graphs import PiecewiseGraphs
 from qruntime.ops import attention
 from qruntime.ops.triton_ops import PagedAttention as FastPagedAttention
 from qruntime.plan import Plan

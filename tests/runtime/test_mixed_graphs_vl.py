@@ -10,9 +10,10 @@ import random
 
 import pytest
 import torch
+from qruntime.engine.graph_capture import eager_capture
 from qruntime.engine.mixed_graphs import MixedGraphs
 from qruntime.engine.model_runner import ModelRunner
-from qruntime.engine.piecewise_graphs import PiecewiseGraphs, eager_capture
+from qruntime.engine.piecewise_graphs import PiecewiseGraphs
 from qruntime.engine.step_chunk import StepChunk
 from qwen3_vl_checkpoints import IMAGE, TEXT, write_checkpoint
 from test_mixed_graphs import Counted, _fast_attention_plan

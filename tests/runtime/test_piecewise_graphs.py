@@ -13,8 +13,9 @@ import onnx
 import pytest
 import torch
 from qruntime.artifact import read_manifest
+from qruntime.engine.graph_capture import eager_capture
 from qruntime.engine.model_runner import ModelRunner
-from qruntime.engine.piecewise_graphs import PiecewiseGraphs, eager_capture, token_buckets, unfit_reason
+from qruntime.engine.piecewise_graphs import PiecewiseGraphs, token_buckets, unfit_reason
 from qruntime.engine.step_chunk import StepChunk
 from qruntime.kv_cache import KVCache, KVCacheSpec
 from qruntime.ops import attention

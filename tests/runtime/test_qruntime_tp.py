@@ -270,3 +270,22 @@ def test_finaliser_stops_the_workers_of_a_dropped_engine(tp2_art):
     del engine
     gc.collect()
     assert _no_workers_left()
+
+
+def test_idle_work_reaches_every_rank_between_steps(tp2_art, rng):
+    """Engine.idle_work at tp = 2 sends the workers their turn of it (they capture the same graphs
+    at the same point: the graphs hold the all-reduces) and does rank 0's; the steps after it run
+    as before. On CPU no rank has graphs, so rank 0's piece is a warm-up standing in."""
+    prompts = _prompts(rng, 200)
+    with qruntime.load(tp2_art, **FP32) as engine:
+        before = [o.token_ids for o in engine.generate(prompts, GREEDY)]
+        assert not engine.idle_work()  # nothing left by a CPU load: nothing sent
+        warmed = []
+        engine.runner.warm_up = lambda: warmed.append(engine.has_unfinished())
+        engine.add_request(prompts[0], GREEDY)
+        assert engine.idle_work() and warmed == []  # a request is unfinished: the work waits
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.idle_work() is False and warmed == [False]
+        assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == before
+    assert _no_workers_left()

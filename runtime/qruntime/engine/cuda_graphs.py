@@ -13,12 +13,13 @@ previous step's sampled ids are copied into, inside the graph (sampled_tokens.re
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from qruntime.engine.decode_inputs import DecodeInputs
+from qruntime.engine.graph_capture import Capture, cuda_capture
 from qruntime.engine.sampled_tokens import resolve_pending
 from qruntime.kv_cache import KVCache
 from qruntime.ops.base import AttentionMetadata, StepContext
@@ -43,9 +44,14 @@ class DecodeGraphs:
         max_sampled: int = 0,
         mrope: bool = False,
         vision: tuple[int, torch.dtype] | None = None,
+        *,
+        capture: Capture | None = None,
+        lazy: bool = False,
     ) -> None:
         """mrope, vision: a Qwen3-VL graph's positions [3, B] and its image-row inputs, fed empty (a decode
-        row is never an image token: ModelRunner runs steps with image rows eagerly)."""
+        row is never an image token: ModelRunner runs steps with image rows eagerly). capture: CUDA
+        graphs in one new pool by default (graph_capture.py; eager_capture runs anywhere). lazy:
+        capture no bucket now; each is captured at its first step (or by capture())."""
         self.plan, self.kv_cache = plan, kv_cache
         self.buckets = tuple(sorted(buckets))
         self.block_size = kv_cache.spec.block_size
@@ -53,7 +59,8 @@ class DecodeGraphs:
         self.max_blocks = -(-max_context_len // self.block_size)
         self.meta = AttentionMetadata((), (), (), max_q_len=1, max_context_len=max_context_len)
         device, size = kv_cache.k[0].device, self.buckets[-1]
-        self.inputs = DecodeInputs(size, self.max_blocks, self.block_size, scratch_block, pin=True, mrope=mrope)
+        cuda = device.type == "cuda"
+        self.inputs = DecodeInputs(size, self.max_blocks, self.block_size, scratch_block, pin=cuda, mrope=mrope)
         self.wide, self.narrow = self.inputs.twin(device)  # the buffers the graphs read, as views below
         self.buffers = {
             **self.inputs.views(self.wide, self.narrow),
@@ -66,11 +73,17 @@ class DecodeGraphs:
             self.buffers["vision_embeds"] = torch.zeros((0, width), dtype=dtype, device=device)
         # the previous step's sampled ids, for pending rows: as many as a step samples (max_sampled)
         self.sampled = torch.zeros(max(size, max_sampled), dtype=torch.int64, device=device)
-        self.copied = torch.cuda.Event()  # recorded after each step's copies out of self.inputs
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        pool = torch.cuda.graph_pool_handle()
-        for batch in reversed(self.buckets):  # largest first: the smaller ones reuse its memory
-            self.graphs[batch] = self._capture(batch, pool)
+        # recorded after each step's copies out of self.inputs (on CPU the copies are done on return)
+        self.copied = torch.cuda.Event() if cuda else None
+        self._capture_with = capture if capture is not None else cuda_capture(torch.cuda.graph_pool_handle())
+        self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+        for batch in () if lazy else reversed(self.buckets):  # largest first: the smaller ones reuse its memory
+            self.capture(batch)
+
+    @property
+    def pending(self) -> tuple[int, ...]:
+        """The buckets not captured yet (a lazy instance's), smallest first."""
+        return tuple(b for b in self.buckets if b not in self.graphs)
 
     def _feeds(self, batch: int) -> dict[str, torch.Tensor]:
         feeds = {name: buf[..., :batch] if name == "positions" else buf[:batch] for name, buf in self.buffers.items()}
@@ -78,18 +91,26 @@ class DecodeGraphs:
         return feeds
 
     @torch.inference_mode()
-    def _capture(self, batch: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def capture(self, batch: int) -> None:
+        """Capture the graph of bucket `batch` (again if it has one) on padding rows alone. A capture at
+        first use comes after other steps, whose rows the buffers still hold: the capture's warm-up
+        runs would otherwise write those sequences' KV from stale token ids."""
+        if self.copied is not None:
+            self.copied.synchronize()  # the last step's copies have read the host buffers
+        self.inputs.fill((), batch)
+        wide, narrow = self.inputs.spans(batch)
+        self.wide.copy_(wide)
+        self.narrow[: narrow.numel()].copy_(narrow)
         step, feeds = StepContext(self.kv_cache, self.meta), self._feeds(batch)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: triton compiles and autotuned libraries pick outside the capture
-            for _ in range(2):
-                self.plan.run(step, self._resolved(feeds))
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            logits = self.plan.run(step, self._resolved(feeds))
-        return graph, logits
+        outputs, replay = self._capture_with(lambda: {"logits": self.plan.run(step, self._resolved(feeds))})
+        self.graphs[batch] = replay, outputs["logits"]
+
+    def replay_of(self, batch: int) -> Callable[[], None]:
+        """The replay of bucket `batch`'s graph on whatever its buffers hold (benches time it alone),
+        captured first if it is not yet."""
+        if batch not in self.graphs:
+            self.capture(batch)
+        return self.graphs[batch][0]
 
     def _resolved(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {**feeds, "input_ids": resolve_pending(feeds["input_ids"], self.sampled)}
@@ -107,14 +128,18 @@ class DecodeGraphs:
         pending rows read."""
         batch = len(chunks)
         bucket = self.buckets[bisect_left(self.buckets, batch)]
-        self.copied.synchronize()  # the last step's copies have read the host buffers (at once: it sampled)
+        if bucket not in self.graphs:  # captured at first use, before the step's rows are written
+            self.capture(bucket)
+        if self.copied is not None:
+            self.copied.synchronize()  # the last step's copies have read the host buffers (at once: it sampled)
         self.inputs.fill(chunks, bucket)
         wide, narrow = self.inputs.spans(bucket)
         self.wide.copy_(wide, non_blocking=True)  # pinned: asynchronous
         self.narrow[: narrow.numel()].copy_(narrow, non_blocking=True)
-        self.copied.record()
+        if self.copied is not None:
+            self.copied.record()
         if sampled is not None:
             self.sampled[: sampled.numel()].copy_(sampled)
-        graph, logits = self.graphs[bucket]
-        graph.replay()
+        replay, logits = self.graphs[bucket]
+        replay()
         return logits[:batch]

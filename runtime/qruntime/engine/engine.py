@@ -666,6 +666,19 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def idle_work(self) -> bool:
+        """Do one piece of the start-up work the load left for later (load's graph_capture="first-use":
+        a graph not captured yet, largest first, then the warm-up steps) when no request is
+        unfinished, so that the work never delays one; returns whether any is left. A serving loop
+        calls it while idle; `while engine.idle_work(): pass` finishes the start-up at once."""
+        if self._closed or not self.runner.has_idle_work():
+            return False
+        if self.has_unfinished():
+            return True
+        if self.workers is not None:  # every rank, at the same point of its steps
+            return self.workers.idle_work(self.runner)
+        return self.runner.idle_work()
+
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """Tokens of admitted requests looked up in the prefix cache and found, since the engine started

@@ -29,7 +29,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from qruntime.engine.piecewise_graphs import Capture, cuda_capture, qwen3_vl_inputs, smallest_bucket, unfit_reason
+from qruntime.engine.graph_capture import Capture, cuda_capture
+from qruntime.engine.piecewise_graphs import qwen3_vl_inputs, smallest_bucket, unfit_reason
 from qruntime.engine.transfer import host_buffer
 from qruntime.kv_cache import KVCache
 from qruntime.ops.base import AttentionMetadata, StepContext
@@ -64,7 +65,10 @@ class MixedGraphs:
         capture: Capture | None = None,
         mrope: bool = False,
         vision: tuple[int, torch.dtype] | None = None,
+        *,
+        lazy: bool = False,
     ) -> None:
+        """lazy: capture no bucket now; each is captured at its first step (or by capture())."""
         reason = mixed_unfit_reason(plan)
         if reason is not None:
             raise ValueError(f"this plan cannot run as mixed-step CUDA graphs: {reason}")
@@ -81,6 +85,7 @@ class MixedGraphs:
         self.work = torch.zeros(size, dtype=torch.int32, device=device)
         self.meta = AttentionMetadata((), (), (), max_context_len=max_context_len, bounds_only=True, work=self.work)
         self.padding = {"input_ids": 0, "positions": 0, "slot_mapping": scratch_block * block_size}
+        self.scratch_block = scratch_block
         max_blocks = -(-max_context_len // block_size)
         size = self.buckets[-1]
         self.inputs = {
@@ -90,12 +95,29 @@ class MixedGraphs:
             "query_start_loc": torch.zeros(max_seqs + 1, dtype=torch.int32, device=device),  # no sequences
             **qwen3_vl_inputs(size, device, mrope, vision),
         }
-        if capture is None:
-            capture = cuda_capture(torch.cuda.graph_pool_handle())
+        self._capture_with = capture if capture is not None else cuda_capture(torch.cuda.graph_pool_handle())
         self.graphs: dict[int, tuple[dict[str, torch.Tensor], object]] = {}
-        with torch.inference_mode():
-            for bucket in reversed(self.buckets):  # largest first: the smaller ones reuse its memory
-                self.graphs[bucket] = self._capture(bucket, capture)
+        for bucket in () if lazy else reversed(self.buckets):  # largest first: the smaller ones reuse its memory
+            self.capture(bucket)
+
+    @property
+    def pending(self) -> tuple[int, ...]:
+        """The buckets not captured yet (a lazy instance's), smallest first."""
+        return tuple(b for b in self.buckets if b not in self.graphs)
+
+    @torch.inference_mode()
+    def capture(self, bucket: int) -> None:
+        """Capture `bucket`'s graph (again if it has one) on the inputs of no sequence: padding token rows
+        (the scratch block), empty sequences, no attention work. A capture at first use comes after
+        other steps, whose rows and sequences the buffers still hold: the capture's warm-up runs would
+        otherwise write those sequences' KV from stale inputs."""
+        for name, pad in self.padding.items():
+            self.inputs[name].fill_(pad)
+        self.inputs["block_tables"].fill_(self.scratch_block)
+        self.inputs["context_lens"].zero_()
+        self.inputs["query_start_loc"].zero_()
+        self.work.zero_()
+        self.graphs[bucket] = self._capture(bucket, self._capture_with)
 
     def bucket_for(self, tokens: int) -> int | None:
         return smallest_bucket(self.buckets, tokens)
@@ -131,6 +153,8 @@ class MixedGraphs:
         bucket = self.bucket_for(tokens)
         if bucket is None or seqs > self.max_seqs:
             raise ValueError(f"a step of {tokens} tokens and {seqs} sequences fits no mixed graph")
+        if bucket not in self.graphs:  # before the step's inputs are written: the capture resets them
+            self.capture(bucket)
         inputs = self.inputs
         for name, pad in self.padding.items():
             buf = inputs[name]

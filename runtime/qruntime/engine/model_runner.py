@@ -13,7 +13,7 @@ tensor-parallel engine can send it to the other ranks, which run this same code 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -59,6 +59,29 @@ class ModelRunner:
         # [Nv, width] of the compute dtype fed with their rows (Nv = 0 in a step without image tokens)
         self.mrope = mrope
         self.vision = vision
+        # start-up work a load left for later (graphs captured at first use: qruntime.rank): the warm-up
+        # steps, run by idle_work once every graph is captured
+        self.warm_up: Callable[[], None] | None = None
+
+    def has_idle_work(self) -> bool:
+        return self.warm_up is not None or any(g is not None and g.pending for g in self._graphs())
+
+    def idle_work(self) -> bool:
+        """Do one piece of the start-up work a load left for later, for a caller with nothing to run:
+        the largest bucket not captured yet of the decode graphs, then of the whole-step and the
+        piecewise graphs, then the warm-up steps. Returns whether work is left. At tp > 1 every rank
+        calls it at the same point in its steps (engine/workers.py): the graphs hold collectives."""
+        for graphs in self._graphs():
+            if graphs is not None and graphs.pending:
+                graphs.capture(graphs.pending[-1])
+                return self.has_idle_work()
+        if self.warm_up is not None:
+            warm_up, self.warm_up = self.warm_up, None
+            warm_up()
+        return self.has_idle_work()
+
+    def _graphs(self) -> tuple[DecodeGraphs | MixedGraphs | PiecewiseGraphs | None, ...]:
+        return self.decode_graphs, self.mixed_graphs, self.piecewise_graphs
 
     def drop_graphs(self) -> None:
         """Forget the captured graphs, decode, mixed and piecewise, once the device has finished with
@@ -66,6 +89,7 @@ class ModelRunner:
         if any(g is not None for g in (self.decode_graphs, self.piecewise_graphs, self.mixed_graphs)):
             torch.cuda.synchronize(self.device)
             self.decode_graphs = self.piecewise_graphs = self.mixed_graphs = None
+        self.warm_up = None
 
     def prepare(
         self, chunks: Sequence[StepChunk], all_logits: bool | Sequence[bool] = False

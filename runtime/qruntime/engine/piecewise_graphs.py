@@ -47,50 +47,13 @@ from dataclasses import dataclass
 
 import torch
 
+from qruntime.engine.graph_capture import Capture, Outputs, cuda_capture
 from qruntime.kv_cache import KVCache
 from qruntime.ops.base import AttentionMetadata, StepContext
 from qruntime.plan import SEQUENCE_INPUTS, Piece, Plan
 
 TOKEN_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)  # qcompile/tune/gemm.py TOKEN_BUCKETS from 128
 VERIFY_BUCKETS = (8, 16, 32, 64)  # a speculating engine's: verification steps of a few requests
-
-Outputs = dict[str, torch.Tensor]
-# capture(run_piece) -> (outputs, replay): run_piece runs the piece on its static inputs and returns
-# its outputs; after replay() the returned outputs hold the piece's values for the inputs' contents.
-Capture = Callable[[Callable[[], Outputs]], tuple[Outputs, Callable[[], None]]]
-
-
-def cuda_capture(pool) -> Capture:
-    """Capture each piece as a CUDA graph in `pool`, after two warm-up runs on a side stream (triton
-    compiles, autotuned libraries pick), and replay it once so its outputs hold real values for the
-    eager op after it (a router fed garbage could route to experts that do not exist)."""
-
-    def capture(run_piece: Callable[[], Outputs]) -> tuple[Outputs, Callable[[], None]]:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                run_piece()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            outputs = run_piece()
-        graph.replay()
-        return outputs, graph.replay
-
-    return capture
-
-
-def eager_capture(run_piece: Callable[[], Outputs]) -> tuple[Outputs, Callable[[], None]]:
-    """What a capture does, without CUDA (CPU, tests): 'replay' runs the piece again and copies its
-    outputs into the first run's tensors, which the next pieces read, as a graph's replay would."""
-    outputs = run_piece()
-
-    def replay() -> None:
-        for name, value in run_piece().items():
-            outputs[name].copy_(value)
-
-    return outputs, replay
 
 
 def smallest_bucket(buckets: Sequence[int], tokens: int) -> int | None:
@@ -164,7 +127,10 @@ class PiecewiseGraphs:
         capture: Capture | None = None,
         mrope: bool = False,
         vision: tuple[int, torch.dtype] | None = None,
+        *,
+        lazy: bool = False,
     ) -> None:
+        """lazy: capture no bucket now; each is captured at its first step (or by capture())."""
         reason = unfit_reason(plan)
         if reason is not None:
             raise ValueError(f"this plan cannot run as piecewise CUDA graphs: {reason}")
@@ -187,12 +153,20 @@ class PiecewiseGraphs:
         self._last_reader = {name: i for i, node in enumerate(plan.nodes) for name in node.inputs}
         self._buffers: list[tuple[torch.Tensor, int]] = []  # (buffer, node index of its holder's last reader)
         self._buffer_of: dict[str, torch.Tensor] = {}
-        if capture is None:
-            capture = cuda_capture(torch.cuda.graph_pool_handle())
+        self._capture_with = capture if capture is not None else cuda_capture(torch.cuda.graph_pool_handle())
         self.stages: dict[int, tuple[Callable[[], None] | EagerPiece, ...]] = {}
-        with torch.inference_mode():
-            for bucket in reversed(self.buckets):  # largest first: the smaller ones reuse its memory
-                self.stages[bucket] = self._capture(bucket, capture)
+        for bucket in () if lazy else reversed(self.buckets):  # largest first: the smaller ones reuse its memory
+            self.capture(bucket)
+
+    @property
+    def pending(self) -> tuple[int, ...]:
+        """The buckets not captured yet (a lazy instance's), smallest first."""
+        return tuple(b for b in self.buckets if b not in self.stages)
+
+    @torch.inference_mode()
+    def capture(self, bucket: int) -> None:
+        """Capture `bucket`'s pieces (again if it has them); the token inputs are reset to padding first."""
+        self.stages[bucket] = self._capture(bucket, self._capture_with)
 
     def bucket_for(self, tokens: int) -> int | None:
         return smallest_bucket(self.buckets, tokens)
@@ -292,6 +266,8 @@ class PiecewiseGraphs:
         bucket = self.bucket_for(tokens)
         if bucket is None or tokens < 1:
             raise ValueError(f"a step of {tokens} tokens fits no bucket of {list(self.buckets)}")
+        if bucket not in self.stages:  # before the step's rows are written: the capture resets them
+            self.capture(bucket)
         for name, pad in self.padding.items():
             buf = self.inputs[name]
             buf[..., :tokens].copy_(feeds[name])

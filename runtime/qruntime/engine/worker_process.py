@@ -65,6 +65,9 @@ def _serve(conn: Connection, runner: ModelRunner) -> None:
             return
         if message[0] == "close":
             return
+        if message[0] == "idle":  # rank 0's idle work, which every rank does at the same point
+            runner.idle_work()
+            continue
         _, chunks, all_logits, sampling, shared, rows = message
         if rows:  # the image rows' embeddings, from rank 0's broadcast (it runs the vision encoder)
             if runner.vision is None:

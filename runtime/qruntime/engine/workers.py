@@ -306,12 +306,7 @@ class Workers:
             self._check_alive()
             # a Qwen3-VL step's image rows: their embeddings go in a broadcast after the message, not in it
             sent, rows = without_embeds(chunks)
-            message = pickle.dumps(("step", sent, all_logits, sampling, shared, rows), pickle.HIGHEST_PROTOCOL)
-            for rank, _, conn in self._ranks():
-                try:
-                    conn.send_bytes(message)
-                except OSError:
-                    raise self._find_failure(FAILURE_GRACE_S) or WorkerError(rank, "its pipe is closed") from None
+            self._send(("step", sent, all_logits, sampling, shared, rows))
             if rows:
                 assert runner.vision is not None
                 send_embeds(chunks, rows, *runner.vision, runner.device)
@@ -320,6 +315,26 @@ class Workers:
             if settle:
                 self._settled(logits)
             return result
+
+    def idle_work(self, runner: ModelRunner) -> bool:
+        """Every rank does one piece of its idle work together (ModelRunner.idle_work: a graph capture
+        holds the all-reduces, which pair up across the ranks); returns whether work is left."""
+        with self._as_step():
+            self._check_alive()
+            self._send(("idle",))
+            left = runner.idle_work()
+            if runner.device.type == "cuda":
+                torch.cuda.current_stream(runner.device).synchronize()
+            self._check_alive()
+            return left
+
+    def _send(self, message: tuple) -> None:
+        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+        for rank, _, conn in self._ranks():
+            try:
+                conn.send_bytes(data)
+            except OSError:
+                raise self._find_failure(FAILURE_GRACE_S) or WorkerError(rank, "its pipe is closed") from None
 
     def settle(self, read: Callable[[], T]) -> T:
         """`read()` (the host's wait for a step launched with settle=False, e.g. its tokens' copy)

@@ -233,10 +233,11 @@ class EngineLoop:
     # --- the engine thread --------------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        idle = True  # start-up work the load left (graphs captured at first use): done while nothing runs
         try:
             while True:
                 with self._cond:
-                    while not (self._inbox or self._stopping or engine.has_unfinished()):
+                    while not (self._inbox or self._stopping or engine.has_unfinished() or idle):
                         self._cond.wait()
                     commands, self._inbox = self._inbox, []
                     added = sum(len(s.sequences) for kind, s in commands if kind == "add")
@@ -257,6 +258,8 @@ class EngineLoop:
                     break
                 if engine.has_unfinished():
                     self._dispatch(engine.step())
+                elif idle:  # one piece at a time (a capture: ~0.1 s), so a request arriving waits for one alone
+                    idle = engine.idle_work()
                 self._publish()
                 self._flush()
                 if self.pace_launches:

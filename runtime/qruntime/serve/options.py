@@ -29,6 +29,7 @@ class ServeOptions:
     dtype: str | None = None
     backend: str = "auto"
     prefix_cache: bool = True
+    graph_capture: str = "first-use"
     launch_pacing: bool = False
     speculative: str | None = None
     threads: int | None = None
@@ -114,6 +115,14 @@ def add_serve_parser(verbs: Any) -> None:
         default=None,
         help="Turn automatic prefix caching off: by default the KV of full blocks is kept after a request ends "
         "and reused by requests whose prompts start with the same tokens (/metrics reports the hit rate).",
+    )
+    add(
+        "--graph-capture",
+        choices=("first-use", "load"),
+        default=None,
+        help="When the CUDA graphs are captured: first-use (default) captures none at start-up, so /health turns "
+        "ready seconds sooner, and each one at the first step that needs it or while the server is idle (largest "
+        "first); load captures all of them before the server is ready, so that no request waits for one.",
     )
     add(
         "--launch-pacing",

@@ -72,6 +72,7 @@ def start(options: ServeOptions) -> Startup:
         "num_kv_blocks": options.num_kv_blocks,
         "backend": options.backend,
         "prefix_cache": options.prefix_cache,
+        "graph_capture": options.graph_capture,
         "speculative": speculative,
     }
     # the port first: one in use is an error now, not after a model's minutes of loading

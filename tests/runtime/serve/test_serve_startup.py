@@ -23,12 +23,12 @@ seen = {}
 
 def spawn(load_kwargs, threads=None, setup=None, **kwargs):
     seen.update({name: name in sys.modules for name in ("torch", "uvicorn", "starlette", "qruntime.serve.server")})
-    seen["path"] = load_kwargs["path"]
+    seen["path"], seen["graph_capture"] = load_kwargs["path"], load_kwargs["graph_capture"]
     raise Stop
 
 startup.spawn_engine = spawn
 try:
-    serve.main(ServeOptions(sys.argv[1], port=0, log_level="warning", max_waiting=int(sys.argv[2])))
+    serve.main(ServeOptions(sys.argv[1], port=0, log_level="warning", max_waiting=int(sys.argv[2]), graph_capture="load"))
 except Stop:
     pass
 except Exception as exc:
@@ -53,6 +53,7 @@ def test_the_engine_process_is_spawned_before_the_http_side_imports():
         "starlette": False,
         "qruntime.serve.server": False,
         "path": "some/artifact",
+        "graph_capture": "load",  # the options reach the engine's load
     }
 
 
