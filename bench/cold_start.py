@@ -17,7 +17,9 @@ The child times, from the parent's spawn: the interpreter's start, `import torch
 qruntime`, the modules `qruntime.load` imports on first use (loader, engine, onnx), the load (with
 its own split, description["load_seconds"]: setup, weights, plan, kernels (waiting for the
 recorded kernels built beside the weights), cache and graphs, rest; and description's
-graph_seconds and kernel_prebuild), and one generated token. With --serve, a second
+graph_seconds and kernel_prebuild), and one generated token; then the idle work a load with
+graph_capture="first-use" left (the other graphs, the warm-up steps: idle_work_s), and with
+--speed the steady speed (decode ms a token at batch 1, a 2000-token prefill). With --serve, a second
 child per row (the caches put back in the row's state first) runs `qruntime serve ART --port 0`,
 timed from its spawn to the first 200 of /health. The artifact's GB/s is its size over the load's
 weights phase.
@@ -66,18 +68,37 @@ engine = load(art, device=device, **load_kwargs)
 if device.startswith("cuda"):
     torch.cuda.synchronize()
 loaded = time.time()
-out = engine.generate([json.loads(sys.argv[4])], qruntime.SamplingParams(max_tokens=1, ignore_eos=True))[0]
+prompt = json.loads(sys.argv[4])
+out = engine.generate([prompt], qruntime.SamplingParams(max_tokens=1, ignore_eos=True))[0]
 if device.startswith("cuda"):
     torch.cuda.synchronize()
 done = time.time()
+while engine.idle_work():  # what graph_capture="first-use" left: the other graphs, the warm-up steps
+    pass
+if device.startswith("cuda"):
+    torch.cuda.synchronize()
+idle_s = time.time() - done
+speed = {}
+if sys.argv[5] == "1":  # steady speed once every graph is captured: decode at batch 1, one long prefill
+    import random
+    rng = random.Random(0)
+    def timed(ids, tokens):
+        start = time.perf_counter()
+        engine.generate([ids], qruntime.SamplingParams(max_tokens=tokens, ignore_eos=True))
+        return time.perf_counter() - start
+    decode = sorted(timed(prompt, 129) - timed(prompt, 1) for _ in range(3))[1]
+    n = min(2000, engine.max_model_len - 2)  # fresh ids each time: no prefix-cache hit
+    prefill = sorted(timed([rng.randrange(engine.vocab_size) for _ in range(n)], 1) for _ in range(3))[1]
+    speed = {"decode_ms_batch1": round(decode / 128 * 1e3, 3), "prefill_tokens": n, "prefill_ms": round(prefill * 1e3, 2)}
 print("COLD_START " + json.dumps({
     "interpreter_s": round(started - spawned, 3), "import_torch_s": round(torch_done - started, 3),
     "import_qruntime_s": round(imported - torch_done, 3), "import_loader_s": round(resolved - imported, 3),
     "load_s": round(loaded - resolved, 3),
     "first_token_s": round(done - loaded, 3), "to_first_token_s": round(done - spawned, 3),
-    "load_seconds": engine.description["load_seconds"], "tokens": len(out.token_ids),
+    "load_seconds": engine.description["load_seconds"], "tokens": len(out.token_ids), "max_model_len": engine.max_model_len,
     "graph_seconds": engine.description.get("graph_seconds"),
     "kernel_prebuild": engine.description.get("kernel_prebuild"),
+    "graph_capture": engine.description.get("graph_capture"), "idle_work_s": round(idle_s, 3), **speed,
 }), flush=True)
 engine.close()
 """
@@ -132,6 +153,7 @@ def prepare(row: str, art: Path, kernels: Path, args) -> dict[str, str]:
 def first_token(art: Path, env: dict, args) -> dict:
     """One child from spawn to its first token; its report."""
     argv = [sys.executable, "-c", CHILD, str(art), args.device, json.dumps(args.load_kwargs), json.dumps(PROMPT)]
+    argv.append("1" if args.speed else "0")
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=args.timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("COLD_START ")]
     if proc.returncode != 0 or not lines:
@@ -202,9 +224,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--drop", choices=("all", "artifact"), default="all", help="what a cold-page row evicts")
     parser.add_argument("--serve", action="store_true", help="also time `qruntime serve` to ready, per row")
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--load", action="append", default=[], metavar="KEY=INT",
-                        help="a keyword of qruntime.load that is also a serve flag, for both children: num_kv_blocks=64, "
-                        "max_model_len=4096, max_num_seqs=8")  # fmt: skip
+    parser.add_argument(
+        "--load",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a keyword of qruntime.load that is also a serve flag, for both children: num_kv_blocks=64, "
+        "max_model_len=4096, max_num_seqs=8, graph_capture=load (an int where it reads as one)",
+    )
+    parser.add_argument("--speed", action="store_true",
+                        help="after the first token and the idle work: decode ms a token at batch 1 and a "
+                        "2000-token prefill's ms, each the median of 3 (the speed check of the same run)")  # fmt: skip
     parser.add_argument("--tune-buckets", default=None, help="--preset: token counts `qcompile tune` times")
     parser.add_argument("--build-only", action="store_true", help="--preset: build the artifact, measure nothing")
     parser.add_argument("--timeout", type=float, default=900, help="seconds a child may take")
@@ -216,9 +246,10 @@ def main(argv: list[str] | None = None) -> None:
     if unknown or not rows:
         parser.error(f"--rows: {unknown or 'none given'}; rows are {', '.join(ROWS)}")
     try:
-        args.load_kwargs = {k: int(v) for k, v in (item.split("=", 1) for item in args.load)}
+        pairs = [item.split("=", 1) for item in args.load]
+        args.load_kwargs = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in pairs}
     except ValueError:
-        parser.error(f"--load takes KEY=INT, got {args.load}")
+        parser.error(f"--load takes KEY=VALUE, got {args.load}")
     args.workdir.mkdir(parents=True, exist_ok=True)
     art = args.artifact or build_artifact(args.preset, args.workdir, args.device, args.tune_buckets)
     if args.build_only:

@@ -130,12 +130,12 @@ def replay_ms(engine, batch: int = 1, repeats: int = 50) -> float | None:
     graphs = engine.runner.decode_graphs
     if graphs is None:
         return None
-    graph, _ = graphs.graphs[batch]
-    graph.replay()
+    replay = graphs.replay_of(batch)
+    replay()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(repeats):
-        graph.replay()
+        replay()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / repeats * 1e3
 
@@ -168,6 +168,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     engine = qruntime.load(
         art,
+        graph_capture="load",
         device="cuda",
         max_model_len=max(args.ttft_len, args.input_len + args.output_len) + 16,
         max_num_seqs=max(batches),

@@ -52,14 +52,14 @@ MODES = (
 
 def replay_ms(engine, batch: int, iters: int = 200) -> float:
     """ms per replay of the decode graph of `batch`, replayed back to back."""
-    graph, _ = engine.runner.decode_graphs.graphs[batch]
+    replay = engine.runner.decode_graphs.replay_of(batch)
     for _ in range(20):
-        graph.replay()
+        replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
     for _ in range(iters):
-        graph.replay()
+        replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
@@ -69,10 +69,10 @@ def graph_kernels(engine, batch: int, layers: int) -> dict:
     """Kernels per replay of the decode graph of `batch` and per decoder layer (profiler count)."""
     from torch.profiler import ProfilerActivity, profile
 
-    graph, _ = engine.runner.decode_graphs.graphs[batch]
+    replay = engine.runner.decode_graphs.replay_of(batch)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            graph.replay()
+            replay()
         torch.cuda.synchronize()
     launches = sum(e.count for e in prof.key_averages() if e.device_time_total > 0) / 5
     return {"kernels_per_step": launches, "kernels_per_layer": round(launches / layers, 2)}
@@ -85,11 +85,11 @@ def graph_trace(engine, batch: int) -> list[list]:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    graph, _ = engine.runner.decode_graphs.graphs[batch]
-    graph.replay()
+    replay = engine.runner.decode_graphs.replay_of(batch)
+    replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
+        replay()
         torch.cuda.synchronize()
     kernels = sorted(
         (e for e in prof.events() if e.device_type == DeviceType.CUDA and e.time_range.elapsed_us() > 0),
@@ -154,7 +154,7 @@ def run_mode(art: Path, mode: str, args, layers: int, reference: list | None) ->
     saved = set_attrs(overrides(mode, args))
     try:
         load_kw = dict(device="cuda", max_model_len=1024, max_num_seqs=max(args.batches), kv_cache_memory=8 << 30)
-        with qruntime.load(art, pdl=mode != "plain" and not args.no_pdl, **load_kw) as engine:
+        with qruntime.load(art, graph_capture="load", pdl=mode != "plain" and not args.no_pdl, **load_kw) as engine:
             row: dict = {"mode": mode, "pdl": engine.description.get("pdl")}
             tokens = greedy_tokens(engine)
             row["greedy_equal_to_first"] = None if reference is None else tokens == reference

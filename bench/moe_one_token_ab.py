@@ -66,7 +66,9 @@ def main() -> None:
     report.update(preset=args.preset, rows=[])
     for mode in (*MODES, *MODES):
         fm.moe_route_quant_one, fm.moe_router_one = MODES[mode]
-        with qruntime.load(art, device="cuda", max_model_len=512, max_num_seqs=4, kv_cache_memory=4 << 30) as engine:
+        with qruntime.load(
+            art, graph_capture="load", device="cuda", max_model_len=512, max_num_seqs=4, kv_cache_memory=4 << 30
+        ) as engine:
             measure(engine, 64, 16, 1, seed=1)  # warm-up
             tpots = [measure(engine, 128, 128, 1, seed=2)["tpot_ms"] for _ in range(3)]
         report["rows"].append({"mode": mode, "tpot_ms": tpots})

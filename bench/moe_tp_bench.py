@@ -125,6 +125,7 @@ def run_one(
     start = time.perf_counter()
     engine = qruntime.load(
         art,
+        graph_capture="load",
         device="cuda",
         tp=tp,
         max_model_len=args.input_len + args.output_len + 64,
@@ -182,8 +183,7 @@ def run_one(
         gc.collect()
         torch.cuda.empty_cache()
     try:  # the routing of a prefill, counted by the MoE ops: eager steps (a captured graph skips the count)
-        with qruntime.load(
-            art, device="cuda", tp=tp, max_model_len=args.input_len + 64, max_num_seqs=1,
+        with qruntime.load(art, graph_capture="load", device="cuda", tp=tp, max_model_len=args.input_len + 64, max_num_seqs=1,
             max_num_batched_tokens=max(args.input_len, 256), kv_cache_memory=4 << 30, cuda_graphs=False,
         ) as engine:  # fmt: skip
             row["expert_load"] = expert_load(engine, min(args.input_len, 8192))

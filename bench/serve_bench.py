@@ -45,7 +45,18 @@ def start_server(
     profile uses its own); returns (process, url) once /health answers."""
     launcher = launcher or [sys.executable, "-m", "qruntime"]
     proc = subprocess.Popen(
-        [*launcher, "serve", str(art), "--port", "0", "--max-num-seqs", str(max_num_seqs), *extra],
+        [
+            *launcher,
+            "serve",
+            str(art),
+            "--port",
+            "0",
+            "--max-num-seqs",
+            str(max_num_seqs),
+            "--graph-capture",
+            "load",
+            *extra,
+        ],
         stderr=subprocess.PIPE,
         text=True,
     )

@@ -45,7 +45,7 @@ ENGINE_ALONE = """
 import json, sys, qruntime
 from qruntime.benchmark import measure
 art, batches, n_in, n_out = sys.argv[1], [int(b) for b in sys.argv[2].split(",")], int(sys.argv[3]), int(sys.argv[4])
-engine = qruntime.load(art, max_num_seqs=max(batches))
+engine = qruntime.load(art, graph_capture="load", max_num_seqs=max(batches))
 measure(engine, n_in, 8, max(batches), seed=1)  # warm-up: graphs captured, kernels loaded
 print(json.dumps({b: measure(engine, n_in, n_out, b, seed=0) for b in batches}))
 """
@@ -137,7 +137,9 @@ def timeline(profile: dict[str, Any], t0: float, t1: float) -> list[dict[str, An
 
 
 def print_timeline(rows: list[dict[str, Any]], limit: int = 80) -> None:
-    print(f"{'t ms':>9}{'tokens':>8}{'chunks':>8}{'decodes':>8}{'added':>7}{'graph':>7}{'wall':>9}{'gpu':>9}{'between':>9}")
+    print(
+        f"{'t ms':>9}{'tokens':>8}{'chunks':>8}{'decodes':>8}{'added':>7}{'graph':>7}{'wall':>9}{'gpu':>9}{'between':>9}"
+    )
     for r in rows[:limit]:
         gpu = "-" if r["gpu_ms"] is None else f"{r['gpu_ms']:.2f}"
         print(
@@ -190,7 +192,9 @@ def way_in(requests: list[dict[str, Any]], profile: dict[str, Any], t0: float) -
 
 def print_way_in(stages: dict[str, Any]) -> None:
     cells = [
-        f"{name} p50/p90/p99 {v['p50']:.1f}/{v['p90']:.1f}/{v['p99']:.1f}" for name, v in stages.items() if v is not None
+        f"{name} p50/p90/p99 {v['p50']:.1f}/{v['p90']:.1f}/{v['p99']:.1f}"
+        for name, v in stages.items()
+        if v is not None
     ]
     print("way in (ms):", "; ".join(cells), flush=True)
 
@@ -277,9 +281,7 @@ def main() -> None:
     launcher = [sys.executable, str(HERE / "step_profile.py"), str(profile_path)]
     if args.switch_interval is not None:
         launcher += ["--switch-interval", str(args.switch_interval)]
-    proc, url = start_server(
-        art, max([*levels, args.shared_concurrency]), launcher=launcher, extra=args.serve_arg
-    )
+    proc, url = start_server(art, max([*levels, args.shared_concurrency]), launcher=launcher, extra=args.serve_arg)
     windows, shared = [], None
     try:
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]

@@ -60,8 +60,7 @@ def main() -> None:
     tokens = {}
     for mode in ("sharded", "gathered") * args.repeats:
         start = time.perf_counter()
-        with qruntime.load(
-            art, device="cuda", tp=args.tp, max_model_len=args.input_len + args.output_len + 64,
+        with qruntime.load(art, graph_capture="load", device="cuda", tp=args.tp, max_model_len=args.input_len + args.output_len + 64,
             max_num_seqs=max(batches), kv_cache_memory=8 << 30, sharded_sampling=mode == "sharded",
         ) as engine:  # fmt: skip
             load_s = time.perf_counter() - start

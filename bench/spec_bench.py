@@ -113,6 +113,7 @@ def load(art: Path, args: argparse.Namespace, max_model_len: int, speculative: S
     block_size = json.loads((art / "manifest.json").read_text())["kv_cache"]["block_size"]
     return qruntime.load(
         art,
+        graph_capture="load",
         device=args.device,
         dtype=args.dtype,
         max_model_len=max_model_len,

@@ -138,7 +138,7 @@ def _prompts(rng: random.Random, count: int, vocab: int, length: int) -> list[li
 def run_mode(art: Path, mode: str, batch: int, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     spec = None if mode == "plain" else SpeculativeConfig.parse(mode)
     extra = {"dtype": torch.float32} if args.device == "cpu" else {"kv_cache_memory": args.kv_cache_gib << 30}
-    engine = qruntime.load(art, device=args.device, speculative=spec, **extra)
+    engine = qruntime.load(art, graph_capture="load", device=args.device, speculative=spec, **extra)
     try:
         vocab = engine.tokenizer.vocab_size if hasattr(engine.tokenizer, "vocab_size") else 1000
         prompts = _prompts(random.Random(seed), batch, min(vocab, 20000), args.input_len)

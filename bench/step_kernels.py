@@ -217,6 +217,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",") if b]
     engine = qruntime.load(
         art,
+        graph_capture="load",
         device="cuda",
         max_model_len=4096,
         max_num_seqs=max([*batches, 96]) + 32,

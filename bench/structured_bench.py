@@ -79,8 +79,7 @@ def main() -> None:
     torch.cuda.empty_cache()
     report = gpu_report_header("structured_bench")
     report.update(weights=SYNTHETIC, preset=args.preset, schema=SCHEMA, rows=[])
-    engine = qruntime.load(
-        art, device="cuda", max_model_len=args.input_len + args.output_len + 64, max_num_seqs=max(batches),
+    engine = qruntime.load(art, graph_capture="load", device="cuda", max_model_len=args.input_len + args.output_len + 64, max_num_seqs=max(batches),
         kv_cache_memory=8 << 30,
     )  # fmt: skip
     quote = engine.tokenizer.encode('"', False)

@@ -49,8 +49,7 @@ def run_one(preset: str, tp: int, recipe: str, args) -> dict:
     torch.cuda.empty_cache()
     row: dict = {"preset": preset, "tp": tp, "recipe": recipe, "pdl": not args.no_pdl, "batches": []}
     try:
-        with qruntime.load(
-            art, device="cuda", tp=tp, max_model_len=args.input_len + args.output_len + 256,
+        with qruntime.load(art, graph_capture="load", device="cuda", tp=tp, max_model_len=args.input_len + args.output_len + 256,
             max_num_seqs=max(batches), kv_cache_memory=8 << 30, pdl=False if args.no_pdl else None,
         ) as engine:  # fmt: skip
             row["engine"] = engine.description

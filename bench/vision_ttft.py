@@ -149,6 +149,7 @@ def measure(args: argparse.Namespace, art: Path, ckpt: Path | None, report: dict
     kv_memory = dict(kv_cache_memory=args.kv_cache_gib << 30) if device != "cpu" else {}
     with qruntime.load(
         art,
+        graph_capture="load",
         device=device,
         dtype=dtype,
         prefix_cache=False,

@@ -19,7 +19,18 @@ import cold_start  # noqa: E402 -- bench/ is scripts, not a package
 def test_rows_time_each_part_from_spawn_to_first_token_and_serve_to_ready(tiny_ckpt, compiled, tmp_path):
     art = compiled(tiny_ckpt, "ptpc-fp8")
     out = tmp_path / "cold.json"
-    argv = ["--artifact", str(art), "--device", "cpu", "--rows", "cold,warm", "--drop", "artifact", "--serve"]
+    argv = [
+        "--artifact",
+        str(art),
+        "--device",
+        "cpu",
+        "--rows",
+        "cold,warm",
+        "--drop",
+        "artifact",
+        "--serve",
+        "--speed",
+    ]
     cold_start.main([*argv, "--load", "num_kv_blocks=64", "--workdir", str(tmp_path / "work"), "--out", str(out)])
     report = json.loads(out.read_text())
     for key in ("benchmark", "date", "command", "git_commit", "machine", "versions"):
@@ -34,6 +45,9 @@ def test_rows_time_each_part_from_spawn_to_first_token_and_serve_to_ready(tiny_c
         assert row["to_first_token_s"] == pytest.approx(sum(row[p] for p in parts), abs=0.01)
         assert 0 < row["load_seconds"]["total"] <= row["load_s"] + 0.005
         assert row["artifact_gb_s"] is None or row["artifact_gb_s"] > 0
+        # after the first token: the idle work (none on a CPU: no graphs), then the steady speed
+        assert row["idle_work_s"] >= 0 and row["decode_ms_batch1"] > 0 and row["prefill_ms"] > 0
+        assert row["prefill_tokens"] == min(2000, row["max_model_len"] - 2)
         # serve loads the same engine and answers /health only once it can serve
         assert row["serve_ready_s"] > row["import_torch_s"] + row["load_seconds"]["total"]
 
@@ -42,7 +56,7 @@ def test_rows_time_each_part_from_spawn_to_first_token_and_serve_to_ready(tiny_c
     ("argv", "message"),
     [
         (["--rows", "cold,lukewarm"], "lukewarm"),
-        (["--load", "num_kv_blocks=many"], "KEY=INT"),
+        (["--load", "num_kv_blocks"], "KEY=VALUE"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(tmp_path, capsys, argv, message):
