@@ -32,8 +32,8 @@ import torch
 from qruntime.artifact import ArtifactFormatError
 
 CHUNK_BYTES = 32 << 20  # one read, one pinned buffer
-READERS = 4  # reads in flight: a cold disk serves several faster than one, a warm page cache scales with them
-BUFFERS = 8  # pinned buffers in the ring (256 MiB of host memory at the defaults)
+READERS = 8  # reads in flight: a cold disk serves several faster than one, a warm page cache scales with them
+BUFFERS = 16  # pinned buffers in the ring (512 MiB of host memory at the defaults)
 GAP_BYTES = 1 << 20  # ranges this close are read as one span (the bytes between are read and dropped)
 
 
