@@ -245,6 +245,12 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [r for r in rows if r not in ROWS]
     if unknown or not rows:
         parser.error(f"--rows: {unknown or 'none given'}; rows are {', '.join(ROWS)}")
+    for i, row in enumerate(rows):  # a row that keeps the kernel cache reads the one a row before filled
+        if not ROWS[row][1] and not any(ROWS[r][1] for r in rows[:i]):
+            parser.error(
+                f"--rows: {row} keeps the kernel cache, which no row before it fills (each repeat starts with an "
+                "empty one): put cold or kernels-cold before it"
+            )
     try:
         pairs = [item.split("=", 1) for item in args.load]
         args.load_kwargs = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in pairs}

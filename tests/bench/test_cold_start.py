@@ -56,6 +56,8 @@ def test_rows_time_each_part_from_spawn_to_first_token_and_serve_to_ready(tiny_c
     ("argv", "message"),
     [
         (["--rows", "cold,lukewarm"], "lukewarm"),
+        (["--rows", "warm,cold"], "warm keeps the kernel cache, which no row before it fills"),
+        (["--rows", "pages-cold"], "pages-cold keeps the kernel cache"),
         (["--load", "num_kv_blocks"], "KEY=VALUE"),
     ],
 )
