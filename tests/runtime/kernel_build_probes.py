@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -121,9 +122,33 @@ def record_hook(record: dict) -> dict:
     }
 
 
-def prebuild(records: list[dict], target: list, jobs: int, timeout: float) -> dict:
-    """A Prebuild of the records: its report, the warnings it gave, the seconds it took, and
-    whether any worker outlived it."""
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.append(int(name))
+    return out
+
+
+def prebuild(records: list[dict], target: list, jobs: int, timeout: float, after_workers: bool = False) -> dict:
+    """A Prebuild of the records: its report, the warnings it gave, the seconds it took, the
+    workers its build process made, and whether that process or any worker outlived it.
+    after_workers: the deadline `timeout` seconds after its workers are seen running."""
     import dataclasses
     import time
     import warnings
@@ -134,36 +159,51 @@ def prebuild(records: list[dict], target: list, jobs: int, timeout: float) -> di
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         built = Prebuild([_record(r) for r in records], tuple(target), jobs)
-        workers = list(built.executor._processes.values()) if built.executor is not None else []
+        leader = built._pid
+        if after_workers:
+            seen = time.monotonic() + 120
+            while len(_children(leader)) < jobs and time.monotonic() < seen:
+                time.sleep(0.02)
+            timeout += time.perf_counter() - built.start
         report = built.wait(timeout)
     elapsed = time.perf_counter() - began
-    for worker in workers:
-        worker.join(10)
+    deadline = time.monotonic() + 10  # a killed worker, reparented, is reaped by whoever adopts it
+    while any(_alive(w) for w in built.workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
     return dataclasses.asdict(report) | {
         "summary": report.summary(),
         "warnings": [str(w.message) for w in caught if issubclass(w.category, UserWarning)],
         "elapsed": elapsed,
-        "workers": len(workers),
-        "workers_alive": any(w.is_alive() for w in workers),
+        "workers": len(built.workers),
+        "workers_alive": any(_alive(w) for w in built.workers),
+        "leader_alive": os.path.exists(f"/proc/{leader}"),  # reaped: not even a zombie
     }
 
 
-def cancel(records: list[dict], target: list, jobs: int) -> dict:
-    """A Prebuild cancelled at once (a load that failed): how long cancel took, whether a worker lives on."""
+def cancel(records: list[dict], target: list, jobs: int, at_once: bool) -> dict:
+    """A Prebuild cancelled (a load that failed) at once, or once its workers run: how long cancel
+    took, how many workers there were, whether the build process or a worker lives on."""
     import time
 
     from qruntime.kernel_prebuild import Prebuild
 
     built = Prebuild([_record(r) for r in records], tuple(target), jobs)
-    workers = list(built.executor._processes.values())
+    leader = built._pid
+    workers: list[int] = []
+    deadline = time.monotonic() + 120
+    while not at_once and len(workers) < jobs and time.monotonic() < deadline:
+        time.sleep(0.02)
+        workers = _children(leader)
     began = time.perf_counter()
     built.cancel()
-    for worker in workers:
-        worker.join(10)
+    seconds = time.perf_counter() - began
+    wait_until = time.monotonic() + 10
+    while any(_alive(w) for w in workers) and time.monotonic() < wait_until:
+        time.sleep(0.05)
     return {
-        "seconds": time.perf_counter() - began,
+        "seconds": seconds,
         "workers": len(workers),
-        "alive": any(w.is_alive() for w in workers),
+        "alive": any(_alive(w) for w in workers) or os.path.exists(f"/proc/{leader}"),
     }
 
 

@@ -203,7 +203,7 @@ def test_records_build_in_parallel_and_a_failing_one_is_named_with_its_config():
     report = probe("prebuild", records, SM90, 2, 300)
     print(report["summary"])
     assert (report["total"], report["built"], report["cached"], report["unfinished"]) == (4, 3, 0, 0)
-    assert report["workers"] == 2 and not report["workers_alive"]
+    assert report["workers"] == 2 and not report["workers_alive"] and not report["leader_alive"]
     (failed,) = report["failed"]
     assert failed.startswith("_dynamic_quant_kernel[num_warps=4, BLOCK=100, NUM_CHUNKS=1")
     assert "arange's range must be a power of 2" in failed
@@ -216,16 +216,20 @@ def test_records_build_in_parallel_and_a_failing_one_is_named_with_its_config():
 
 def test_the_workers_are_killed_at_the_deadline():
     records = [quant_record(block=1 << b, warps=w) for b in range(5, 12) for w in (1, 2, 4, 8)]
-    report = probe("prebuild", records, SM90, 1, 1.0)
+    report = probe("prebuild", records, SM90, 1, 1.0, True)  # 1 s after the worker starts
     assert report["elapsed"] < 30 and report["workers"] == 1 and not report["workers_alive"]
+    assert not report["leader_alive"]
     assert report["unfinished"] > 0 and report["unfinished"] + report["built"] == len(records)
     assert "cut off by the deadline" in report["summary"]
 
 
-def test_a_failed_load_cancels_the_build_at_once():
+@pytest.mark.parametrize("at_once", [False, True])
+def test_a_failed_load_cancels_the_build_at_once(at_once):
+    """Cancelled while its workers compile, or while its build process still looks records up (or
+    has not made its process group yet): nothing lives on."""
     records = [quant_record(block=1 << b, warps=w) for b in range(5, 12) for w in (1, 2, 4, 8)]
-    got = probe("cancel", records, SM90, 2)
-    assert got["workers"] == 2 and not got["alive"] and got["seconds"] < 10
+    got = probe("cancel", records, SM90, 2, at_once)
+    assert got["workers"] == (0 if at_once else 2) and not got["alive"] and got["seconds"] < 10
 
 
 def test_a_target_nobody_builds_for_fails_every_record_by_name():
