@@ -13,16 +13,18 @@ shared by a cold-kernel row and the warm-kernel row after it. --drop all drops e
 (sync, then `3` to /proc/sys/vm/drop_caches: root), as the issue measured; --drop artifact only the
 artifact's files (posix_fadvise DONTNEED: no root, but torch's own libraries stay cached).
 
-The child times, from the parent's spawn: the interpreter's start, `import torch`, `import
-qruntime`, the modules `qruntime.load` imports on first use (loader, engine, onnx), the load (with
-its own split, description["load_seconds"]: setup, weights, plan, kernels (waiting for the
-recorded kernels built beside the weights), cache and graphs, rest; and description's
-graph_seconds and kernel_prebuild), and one generated token; then the idle work a load with
+The child times, from the parent's spawn: the interpreter's start, `import qruntime`, the load (with
+its own split, description["load_seconds"]: imports (torch, the loader, the engine, onnx: a user's
+first `qruntime.load` imports them, while the artifact's weights are read ahead), setup, weights,
+plan, kernels (waiting for the recorded kernels built beside the weights), cache and graphs, rest;
+and description's graph_seconds and kernel_prebuild), and one generated token; then the idle work a load with
 graph_capture="first-use" left (the other graphs, the warm-up steps: idle_work_s), and with
 --speed the steady speed (decode ms a token at batch 1, a 2000-token prefill). With --serve, a second
 child per row (the caches put back in the row's state first) runs `qruntime serve ART --port 0`,
-timed from its spawn to the first 200 of /health. The artifact's GB/s is its size over the load's
-weights phase.
+timed from its spawn to the first 200 of /health. The artifact's GB/s (artifact_gb_s) is its size
+over the time from the load's call to its weights bound (imports, setup, weights: the read-ahead
+starts with the call); weights_gb_s is its size over the weights phase alone (the reader's rate,
+from the page cache as far as the read-ahead got).
 
     python bench/cold_start.py --artifact ART --device cuda --serve --out bench/results/cold_start_qwen3-8b_h100.json
     python bench/cold_start.py --preset qwen3-8b --device cuda --out ...   # synth + compile + tune it first
@@ -57,14 +59,11 @@ CHILD = """
 import json, os, sys, time
 spawned = float(os.environ["COLD_START_SPAWNED"])
 started = time.time()
-import torch
-torch_done = time.time()
 import qruntime
 imported = time.time()
-load = qruntime.load  # the loader, the engine and onnx, imported on first use
-resolved = time.time()
 art, device, load_kwargs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-engine = load(art, device=device, **load_kwargs)
+engine = qruntime.load(art, device=device, **load_kwargs)  # imports torch and the engine first
+import torch
 if device.startswith("cuda"):
     torch.cuda.synchronize()
 loaded = time.time()
@@ -91,9 +90,8 @@ if sys.argv[5] == "1":  # steady speed once every graph is captured: decode at b
     prefill = sorted(timed([rng.randrange(engine.vocab_size) for _ in range(n)], 1) for _ in range(3))[1]
     speed = {"decode_ms_batch1": round(decode / 128 * 1e3, 3), "prefill_tokens": n, "prefill_ms": round(prefill * 1e3, 2)}
 print("COLD_START " + json.dumps({
-    "interpreter_s": round(started - spawned, 3), "import_torch_s": round(torch_done - started, 3),
-    "import_qruntime_s": round(imported - torch_done, 3), "import_loader_s": round(resolved - imported, 3),
-    "load_s": round(loaded - resolved, 3),
+    "interpreter_s": round(started - spawned, 3), "import_qruntime_s": round(imported - started, 3),
+    "load_s": round(loaded - imported, 3),
     "first_token_s": round(done - loaded, 3), "to_first_token_s": round(done - spawned, 3),
     "load_seconds": engine.description["load_seconds"], "tokens": len(out.token_ids), "max_model_len": engine.max_model_len,
     "graph_seconds": engine.description.get("graph_seconds"),
@@ -268,8 +266,11 @@ def main(argv: list[str] | None = None) -> None:
         kernels = args.workdir / f"kernels-{os.getpid()}-{repeat}"
         for row in rows:
             result = {"row": row, "repeat": repeat, **first_token(art, prepare(row, art, kernels, args), args)}
-            weights_s = result["load_seconds"].get("weights", 0)
-            result["artifact_gb_s"] = round(size / weights_s / 1e9, 2) if weights_s > 0 else None
+            phases = result["load_seconds"]
+            to_bound = sum(phases.get(name, 0) for name in ("imports", "setup", "weights"))
+            result["artifact_gb_s"] = float(f"{size / to_bound / 1e9:.3g}") if to_bound > 0 else None
+            weights_s = phases.get("weights", 0)
+            result["weights_gb_s"] = float(f"{size / weights_s / 1e9:.3g}") if weights_s > 0 else None
             if args.serve:
                 result["serve_ready_s"] = serve_ready(art, prepare(row, art, kernels, args), args)
             report["rows"].append(result)

@@ -6,6 +6,8 @@ out = engine.generate("Hello", qruntime.SamplingParams(max_tokens=32))[0]
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -26,7 +28,6 @@ if TYPE_CHECKING:
     from qruntime.engine.sampling_params import SamplingParams
     from qruntime.engine.speculative.config import SpeculativeConfig
     from qruntime.engine.workers import WorkerError
-    from qruntime.loader import load
 
 _EXPORTS = {
     "Engine": "qruntime.engine.engine",
@@ -36,8 +37,29 @@ _EXPORTS = {
     "SamplingParams": "qruntime.engine.sampling_params",
     "SpeculativeConfig": "qruntime.engine.speculative.config",
     "WorkerError": "qruntime.engine.workers",
-    "load": "qruntime.loader",
 }
+
+
+def load(path: str | Path, *args: Any, **kwargs: Any) -> Engine:
+    """Load a qcompile artifact and return an Engine: qruntime.loader.load, whose documentation gives
+    every argument. A local artifact's weight files are first read ahead into the page cache
+    (qruntime.read_ahead), while this call imports torch and the engine, which takes seconds in a
+    fresh process; description["load_seconds"]["imports"] is that import's time."""
+    from qruntime.read_ahead import ReadAhead
+
+    with ReadAhead.of_artifact(path):
+        started = time.perf_counter()
+        from qruntime.loader import load as load_artifact
+
+        imports = time.perf_counter() - started
+        engine = load_artifact(path, *args, **kwargs)
+    seconds = engine.description["load_seconds"]
+    engine.description["load_seconds"] = {
+        "imports": round(imports, 3),
+        **seconds,
+        "total": round(seconds["total"] + imports, 3),
+    }
+    return engine
 
 
 def __getattr__(name: str) -> Any:

@@ -54,7 +54,11 @@ def spawn_engine(
     return Spawned(process, conn)
 
 
-def run_engine(entry: tuple[str, str], *args: Any) -> None:
-    """In the child: import the engine side there and run it."""
+def run_engine(entry: tuple[str, str], conn: Connection, load_kwargs: dict[str, Any], *args: Any) -> None:
+    """In the child: read the artifact's weights ahead (one pass, its thread then ends) while it
+    imports the engine side, torch included (seconds), then run it."""
+    from qruntime.read_ahead import ReadAhead
+
+    ReadAhead.of_artifact(load_kwargs["path"]).start()
     module, name = entry
-    getattr(importlib.import_module(module), name)(*args)
+    getattr(importlib.import_module(module), name)(conn, load_kwargs, *args)

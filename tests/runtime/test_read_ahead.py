@@ -1,0 +1,146 @@
+"""qruntime.read_ahead: the weight files the manifest lists, confined as every read of an artifact is
+(a link or a junk manifest: nothing read), covered chunk by chunk exactly once and never past the
+memory budget, stopped between two chunks, and gone by the time qruntime.load returns."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+
+import pytest
+from qruntime.read_ahead import ReadAhead, WeightFile, advise, available_memory, chunks, weight_files
+
+
+@pytest.fixture(scope="module")
+def art(tiny_ckpt, compiled):
+    return compiled(tiny_ckpt, "ptpc-fp8")
+
+
+def test_the_files_are_the_manifests_weight_shards(art):
+    files = weight_files(art)
+    on_disk = sorted((art / "weights").glob("*.safetensors"))
+    assert [f.path for f in files] == on_disk and on_disk
+    assert [f.size for f in files] == [p.stat().st_size for p in on_disk]
+
+
+def test_chunks_cover_every_byte_once_within_the_budget(tmp_path, rng):
+    files = [WeightFile(tmp_path / f"w{i}", rng.randrange(1, 5000)) for i in range(rng.randrange(1, 6))]
+    size = rng.randrange(1, 700)
+    covered = [(f.path, o, n) for f, o, n in chunks(files, budget=10**9, chunk_bytes=size)]
+    for file in files:
+        spans = [(o, n) for p, o, n in covered if p == file.path]
+        assert spans[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:], strict=False))
+        assert sum(n for _, n in spans) == file.size and all(0 < n <= size for _, n in spans)
+    budget = rng.randrange(1, sum(f.size for f in files) + 1)
+    assert sum(n for _, _, n in chunks(files, budget, size)) == budget
+
+
+def test_a_pass_asks_for_every_file_whole_through_its_own_descriptor(art):
+    seen: dict[int, int] = {}  # inode -> bytes asked for
+
+    def fetch(fd, offset, length, scratch):
+        inode = os.fstat(fd).st_ino
+        assert offset == seen.get(inode, 0)  # in order, no gap, no overlap
+        seen[inode] = offset + length
+
+    files = weight_files(art)
+    ahead = ReadAhead(files, budget=10**12, fetch=fetch, chunk_bytes=4096).start()
+    ahead.join(30)
+    assert seen == {f.path.stat().st_ino: f.size for f in files}
+    assert ahead.requested == sum(f.size for f in files)
+
+
+def test_stop_ends_the_pass_between_two_chunks(tmp_path):
+    path = tmp_path / "w.safetensors"
+    path.write_bytes(os.urandom(4096))
+    entered, release = threading.Event(), threading.Event()
+    calls = []
+
+    def fetch(fd, offset, length, scratch):
+        calls.append(offset)
+        entered.set()
+        release.wait(10)
+
+    ahead = ReadAhead([WeightFile(path, 4096)], budget=4096, fetch=fetch, chunk_bytes=512).start()
+    assert entered.wait(10)
+    stopper = threading.Thread(target=ahead.stop)
+    stopper.start()
+    while not ahead._stop.is_set():
+        pass
+    release.set()
+    stopper.join(10)
+    assert calls == [0] and not ahead._thread.is_alive()
+    unstopped = ReadAhead([WeightFile(path, 4096)], budget=4096, fetch=lambda *a: calls.append(a[1]), chunk_bytes=512)
+    unstopped.start().join(10)
+    assert calls == [0, *range(0, 4096, 512)]  # the break was the stop's
+
+
+@pytest.mark.parametrize("breakage", ["link", "no manifest", "junk manifest", "hub"])
+def test_a_bad_artifact_reads_nothing(art, tmp_path, breakage):
+    copy = tmp_path / "art"
+    shutil.copytree(art, copy)
+    target = tmp_path / "outside.safetensors"
+    if breakage == "link":
+        shard = sorted((copy / "weights").glob("*.safetensors"))[0]
+        shutil.move(shard, target)
+        shard.symlink_to(target)
+    elif breakage == "no manifest":
+        (copy / "manifest.json").unlink()
+    elif breakage == "junk manifest":
+        (copy / "manifest.json").write_text('{"format_version": "1.0", "files": ["../outside.safetensors"]}')
+    path = "hf://org/model" if breakage == "hub" else copy
+    ahead = ReadAhead.of_artifact(path)
+    assert ahead.files == [] and ahead.start()._thread is None
+
+
+def test_the_budget_is_a_share_of_the_available_memory(art, tmp_path, monkeypatch):
+    import qruntime.read_ahead as read_ahead
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:  999999 kB\nMemAvailable:  3 kB\n")
+    monkeypatch.setattr(read_ahead, "MEMINFO", meminfo)
+    assert available_memory() == 3072
+    assert ReadAhead.of_artifact(art).budget == int(3072 * read_ahead.MEMORY_SHARE)
+    monkeypatch.setattr(read_ahead, "MEMINFO", tmp_path / "none")
+    total = sum(f.size for f in weight_files(art))
+    assert available_memory() is None and ReadAhead.of_artifact(art).budget == total
+
+
+def test_without_fadvise_the_chunk_is_read(tmp_path, monkeypatch):
+    data = os.urandom(10_000)
+    path = tmp_path / "w"
+    path.write_bytes(data)
+    monkeypatch.delattr(os, "posix_fadvise", raising=False)
+    scratch = bytearray(4096)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        advise(fd, 3000, 4000 - 3000, scratch)
+    finally:
+        os.close(fd)
+    assert bytes(scratch[:1000]) == data[3000:4000]
+
+
+def test_the_load_reads_ahead_before_the_loader_and_leaves_no_thread(art, monkeypatch):
+    """qruntime.load starts the pass before the loader runs (here the loader waits for the whole
+    pass, which in a fresh process overlaps torch's import) and stops it when the load returns."""
+    import qruntime.loader
+    import qruntime.read_ahead as read_ahead
+
+    asked, total = [], sum(f.size for f in weight_files(art))
+    monkeypatch.setattr(read_ahead, "advise", lambda fd, offset, length, scratch: asked.append(length))
+    load_artifact = qruntime.loader.load
+
+    def loader(*args, **kwargs):
+        deadline = time.monotonic() + 30
+        while sum(asked) < total and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert sum(asked) == total  # the whole pass, before the loader ran
+        return load_artifact(*args, **kwargs)
+
+    monkeypatch.setattr(qruntime.loader, "load", loader)
+    engine = qruntime.load(art, "cpu", num_kv_blocks=16)
+    assert not any(t.name == "qruntime-read-ahead" for t in threading.enumerate())
+    phases = engine.description["load_seconds"]
+    assert list(phases)[:2] == ["imports", "setup"] and phases["imports"] >= 0
