@@ -6,8 +6,10 @@ Imports nothing heavy. The files are the `weights/` safetensors the manifest lis
 qruntime.artifact confines any read (no link, nothing outside the artifact); any problem with the
 artifact (no manifest, a junk one, a missing file) means no read-ahead, and the load reports it.
 The work is bounded: each file once, no more bytes than half the memory the OS calls available.
-On Linux the pages are asked for with posix_fadvise(WILLNEED), which queues the reads without
-copying anything into this process; elsewhere they are read into one scratch buffer.
+THREADS threads read chunks into scratch buffers of their own (a cold disk serves several reads in
+flight faster than one, as for the weight reader); posix_fadvise(WILLNEED) from one thread, which
+copies nothing, read a cold qwen3-8b artifact on an H200's disk at 0.9 GB/s, the reader's 8
+threads at 1.3.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from pathlib import Path
 
 from qruntime.artifact import ArtifactFormatError, artifact_path, read_manifest
 
-CHUNK_BYTES = 64 << 20  # one request to the OS; stop() is noticed between two
+CHUNK_BYTES = 16 << 20  # one read; stop() is noticed between two
+THREADS = 8
 MEMORY_SHARE = 0.5  # of MemAvailable: the most the read-ahead brings in
 WEIGHTS_DIR = "weights/"
 MEMINFO = Path("/proc/meminfo")
@@ -70,11 +73,8 @@ def chunks(
             left -= length
 
 
-def advise(fd: int, offset: int, length: int, scratch: bytearray) -> None:
-    """Ask for [offset, offset + length) of fd in the page cache."""
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
-        return
+def read_chunk(fd: int, offset: int, length: int, scratch: bytearray) -> None:
+    """Read [offset, offset + length) of fd into scratch: its pages are then in the page cache."""
     view = memoryview(scratch)[:length]
     while view:
         got = os.preadv(fd, [view], offset)
@@ -84,7 +84,7 @@ def advise(fd: int, offset: int, length: int, scratch: bytearray) -> None:
 
 
 class ReadAhead:
-    """One thread that asks for the weight files' pages, chunk by chunk, until done or stopped.
+    """THREADS threads that read the weight files, chunk by chunk in order, until done or stopped.
 
     with ReadAhead.of_artifact(path):
         ...import torch, load...
@@ -96,12 +96,18 @@ class ReadAhead:
         budget: int,
         fetch: Callable[[int, int, int, bytearray], None] | None = None,
         chunk_bytes: int = CHUNK_BYTES,
+        threads: int = THREADS,
     ):
         self.files, self.budget, self.chunk_bytes = files, budget, chunk_bytes
-        self.fetch = fetch or advise
-        self.requested = 0  # bytes asked for so far
+        self.fetch = fetch or read_chunk
+        self.requested = 0  # bytes read so far
+        self._chunks = chunks(files, budget, chunk_bytes)
+        self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads = [
+            threading.Thread(target=self._run, name="qruntime-read-ahead", daemon=True)
+            for _ in range(threads if files and budget > 0 else 0)
+        ]
 
     @classmethod
     def of_artifact(cls, path: str | Path) -> ReadAhead:
@@ -111,21 +117,25 @@ class ReadAhead:
         total = sum(f.size for f in files)
         return cls(files, total if memory is None else min(total, int(memory * MEMORY_SHARE)))
 
+    @property
+    def started(self) -> bool:
+        return bool(self._threads) and self._threads[0].ident is not None
+
     def start(self) -> ReadAhead:
-        if self.files and self.budget > 0:
-            self._thread = threading.Thread(target=self._run, name="qruntime-read-ahead", daemon=True)
-            self._thread.start()
+        for thread in self._threads:
+            thread.start()
         return self
 
     def stop(self) -> None:
-        """Ask nothing more (a request under way finishes) and wait for the thread."""
+        """Read nothing more (reads under way finish) and wait for the threads."""
         self._stop.set()
         self.join()
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for the pass to end, by itself or stopped."""
-        if self._thread is not None:
-            self._thread.join(timeout)
+        for thread in self._threads:
+            if thread.ident is not None:
+                thread.join(timeout)
 
     def __enter__(self) -> ReadAhead:
         return self.start()
@@ -133,22 +143,23 @@ class ReadAhead:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def _next(self) -> tuple[WeightFile, int, int] | None:
+        with self._lock:
+            return None if self._stop.is_set() else next(self._chunks, None)
+
     def _run(self) -> None:
-        scratch = bytearray(0 if hasattr(os, "posix_fadvise") else self.chunk_bytes)
-        fd, opened = -1, None
+        scratch = bytearray(self.chunk_bytes)
+        fds: dict[Path, int] = {}
         try:
-            for file, offset, length in chunks(self.files, self.budget, self.chunk_bytes):
-                if self._stop.is_set():
-                    return
-                if opened != file.path:
-                    if fd >= 0:
-                        os.close(fd)
-                        fd = -1
-                    fd, opened = os.open(file.path, os.O_RDONLY), file.path
-                self.fetch(fd, offset, length, scratch)
-                self.requested += length
+            while (chunk := self._next()) is not None:
+                file, offset, length = chunk
+                if file.path not in fds:
+                    fds[file.path] = os.open(file.path, os.O_RDONLY)
+                self.fetch(fds[file.path], offset, length, scratch)
+                with self._lock:
+                    self.requested += length
         except OSError:
             return  # a file gone or unreadable: the load's own read says so
         finally:
-            if fd >= 0:
+            for fd in fds.values():
                 os.close(fd)
