@@ -177,7 +177,20 @@ def prebuild(records: list[dict], target: list, jobs: int, timeout: float, after
         "workers": len(built.workers),
         "workers_alive": any(_alive(w) for w in built.workers),
         "leader_alive": os.path.exists(f"/proc/{leader}"),  # reaped: not even a zombie
+        "keys_alive": built._keys.is_alive(),
     }
+
+
+def warm(records: list[dict], target: list) -> dict:
+    """warm_keys over the records in a fresh process: whether each record's kernel had its Triton
+    cache key (the hash of its sources, JITFunction.hash) before and after."""
+    from qruntime.kernel_prebuild import warm_keys
+
+    recs = [_record(r) for r in records]
+    fns = [r.resolve() for r in recs]
+    before = [fn.hash is not None for fn in fns]
+    warm_keys(recs, tuple(target))
+    return {"before": before, "after": [fn.hash is not None for fn in fns]}
 
 
 def cancel(records: list[dict], target: list, jobs: int, at_once: bool) -> dict:

@@ -204,6 +204,7 @@ def test_records_build_in_parallel_and_a_failing_one_is_named_with_its_config():
     print(report["summary"])
     assert (report["total"], report["built"], report["cached"], report["unfinished"]) == (4, 3, 0, 0)
     assert report["workers"] == 2 and not report["workers_alive"] and not report["leader_alive"]
+    assert not report["keys_alive"]  # wait() joined the thread that hashes the kernels' sources
     (failed,) = report["failed"]
     assert failed.startswith("_dynamic_quant_kernel[num_warps=4, BLOCK=100, NUM_CHUNKS=1")
     assert "arange's range must be a power of 2" in failed
@@ -212,6 +213,14 @@ def test_records_build_in_parallel_and_a_failing_one_is_named_with_its_config():
     # the next load finds the three in the cache without starting a worker for them
     again = probe("prebuild", records, SM90, 2, 300)
     assert (again["built"], again["cached"], len(again["failed"]), again["workers"]) == (0, 3, 1, 1)
+
+
+def test_the_loads_thread_hashes_each_kernels_sources_past_a_bad_record():
+    """warm_keys computes what the JIT's first launch would (here after a record whose constants
+    Triton cannot take): each kernel's key is there before any launch."""
+    bad = quant_record() | {"constants": [[[5], 256], [[6], 1], [[7], "torch.bfloat16"]]}
+    got = probe("warm", [bad, quant_record()], SM90)
+    assert got == {"before": [False, False], "after": [True, True]}
 
 
 def test_the_workers_are_killed_at_the_deadline():
