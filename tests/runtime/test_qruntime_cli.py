@@ -81,7 +81,7 @@ def test_module_subprocess_prints_text_then_timings(art, engine):
     load_line, summary = stderr.splitlines()
     assert load_line.startswith(f"loaded {art} in ")
     assert re.search(
-        r" s \(setup [\d.]+, weights [\d.]+, plan [\d.]+, kernels [\d.]+, cache and graphs [\d.]+, rest [\d.]+\): ",
+        r" s \(imports [\d.]+, setup [\d.]+, weights [\d.]+, plan [\d.]+, kernels [\d.]+, cache and graphs [\d.]+, rest [\d.]+\): ",
         load_line,
     )
     assert "device cpu, dtype bfloat16, kv cache nhd bf16, " in load_line
@@ -166,12 +166,15 @@ def test_stop_strings(art, engine, capsys):
     assert starts, f"no stop string candidate in {full!r}"
     cut = random.choice(starts)
     stop = full[cut : cut + 2]
-    record = run_json(capsys, art, prompt, "--max-tokens", 16, "--ignore-eos", "--stop", "<never seen>", "--stop", stop)
+    # --stop=TEXT: a stop string may begin with "-", which argparse takes for an option after a space
+    record = run_json(
+        capsys, art, prompt, "--max-tokens", 16, "--ignore-eos", "--stop", "<never seen>", f"--stop={stop}"
+    )
     assert record["text"] == full[:cut], (full, stop)
     assert record["finish_reason"] == "stop" and record["stop_reason"] == stop
     assert record["output_tokens"] == len(record["token_ids"]) <= 16
 
-    assert main(["run", str(art), prompt, "--max-tokens", "16", "--ignore-eos", "--stop", stop]) == 0
+    assert main(["run", str(art), prompt, "--max-tokens", "16", "--ignore-eos", f"--stop={stop}"]) == 0
     captured = capsys.readouterr()
     assert captured.out == full[:cut] + "\n"
     assert captured.err.splitlines()[-1].endswith(f"finish: stop ({stop!r})")
