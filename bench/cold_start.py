@@ -28,6 +28,7 @@ from the page cache as far as the read-ahead got).
 
     python bench/cold_start.py --artifact ART --device cuda --serve --out bench/results/cold_start_qwen3-8b_h100.json
     python bench/cold_start.py --preset qwen3-8b --device cuda --out ...   # synth + compile + tune it first
+    python bench/cold_start.py --preset qwen3-30b-a3b --synthetic-weights --device cuda --out ...  # no checkpoint
 """
 
 from __future__ import annotations
@@ -197,16 +198,26 @@ def serve_ready(art: Path, env: dict, args) -> float:
 QCOMPILE = (sys.executable, "-m", "qcompile")  # also where the console script is not installed (the lent GPU)
 
 
-def build_artifact(preset: str, workdir: Path, device: str, buckets: str | None = None) -> Path:
+def build_artifact(
+    preset: str, workdir: Path, device: str, buckets: str | None = None, synthetic_weights: bool = False
+) -> Path:
     """PRESET's random-weight checkpoint compiled to ptpc-fp8 (weights on disk, unlike `synth
     --artifact`), tuned for this GPU at `buckets` (tune's default: all), which records the kernels
-    its engine launches; kept under workdir for the next run."""
+    its engine launches; kept under workdir for the next run. synthetic_weights: no checkpoint, a
+    synthetic artifact whose random weights are then written into its files (materialize_synthetic:
+    qwen3-30b-a3b's checkpoint and artifact together do not fit a 64 GB disk)."""
     art = workdir / f"{preset}-ptpc-fp8"
     if not (art / "manifest.json").is_file():
-        ckpt = workdir / f"{preset}-ckpt"
-        subprocess.run([*QCOMPILE, "synth", preset, "-o", str(ckpt), "--force"], check=True)
-        subprocess.run([*QCOMPILE, "compile", str(ckpt), "-o", str(art), "--recipe", "ptpc-fp8"], check=True)
-        shutil.rmtree(ckpt)
+        if synthetic_weights:
+            from materialize_synthetic import materialize
+
+            subprocess.run([*QCOMPILE, "synth", preset, "--artifact", "-o", str(art), "--force"], check=True)
+            materialize(art, device)
+        else:
+            ckpt = workdir / f"{preset}-ckpt"
+            subprocess.run([*QCOMPILE, "synth", preset, "-o", str(ckpt), "--force"], check=True)
+            subprocess.run([*QCOMPILE, "compile", str(ckpt), "-o", str(art), "--recipe", "ptpc-fp8"], check=True)
+            shutil.rmtree(ckpt)
         if device.startswith("cuda"):
             subprocess.run([*QCOMPILE, "tune", str(art), *(["--buckets", buckets] if buckets else [])], check=True)
     return art
@@ -235,6 +246,12 @@ def main(argv: list[str] | None = None) -> None:
                         "2000-token prefill's ms, each the median of 3 (the speed check of the same run)")  # fmt: skip
     parser.add_argument("--tune-buckets", default=None, help="--preset: token counts `qcompile tune` times")
     parser.add_argument("--build-only", action="store_true", help="--preset: build the artifact, measure nothing")
+    parser.add_argument(
+        "--synthetic-weights",
+        action="store_true",
+        help="--preset: build it as a synthetic artifact whose random weights are then written to its files "
+        "(no checkpoint on disk: for qwen3-30b-a3b on a 64 GB disk)",
+    )
     parser.add_argument("--timeout", type=float, default=900, help="seconds a child may take")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/qcold"))
     parser.add_argument("--out", type=Path, default=None)
@@ -255,7 +272,9 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError:
         parser.error(f"--load takes KEY=VALUE, got {args.load}")
     args.workdir.mkdir(parents=True, exist_ok=True)
-    art = args.artifact or build_artifact(args.preset, args.workdir, args.device, args.tune_buckets)
+    art = args.artifact or build_artifact(
+        args.preset, args.workdir, args.device, args.tune_buckets, synthetic_weights=args.synthetic_weights
+    )
     if args.build_only:
         print(f"built {art}")
         return
