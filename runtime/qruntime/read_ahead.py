@@ -6,10 +6,14 @@ Imports nothing heavy. The files are the `weights/` safetensors the manifest lis
 qruntime.artifact confines any read (no link, nothing outside the artifact); any problem with the
 artifact (no manifest, a junk one, a missing file) means no read-ahead, and the load reports it.
 The work is bounded: each file once, no more bytes than half the memory the OS calls available.
-THREADS threads read chunks into scratch buffers of their own (a cold disk serves several reads in
-flight faster than one, as for the weight reader); posix_fadvise(WILLNEED) from one thread, which
-copies nothing, read a cold qwen3-8b artifact on an H200's disk at 0.9 GB/s, the reader's 8
-threads at 1.3.
+THREADS threads read chunks into scratch buffers of their own. How many is a trade: the import the
+read-ahead overlaps reads torch's libraries from the same disk. On an H200 machine, page cache
+dropped, qwen3-8b (at 2d41d01, two trials each, by the probe
+that became bench/read_ahead_ab.py): no read-ahead 14.7 / 16.7 s
+from `import qruntime` to loaded (imports 7.5-7.8 s, then the weights 5.8-7.8 s), 8 threads 14.3 /
+15.1 s (imports 11.9-12.7 s, the weights then all in memory), 2 threads 13.5 / 13.6 s (imports
+11.3 s), the libraries read first (3.8 GB of them) 17.1 / 18.3 s. One posix_fadvise(WILLNEED)
+thread, at a71ce38 on another host, kept ~0.9 GB/s of the disk busy.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from pathlib import Path
 from qruntime.artifact import ArtifactFormatError, artifact_path, read_manifest
 
 CHUNK_BYTES = 16 << 20  # one read; stop() is noticed between two
-THREADS = 8
+THREADS = 2  # see the module doc
 MEMORY_SHARE = 0.5  # of MemAvailable: the most the read-ahead brings in
 WEIGHTS_DIR = "weights/"
 MEMINFO = Path("/proc/meminfo")
@@ -96,7 +100,7 @@ class ReadAhead:
         budget: int,
         fetch: Callable[[int, int, int, bytearray], None] | None = None,
         chunk_bytes: int = CHUNK_BYTES,
-        threads: int = THREADS,
+        threads: int | None = None,
     ):
         self.files, self.budget, self.chunk_bytes = files, budget, chunk_bytes
         self.fetch = fetch or read_chunk
@@ -106,7 +110,7 @@ class ReadAhead:
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._run, name="qruntime-read-ahead", daemon=True)
-            for _ in range(threads if files and budget > 0 else 0)
+            for _ in range((threads or THREADS) if files and budget > 0 else 0)
         ]
 
     @classmethod
