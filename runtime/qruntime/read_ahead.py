@@ -8,12 +8,11 @@ artifact (no manifest, a junk one, a missing file) means no read-ahead, and the 
 The work is bounded: each file once, no more bytes than half the memory the OS calls available.
 THREADS threads read chunks into scratch buffers of their own. How many is a trade: the import the
 read-ahead overlaps reads torch's libraries from the same disk. On an H200 machine, page cache
-dropped, qwen3-8b (at 2d41d01, two trials each, by the probe
-that became bench/read_ahead_ab.py): no read-ahead 14.7 / 16.7 s
-from `import qruntime` to loaded (imports 7.5-7.8 s, then the weights 5.8-7.8 s), 8 threads 14.3 /
-15.1 s (imports 11.9-12.7 s, the weights then all in memory), 2 threads 13.5 / 13.6 s (imports
-11.3 s), the libraries read first (3.8 GB of them) 17.1 / 18.3 s. One posix_fadvise(WILLNEED)
-thread, at a71ce38 on another host, kept ~0.9 GB/s of the disk busy.
+dropped, qwen3-8b (at 2d41d01, two trials each, by the probe that became bench/read_ahead_ab.py),
+from `import qruntime` to loaded: no read-ahead 14.7 / 16.7 s (imports 7.5-7.8 s, then the weights
+5.8-7.8 s), 8 threads 14.3 / 15.1 s (imports 11.9-12.7 s, the weights then all in memory), 2
+threads 13.5 / 13.6 s (imports 11.3 s), the libraries read first (3.8 GB of them) 17.1 / 18.3 s.
+One posix_fadvise(WILLNEED) thread, at a71ce38 on another host, kept ~0.9 GB/s of the disk busy.
 """
 
 from __future__ import annotations

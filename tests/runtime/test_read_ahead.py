@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import threading
 import time
 
@@ -150,3 +151,27 @@ def test_the_load_reads_ahead_before_the_loader_and_leaves_no_thread(art, monkey
     assert not any(t.name == "qruntime-read-ahead" for t in threading.enumerate())
     phases = engine.description["load_seconds"]
     assert list(phases)[:2] == ["imports", "setup"] and phases["imports"] >= 0
+
+
+def test_serves_engine_process_reads_ahead_before_it_imports_the_engine(art, monkeypatch):
+    """engine_spawn.run_engine (the engine process's first code) starts the pass, then imports the
+    engine side (torch: seconds), whose load (qruntime.loader.load) reads no second time."""
+    import types
+
+    import qruntime.read_ahead as read_ahead
+    from qruntime.serve import engine_spawn
+
+    asked, total, seen = [], sum(f.size for f in weight_files(art)), []
+    monkeypatch.setattr(read_ahead, "read_chunk", lambda fd, offset, length, scratch: asked.append(length))
+
+    def entry(conn, load_kwargs, *rest):
+        deadline = time.monotonic() + 30
+        while sum(asked) < total and time.monotonic() < deadline:
+            time.sleep(0.001)
+        seen.append((conn, load_kwargs["path"], rest, sum(asked)))
+
+    module = types.ModuleType("fake_engine_entry")
+    module.main = entry
+    monkeypatch.setitem(sys.modules, "fake_engine_entry", module)
+    engine_spawn.run_engine(("fake_engine_entry", "main"), "conn", {"path": art}, 1, 2)
+    assert seen == [("conn", art, (1, 2), total)]

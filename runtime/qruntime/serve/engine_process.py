@@ -300,13 +300,13 @@ def engine_process_main(
         setup()
     import torch
 
-    import qruntime
     from qruntime.artifact import ArtifactFormatError
+    from qruntime.loader import load  # not qruntime.load: engine_spawn.run_engine already reads the weights ahead
 
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        engine = qruntime.load(**load_kwargs)
+        engine = load(**load_kwargs)
     except BaseException as exc:
         if not isinstance(exc, (ArtifactFormatError, ValueError)):
             traceback.print_exc()  # the HTTP process shows its one line; the detail is here, on the shared stderr
