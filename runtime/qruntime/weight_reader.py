@@ -92,9 +92,9 @@ def _read_into(fd: int, view: memoryview, offset: int, path: Path) -> None:
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
+        if n <= 0:  # the file's size, not this read's offset: readers past the end report the same byte
             raise ArtifactFormatError(
-                f"{path}: ended at byte {offset + done}, before {offset + len(view)} (truncated while loading?)"
+                f"{path}: ended at byte {os.fstat(fd).st_size}, before {offset + len(view)} (truncated while loading?)"
             )
         done += n
 
