@@ -95,12 +95,19 @@ class Prebuild:
                 os._exit(code)
         writer.close()
         self._pid: int | None = pid
-        self._keys = threading.Thread(target=warm_keys, args=(self.records, target), name="triton-keys", daemon=True)
+        self._halt = threading.Event()
+        self._keys = threading.Thread(
+            target=warm_keys, args=(self.records, target, self._halt), name="triton-keys", daemon=True
+        )
         self._keys.start()
 
     def cancel(self) -> None:
-        """Stop the build now (a load that failed): the coordinator and its workers killed."""
+        """Stop the build now (a load that failed): the coordinator and its workers killed, the key
+        thread ended (it stops between two records; left running, an interpreter exiting under it
+        while it is inside Triton's C++ aborts the process)."""
+        self._halt.set()
         self._stop()
+        self._keys.join()
 
     def _stop(self) -> None:
         if self._pid is None:
@@ -205,12 +212,12 @@ def _coordinate(conn: Any, records: Sequence[KernelBuild], target: Target, jobs:
     conn.close()
 
 
-def warm_keys(records: Sequence[KernelBuild], target: Target) -> None:
+def warm_keys(records: Sequence[KernelBuild], target: Target, halt: threading.Event | None = None) -> None:
     """What the JIT's first launch of each record computes before it finds the kernel in the cache:
     Triton's key of its own sources, then each kernel's cache key (its source and those of the
     functions it calls, hashed once a process), so that the first step only loads the kernels. Run
     on a thread of the load (hashing: no fork, no CUDA) while it reads the weights; a record that
-    fails here is left to the JIT, which fails the same way."""
+    fails here is left to the JIT, which fails the same way. `halt` set: stop before the next record."""
     with contextlib.suppress(Exception):
         from triton.backends.compiler import GPUTarget
         from triton.runtime.cache import triton_key
@@ -218,6 +225,8 @@ def warm_keys(records: Sequence[KernelBuild], target: Target) -> None:
         triton_key()
         gpu = GPUTarget(*target)
         for record in records:
+            if halt is not None and halt.is_set():
+                return
             with contextlib.suppress(Exception):
                 cache_entry(record.source(record.resolve()), gpu, dict(record.options))
 

@@ -181,15 +181,21 @@ def prebuild(records: list[dict], target: list, jobs: int, timeout: float, after
     }
 
 
-def warm(records: list[dict], target: list) -> dict:
-    """warm_keys over the records in a fresh process: whether each record's kernel had its Triton
-    cache key (the hash of its sources, JITFunction.hash) before and after."""
+def warm(records: list[dict], target: list, halted: bool = False) -> dict:
+    """warm_keys over the records in a fresh process (halted: its halt event set first): whether
+    each record's kernel had its Triton cache key (the hash of its sources, JITFunction.hash)
+    before and after."""
+    import threading
+
     from qruntime.kernel_prebuild import warm_keys
 
     recs = [_record(r) for r in records]
     fns = [r.resolve() for r in recs]
     before = [fn.hash is not None for fn in fns]
-    warm_keys(recs, tuple(target))
+    halt = threading.Event()
+    if halted:
+        halt.set()
+    warm_keys(recs, tuple(target), halt)
     return {"before": before, "after": [fn.hash is not None for fn in fns]}
 
 
@@ -217,6 +223,7 @@ def cancel(records: list[dict], target: list, jobs: int, at_once: bool) -> dict:
         "seconds": seconds,
         "workers": len(workers),
         "alive": any(_alive(w) for w in workers) or os.path.exists(f"/proc/{leader}"),
+        "keys_alive": built._keys.is_alive(),
     }
 
 

@@ -221,6 +221,8 @@ def test_the_loads_thread_hashes_each_kernels_sources_past_a_bad_record():
     bad = quant_record() | {"constants": [[[5], 256], [[6], 1], [[7], "torch.bfloat16"]]}
     got = probe("warm", [bad, quant_record()], SM90)
     assert got == {"before": [False, False], "after": [True, True]}
+    halted = probe("warm", [quant_record()], SM90, True)  # a cancelled load's: no record hashed
+    assert halted == {"before": [False], "after": [False]}
 
 
 def test_the_workers_are_killed_at_the_deadline():
@@ -239,6 +241,8 @@ def test_a_failed_load_cancels_the_build_at_once(at_once):
     records = [quant_record(block=1 << b, warps=w) for b in range(5, 12) for w in (1, 2, 4, 8)]
     got = probe("cancel", records, SM90, 2, at_once)
     assert got["workers"] == (0 if at_once else 2) and not got["alive"] and got["seconds"] < 10
+    # nor the key thread: an interpreter that exits while it is inside Triton's C++ aborts (CI, once)
+    assert not got["keys_alive"]
 
 
 def test_a_target_nobody_builds_for_fails_every_record_by_name():
