@@ -103,7 +103,6 @@ class ReadAhead:
     ):
         self.files, self.budget, self.chunk_bytes = files, budget, chunk_bytes
         self.fetch = fetch or read_chunk
-        self.requested = 0  # bytes read so far
         self._chunks = chunks(files, budget, chunk_bytes)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -159,8 +158,6 @@ class ReadAhead:
                 if file.path not in fds:
                     fds[file.path] = os.open(file.path, os.O_RDONLY)
                 self.fetch(fds[file.path], offset, length, scratch)
-                with self._lock:
-                    self.requested += length
         except OSError:
             return  # a file gone or unreadable: the load's own read says so
         finally:
