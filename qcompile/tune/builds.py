@@ -6,6 +6,8 @@ new tuned configs and the runtime's defaults, captures its graphs, runs its warm
 generates a few tokens, while qruntime.kernel_builds.recorded_builds notes each kernel
 specialization compiled. The list lets a later load on this GPU model build them all in parallel
 beside reading the weights (qruntime.kernel_prebuild) instead of one by one at their first launch.
+The records are then built once more into an empty cache, each timed, and written longest compile
+first (kernel_prebuild.longest_first): the order a load's workers take them in.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def record_kernel_builds(
     path = Path(proc.stdout.strip().splitlines()[-1])
     if progress is not None:
         for line in proc.stderr.splitlines():
-            if line.startswith("not recorded: "):
+            if line.startswith(("not recorded: ", "ordered longest compile first: ")):
                 progress(line)
         count = len(json.loads(path.read_text())["kernels"])
         progress(f"{count} kernel builds recorded in {path.relative_to(root)}")
@@ -54,6 +56,7 @@ def _record(root: Path) -> Path:
     import triton
     from qruntime.artifact import read_manifest
     from qruntime.kernel_builds import BuildList, builds_file, recorded_builds
+    from qruntime.kernel_prebuild import default_jobs, longest_first, nvidia_target
 
     from qcompile.compile.manifest import write_listed_json
 
@@ -70,8 +73,14 @@ def _record(root: Path) -> Path:
         engine.generate([list(PROMPT)], qruntime.SamplingParams(max_tokens=4, ignore_eos=True))
     for skipped in recording.skipped:
         print(f"not recorded: {skipped}", file=sys.stderr)
-    name = torch.cuda.get_device_name(device)
-    builds = BuildList(name, torch.cuda.get_device_capability(device), triton.__version__, tuple(recording.kernels))
+    name, capability = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+    timed = longest_first(recording.kernels, nvidia_target(capability), default_jobs())
+    seconds = [s for _, s in timed if s is not None]
+    print(
+        f"ordered longest compile first: {sum(seconds):.1f} s of compiling, the longest {max(seconds, default=0):.2f} s",
+        file=sys.stderr,
+    )
+    builds = BuildList(name, capability, triton.__version__, tuple(record for record, _ in timed))
     return write_listed_json(root, read_manifest(root), builds_file(name), builds.to_dict())
 
 

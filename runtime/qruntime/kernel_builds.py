@@ -10,7 +10,8 @@
 `qcompile tune` writes it (qcompile.tune.builds: a fresh process loads the tuned artifact and
 records every kernel Triton compiles for it, `recorded_builds`); a load on that GPU model builds
 them all in parallel while it reads the weights (qruntime.kernel_prebuild), so the first steps find
-them built instead of compiling each one as they first launch it.
+them built instead of compiling each one as they first launch it. The records are listed longest
+compile first (as tune measured them), the order that build hands them to its workers.
 
 A record is a choice, never code. Its kernel names a `@triton.jit` function of this runtime
 (`qruntime.kernels.<module>:<function>`, found by import, any other name refused); the rest is the

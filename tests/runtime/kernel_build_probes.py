@@ -187,7 +187,7 @@ def warm(records: list[dict], target: list, halted: bool = False) -> dict:
     before and after."""
     import threading
 
-    from qruntime.kernel_prebuild import warm_keys
+    from qruntime.kernel_prebuild import SPECIALIZE_IMPORTS, warm_keys
 
     recs = [_record(r) for r in records]
     fns = [r.resolve() for r in recs]
@@ -195,8 +195,29 @@ def warm(records: list[dict], target: list, halted: bool = False) -> dict:
     halt = threading.Event()
     if halted:
         halt.set()
+    imported = [module in sys.modules for module in SPECIALIZE_IMPORTS]
     warm_keys(recs, tuple(target), halt)
-    return {"before": before, "after": [fn.hash is not None for fn in fns]}
+    return {
+        "before": before,
+        "after": [fn.hash is not None for fn in fns],
+        "imported": [imported, [module in sys.modules for module in SPECIALIZE_IMPORTS]],
+    }
+
+
+def timed(records: list[dict], target: list, jobs: int) -> dict:
+    """longest_first over the records: the order it gives (indices into `records`) with each one's
+    seconds, and the entries it left in this process's Triton cache (TRITON_CACHE_DIR)."""
+    from qruntime.kernel_prebuild import longest_first
+    from triton import knobs
+
+    recs = [_record(r) for r in records]
+    order = longest_first(recs, tuple(target), jobs)
+    cache = Path(knobs.cache.dir)
+    return {
+        "order": [recs.index(record) for record, _ in order],
+        "seconds": [seconds for _, seconds in order],
+        "cache_entries": sorted(p.name for p in cache.iterdir()) if cache.is_dir() else [],
+    }
 
 
 def cancel(records: list[dict], target: list, jobs: int, at_once: bool) -> dict:

@@ -215,14 +215,27 @@ def test_records_build_in_parallel_and_a_failing_one_is_named_with_its_config():
     assert (again["built"], again["cached"], len(again["failed"]), again["workers"]) == (0, 3, 1, 1)
 
 
+def test_tune_lists_the_records_longest_compile_first_timed_in_a_cache_of_its_own():
+    """longest_first builds every record in an empty cache of its own (this process's stays empty),
+    times each and orders them longest first; the one that fails to build comes last, untimed."""
+    records = [quant_record(block=b, warps=w) for b, w in ((256, 4), (100, 4), (1024, 8), (512, 2))]
+    got = probe("timed", records, SM90, 2)
+    print(got)
+    assert sorted(got["order"]) == [0, 1, 2, 3] and got["order"][-1] == 1 and got["seconds"][-1] is None
+    seconds = got["seconds"][:-1]
+    assert all(s > 0 for s in seconds) and seconds == sorted(seconds, reverse=True)
+    assert got["cache_entries"] == []
+
+
 def test_the_loads_thread_hashes_each_kernels_sources_past_a_bad_record():
     """warm_keys computes what the JIT's first launch would (here after a record whose constants
     Triton cannot take): each kernel's key is there before any launch."""
     bad = quant_record() | {"constants": [[[5], 256], [[6], 1], [[7], "torch.bfloat16"]]}
     got = probe("warm", [bad, quant_record()], SM90)
-    assert got == {"before": [False, False], "after": [True, True]}
+    # and the modules the first launch imports (this Triton has both) are imported here instead
+    assert got == {"before": [False, False], "after": [True, True], "imported": [[False, False], [True, True]]}
     halted = probe("warm", [quant_record()], SM90, True)  # a cancelled load's: no record hashed
-    assert halted == {"before": [False], "after": [False]}
+    assert halted["before"] == halted["after"] == [False]
 
 
 def test_the_workers_are_killed_at_the_deadline():
