@@ -44,15 +44,23 @@ def load(path: str | Path, *args: Any, **kwargs: Any) -> Engine:
     """Load a qcompile artifact and return an Engine: qruntime.loader.load, whose documentation gives
     every argument. A local artifact's weight files are first read ahead into the page cache
     (qruntime.read_ahead), while this call imports torch and the engine, which takes seconds in a
-    fresh process; description["load_seconds"]["imports"] is that import's time."""
+    fresh process; description["load_seconds"]["imports"] is that import's time. Right after torch,
+    the artifact's kernels start building (qruntime.early_prebuild), before the engine's imports."""
     from qruntime.read_ahead import ReadAhead
 
     with ReadAhead.of_artifact(path):
         started = time.perf_counter()
-        from qruntime.loader import load as load_artifact
+        from qruntime.early_prebuild import start_early  # imports torch
 
-        imports = time.perf_counter() - started
-        engine = load_artifact(path, *args, **kwargs)
+        early = start_early(path, args, kwargs)
+        try:
+            from qruntime.loader import load as load_artifact
+
+            imports = time.perf_counter() - started
+            engine = load_artifact(path, *args, **kwargs, started_prebuild=early)
+        finally:
+            if early is not None:  # a no-op once the load took it over and waited for it
+                early.cancel()
     seconds = engine.description["load_seconds"]
     engine.description["load_seconds"] = {
         "imports": round(imports, 3),

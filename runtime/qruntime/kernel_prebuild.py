@@ -57,12 +57,14 @@ class PrebuildReport:
     seconds: float  # from start to the last result (or the deadline)
     waited: float  # of which the load spent waiting
     unfinished: int  # records the deadline cut off
+    early: bool = False  # started at the load's call, before its imports (qruntime.early_prebuild)
 
     def summary(self) -> str:
         parts = [f"{self.built} built", f"{self.cached} cached"]
         parts += [f"{self.rebuilt} rebuilt"] * bool(self.rebuilt) + [f"{len(self.failed)} failed"] * bool(self.failed)
         parts += [f"{self.unfinished} cut off by the deadline"] * bool(self.unfinished)
-        return f"{self.total} kernels: {', '.join(parts)} in {self.seconds:.1f} s ({self.waited:.1f} s waited)"
+        started = ", started at the load's call" if self.early else ""
+        return f"{self.total} kernels: {', '.join(parts)} in {self.seconds:.1f} s ({self.waited:.1f} s waited{started})"
 
 
 class Prebuild:
@@ -77,7 +79,9 @@ class Prebuild:
     a thread of the load computes it meanwhile, and each record's key after it (warm_keys: the
     first token of a warm 8B load spent 0.2 s hashing kernel sources), joined by `wait`."""
 
-    def __init__(self, records: Sequence[KernelBuild], target: Target, jobs: int, launchers: bool = False) -> None:
+    def __init__(
+        self, records: Sequence[KernelBuild], target: Target, jobs: int, launchers: bool = False, warm: bool = True
+    ) -> None:
         import multiprocessing
 
         self.records, self.start = tuple(records), time.perf_counter()
@@ -102,7 +106,16 @@ class Prebuild:
         self._keys = threading.Thread(
             target=warm_keys, args=(self.records, target, self._halt), name="triton-keys", daemon=True
         )
-        self._keys.start()
+        self.early = not warm  # started before the load's imports (qruntime.early_prebuild)
+        if warm:
+            self._keys.start()
+
+    def adopt(self) -> Prebuild:
+        """The load that will launch the kernels takes this build over (started with warm=False,
+        before it imported them): its key thread starts now."""
+        if self._keys.ident is None and not self._halt.is_set():
+            self._keys.start()
+        return self
 
     def cancel(self) -> None:
         """Stop the build now (a load that failed): the coordinator and its workers killed, the key
@@ -110,7 +123,8 @@ class Prebuild:
         while it is inside Triton's C++ aborts the process)."""
         self._halt.set()
         self._stop()
-        self._keys.join()
+        if self._keys.ident is not None:
+            self._keys.join()
 
     def _stop(self) -> None:
         if self._pid is None:
@@ -128,7 +142,8 @@ class Prebuild:
         """Wait for the build, at most `timeout` seconds after the start; then stop what is left.
         Warns once for failed records and cache entries built again."""
         began = time.perf_counter()
-        self._keys.join(max(0.0, self.start + timeout - began))  # before any launch: the JIT reads what it sets
+        if self._keys.ident is not None:  # before any launch: the JIT reads what it sets
+            self._keys.join(max(0.0, self.start + timeout - began))
         done = False
         while self._pid is not None and not done:
             left = self.start + timeout - time.perf_counter()
@@ -168,6 +183,7 @@ class Prebuild:
             seconds=round(self.finished_at - self.start, 3),
             waited=round(waited, 3),
             unfinished=len(self.records) - len(self.results),
+            early=self.early,
         )
         if failed:
             warnings.warn(
@@ -270,11 +286,17 @@ def default_jobs() -> int:
 
 
 def start_prebuild(
-    root: str | Path, listed: Container[str], device_name: str, capability: tuple[int, int], jobs: int | None = None
+    root: str | Path,
+    listed: Container[str],
+    device_name: str,
+    capability: tuple[int, int],
+    jobs: int | None = None,
+    warm: bool = True,
 ) -> Prebuild | None:
     """Start building the artifact's recorded kernels for this NVIDIA GPU; None when it has no list
     that fits this GPU and Triton (read_build_list says why when one is there), or when the
-    kernels run in Triton's interpreter (TRITON_INTERPRET=1: nothing is compiled)."""
+    kernels run in Triton's interpreter (TRITON_INTERPRET=1: nothing is compiled). warm=False: the
+    key thread waits for `adopt` (a build started before the load imported its kernels)."""
     import triton
 
     if triton.knobs.runtime.interpret:
@@ -282,7 +304,7 @@ def start_prebuild(
     builds = read_build_list(root, device_name, capability, triton.__version__, listed)
     if builds is None or not builds.kernels:
         return None
-    return Prebuild(builds.kernels, nvidia_target(capability), jobs or default_jobs(), launchers=True)
+    return Prebuild(builds.kernels, nvidia_target(capability), jobs or default_jobs(), launchers=True, warm=warm)
 
 
 def nvidia_target(capability: tuple[int, int]) -> Target:

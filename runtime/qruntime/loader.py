@@ -18,6 +18,7 @@ from qruntime.artifact import (
     require,
     verify_files,
 )
+from qruntime.early_prebuild import EarlyPrebuild
 from qruntime.engine.engine import Engine
 from qruntime.engine.multimodal import VisionModel
 from qruntime.engine.prefix_cache import kv_salt
@@ -204,12 +205,14 @@ class LoadClock:
         return out
 
 
-def _build(config: RankConfig, clock: LoadClock) -> tuple[Rank, Workers | None]:
+def _build(config: RankConfig, clock: LoadClock, early: EarlyPrebuild | None) -> tuple[Rank, Workers | None]:
     """Rank 0's runner; at tp > 1 also the workers of the other ranks, built alongside it (the
     checkpoints marked on `clock` when every rank has passed them)."""
     clock.mark("build")
     if config.tp == 1:
-        return build_rank(config, checkpoint=clock.mark), None
+        return build_rank(config, checkpoint=clock.mark, early=early), None
+    if early is not None:  # start_early starts none for a sharded artifact
+        early.cancel()
     workers = Workers(config)
 
     def checkpoint(tag: str) -> None:
@@ -250,6 +253,7 @@ def load(
     small_step_graphs: bool | None = None,
     prebuild_kernels: bool = True,
     graph_capture: str = "first-use",
+    started_prebuild: EarlyPrebuild | None = None,
 ) -> Engine:
     """Load a qcompile artifact and return an Engine.
 
@@ -312,7 +316,10 @@ def load(
     this GPU model and Triton (kernel_builds/<device>.json, written by `qcompile tune`), build every
     kernel in it in parallel while the weights load, so the first launches find them in Triton's
     cache (qruntime.kernel_prebuild; the list holds choices of our own kernels, never code: nothing
-    to trust). description["kernel_prebuild"] reports it.
+    to trust). description["kernel_prebuild"] reports it. started_prebuild: that build, already
+    started for this call by qruntime.load (qruntime.early_prebuild.start_early, right after torch's
+    import, before this module's); taken over when it fits what the load decides, else cancelled
+    (the caller cancels it when the load fails before it is taken over).
     graph_capture (with cuda_graphs): "first-use" captures each graph (a decode batch size, a token
     count) at the first step that needs it, and an idle server (or a caller of engine.idle_work)
     captures the rest, largest first, then runs the warm-up steps; the load returns as soon as the
@@ -389,7 +396,7 @@ def load(
         draft_layers = manifest.get("speculative", {}).get("draft_layers")
         speculator = _speculator(speculative, config, vocab_size, tokenizer, draft_layers)
     try:
-        built, workers = _build(config, clock)
+        built, workers = _build(config, clock, started_prebuild)
     except BaseException:
         if speculator is not None:
             speculator.close()

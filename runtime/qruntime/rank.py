@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from qruntime.artifact import ArtifactFormatError, artifact_path
 from qruntime.comm.all_reduce import AllReducePolicy, AllReducer
+from qruntime.early_prebuild import EarlyPrebuild
 from qruntime.engine.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
 from qruntime.engine.mixed_graphs import MixedGraphs, mixed_unfit_reason
 from qruntime.engine.model_runner import ModelRunner
@@ -147,10 +148,17 @@ def _kernels(config: RankConfig, device: torch.device, warn: bool) -> KernelTabl
     return kernels
 
 
-def _start_prebuild(config: RankConfig, device: torch.device) -> Prebuild | None:
+def _start_prebuild(config: RankConfig, device: torch.device, early: EarlyPrebuild | None = None) -> Prebuild | None:
     """The artifact's recorded kernels building for this GPU (qruntime.kernel_prebuild), the cores
-    shared among the ranks; None on the CPU, the reference path, or without a list for this GPU."""
-    if not config.prebuild_kernels or config.backend != "triton" or device.type != "cuda" or torch.version.hip:
+    shared among the ranks; None on the CPU, the reference path, or without a list for this GPU.
+    `early`: a build started at the load's call (qruntime.early_prebuild), taken over when it was
+    started for this artifact and device and this rank builds kernels ahead, else cancelled."""
+    wanted = config.prebuild_kernels and config.backend == "triton" and device.type == "cuda" and not torch.version.hip
+    if early is not None:
+        if wanted and early.serves(config.root, device):
+            return early.build.adopt() if early.build is not None else None  # None: it found no list
+        early.cancel()
+    if not wanted:
         return None
     name, capability = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
     return start_prebuild(config.root, config.listed, name, capability, max(1, default_jobs() // config.tp))
@@ -228,14 +236,20 @@ def _warm_up(runner: ModelRunner, steps: list, shard: VocabShard | None, dtype: 
 
 
 def build_rank(
-    config: RankConfig, rank: int = 0, store: dist.Store | None = None, checkpoint: Checkpoint = _no_checkpoint
+    config: RankConfig,
+    rank: int = 0,
+    store: dist.Store | None = None,
+    checkpoint: Checkpoint = _no_checkpoint,
+    early: EarlyPrebuild | None = None,
 ) -> Rank:
-    """Build rank `rank`'s runner (see the module docstring); `store` rendezvous the tp > 1 group."""
+    """Build rank `rank`'s runner (see the module docstring); `store` rendezvous the tp > 1 group;
+    `early`: its kernel build, started at the load's call (_start_prebuild; whoever started it
+    cancels it if this fails first)."""
     device = config.device_of(rank)
     graph_path = artifact_path(config.root, config.graph_files[rank], listed=config.listed)
     graph = read_graph(graph_path)
     kernels = _kernels(config, device, warn=rank == 0)
-    prebuild = _start_prebuild(config, device)
+    prebuild = _start_prebuild(config, device, early)
     try:  # the kernels build while the weights are read and the plan is bound
         if config.synthetic:
             weights = random_initializers(config.root, graph, device, config.dtype, config.listed)

@@ -67,6 +67,7 @@ def test_a_recorded_list_leaves_nothing_to_compile_at_launch(gpu_artifact, tmp_p
     print("ahead:", ahead["prebuild"], ahead["seconds"])
     print("at launch:", len(at_launch["misses"]), "compiled at launch,", at_launch["seconds"])
     assert ahead["prebuild"].startswith(f"{len(kernels)} kernels: {len(kernels)} built")
+    assert ahead["prebuild"].endswith("started at the load's call)")  # qruntime.early_prebuild, taken over
     # the JIT found every kernel the load, the generation and the idle work (the graphs captured
     # later: load's graph_capture="first-use") launched
     assert ahead["misses"] == []

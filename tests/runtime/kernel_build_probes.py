@@ -220,6 +220,34 @@ def timed(records: list[dict], target: list, jobs: int) -> dict:
     }
 
 
+def early(records: list[dict], target: list, adopt: bool) -> dict:
+    """A Prebuild started with warm=False (before the load imported its kernels): whether its key
+    thread ran before `adopt`, and, adopted and waited for or cancelled, its report (None when
+    cancelled), whether each kernel's key was computed, and whether its thread or process lives on."""
+    import time
+
+    from qruntime.kernel_prebuild import Prebuild
+
+    recs = [_record(r) for r in records]
+    built = Prebuild(recs, tuple(target), 1, warm=False)
+    time.sleep(0.2)
+    fns = [r.resolve() for r in recs]
+    before = built._keys.ident is not None or any(fn.hash is not None for fn in fns)
+    leader = built._pid
+    report = None
+    if adopt:
+        report = built.adopt().wait(300)
+    built.cancel()  # also after a wait: the load's caller does it either way
+    return {
+        "keys_before_adopt": before,
+        "summary": None if report is None else report.summary(),
+        "early": None if report is None else report.early,
+        "hashed": [fn.hash is not None for fn in fns],
+        "keys_alive": built._keys.is_alive(),
+        "leader_alive": _alive(leader),
+    }
+
+
 def cancel(records: list[dict], target: list, jobs: int, at_once: bool) -> dict:
     """A Prebuild cancelled (a load that failed) at once, or once its workers run: how long cancel
     took, how many workers there were, whether the build process or a worker lives on."""

@@ -238,6 +238,19 @@ def test_the_loads_thread_hashes_each_kernels_sources_past_a_bad_record():
     assert halted["before"] == halted["after"] == [False]
 
 
+def test_a_build_started_before_the_load_hashes_keys_only_once_taken_over():
+    """qruntime.early_prebuild starts the build before the load imports its kernels (warm=False):
+    the key thread starts at adopt, and the report says the build started early; one never taken
+    over is cancelled with nothing left running."""
+    taken = probe("early", [quant_record()], SM90, True)
+    assert taken["keys_before_adopt"] is False and taken["early"] is True and taken["hashed"] == [True]
+    assert "1 built" in taken["summary"] and taken["summary"].endswith("started at the load's call)")
+    assert not taken["keys_alive"] and not taken["leader_alive"]
+    dropped = probe("early", [quant_record()], SM90, False)
+    assert dropped["keys_before_adopt"] is False and dropped["hashed"] == [False]
+    assert not dropped["keys_alive"] and not dropped["leader_alive"]
+
+
 def test_the_workers_are_killed_at_the_deadline():
     records = [quant_record(block=1 << b, warps=w) for b in range(5, 12) for w in (1, 2, 4, 8)]
     report = probe("prebuild", records, SM90, 1, 1.0, True)  # 1 s after the worker starts

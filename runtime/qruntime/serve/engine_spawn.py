@@ -56,9 +56,19 @@ def spawn_engine(
 
 def run_engine(entry: tuple[str, str], conn: Connection, load_kwargs: dict[str, Any], *args: Any) -> None:
     """In the child: read the artifact's weights ahead (one pass, its thread then ends) while it
-    imports the engine side, torch included (seconds), then run it."""
+    imports the engine side, torch included (seconds), and start building its kernels as soon as
+    torch is imported (qruntime.early_prebuild), then run it."""
     from qruntime.read_ahead import ReadAhead
 
     ReadAhead.of_artifact(load_kwargs["path"]).start()
-    module, name = entry
-    getattr(importlib.import_module(module), name)(conn, load_kwargs, *args)
+    from qruntime.early_prebuild import start_early  # imports torch
+
+    early = start_early(load_kwargs["path"], (), load_kwargs)
+    if early is not None:
+        load_kwargs = {**load_kwargs, "started_prebuild": early}
+    try:
+        module, name = entry
+        getattr(importlib.import_module(module), name)(conn, load_kwargs, *args)
+    finally:
+        if early is not None:  # a load that failed before taking it over
+            early.cancel()

@@ -1,0 +1,80 @@
+"""Start an artifact's kernel builds (qruntime.kernel_prebuild) at the load's call, right after torch.
+
+A load starts building the artifact's recorded kernels once it has imported the loader (the engine,
+onnx, the tokenizer: 0.3 s warm, more from a cold disk), read its manifest, tokenizer and graph,
+and reached the rank's build: on an H200 a kernels-cold qwen3-8b then waited 1.7-2.3 s for its builds
+after the weights were bound. `start_early` starts them as soon as torch is imported, from what the
+call's own arguments say (a local artifact of one rank, on a CUDA device, with kernels built ahead
+and no float32 or reference backend asked for); the rank's build adopts it when it was started
+for the same artifact and device and the load builds kernels ahead (rank._start_prebuild), and
+cancels it otherwise; the caller cancels one that a failed load never took. Nothing here changes
+what runs: the build reads the list the load would read (same artifact, same GPU), and the
+kernels it puts in Triton's cache are only found there by the JIT.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qruntime.kernel_prebuild import Prebuild
+
+FLOAT32 = (torch.float32, "float32", "fp32", "torch.float32")  # a dtype whose auto backend is the reference path
+
+
+@dataclass(frozen=True)
+class EarlyPrebuild:
+    """The build started for `root` on `device` (None: the artifact has no list for this GPU and
+    Triton, which start_prebuild said once; the load does not look again)."""
+
+    root: Path
+    device: torch.device  # with its index
+    build: Prebuild | None
+
+    def serves(self, root: str | Path, device: torch.device) -> bool:
+        """Whether a load of `root` on `device` reads the list this build was started from."""
+        return Path(root) == self.root and _indexed(device) == self.device
+
+    def cancel(self) -> None:
+        """Stop the build (a no-op once the load waited for it)."""
+        if self.build is not None:
+            self.build.cancel()
+
+
+def start_early(path: str | Path, args: tuple[Any, ...], kwargs: dict[str, Any]) -> EarlyPrebuild | None:
+    """The kernel build for `qruntime.loader.load(path, *args, **kwargs)`, started now; None where
+    the call's arguments do not make it a one-rank load with kernels built ahead on a CUDA device
+    (then the load decides itself), or where the artifact is not readable here (the load reports it)."""
+    from qruntime.artifact import ArtifactFormatError, read_manifest
+    from qruntime.kernel_prebuild import default_jobs, start_prebuild
+
+    device = args[0] if args else kwargs.get("device")
+    dtype = args[1] if len(args) > 1 else kwargs.get("dtype")
+    if str(path).startswith("hf://") or kwargs.get("prebuild_kernels", True) is not True:
+        return None
+    if kwargs.get("backend", "auto") not in ("auto", "triton") or dtype in FLOAT32 or kwargs.get("tp") not in (None, 1):
+        return None
+    if torch.version.hip is not None or not torch.cuda.is_available():
+        return None
+    try:
+        resolved = _indexed(torch.device("cuda" if device is None else device))
+        if resolved.type != "cuda" or resolved.index >= torch.cuda.device_count():
+            return None
+        manifest = read_manifest(Path(path))
+    except (ArtifactFormatError, OSError, ValueError, TypeError, RuntimeError):
+        return None  # the load says what is wrong
+    if manifest.get("tp", 1) != 1:
+        return None
+    name, capability = torch.cuda.get_device_name(resolved), torch.cuda.get_device_capability(resolved)
+    build = start_prebuild(Path(path), frozenset(manifest["files"]), name, capability, default_jobs(), warm=False)
+    return EarlyPrebuild(Path(path), resolved, build)
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """A CUDA device with its index (the current device's when it has none)."""
+    if device.type != "cuda" or device.index is not None:
+        return device
+    return torch.device("cuda", torch.cuda.current_device())
