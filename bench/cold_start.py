@@ -24,7 +24,10 @@ child per row (the caches put back in the row's state first) runs `qruntime serv
 timed from its spawn to the first 200 of /health. The artifact's GB/s (artifact_gb_s) is its size
 over the time from the load's call to its weights bound (imports, setup, weights: the read-ahead
 starts with the call); weights_gb_s is its size over the weights phase alone (the reader's rate,
-from the page cache as far as the read-ahead got).
+from the page cache as far as the read-ahead got). When a row drops pages, the run first times
+reading the artifact's files from a cold page cache alone, DISK_READERS threads of 32 MiB reads
+(disk_read_s, disk_gb_s): the disk's time for the artifact, which issue 24's pages-cold target adds
+2 s to.
 
     python bench/cold_start.py --artifact ART --device cuda --serve --out bench/results/cold_start_qwen3-8b_h100.json
     python bench/cold_start.py --preset qwen3-8b --device cuda --out ...   # synth + compile + tune it first
@@ -124,6 +127,29 @@ def drop_pages(art: Path, how: str) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages: the artifact was written long before
         finally:
             os.close(fd)
+
+
+DISK_READERS = 8  # as the weight reader reads (qruntime.weight_reader.READERS)
+DISK_CHUNK = 32 << 20
+
+
+def disk_read(art: Path, how: str) -> tuple[float, int]:
+    """Seconds and bytes to read every file of the artifact once from a cold page cache (evicted as
+    `how` says), DISK_READERS threads of DISK_CHUNK reads at a time, and nothing else done."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    spans = [(p, at) for p in artifact_files(art) for at in range(0, p.stat().st_size, DISK_CHUNK)]
+
+    def read(span: tuple[Path, int]) -> int:
+        path, at = span
+        with open(path, "rb", buffering=0) as f:
+            return len(os.pread(f.fileno(), DISK_CHUNK, at))
+
+    drop_pages(art, how)
+    began = time.perf_counter()
+    with ThreadPoolExecutor(DISK_READERS) as pool:
+        total = sum(pool.map(read, spans))
+    return time.perf_counter() - began, total
 
 
 def read_pages(art: Path) -> None:
@@ -280,7 +306,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     size = sum(p.stat().st_size for p in artifact_files(art))
     report = gpu_report_header("cold_start") if args.device.startswith("cuda") else report_header("cold_start")
-    report.update(device=args.device, artifact=str(art), artifact_bytes=size, drop=args.drop, rows=[])
+    report.update(device=args.device, artifact=str(art), artifact_bytes=size, drop=args.drop)
+    if any(ROWS[row][0] for row in rows):
+        seconds, read = disk_read(art, args.drop)
+        report.update(disk_read_s=round(seconds, 6), disk_gb_s=float(f"{read / seconds / 1e9:.3g}"))
+        print(f"the artifact's {read / 1e9:.2f} GB read from a cold page cache in {seconds:.2f} s", flush=True)
+    report["rows"] = []
     for repeat in range(args.repeats):
         kernels = args.workdir / f"kernels-{os.getpid()}-{repeat}"
         for row in rows:
