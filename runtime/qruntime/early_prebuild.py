@@ -57,17 +57,17 @@ def start_early(path: str | Path, args: tuple[Any, ...], kwargs: dict[str, Any])
         return None
     if kwargs.get("backend", "auto") not in ("auto", "triton") or dtype in FLOAT32 or kwargs.get("tp") not in (None, 1):
         return None
-    if torch.version.hip is not None or not torch.cuda.is_available():
-        return None
     try:
-        resolved = _indexed(torch.device("cuda" if device is None else device))
-        if resolved.type != "cuda" or resolved.index >= torch.cuda.device_count():
+        asked = torch.device("cuda" if device is None else device)
+        if asked.type != "cuda" or (manifest := read_manifest(Path(path))).get("tp", 1) != 1:
+            return None  # decided before CUDA is touched (a CPU or a sharded load never initialises it here)
+        if torch.version.hip is not None or not torch.cuda.is_available():
             return None
-        manifest = read_manifest(Path(path))
+        resolved = _indexed(asked)
+        if resolved.index >= torch.cuda.device_count():
+            return None
     except (ArtifactFormatError, OSError, ValueError, TypeError, RuntimeError):
         return None  # the load says what is wrong
-    if manifest.get("tp", 1) != 1:
-        return None
     name, capability = torch.cuda.get_device_name(resolved), torch.cuda.get_device_capability(resolved)
     build = start_prebuild(Path(path), frozenset(manifest["files"]), name, capability, default_jobs(), warm=False)
     return EarlyPrebuild(Path(path), resolved, build)

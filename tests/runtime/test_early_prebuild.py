@@ -97,7 +97,14 @@ def test_nothing_starts_without_cuda_for_a_hub_url_a_sharded_or_an_unreadable_ar
     shutil.copytree(art, sharded)
     manifest = json.loads((sharded / "manifest.json").read_text())
     (sharded / "manifest.json").write_text(json.dumps(manifest | {"tp": 2}))
-    assert start_early(sharded, (), {}) is None
+
+    def untouched(*args):
+        raise AssertionError("CUDA initialised for a load that builds nothing early")
+
+    with monkeypatch.context() as m:  # decided from the call and the manifest before CUDA is touched
+        for name in ("is_available", "current_device", "device_count", "get_device_name"):
+            m.setattr(torch.cuda, name, untouched)
+        assert start_early(sharded, (), {}) is None and start_early(art, ("cpu",), {}) is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert start_early(art, (), {}) is None
     assert gpus == []
