@@ -110,6 +110,19 @@ def artifact_files(art: Path) -> list[Path]:
     return sorted(p for p in art.rglob("*") if p.is_file())
 
 
+def io_scheduler(path: Path) -> str | None:
+    """The I/O scheduler of the block device `path` lies on, as sysfs shows it ("[mq-deadline]"
+    chosen), or None where sysfs does not say (not a block device, not Linux)."""
+    dev = os.stat(path).st_dev
+    node = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    for queue in (node / "queue", node / ".." / "queue"):  # a disk's own, or a partition's disk's
+        try:
+            return (queue / "scheduler").read_text().strip()
+        except OSError:
+            continue
+    return None
+
+
 def drop_pages(art: Path, how: str) -> None:
     """Evict the artifact's pages (how="artifact") or every clean page (how="all", root)."""
     if how == "all":
@@ -307,6 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     size = sum(p.stat().st_size for p in artifact_files(art))
     report = gpu_report_header("cold_start") if args.device.startswith("cuda") else report_header("cold_start")
     report.update(device=args.device, artifact=str(art), artifact_bytes=size, drop=args.drop)
+    report["io_scheduler"] = io_scheduler(art)
     if any(ROWS[row][0] for row in rows):
         seconds, read = disk_read(art, args.drop)
         report.update(disk_read_s=round(seconds, 6), disk_gb_s=float(f"{read / seconds / 1e9:.3g}"))

@@ -7,6 +7,8 @@ split (imports: torch and the engine; weights: the reader). Variants:
 
   none          no read-ahead (the reader alone, after the imports)
   threads=N     the read-ahead with N reading threads
+  idle=N        N reading threads in the idle I/O class (read_ahead.IDLE_IO: served when no other
+                read waits, by a scheduler that has classes; the report names the disk's scheduler)
   libs-first    8 threads that read torch's and the NVIDIA wheels' shared libraries before the weights
 
 Trials run variant after variant, --repeats times, so a drift of the machine shows in every variant.
@@ -24,10 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from cold_start import drop_pages
+from cold_start import drop_pages, io_scheduler
 from compile_bench import gpu_report_header, report_header
 
-VARIANTS = ("none", "threads=8", "threads=2", "libs-first")
+VARIANTS = ("none", "threads=8", "threads=2", "idle=2", "idle=8", "libs-first")
 
 CHILD = """
 import glob, importlib.util, json, os, sys, time
@@ -38,8 +40,9 @@ import qruntime.read_ahead as read_ahead
 art, device, variant = sys.argv[1], sys.argv[2], sys.argv[3]
 if variant == "none":
     read_ahead.weight_files = lambda root: []
-elif variant.startswith("threads="):
+elif variant.startswith(("threads=", "idle=")):
     read_ahead.THREADS = int(variant.split("=", 1)[1])
+    read_ahead.IDLE_IO = variant.startswith("idle=")
 elif variant == "libs-first":
     site = Path(importlib.util.find_spec("torch").submodule_search_locations[0]).parent  # torch not imported
     libs = sorted(glob.glob(f"{site}/torch/lib/*.so*")) + sorted(glob.glob(f"{site}/nvidia/*/lib/*.so*"))
@@ -76,13 +79,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
     for variant in variants:
+        kind, _, count = variant.partition("=")
         if variant not in ("none", "libs-first") and not (
-            variant.startswith("threads=") and variant.split("=", 1)[1].isdigit() and int(variant.split("=", 1)[1]) > 0
+            kind in ("threads", "idle") and count.isdigit() and int(count) > 0
         ):
-            parser.error(f"--variants: {variant!r} is none of none, threads=N (N > 0), libs-first")
+            parser.error(f"--variants: {variant!r} is none of none, threads=N, idle=N (N > 0), libs-first")
     report = gpu_report_header("read_ahead_ab") if args.device.startswith("cuda") else report_header("read_ahead_ab")
     size = sum(p.stat().st_size for p in (args.artifact / "weights").rglob("*.safetensors"))
-    report.update(device=args.device, artifact=str(args.artifact), weight_bytes=size, drop=args.drop, trials=[])
+    report.update(device=args.device, artifact=str(args.artifact), weight_bytes=size, drop=args.drop)
+    report.update(io_scheduler=io_scheduler(args.artifact), trials=[])
     for repeat in range(args.repeats):
         for variant in variants:
             result = {"repeat": repeat, **trial(args.artifact, args.device, variant, args.drop)}

@@ -13,11 +13,18 @@ from `import qruntime` to loaded: no read-ahead 14.7 / 16.7 s (imports 7.5-7.8 s
 5.8-7.8 s), 8 threads 14.3 / 15.1 s (imports 11.9-12.7 s, the weights then all in memory), 2
 threads 13.5 / 13.6 s (imports 11.3 s), the libraries read first (3.8 GB of them) 17.1 / 18.3 s.
 One posix_fadvise(WILLNEED) thread, at a71ce38 on another host, kept ~0.9 GB/s of the disk busy.
+On qwen3-30b-a3b (31 GB, 870b72a) the 2 threads still slowed the import to 11.7-13.3 s: each page
+torch's import faults in waits behind the reads queued before it. `idle_io` puts the threads in the
+idle I/O class (ioprio_set, Linux), whose reads an I/O scheduler that honours classes (mq-deadline,
+bfq; not `none`) serves only when no other read waits: off by default until an A/B says it pays
+(bench/read_ahead_ab.py's `idle=N`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,6 +37,9 @@ THREADS = 2  # see the module doc
 MEMORY_SHARE = 0.5  # of MemAvailable: the most the read-ahead brings in
 WEIGHTS_DIR = "weights/"
 MEMINFO = Path("/proc/meminfo")
+IDLE_IO = False  # see the module doc
+IOPRIO_SET = {"x86_64": 251, "aarch64": 30}  # the ioprio_set system call's number, per architecture
+IOPRIO_WHO_PROCESS, IOPRIO_CLASS_IDLE, IOPRIO_CLASS_SHIFT = 1, 3, 13
 
 
 @dataclass(frozen=True)
@@ -100,8 +110,10 @@ class ReadAhead:
         fetch: Callable[[int, int, int, bytearray], None] | None = None,
         chunk_bytes: int = CHUNK_BYTES,
         threads: int | None = None,
+        idle_io: bool | None = None,
     ):
         self.files, self.budget, self.chunk_bytes = files, budget, chunk_bytes
+        self.idle_io = IDLE_IO if idle_io is None else idle_io
         self.fetch = fetch or read_chunk
         self._chunks = chunks(files, budget, chunk_bytes)
         self._lock = threading.Lock()
@@ -150,6 +162,8 @@ class ReadAhead:
             return None if self._stop.is_set() else next(self._chunks, None)
 
     def _run(self) -> None:
+        if self.idle_io:
+            idle_io_priority()
         scratch = bytearray(self.chunk_bytes)
         fds: dict[Path, int] = {}
         try:
@@ -163,3 +177,17 @@ class ReadAhead:
         finally:
             for fd in fds.values():
                 os.close(fd)
+
+
+def idle_io_priority() -> bool:
+    """Put the calling thread's reads in the idle I/O class (Linux ioprio_set on its thread id);
+    whether that was done (not on another system or architecture, or where the call is refused)."""
+    number = IOPRIO_SET.get(platform.machine())
+    if number is None or not hasattr(threading, "get_native_id"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        value = IOPRIO_CLASS_IDLE << IOPRIO_CLASS_SHIFT
+        return libc.syscall(number, IOPRIO_WHO_PROCESS, threading.get_native_id(), value) == 0
+    except (OSError, AttributeError):
+        return False

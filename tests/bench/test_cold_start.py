@@ -37,6 +37,7 @@ def test_rows_time_each_part_from_spawn_to_first_token_and_serve_to_ready(tiny_c
         assert report[key], key
     assert report["artifact_bytes"] == sum(p.stat().st_size for p in art.rglob("*") if p.is_file())
     assert [r["row"] for r in report["rows"]] == ["cold", "warm"]
+    assert report["io_scheduler"] is None or "[" in report["io_scheduler"]  # sysfs: "none [mq-deadline] ..."
     # a row drops pages: the run first timed the artifact's plain read from a cold page cache
     assert report["disk_read_s"] > 0 and report["disk_gb_s"] == pytest.approx(
         report["artifact_bytes"] / report["disk_read_s"] / 1e9, rel=0.01

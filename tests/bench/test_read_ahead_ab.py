@@ -18,19 +18,20 @@ import read_ahead_ab  # noqa: E402 -- bench/ is scripts, not a package
 def test_every_variant_is_timed_in_a_fresh_process(tiny_ckpt, compiled, tmp_path):
     art = compiled(tiny_ckpt, "ptpc-fp8")
     out = tmp_path / "ab.json"
-    argv = ["--artifact", str(art), "--device", "cpu", "--variants", "none,threads=3", "--repeats", "1"]
+    argv = ["--artifact", str(art), "--device", "cpu", "--variants", "none,threads=3,idle=2", "--repeats", "1"]
     read_ahead_ab.main([*argv, "--drop", "artifact", "--out", str(out)])
     report = json.loads(out.read_text())
     for key in ("benchmark", "date", "command", "git_commit", "machine", "versions"):
         assert report[key], key
-    assert [t["variant"] for t in report["trials"]] == ["none", "threads=3"]
+    assert [t["variant"] for t in report["trials"]] == ["none", "threads=3", "idle=2"]
+    assert report["io_scheduler"] is None or "[" in report["io_scheduler"]
     for trial in report["trials"]:
         print(trial)
         assert trial["imports"] > 0.05 and trial["weights"] >= 0  # the child imported torch through the load
         assert trial["total"] <= trial["to_loaded_s"] + 0.005
 
 
-@pytest.mark.parametrize("variant", ["threads=0", "threads=x", "lukewarm"])
+@pytest.mark.parametrize("variant", ["threads=0", "threads=x", "idle=", "lukewarm"])
 def test_an_unknown_variant_is_refused_by_name(tmp_path, capsys, variant):
     with pytest.raises(SystemExit) as info:
         read_ahead_ab.main(["--artifact", str(tmp_path), "--device", "cpu", "--variants", f"none,{variant}"])

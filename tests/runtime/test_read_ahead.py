@@ -174,3 +174,31 @@ def test_serves_engine_process_reads_ahead_before_it_imports_the_engine(art, mon
     monkeypatch.setitem(sys.modules, "fake_engine_entry", module)
     engine_spawn.run_engine(("fake_engine_entry", "main"), "conn", {"path": art}, 1, 2)
     assert seen == [("conn", art, (1, 2), total)]
+
+
+IOPRIO_GET = {"x86_64": 252, "aarch64": 31}
+
+
+def _io_class() -> int:
+    """The calling thread's I/O priority class (ioprio_get on its thread id): 0 none, 2 best effort, 3 idle."""
+    import ctypes
+    import platform
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    value = libc.syscall(IOPRIO_GET[platform.machine()], 1, threading.get_native_id())
+    assert value >= 0, os.strerror(ctypes.get_errno())
+    return value >> 13
+
+
+@pytest.mark.parametrize("idle_io", [True, False])
+def test_idle_io_puts_each_reading_thread_and_only_it_in_the_idle_class(art, idle_io):
+    classes: list[int] = []
+
+    def fetch(fd, offset, length, scratch):
+        classes.append(_io_class())
+
+    files = weight_files(art)
+    pass_ = ReadAhead(files, budget=10**9, fetch=fetch, chunk_bytes=1 << 12, threads=2, idle_io=idle_io).start()
+    pass_.join()
+    assert classes and set(classes) == ({3} if idle_io else {_io_class()})
+    assert _io_class() != 3  # the loading thread keeps its class
