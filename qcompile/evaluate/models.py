@@ -136,7 +136,7 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """cuda when available by default; a device this machine does not have is an error."""
-    from qruntime.loader import resolve_device as runtime_device
+    from qruntime.load_options import resolve_device as runtime_device
 
     try:
         return runtime_device(device)

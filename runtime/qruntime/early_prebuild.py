@@ -4,10 +4,10 @@ A load starts building the artifact's recorded kernels once it has imported the 
 onnx, the tokenizer: 0.3 s warm, more from a cold disk), read its manifest, tokenizer and graph,
 and reached the rank's build: on an H200 a kernels-cold qwen3-8b then waited 1.7-2.3 s for its builds
 after the weights were bound. `start_early` starts them as soon as torch is imported, from what the
-call's own arguments say (a local artifact of one rank, on a CUDA device, with kernels built ahead
-and no float32 or reference backend asked for); the rank's build adopts it when it was started
-for the same artifact and device and the load builds kernels ahead (rank._start_prebuild), and
-cancels it otherwise; the caller cancels one that a failed load never took. Nothing here changes
+call's own arguments and the manifest say (a local artifact of one rank, the Triton backend on an
+NVIDIA GPU as the loader decides it, qruntime.load_options, kernels built ahead); the rank's build
+adopts it when it was started for the same artifact and device and the load builds kernels ahead
+(rank._start_prebuild), and cancels it otherwise; the caller cancels one that a failed load never took. Nothing here changes
 what runs: the build reads the list the load would read (same artifact, same GPU), and the
 kernels it puts in Triton's cache are only found there by the JIT.
 """
@@ -21,8 +21,6 @@ from typing import Any
 import torch
 
 from qruntime.kernel_prebuild import Prebuild
-
-FLOAT32 = (torch.float32, "float32", "fp32", "torch.float32")  # a dtype whose auto backend is the reference path
 
 
 @dataclass(frozen=True)
@@ -46,27 +44,34 @@ class EarlyPrebuild:
 
 def start_early(path: str | Path, args: tuple[Any, ...], kwargs: dict[str, Any]) -> EarlyPrebuild | None:
     """The kernel build for `qruntime.loader.load(path, *args, **kwargs)`, started now; None where
-    the call's arguments do not make it a one-rank load with kernels built ahead on a CUDA device
-    (then the load decides itself), or where the artifact is not readable here (the load reports it)."""
+    the load will not build kernels ahead: not a one-rank local artifact, or its device, dtype and
+    backend (decided as the loader decides them, qruntime.load_options) not the Triton backend on
+    an NVIDIA GPU, or prebuild_kernels off; also where the arguments or the artifact are wrong
+    (the load reports them)."""
     from qruntime.artifact import ArtifactFormatError, read_manifest
     from qruntime.kernel_prebuild import default_jobs, start_prebuild
+    from qruntime.load_options import resolve_backend, resolve_device, resolve_dtype
 
     device = args[0] if args else kwargs.get("device")
     dtype = args[1] if len(args) > 1 else kwargs.get("dtype")
     if str(path).startswith("hf://") or kwargs.get("prebuild_kernels", True) is not True:
         return None
-    if kwargs.get("backend", "auto") not in ("auto", "triton") or dtype in FLOAT32 or kwargs.get("tp") not in (None, 1):
+    if kwargs.get("tp") not in (None, 1):
         return None
     try:
-        asked = torch.device("cuda" if device is None else device)
-        if asked.type != "cuda" or (manifest := read_manifest(Path(path))).get("tp", 1) != 1:
+        if device is not None and torch.device(device).type != "cuda":
             return None  # decided before CUDA is touched (a CPU or a sharded load never initialises it here)
-        if torch.version.hip is not None or not torch.cuda.is_available():
+        manifest = read_manifest(Path(path))
+        if manifest.get("tp", 1) != 1:
             return None
-        resolved = _indexed(asked)
+        resolved = resolve_device(device)
+        backend = resolve_backend(kwargs.get("backend", "auto"), resolved, resolve_dtype(dtype, manifest))
+        if backend != "triton" or torch.version.hip is not None:
+            return None
+        resolved = _indexed(resolved)
         if resolved.index >= torch.cuda.device_count():
             return None
-    except (ArtifactFormatError, OSError, ValueError, TypeError, RuntimeError):
+    except (ArtifactFormatError, OSError, ValueError, TypeError, RuntimeError, KeyError):
         return None  # the load says what is wrong
     name, capability = torch.cuda.get_device_name(resolved), torch.cuda.get_device_capability(resolved)
     build = start_prebuild(Path(path), frozenset(manifest["files"]), name, capability, default_jobs(), warm=False)

@@ -29,6 +29,7 @@ from qruntime.engine.speculative.speculator import Speculator
 from qruntime.engine.workers import Workers
 from qruntime.hub import is_hub_url, pull
 from qruntime.kv_cache import KVCacheSpec
+from qruntime.load_options import resolve_backend, resolve_device, resolve_dtype
 from qruntime.ops.base import KVOp
 from qruntime.plan import Plan
 from qruntime.rank import GRAPH_CAPTURE, Rank, RankConfig, build_rank
@@ -56,31 +57,6 @@ TOKENIZER_READS = (
     "config.json",
     CHAT_TEMPLATE_FILE,
 )
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def _resolve_dtype(dtype: torch.dtype | str | None, manifest: dict) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    name = dtype or manifest["spec"].get("dtype", "bfloat16")
-    if name not in DTYPES:
-        raise ValueError(f"dtype {name!r} is not one of {sorted(DTYPES)}")
-    return DTYPES[name]
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """cuda when available by default; a device this machine does not have is a ValueError."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device {device!r} is not a torch device (cpu, cuda, cuda:1 ...)") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r}: no CUDA device is available (torch {torch.__version__})")
-    if resolved.type not in ("cpu", "cuda"):
-        raise ValueError(f"device {device!r}: the runtime runs on cpu or cuda")
-    return resolved
 
 
 def _check_files(root: Path, manifest: dict, verify: bool) -> None:
@@ -94,22 +70,6 @@ def _check_files(root: Path, manifest: dict, verify: bool) -> None:
         ]
     if problems:
         raise ArtifactFormatError(f"{root}: the artifact does not match its manifest:\n  " + "\n  ".join(problems))
-
-
-TRITON_DTYPES = (torch.bfloat16, torch.float16)  # what the Triton kernels compute in
-
-
-def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
-    """ "auto" -> "triton" on CUDA in bf16/fp16, else "reference"; an explicit choice is checked."""
-    if backend == "auto":
-        return "triton" if device.type == "cuda" and dtype in TRITON_DTYPES else "reference"
-    if backend not in ("reference", "triton"):
-        raise ValueError(f"backend {backend!r} is not one of 'auto', 'reference', 'triton'")
-    if backend == "triton" and device.type != "cuda":
-        raise ValueError("backend 'triton' runs on a CUDA device")
-    if backend == "triton" and dtype not in TRITON_DTYPES:
-        raise ValueError(f"backend 'triton' computes in bf16 or fp16, not {dtype}; use backend 'reference' for it")
-    return backend
 
 
 def resolve_pdl(pdl: bool | None, device: torch.device, backend: str) -> bool:
@@ -345,7 +305,7 @@ def load(
     graph_files = _graph_files(manifest, tp, root)
     device = resolve_device(device)
     _check_tp_device(device, tp)
-    compute_dtype = _resolve_dtype(dtype, manifest)
+    compute_dtype = resolve_dtype(dtype, manifest)
     backend = resolve_backend(backend, device, compute_dtype)
     _check_target(manifest, root, device)
     pdl = resolve_pdl(pdl, device, backend)

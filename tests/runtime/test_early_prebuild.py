@@ -1,5 +1,5 @@
 """qruntime.early_prebuild: which calls start the kernel builds right after torch's import (one-rank
-local artifacts on a CUDA device, kernels built ahead, no float32 or reference backend asked for),
+local artifacts on the Triton backend of a CUDA device, as the loader decides it, kernels built ahead),
 the rank taking a build over only for its own artifact and device (else cancelling it), and
 qruntime.load cancelling one that a failed load never took. No GPU here: torch.cuda's queries and
 start_prebuild are replaced; tests/runtime/test_kernel_builds.py builds real kernels, and
@@ -82,6 +82,8 @@ def test_a_default_call_starts_the_build_for_the_current_gpu_without_its_key_thr
         ((), {"backend": "reference"}),
         ((), {"prebuild_kernels": False}),
         ((), {"tp": 2}),
+        ((), {"backend": "triton", "dtype": "float32"}),  # the loader refuses it
+        ((), {"dtype": "int8"}),
     ],
 )
 def test_a_call_that_asks_for_no_kernels_on_a_gpu_starts_nothing(art, gpus, args, kwargs):
@@ -97,6 +99,10 @@ def test_nothing_starts_without_cuda_for_a_hub_url_a_sharded_or_an_unreadable_ar
     shutil.copytree(art, sharded)
     manifest = json.loads((sharded / "manifest.json").read_text())
     (sharded / "manifest.json").write_text(json.dumps(manifest | {"tp": 2}))
+    fp32 = tmp_path / "fp32"  # a model whose own dtype runs on the reference path
+    shutil.copytree(art, fp32)
+    (fp32 / "manifest.json").write_text(json.dumps(manifest | {"spec": manifest["spec"] | {"dtype": "float32"}}))
+    assert start_early(fp32, (), {}) is None
 
     def untouched(*args):
         raise AssertionError("CUDA initialised for a load that builds nothing early")

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from qruntime.artifact import read_manifest
 from qruntime.benchmark import DTYPE_BYTES, decode_step_bytes
 from qruntime.kernel_configs import KernelTable, device_file, load_kernel_table
-from qruntime.loader import resolve_backend
+from qruntime.load_options import resolve_backend
 
 from qcompile.cli import main as qcompile_main
 
