@@ -251,8 +251,28 @@ def test_drafts_that_keep_failing_pause(artifact, rng):
     assert engine.generate([prompt], params)[0].token_ids == plain.token_ids
     stats = engine.speculative_stats
     assert stats.accepted == 0
-    # adaptive: k falls to 1 after the first miss, and drafting pauses (4, 8, 16... steps) after the next misses
-    assert stats.verifications < 20 and stats.drafted < 25, stats
+    # adaptive: the first verification (4 drafts, step 1) accepting nothing pauses drafting and k falls to
+    # 1; each retry fails and pauses again, 4 times longer: retries at steps 8 and 32 (then 128)
+    assert stats.verifications == 3 and stats.drafted == 4 + 1 + 1, stats
+
+
+def test_a_batch_whose_drafts_keep_failing_retries_in_shared_synchronous_steps(artifact, rng):
+    """Four requests whose drafts are never right: the batch verifies in 3 synchronous steps of 70 (steps 1, 8 and 32: a verification
+    is recorded the step after it ran, and the pause of 64 would end at 128), every other step
+    asynchronous. Before the step clock each request counted its own pauses: 29 synchronous steps in
+    256 tokens at batch 8, against 4 now."""
+    prompts = [[rng.randrange(500) for _ in range(rng.randrange(5, 30))] for _ in range(4)]
+    params = SamplingParams(max_tokens=70, ignore_eos=True)
+    plain = _engine(artifact).generate(prompts, params)
+    engine = _engine(artifact, SpeculativeConfig(num_tokens=4))  # adaptive
+    engine.speculator.proposer = Oracle(
+        {tuple(p): o.token_ids for p, o in zip(prompts, plain, strict=True)}, 0, engine.vocab_size
+    )
+    launches = _spied(engine)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == [o.token_ids for o in plain]
+    stats = engine.speculative_stats
+    assert stats.accepted == 0 and stats.verifications == 4 * 3, stats
+    assert sum(launches) == 3 and len(launches) >= 70, launches
 
 
 def test_load_refuses_a_bad_speculative_option(artifact):

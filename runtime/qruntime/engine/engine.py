@@ -308,7 +308,8 @@ class Engine:
         `previous` is also read (`_complete`, its deltas first) once this step's forward is queued
         and before its sampling, so that the structured rows' masks follow its tokens. drafting: a
         speculating engine's synchronous step, whose decoding requests may carry drafts (otherwise
-        none do, and the step counts in each request's drafting pause)."""
+        none do); every scheduled step ticks the speculator's step clock, which the requests'
+        drafting pauses count."""
         done: list[StreamDelta] = []
 
         def read() -> None:  # `previous`'s tokens, once
@@ -316,9 +317,9 @@ class Engine:
             if read_previous and previous is not None:
                 read_previous, done = False, self._complete(previous)
 
-        if self.speculator is not None and not drafting:  # an asynchronous step: no drafts
-            self.speculator.skip([request.request_id for request in self.scheduler.running])
-        elif self.speculator is not None and self.speculator.batches:  # every decoding request's drafts in shared steps
+        if (
+            self.speculator is not None and drafting and self.speculator.batches
+        ):  # every decoding request's drafts in shared steps
             self.speculator.draft_ahead(
                 [
                     (request.request_id, request.all_token_ids, limit, t.params, t.generator)
@@ -335,6 +336,8 @@ class Engine:
         if not output.chunks:
             read()
             return None, done
+        if self.speculator is not None:  # the step clock the drafting pauses count
+            self.speculator.tick()
         rows = [i for i, chunk in enumerate(output.chunks) if chunk.samples]
         tracked = [self._tracked[output.chunks[i].request.request_id] for i in rows]
         try:

@@ -7,11 +7,15 @@ from __future__ import annotations
 import pytest
 from qruntime.engine.speculative.config import MAX_DRAFT_TOKENS, SpeculativeConfig
 from qruntime.engine.speculative.draft_length import (
+    FIRST_PAUSE,
     LOW_ACCEPTANCE,
     MAX_PAUSE,
     MISSES_TO_PAUSE,
+    PAUSE_GROWTH,
     SMOOTHING,
+    START_ACCEPTANCE,
     DraftLength,
+    StepClock,
 )
 from qruntime.engine.speculative.proposers import PROPOSERS
 from qruntime.engine.speculative.speculator import SpeculativeStats, Speculator
@@ -125,30 +129,63 @@ def test_partial_acceptance_drops_k_to_accepted_plus_one():
 def test_proposing_nothing_changes_nothing():
     length = DraftLength(limit=4)
     length.record(0, 0)
-    assert (length.k, length.acceptance, length.pause) == (4, 1.0, 0)
+    assert (length.k, length.acceptance, length.pause) == (4, START_ACCEPTANCE, 0)
 
 
-def test_low_acceptance_pauses_with_a_doubling_pause_up_to_the_cap():
+def _run(length: DraftLength, steps: int, accepted=lambda k: 0) -> list[int]:
+    """The clock's steps at which `length` drafted over `steps` steps, each draft's verification
+    accepting `accepted(k)`."""
+    drafted = []
+    for _ in range(steps):
+        if k := length.wanted():
+            drafted.append(length.clock.now)
+            length.record(k, accepted(k))
+        length.clock.tick()
+    return drafted
+
+
+def test_a_draft_never_right_retries_after_growing_pauses_on_their_multiples():
     length = DraftLength(limit=4)
-    pauses = []
-    for i in range(12):
-        misses = 0
-        while length.wanted():  # drafts rejected until the average falls below LOW_ACCEPTANCE
-            length.record(length.k, 0)
-            misses += 1
-            assert misses < 10, "never paused"
-        # from 1.0: 0.5, 0.25, 0.125; back from a pause at 0.5 (the benefit of the doubt): 0.25, 0.125
-        assert misses == (3 if i == 0 else 2), i
-        paused = 1
-        while not length.wanted():  # the pause counts steps, the first included
-            paused += 1
-        pauses.append(paused)
-    expected = [min(4 * 2**i, MAX_PAUSE) for i in range(12)]
-    assert pauses == expected
+    # from START_ACCEPTANCE one verification accepting nothing pauses: 4 steps, then 16, 64 and 256,
+    # each ending on a multiple of its length; and so on every MAX_PAUSE steps
+    assert _run(length, 5000) == [0, 4, 16, 64, *range(256, 5000, MAX_PAUSE)]
+    assert length.next_pause == MAX_PAUSE == FIRST_PAUSE * PAUSE_GROWTH**3
+
+
+@pytest.mark.parametrize("now", [0, 1, 3, 5, 17, 100, 255, 256, 1000])
+def test_a_pause_ends_on_a_multiple_of_its_length_half_to_one_and_a_half_lengths_away(now):
+    for next_pause in (FIRST_PAUSE, 16, 64, MAX_PAUSE):
+        length = DraftLength(limit=2, clock=StepClock(now), next_pause=next_pause)
+        length.record(2, 0)
+        assert length.resume_at % next_pause == 0, (now, next_pause)
+        assert next_pause // 2 < length.pause <= next_pause + next_pause // 2, (now, next_pause, length.pause)
+        assert not length.due and length.wanted() == 0
+        length.clock.now = length.resume_at
+        assert length.due and length.wanted() == 1
+
+
+def test_a_batch_of_failing_drafts_retries_in_the_same_steps():
+    """Eight requests on one clock, arriving at different steps: once their pauses reach MAX_PAUSE
+    they all draft on its multiples, one synchronous step for all instead of one each."""
+    clock = StepClock()
+    lengths = {}
+    drafted: dict[int, list[int]] = {}
+    for step in range(3000):
+        if step % 37 == 0 and len(lengths) < 8:
+            lengths[step] = DraftLength(limit=4, clock=clock)
+        for arrival, length in lengths.items():
+            if k := length.wanted():
+                drafted.setdefault(clock.now, []).append(arrival)
+                length.record(k, 0)
+        clock.tick()
+    late = {step: who for step, who in drafted.items() if step >= 1024}
+    assert sorted(late) == list(range(1024, 3000, MAX_PAUSE))
+    assert all(sorted(who) == sorted(lengths) for who in late.values()), late
+    assert len(drafted) < 0.4 * sum(map(len, drafted.values()))  # steps that draft, against drafts made
 
 
 def test_the_average_decides_when_to_pause():
-    length = DraftLength(limit=4)
+    length = DraftLength(limit=4, acceptance=1.0)
     average = 1.0
     for step in range(20):
         accepted = step % 2  # alternately 0 and 1 of 4 accepted
@@ -162,16 +199,27 @@ def test_the_average_decides_when_to_pause():
         raise AssertionError("the average never fell below LOW_ACCEPTANCE")
 
 
+def test_one_failure_pauses_at_the_start_and_after_a_pause_and_one_accepted_draft_does_not():
+    assert (1 - SMOOTHING) * START_ACCEPTANCE < LOW_ACCEPTANCE
+    for accepted in range(1, 5):
+        length = DraftLength(limit=4)
+        length.record(4, accepted)
+        assert length.due, accepted
+    length = DraftLength(limit=4)
+    length.record(4, 0)
+    assert not length.due and length.acceptance == START_ACCEPTANCE  # paused, and resumes from it
+
+
 def test_an_accepted_draft_resets_the_next_pause():
     length = DraftLength(limit=2)
-    for _ in range(3):  # three pauses: 4, 8, 16 next
-        while length.wanted():
-            length.record(length.k, 0)
-        while not length.wanted():
-            pass
-    assert length.next_pause == 32
+    assert len(_run(length, 70)) == 4  # pauses of 4, 16 and 64 so far: 256 next
+    assert length.next_pause == MAX_PAUSE
+    length.clock.now = length.resume_at
     length.record(length.k, length.k)
-    assert length.next_pause == 4
+    assert length.next_pause == FIRST_PAUSE
+    good = DraftLength(limit=3)
+    assert _run(good, 200, accepted=lambda k: k) == list(range(200))  # a draft always right never pauses
+    assert good.k == 3
 
 
 def test_not_adaptive_stays_at_the_limit():
@@ -182,41 +230,39 @@ def test_not_adaptive_stays_at_the_limit():
     assert (length.k, length.pause) == (3, 0)
 
 
-def test_misses_in_a_row_pause_with_the_doubling_pause_and_a_draft_resets_them():
+def test_misses_in_a_row_pause_with_the_growing_pause_and_a_draft_resets_them():
     length = DraftLength(limit=4)
-    pauses = []
+    resumed = []
     for _ in range(6):
         for _ in range(MISSES_TO_PAUSE - 1):
             length.miss()
             assert length.due and length.pause == 0
         length.miss()
         assert not length.due
-        pauses.append(length.pause)
-        while not length.due:  # asynchronous steps count the pause as wanted() does
-            length.skip()
+        length.clock.now = length.resume_at  # the steps of the pause go by
+        resumed.append(length.clock.now)
         assert length.wanted() == length.k
-    assert pauses == [min(4 * 2**i, MAX_PAUSE) for i in range(6)]
+    assert resumed == [4, 16, 64, 256, 512, 768]
     length.miss()
     length.record(2, 1)  # a verification between misses: they are no longer in a row
     length.miss()
     assert length.due and length.misses == 1
-    length.skip()  # not paused: nothing to count
-    assert length.pause == 0
     fixed = DraftLength(limit=3, adaptive=False)
     for _ in range(10):
         fixed.miss()
     assert fixed.due and fixed.wanted() == 3
 
 
-def test_speculator_due_and_skip_follow_each_requests_pause():
+def test_speculator_due_and_tick_follow_each_requests_pause():
     spec = Speculator(SpeculativeConfig(num_tokens=2, prompt_lookup_min=1, prompt_lookup_max=1))
     assert spec.due("new")  # never asked: drafts at its first step
     for _ in range(MISSES_TO_PAUSE):
         assert spec.draft("a", [1, 2, 3], limit=4) == ()  # nothing repeats: a miss each
     assert spec.draft("b", [7, 8, 7], limit=4) == (8, 7)
     assert not spec.due("a") and spec.due("b")
-    for _ in range(4):
-        spec.skip(["a", "b", "unknown"])
+    for step in range(FIRST_PAUSE):
+        assert not spec.due("a") and spec.draft("a", [1, 2, 3, 1], limit=4) == (), step
+        spec.tick()
     assert spec.due("a") and spec.draft("a", [1, 2, 3, 1], limit=4) == (2, 3)
 
 
@@ -237,12 +283,12 @@ def test_speculator_drafts_per_request_and_records():
     tokens = [1, 2, 3, 4, 5, 6, 1, 2]
     assert spec.draft("a", tokens, limit=8) == (3, 4, 5)  # k = num_tokens at first
     assert spec.draft("a", tokens, limit=2) == (3, 4)  # the scheduler's limit caps it
-    spec.record("a", 3, 0, 1)
-    assert spec.draft("a", tokens, limit=8) == (3,)  # a's k fell to 1
+    spec.record("a", 3, 1, 2)
+    assert spec.draft("a", tokens, limit=8) == (3, 4)  # a's k fell to accepted + 1
     assert spec.draft("b", tokens, limit=8) == (3, 4, 5)  # b has its own
     spec.record("b", 3, 3, 4)
-    assert spec.stats == SpeculativeStats(drafted=6, accepted=3, verifications=2, emitted=5)
-    assert spec.stats.acceptance_rate == 0.5 and spec.stats.tokens_per_verification == 2.5
+    assert spec.stats == SpeculativeStats(drafted=6, accepted=4, verifications=2, emitted=6)
+    assert spec.stats.acceptance_rate == pytest.approx(4 / 6) and spec.stats.tokens_per_verification == 3
     spec.forget("a")
     assert spec.draft("a", tokens, limit=8) == (3, 4, 5)  # forgotten: a fresh length
     spec.record("gone", 2, 1, 2)  # a request it never drafted for: counted, no state made
@@ -254,9 +300,11 @@ def test_speculator_pauses_a_request_whose_drafts_fail():
     spec = Speculator(SpeculativeConfig(num_tokens=2, prompt_lookup_min=1, prompt_lookup_max=1))
     tokens = [7, 8, 7]
     drafted = []
-    for _ in range(12):
+    for _ in range(20):
         d = spec.draft("a", tokens, limit=4)
         drafted.append(len(d))
         if d:
             spec.record("a", len(d), 0, 1)
-    assert drafted[:3] == [2, 1, 1] and drafted[3:7] == [0, 0, 0, 0] and drafted[7] == 1
+        spec.tick()
+    # k falls to 1 and the pauses end on multiples of 4, then of 16
+    assert drafted == [2, 0, 0, 0, 1] + [0] * 11 + [1, 0, 0, 0]

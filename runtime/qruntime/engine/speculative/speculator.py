@@ -12,7 +12,7 @@ import torch
 from qruntime.engine.sampling_params import SamplingParams
 from qruntime.engine.speculative.config import SpeculativeConfig
 from qruntime.engine.speculative.draft import Draft, DraftFor, ProposerContext
-from qruntime.engine.speculative.draft_length import DraftLength
+from qruntime.engine.speculative.draft_length import DraftLength, StepClock
 from qruntime.engine.speculative.proposers import PROPOSERS
 
 
@@ -49,6 +49,7 @@ class Speculator:
         self.proposer = PROPOSERS[config.method](config, context)
         self.stats = SpeculativeStats()
         self._lengths: dict[str, DraftLength] = {}
+        self._clock = StepClock()  # the steps each request's drafting pause counts
         self._probs: dict[str, torch.Tensor] = {}  # request id -> its pending draft's distributions [k, V]
         self._ahead: dict[str, Draft] = {}  # drafts made before the step was scheduled (draft_ahead)
 
@@ -68,7 +69,7 @@ class Speculator:
         for request_id, token_ids, limit, params, generator in items:
             length = self._lengths.get(request_id)
             if length is None:
-                length = self._lengths[request_id] = DraftLength(self.config.num_tokens, self.config.adaptive)
+                length = self._lengths[request_id] = self._length()
             k = min(length.wanted(), limit)
             if k >= 1:
                 todo.append((token_ids, k, DraftFor(request_id, params, generator)))
@@ -94,7 +95,7 @@ class Speculator:
         else:
             length = self._lengths.get(request_id)
             if length is None:
-                length = self._lengths[request_id] = DraftLength(self.config.num_tokens, self.config.adaptive)
+                length = self._lengths[request_id] = self._length()
             k = min(length.wanted(), limit)
             if k < 1:
                 return ()
@@ -116,11 +117,9 @@ class Speculator:
         length = self._lengths.get(request_id)
         return length is None or length.due
 
-    def skip(self, request_ids: Sequence[str]) -> None:
-        """A step ran without drafting (asynchronously): each request's pause counts it."""
-        for request_id in request_ids:
-            if (length := self._lengths.get(request_id)) is not None:
-                length.skip()
+    def tick(self) -> None:
+        """A step was scheduled (drafting or not): every request's pause counts it."""
+        self._clock.tick()
 
     def probs(self, request_id: str) -> torch.Tensor | None:
         """The distributions [k, V] the request's last drafts were drawn from (None: a point mass, or
@@ -133,6 +132,10 @@ class Speculator:
         length = self._lengths.get(request_id)
         if length is not None:
             length.record(drafted, accepted)
+
+    def _length(self) -> DraftLength:
+        """A new request's draft length, on this engine's step clock."""
+        return DraftLength(self.config.num_tokens, self.config.adaptive, self._clock)
 
     def attach(self, runner: Any) -> None:
         """Give the proposer the target's model runner (the engine does, once built)."""
