@@ -11,7 +11,7 @@ import torch
 
 from qruntime.engine.sampler import log_weights, sample_on_device
 from qruntime.engine.sampling_params import SamplingParams
-from qruntime.engine.step_chunk import StepChunk
+from qruntime.engine.step_chunk import StepChunk, pending
 
 
 class ProposerOptions(Protocol):
@@ -72,32 +72,37 @@ class ProposerContext:
     draft_layers: tuple[int, ...] | None = None  # the artifact's layers to skip (manifest speculative.draft_layers)
 
 
-def decode_draft(forward: Callable[[StepChunk], torch.Tensor], chunk: StepChunk, k: int, request: DraftFor) -> Draft:
+def decode_draft(
+    forward: Callable[[StepChunk, torch.Tensor | None], torch.Tensor], chunk: StepChunk, k: int, request: DraftFor
+) -> Draft:
     """Up to k draft tokens decoded by a model for one request (decode_drafts of a batch of one):
-    forward(chunk) gives the logits [1, V] after the chunk's last token."""
-    return decode_drafts(lambda chunks, _rows: forward(chunks[0]), [chunk], [k], [request])[0]
+    forward(chunk, sampled) gives the logits [1, V] after the chunk's last token."""
+    return decode_drafts(lambda chunks, _rows, sampled: forward(chunks[0], sampled), [chunk], [k], [request])[0]
 
 
 def decode_drafts(
-    forward: Callable[[Sequence[StepChunk], Sequence[int]], torch.Tensor],
+    forward: Callable[[Sequence[StepChunk], Sequence[int], torch.Tensor | None], torch.Tensor],
     chunks: Sequence[StepChunk],
     ks: Sequence[int],
     requests: Sequence[DraftFor],
 ) -> list[Draft]:
     """Up to ks[i] draft tokens for each request, decoded by a model in batched steps: forward(chunks,
-    rows) gives the logits [len(chunks), V] after each chunk's last token (rows: the requests' indices
-    in the batch, one a chunk), and each request's token drawn
-    is its next chunk, at the position after it (same block table), until it has its k. Greedy
-    requests take the argmax; sampled ones draw under their sampling params with their generator,
-    and the distributions drawn from come back with the tokens. A request stops early at non-finite
-    logits. One host sync a step for the whole batch (the tokens drawn), not one per request."""
+    rows, sampled) gives the logits [len(chunks), V] after each chunk's last token (rows: the
+    requests' indices in the batch, one a chunk). Each request's token drawn is its next chunk, at
+    the position after it (same block table), until it has its k: a pending id (step_chunk.pending)
+    naming its row of `sampled`, the ids the step before drew, still on the device. Greedy requests
+    take the argmax; sampled ones draw under their sampling params with their generator, and the
+    distributions drawn from come back with the tokens. The host reads the drawn tokens once, after
+    the last step (each step's copy queued behind it), not once a step: the steps queue back to back.
+    A request's draft ends before its first token drawn from non-finite logits (the steps after it
+    run on the device all the same, their tokens dropped)."""
     greedy = [r.generator is None or r.params.greedy for r in requests]
-    tokens: list[list[int]] = [[] for _ in chunks]
-    probs: list[list[torch.Tensor]] = [[] for _ in chunks]
+    steps: list[tuple[list[int], Any, list[int], torch.Tensor | None]] = []  # live, drawn, sampled rows, weights
     current = list(chunks)
     live = [i for i, k in enumerate(ks) if k > 0]
+    previous = None
     while live:
-        logits = forward([current[i] for i in live], live)  # [len(live), V]
+        logits = forward([current[i] for i in live], live, None if previous is None else previous.ids)
         params = [requests[i].params for i in live]
         drawn = sample_on_device(logits, params, [None if greedy[i] else requests[i].generator for i in live])
         sampled = [row for row, i in enumerate(live) if not greedy[i]]
@@ -105,16 +110,23 @@ def decode_drafts(
         if sampled:
             rows = logits[sampled].float()
             weights = log_weights(rows, rows.max(-1).values, [params[row] for row in sampled]).softmax(-1)
+        steps.append((live, drawn, sampled, weights))
         following = []
+        for row, i in enumerate(live):
+            if len(steps) < ks[i]:  # every live request drew one token a step
+                chunk = current[i]
+                current[i] = StepChunk((pending(row),), chunk.start + chunk.num_tokens, chunk.block_table)
+                following.append(i)
+        live, previous = following, drawn
+    tokens: list[list[int]] = [[] for _ in chunks]
+    probs: list[list[torch.Tensor]] = [[] for _ in chunks]
+    ended: set[int] = set()
+    for live, drawn, sampled, weights in steps:
         for row, (i, token) in enumerate(zip(live, drawn.tolist(), strict=True)):
-            if token is None:
+            if i in ended or token is None:
+                ended.add(i)
                 continue
             tokens[i].append(token)
             if not greedy[i]:
                 probs[i].append(weights[sampled.index(row)])
-            if len(tokens[i]) < ks[i]:
-                chunk = current[i]
-                current[i] = StepChunk((token,), chunk.start + chunk.num_tokens, chunk.block_table)
-                following.append(i)
-        live = following
     return [Draft(tuple(t), torch.stack(p) if p else None) for t, p in zip(tokens, probs, strict=True)]

@@ -52,8 +52,8 @@ class DraftModel:
                 table = manager.grow(rid, length + k - 1)
             except NoFreeBlocks:
                 continue
-            computed.append(list(token_ids[:start]))  # grows with each step the draft runs
-            self._computed[rid] = computed[-1]
+            computed.append(list(token_ids))  # the draft's KV holds these once its first step ran
+            self._computed[rid] = list(token_ids[:start])  # until then (a step that fails leaves this)
             chunks.append(StepChunk(tuple(token_ids[start:]), start, table))
             ks.append(k)
             requests.append(request)
@@ -61,14 +61,17 @@ class DraftModel:
         if not chunks:
             return drafts
 
-        def forward(step: Sequence[StepChunk], rows: Sequence[int]) -> torch.Tensor:
-            logits = self.engine.runner.execute(list(step))  # [len(step), V]: after each chunk's last token
-            for chunk, row in zip(step, rows, strict=True):
-                computed[row].extend(chunk.token_ids)
-            return logits
+        def forward(step: Sequence[StepChunk], _rows: Sequence[int], sampled: torch.Tensor | None) -> torch.Tensor:
+            return self.engine.runner.execute(
+                list(step), sampled=sampled
+            )  # [len(step), V]: after each chunk's last token
 
-        for index, draft in zip(placed, decode_drafts(forward, chunks, ks, requests), strict=True):
+        made = decode_drafts(forward, chunks, ks, requests)
+        for row, (index, draft, k) in enumerate(zip(placed, made, ks, strict=True)):
             drafts[index] = draft
+            # fed after the first step: each drafted token but the last (k - 1 at most; past a draft
+            # that ended early, the steps fed tokens that are not kept, whose KV is not counted)
+            self._computed[requests[row].request_id] = computed[row] + list(draft.tokens[: k - 1])
         return drafts
 
     def forget(self, request_id: str) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from qruntime.engine.cuda_graphs import DecodeGraphs
+from qruntime.engine.sampled_tokens import resolve_pending
 from qruntime.engine.speculative.draft import Draft, DraftFor, decode_draft
 from qruntime.engine.speculative.layer_skip import skip_layers
 from qruntime.engine.step_chunk import StepChunk
@@ -53,10 +54,12 @@ class LayerSkipDraft:
         if table is None:
             return Draft(())
 
-        def forward(chunk: StepChunk) -> torch.Tensor:
-            if self.graphs is not None and self.graphs.fits([chunk]):
-                return self.graphs.run([chunk])  # [1, V], the graph's output: read before the next replay
+        def forward(chunk: StepChunk, sampled: torch.Tensor | None) -> torch.Tensor:
+            if self.graphs is not None and self.graphs.fits([chunk], sampled):
+                return self.graphs.run([chunk], sampled)  # [1, V], the graph's output: read before the next replay
             feeds, meta = self.runner.prepare([chunk])
+            if sampled is not None:
+                feeds["input_ids"] = resolve_pending(feeds["input_ids"], sampled)
             return self.plan.run(StepContext(self.runner.kv_cache, meta), feeds)  # [1, V]
 
         return decode_draft(forward, StepChunk((token_ids[-1],), length - 1, table), k, request)
