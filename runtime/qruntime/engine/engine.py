@@ -317,9 +317,8 @@ class Engine:
             if read_previous and previous is not None:
                 read_previous, done = False, self._complete(previous)
 
-        if (
-            self.speculator is not None and drafting and self.speculator.batches
-        ):  # every decoding request's drafts in shared steps
+        if self.speculator is not None and drafting and self.speculator.batches:
+            # every decoding request's drafts in shared steps
             self.speculator.draft_ahead(
                 [
                     (request.request_id, request.all_token_ids, limit, t.params, t.generator)

@@ -62,9 +62,8 @@ class DraftModel:
             return drafts
 
         def forward(step: Sequence[StepChunk], _rows: Sequence[int], sampled: torch.Tensor | None) -> torch.Tensor:
-            return self.engine.runner.execute(
-                list(step), sampled=sampled
-            )  # [len(step), V]: after each chunk's last token
+            # [len(step), V]: after each chunk's last token
+            return self.engine.runner.execute(list(step), sampled=sampled)
 
         made = decode_drafts(forward, chunks, ks, requests)
         for row, (index, draft, k) in enumerate(zip(placed, made, ks, strict=True)):
