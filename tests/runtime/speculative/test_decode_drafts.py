@@ -55,12 +55,10 @@ def _requests(n: int) -> list[DraftFor]:
 
 def test_steps_feed_the_drawn_tokens_as_pending_ids_and_the_host_reads_them_once(monkeypatch):
     model = Model()
-    reads = []
     original = sampled_tokens.SampledTokens.tolist
 
     def spy(self):
         model.log.append("read")
-        reads.append(self)
         return original(self)
 
     monkeypatch.setattr(sampled_tokens.SampledTokens, "tolist", spy)

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 import torch
 
+from qruntime.engine.sampled_tokens import SampledTokens
 from qruntime.engine.sampler import log_weights, sample_on_device
 from qruntime.engine.sampling_params import SamplingParams
 from qruntime.engine.step_chunk import StepChunk, pending
@@ -97,7 +98,9 @@ def decode_drafts(
     A request's draft ends before its first token drawn from non-finite logits (the steps after it
     run on the device all the same, their tokens dropped)."""
     greedy = [r.generator is None or r.params.greedy for r in requests]
-    steps: list[tuple[list[int], Any, list[int], torch.Tensor | None]] = []  # live, drawn, sampled rows, weights
+    steps: list[
+        tuple[list[int], SampledTokens, list[int], torch.Tensor | None]
+    ] = []  # live, drawn, sampled rows, weights
     current = list(chunks)
     live = [i for i, k in enumerate(ks) if k > 0]
     previous = None

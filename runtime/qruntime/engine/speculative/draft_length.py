@@ -67,11 +67,6 @@ class DraftLength:
         """Whether the request drafts at this step (not paused)."""
         return self.clock.now >= self.resume_at
 
-    @property
-    def pause(self) -> int:
-        """Steps left without drafting."""
-        return max(self.resume_at - self.clock.now, 0)
-
     def miss(self) -> None:
         """The proposer found no draft for it."""
         if not self.adaptive:
