@@ -19,6 +19,13 @@ timers wrapped (at class level) around the parts of a step:
 
     python bench/spec_step_profile.py --preset qwen3-0.6b --batches 1,8 --out bench/results/spec_step_profile.json
 
+--artifact ART profiles a compiled artifact instead (a trained one: bench/spec_bench.py --train
+--workdir DIR leaves DIR/target-ptpc-fp8 and DIR/draft-ptpc-fp8). --method SPEC (repeatable) takes
+a speculative config whose options hold commas, e.g. 'draft-model:draft_model=DIR/draft-ptpc-fp8,
+adaptive=false': with adaptive off every step drafts, so the parts are one verification round's.
+--torch-profile N adds, per mode, a torch.profiler pass over N tokens a prompt: CUDA kernels and
+their device time per step, and the host ops that launched most often (what a step's host time is).
+
 CPU: `--device cpu --preset tiny` runs the same path (the reference ops: host figures only).
 """
 
@@ -37,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -135,6 +143,47 @@ def _prompts(rng: random.Random, count: int, vocab: int, length: int) -> list[li
     return prompts
 
 
+def kernel_profile(engine: Any, prompts: list[list[int]], tokens: int, device: str, top: int = 12) -> dict[str, Any]:
+    """torch.profiler over one generate() of `tokens` tokens a prompt: per engine step, the CUDA kernels
+    launched and their summed device time, and the `top` host ops by calls (with their host time)."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    steps = 0
+    step = Engine.step
+
+    def counted(self: Engine) -> Any:
+        nonlocal steps
+        steps += 1
+        return step(self)
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    Engine.step = counted  # type: ignore[method-assign]
+    try:
+        with profile(activities=activities) as prof:
+            engine.generate(prompts, params)
+            if device == "cuda":
+                torch.cuda.synchronize()
+    finally:
+        Engine.step = step  # type: ignore[method-assign]
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    ops: dict[str, list[float]] = {}
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith(("aten::", "cuda", "triton")):
+            ops.setdefault(e.name, []).append(e.cpu_time_total)
+    ranked = sorted(ops.items(), key=lambda item: -len(item[1]))[:top]
+    per = max(steps, 1)
+    return {
+        "tokens_per_prompt": tokens,
+        "steps": steps,
+        "kernels_per_step": round(len(kernels) / per, 1),
+        "kernel_ms_per_step": round(sum(e.device_time_total for e in kernels) / 1e3 / per, 4),
+        "host_ops": {
+            name: {"calls_per_step": round(len(t) / per, 2), "us_per_step": round(sum(t) / per, 1)}
+            for name, t in ranked
+        },  # fmt: skip
+    }
+
+
 def run_mode(art: Path, mode: str, batch: int, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     spec = None if mode == "plain" else SpeculativeConfig.parse(mode)
     extra = {"dtype": torch.float32} if args.device == "cpu" else {"kv_cache_memory": args.kv_cache_gib << 30}
@@ -168,6 +217,8 @@ def run_mode(art: Path, mode: str, batch: int, args: argparse.Namespace, seed: i
             "output_tokens_per_s": round(tokens / wall, 1),
             "parts": timers.report(steps),
         }
+        if args.torch_profile:
+            row["torch_profile"] = kernel_profile(engine, prompts, args.torch_profile, args.device)
         if stats is not None:
             row["speculative"] = {
                 "acceptance_rate": round(stats.acceptance_rate, 4),
@@ -187,7 +238,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3-0.6b")
     parser.add_argument("--recipe", default="ptpc-fp8")
-    parser.add_argument("--methods", default="prompt-lookup", help="comma-separated speculative configs")
+    parser.add_argument(
+        "--artifact", type=Path, default=None, help="a compiled artifact instead of --preset's synthetic one"
+    )
+    parser.add_argument("--methods", default="prompt-lookup", help="comma-separated speculative configs ('' for none)")
+    parser.add_argument(
+        "--method", action="append", default=[], help="one speculative config (repeatable; may hold commas)"
+    )
+    parser.add_argument(
+        "--torch-profile", type=int, default=0, metavar="N", help="kernels and host ops over N tokens a prompt"
+    )
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -198,20 +258,27 @@ def main() -> None:
     args = parser.parse_args()
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")
-    art = args.workdir / f"{args.preset}-{args.recipe}"
-    shutil.rmtree(art, ignore_errors=True)
-    write_synthetic_artifact(args.preset, art, load_recipe(args.recipe), tp=1, progress=False)
+    if args.artifact is not None:
+        art = args.artifact
+        if not (art / "manifest.json").is_file():
+            parser.error(f"--artifact {art}: no manifest.json there")
+    else:
+        art = args.workdir / f"{args.preset}-{args.recipe}"
+        shutil.rmtree(art, ignore_errors=True)
+        write_synthetic_artifact(args.preset, art, load_recipe(args.recipe), tp=1, progress=False)
     report = (
-        gpu_report_header("spec_step_profile", synthetic=True)
+        gpu_report_header("spec_step_profile", synthetic=args.artifact is None)
         if args.device == "cuda"
         else report_header("spec_step_profile")
     )
-    report |= {"preset": args.preset, "recipe": args.recipe, "seed": seed, "rows": []}
+    source = {"artifact": str(art)} if args.artifact is not None else {"preset": args.preset, "recipe": args.recipe}
+    report |= source | {"seed": seed, "rows": []}
+    methods = [m for m in args.methods.split(",") if m.strip()] + args.method
     print(
         f"{'mode':>16} {'batch':>5} {'ms/tok':>7} {'steps':>5} {'accept':>6}  step | schedule draft draft_ahead execute sample verify complete gpu (ms per step); paths"
     )
     for batch in (int(b) for b in args.batches.split(",")):
-        for mode in ("plain", *args.methods.split(",")):
+        for mode in ("plain", *methods):
             row = run_mode(art, mode, batch, args, seed)
             report["rows"].append(row)
             p = row["parts"]
@@ -231,8 +298,13 @@ def main() -> None:
             }
             paths = {k: p[k]["calls"] for k in PATHS if k in p}
             acc = row.get("speculative", {}).get("acceptance_rate", float("nan"))
-            print(f"{mode:>16} {batch:>5} {row['ms_per_token_per_request']:>7.3f} {row['steps']:>5} {acc:>6.2f}  "
+            print(f"{mode[:40]:>16} {batch:>5} {row['ms_per_token_per_request']:>7.3f} {row['steps']:>5} {acc:>6.2f}  "
                   + " ".join(f"{v:.3f}" for v in ms.values()) + f"; {paths}", flush=True)  # fmt: skip
+            if "torch_profile" in row:
+                tp = row["torch_profile"]
+                ops = ", ".join(f"{n} {o['calls_per_step']}" for n, o in list(tp["host_ops"].items())[:8])
+                print(f"{'':>16} kernels/step {tp['kernels_per_step']}, kernel ms/step {tp['kernel_ms_per_step']}; "
+                      f"host ops/step: {ops}", flush=True)  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
         print(f"wrote {args.out}")

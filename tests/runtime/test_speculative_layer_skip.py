@@ -87,3 +87,31 @@ def test_skipping_no_layer_drafts_everything_right(tiny_ckpt, compiled, rng):
 def test_an_artifact_without_draft_layers_cannot_layer_skip(tiny_ckpt, compiled):
     with pytest.raises(ValueError, match="--draft-layers"):
         _engine(compiled(tiny_ckpt, "bf16"), "layer-skip")
+
+
+def test_layer_skip_drafts_for_every_decoding_request_in_shared_steps(tiny_ckpt, compiled, rng):
+    """Five requests decoding together: each drafting step runs the reduced plan k times over all of
+    them (one batched step per draft token), not k times a request; greedy outputs stay plain's."""
+    art = compiled(tiny_ckpt, "bf16")
+    prompts = [[rng.randrange(500) for _ in range(rng.randrange(3, 20))] for _ in range(5)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    plain = _engine(art).generate(prompts, params)
+    layers = _engine(art).runner.kv_cache.spec.num_layers
+    engine = _engine(art, SpeculativeConfig("layer-skip", skip_layers=(layers - 1,), adaptive=False))
+    proposer = engine.speculator.proposer
+    batches: list[int] = []
+    forward = proposer._forward
+    proposer._forward = lambda chunks, *a: (batches.append(len(chunks)), forward(chunks, *a))[1]
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    steps, outputs = [], {}
+    while engine.has_unfinished():
+        before = len(batches)
+        for delta in engine.step():
+            outputs.setdefault(delta.request_id, []).extend(delta.token_ids)
+        steps.append(batches[before:])
+    assert max(len(step) for step in steps) <= 4, steps  # k = 4 draft tokens: one reduced step each
+    assert max(batches) == 5, batches  # every decoding request in one step
+    assert [tuple(t) for t in outputs.values()] == [tuple(o.token_ids) for o in plain]
+    assert engine.speculative_stats.verifications > 0
+    assert engine.scheduler.block_manager.num_used_blocks == 0

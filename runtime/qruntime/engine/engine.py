@@ -321,8 +321,8 @@ class Engine:
             # every decoding request's drafts in shared steps
             self.speculator.draft_ahead(
                 [
-                    (request.request_id, request.all_token_ids, limit, t.params, t.generator)
-                    for request, limit in self.scheduler.draft_candidates()
+                    (request.request_id, request.all_token_ids, limit, t.params, t.generator, grow)
+                    for request, limit, grow in self.scheduler.draft_candidates()
                     if self._may_draft(t := self._tracked[request.request_id], request)
                 ]
             )

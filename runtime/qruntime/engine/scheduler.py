@@ -30,6 +30,7 @@ over by the next step. Drafts never preempt another request: without room for th
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -289,11 +290,15 @@ class Scheduler:
             draft,
         )
 
-    def draft_candidates(self) -> list[tuple[Request, int]]:
+    def draft_candidates(self) -> list[tuple[Request, int, Callable[[int], tuple[int, ...] | None]]]:
         """The running requests that would decode their last known token next (the ones a step may give
-        drafts), each with the most drafts its max_tokens and the model length leave: what a batching
-        draft method drafts for before `schedule` (which may still give a request fewer, or none)."""
+        drafts), each with the most drafts its max_tokens and the model length leave, and a grow(n)
+        for a draft that writes the KV cache (layer-skip): the request's block table grown to hold n
+        tokens, or None when that would take blocks some running request may need this step. What a
+        batching draft method drafts for before `schedule` (which may still give a request fewer
+        drafts, or none)."""
         out = []
+        reserved = sum(self._blocks_needed(self.config.max_num_batched_tokens))
         for request in self._running:
             start = request.num_computed_tokens
             if request.num_pending or start + 1 != request.num_tokens or self._at_limit(request):
@@ -303,8 +308,15 @@ class Scheduler:
                 self.config.max_model_len - request.num_tokens - 1,
             )
             if limit >= 1:
-                out.append((request, limit))
+                out.append((request, limit, functools.partial(self._grow_beyond, request.request_id, reserved)))
         return out
+
+    def _grow_beyond(self, request_id: str, reserved: int, num_tokens: int) -> tuple[int, ...] | None:
+        """The request's block table grown to hold num_tokens, if that leaves `reserved` blocks free
+        (None otherwise: drafts preempt no one)."""
+        if self.block_manager.num_missing(request_id, num_tokens) + reserved > self.block_manager.num_free_blocks:
+            return None
+        return self.block_manager.grow(request_id, num_tokens)
 
     def _drafts(
         self,
@@ -329,24 +341,16 @@ class Scheduler:
         if limit < 1:
             return ()
 
-        def grow(num_tokens: int) -> tuple[int, ...] | None:
-            if (
-                self.block_manager.num_missing(request.request_id, num_tokens) + reserved
-                > self.block_manager.num_free_blocks
-            ):
-                return None
-            return self.block_manager.grow(request.request_id, num_tokens)
-
+        grow = functools.partial(self._grow_beyond, request.request_id, reserved)
         drafts = tuple(draft(request, limit, grow))[:limit]
         missing = self.block_manager.num_missing(request.request_id, start + 1 + len(drafts))
         if drafts and missing + reserved > self.block_manager.num_free_blocks:
             return ()
         return drafts
 
-    def _blocks_behind(self, budget: int) -> list[int]:
-        """For each running request, the blocks the running requests after it may need for their
-        chunks this step (each at most `budget` tokens)."""
-        need = [
+    def _blocks_needed(self, budget: int) -> list[int]:
+        """For each running request, the blocks its chunk this step (at most `budget` tokens) may need."""
+        return [
             0
             if self._at_limit(r)
             else self.block_manager.num_missing(
@@ -355,6 +359,11 @@ class Scheduler:
             )
             for r in self._running
         ]
+
+    def _blocks_behind(self, budget: int) -> list[int]:
+        """For each running request, the blocks the running requests after it may need for their
+        chunks this step (each at most `budget` tokens)."""
+        need = self._blocks_needed(budget)
         return [0, *itertools.accumulate(reversed(need[1:]))][::-1]
 
     @staticmethod

@@ -319,3 +319,28 @@ def test_random_workloads_with_drafts(rng, prefix_caching):
         )
         accepted += simulate(config, rng, f"trial={trial} {config}")
     assert accepted > 0
+
+
+def test_draft_candidates_grow_only_into_blocks_no_running_request_needs():
+    # a and b hold a block each of 6 (blocks of 2) and decode position 2 next, a new block each: 2 of
+    # the 4 free blocks are reserved whoever asks first
+    sched = _decoding(SchedulerConfig(num_blocks=6, block_size=2, max_model_len=12), {"a": [1, 2], "b": [3, 4]})
+    candidates = sched.draft_candidates()
+    assert [(r.request_id, limit) for r, limit, _ in candidates] == [("a", 8), ("b", 8)]
+    (_, _, grow_a), (_, _, grow_b) = candidates
+    manager = sched.block_manager
+    assert grow_a(3 + 5) is None and manager.num_free_blocks == 4  # 3 more blocks: 1 left of the 2 reserved
+    table = grow_a(3 + 3)  # positions 0..5: 2 more blocks, the 2 reserved still free
+    assert len(table) == 3 and manager.num_free_blocks == 2
+    assert grow_b(3 + 1) is None  # b's own next block is reserved already (it needs 1, 2 are free)
+    out = sched.schedule()  # a's grown table holds its token; b takes one of the reserved blocks
+    assert out.preempted == () and [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 1)]
+    assert manager.num_free_blocks == 1
+
+
+def test_draft_candidates_are_the_requests_about_to_decode_their_last_token():
+    sched = _decoding(SchedulerConfig(16, 4, 64), {"a": [1, 2], "b": [3]}, max_tokens=3)
+    sched.add(Request("c", [5, 6, 7], max_tokens=4))  # waiting: not a candidate
+    assert [(r.request_id, limit) for r, limit, _ in sched.draft_candidates()] == [("a", 1), ("b", 1)]
+    sched.schedule()  # a and b decode (their tokens pending), c prefills: none may draft
+    assert sched.draft_candidates() == []

@@ -73,14 +73,6 @@ class ProposerContext:
     draft_layers: tuple[int, ...] | None = None  # the artifact's layers to skip (manifest speculative.draft_layers)
 
 
-def decode_draft(
-    forward: Callable[[StepChunk, torch.Tensor | None], torch.Tensor], chunk: StepChunk, k: int, request: DraftFor
-) -> Draft:
-    """Up to k draft tokens decoded by a model for one request (decode_drafts of a batch of one):
-    forward(chunk, sampled) gives the logits [1, V] after the chunk's last token."""
-    return decode_drafts(lambda chunks, _rows, sampled: forward(chunks[0], sampled), [chunk], [k], [request])[0]
-
-
 def decode_drafts(
     forward: Callable[[Sequence[StepChunk], Sequence[int], torch.Tensor | None], torch.Tensor],
     chunks: Sequence[StepChunk],

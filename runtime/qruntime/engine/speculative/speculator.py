@@ -59,20 +59,23 @@ class Speculator:
         return bool(getattr(self.proposer, "batches", False))
 
     def draft_ahead(
-        self, items: Sequence[tuple[str, Sequence[int], int, SamplingParams, torch.Generator | None]]
+        self,
+        items: Sequence[
+            tuple[str, Sequence[int], int, SamplingParams, torch.Generator | None, Callable[[int], Any] | None]
+        ],
     ) -> None:
-        """Draft, in one batch, for the requests (id, token ids, limit, params, generator) a step may
-        give drafts, each up to its adaptive k and `limit`; `draft` hands them out as the scheduler
-        asks (cut to what the step's budget leaves). Drafts not asked for this step are dropped at
-        the next call."""
+        """Draft, in one batch, for the requests (id, token ids, limit, params, generator, grow) a step
+        may give drafts, each up to its adaptive k and `limit`; `draft` hands them out as the
+        scheduler asks (cut to what the step's budget leaves). grow: DraftFor.grow, for a draft that
+        writes the target's KV cache. Drafts not asked for this step are dropped at the next call."""
         todo = []
-        for request_id, token_ids, limit, params, generator in items:
+        for request_id, token_ids, limit, params, generator, grow in items:
             length = self._lengths.get(request_id)
             if length is None:
                 length = self._lengths[request_id] = self._length()
             k = min(length.wanted(), limit)
             if k >= 1:
-                todo.append((token_ids, k, DraftFor(request_id, params, generator)))
+                todo.append((token_ids, k, DraftFor(request_id, params, generator, grow)))
         drafts = self.proposer.propose_batch(todo) if todo else []
         self._ahead = {request.request_id: d for (_, _, request), d in zip(todo, drafts, strict=True)}
 
