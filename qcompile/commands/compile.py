@@ -16,11 +16,19 @@ from qcompile.source.directory import check_checkpoint_dir
 from qcompile.units import human_bytes
 
 
-def _draft_row(draft) -> str:
+def _draft_row(draft, num_layers: int) -> str:
     if draft is None:
         return "-"
-    agreed = f", top-1 agreement {draft.agreement:.1%} on the calibration text" if draft.agreement is not None else ""
-    return f"layer-skip: layers {', '.join(map(str, draft.layers))} skipped{agreed}"
+    row = f"layer-skip: layers {', '.join(map(str, draft.layers))} skipped"
+    if draft.agreement is None:
+        return row
+    from qcompile.compile.draft_layers import modelled_speedup  # torch: imported when a compile runs
+
+    speedup = modelled_speedup(draft.agreement, (num_layers - len(draft.layers)) / num_layers)
+    row += f", top-1 agreement {draft.agreement:.1%} on the calibration text, modelled speed-up {speedup:.2f}x"
+    if speedup < 1:
+        row += " (below 1: on this model no layer-skip draft the search tried would decode faster than the model alone)"
+    return row
 
 
 def _summary_rows(prepared, output: Path, workers: int) -> list[tuple[str, str]]:
@@ -50,7 +58,7 @@ def _summary_rows(prepared, output: Path, workers: int) -> list[tuple[str, str]]
         ("tp", _tp_row(prepared)),
         ("target", f"{recipe.target} ({get_target(recipe.target).fp8} weights)"),
         ("tokenizer", "copied" if prepared.tokenizer else "none (--no-tokenizer): token-id prompts only"),
-        ("draft", _draft_row(prepared.speculative)),
+        ("draft", _draft_row(prepared.speculative, spec.num_hidden_layers)),
         ("tensors", f"{len(plan.jobs)} weights from {len(prepared.checkpoint.tensors)} source tensors"),
         (
             "bytes",

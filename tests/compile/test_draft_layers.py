@@ -61,6 +61,10 @@ def test_auto_on_the_trained_fixture_drafts_plain_greedy(tmp_path, calib):
     assert "layer-skip: layers" in result.output and "top-1 agreement" in result.output
     entry = json.loads((out / "manifest.json").read_text())["speculative"]
     assert entry["draft_layers"] and set(entry["draft_layers"]) <= {1, 2} and 0 < entry["agreement"] <= 1
+    layers = json.loads(Path(FIXTURE, "config.json").read_text())["num_hidden_layers"]
+    speedup = modelled_speedup(entry["agreement"], (layers - len(entry["draft_layers"])) / layers)
+    assert f"modelled speed-up {speedup:.2f}x" in " ".join(result.output.split()), result.output
+    assert ("below 1" in result.output) == (speedup < 1)
     prompt = Path(FIXTURE, "heldout.txt").read_text()[:400]
     params = qruntime.SamplingParams(max_tokens=48, ignore_eos=True)
     plain = qruntime.load(out, device="cpu", dtype=torch.float32).generate([prompt], params)[0]
