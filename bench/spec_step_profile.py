@@ -15,6 +15,10 @@ timers wrapped (at class level) around the parts of a step:
                host ms: decode graph replay, mixed-step graph replay, piecewise graphs, eager plan
     sample     sample_on_device; verify: rejection.verify_drafts (queues the verdicts)
     complete   Engine._complete: reading the step's tokens (the wait for the GPU) and the update
+    prepare    ModelRunner.prepare: a step's inputs built on the host and copied (not a decode graph's)
+    run_nodes  Plan.run_nodes: eager ops (a mixed or piecewise graph's logits tail; an eager step)
+    bounds_work  the attention work list a mixed graph's replay reads, built on the host
+    capture_mixed, capture_decode  graph captures during the timed run (first use)
     gpu        CUDA events around ModelRunner.execute: the forward's device span
 
     python bench/spec_step_profile.py --preset qwen3-0.6b --batches 1,8 --out bench/results/spec_step_profile.json
@@ -60,6 +64,7 @@ from qruntime.engine.model_runner import ModelRunner  # noqa: E402
 from qruntime.engine.piecewise_graphs import PiecewiseGraphs  # noqa: E402
 from qruntime.engine.scheduler import Scheduler  # noqa: E402
 from qruntime.engine.speculative.speculator import Speculator  # noqa: E402
+from qruntime.kernels import paged_prefill_attention  # noqa: E402
 from qruntime.plan import Plan  # noqa: E402
 
 from qcompile.recipe.schema import load_recipe  # noqa: E402
@@ -69,8 +74,10 @@ PATHS = {"decode_graph": (DecodeGraphs, "run"), "mixed_graph": (MixedGraphs, "ru
          "piecewise": (PiecewiseGraphs, "run"), "eager": (Plan, "run")}  # fmt: skip
 PARTS = {"step": (Engine, "step"), "schedule": (Scheduler, "schedule"), "draft": (Speculator, "draft"),
          "draft_ahead": (Speculator, "draft_ahead"), "execute": (ModelRunner, "execute"),
-         "complete": (Engine, "_complete")}  # fmt: skip
+         "complete": (Engine, "_complete"), "prepare": (ModelRunner, "prepare"), "run_nodes": (Plan, "run_nodes"),
+         "capture_mixed": (MixedGraphs, "capture"), "capture_decode": (DecodeGraphs, "capture")}  # fmt: skip
 MODULE_PARTS = {"sample": "sample_on_device", "verify": "verify_drafts"}  # names in qruntime.engine.engine
+OTHER_PARTS = {"bounds_work": (paged_prefill_attention, "bounds_work")}  # module functions looked up at each call
 
 
 class Timers:
@@ -114,10 +121,11 @@ class Timers:
             original = getattr(cls, attr)
             setattr(cls, attr, self._timed(name, original, gpu=name == "execute", path=name in PATHS))
             self._undo.append(functools.partial(setattr, cls, attr, original))
-        for name, attr in MODULE_PARTS.items():
-            original = getattr(engine_module, attr)
-            setattr(engine_module, attr, self._timed(name, original))
-            self._undo.append(functools.partial(setattr, engine_module, attr, original))
+        modules = {name: (engine_module, attr) for name, attr in MODULE_PARTS.items()} | OTHER_PARTS
+        for name, (module, attr) in modules.items():
+            original = getattr(module, attr)
+            setattr(module, attr, self._timed(name, original))
+            self._undo.append(functools.partial(setattr, module, attr, original))
 
     def restore(self) -> None:
         while self._undo:
@@ -234,7 +242,7 @@ def run_mode(art: Path, mode: str, batch: int, args: argparse.Namespace, seed: i
             torch.cuda.empty_cache()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3-0.6b")
     parser.add_argument("--recipe", default="ptpc-fp8")
@@ -255,7 +263,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-gib", type=int, default=8, help="each engine's KV cache (and a draft model's)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/qspecprof"))
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")
     if args.artifact is not None:
@@ -300,6 +308,19 @@ def main() -> None:
             acc = row.get("speculative", {}).get("acceptance_rate", float("nan"))
             print(f"{mode[:40]:>16} {batch:>5} {row['ms_per_token_per_request']:>7.3f} {row['steps']:>5} {acc:>6.2f}  "
                   + " ".join(f"{v:.3f}" for v in ms.values()) + f"; {paths}", flush=True)  # fmt: skip
+            fine = (
+                "decode_graph",
+                "mixed_graph",
+                "prepare",
+                "run_nodes",
+                "bounds_work",
+                "capture_mixed",
+                "capture_decode",
+            )
+            per_call = {k: 1e3 * p[k]["ms_per_step"] * row["steps"] / 1e3 / p[k]["calls"] for k in fine if k in p}
+            print(
+                f"{'':>16} host ms a call: " + ", ".join(f"{k} {v:.3f} ({p[k]['calls']})" for k, v in per_call.items())
+            )
             if "torch_profile" in row:
                 tp = row["torch_profile"]
                 ops = ", ".join(f"{n} {o['calls_per_step']}" for n, o in list(tp["host_ops"].items())[:8])
