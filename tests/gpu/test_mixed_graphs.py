@@ -38,7 +38,7 @@ def test_mixed_steps_equal_the_piecewise_graphs(gpu_artifact, cuda, rng):
     runner = engine.runner
     mixed, replays = runner.mixed_graphs, []
     run = mixed.run
-    mixed.run = lambda feeds, meta: (replays.append(feeds["input_ids"].shape[0]), run(feeds, meta))[1]
+    mixed.run = lambda chunks, *args: (replays.append(sum(c.num_tokens for c in chunks)), run(chunks, *args))[1]
     block_size = runner.kv_cache.spec.block_size
     for chunks in _steps(rng, 200, block_size):  # ids below the tiny checkpoint's vocabulary
         got = runner.execute(chunks).float()
@@ -64,9 +64,9 @@ def test_an_engine_on_mixed_graphs_generates_the_models_greedy_choices(gpu_artif
     engine = qruntime.load(gpu_artifact, device=cuda, num_kv_blocks=256, max_num_batched_tokens=64)
     replays = []
     run = engine.runner.mixed_graphs.run
-    engine.runner.mixed_graphs.run = lambda feeds, meta: (
-        replays.append(feeds["input_ids"].shape[0]),
-        run(feeds, meta),
+    engine.runner.mixed_graphs.run = lambda chunks, *args: (
+        replays.append(sum(c.num_tokens for c in chunks)),
+        run(chunks, *args),
     )[1]
     outputs = engine.generate(prompts, params)
     # every prompt token was computed in a replayed step (beside decode rows, which add to the count)

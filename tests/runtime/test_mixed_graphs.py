@@ -16,6 +16,7 @@ from qruntime.engine.graph_capture import eager_capture
 from qruntime.engine.mixed_graphs import MixedGraphs, mixed_unfit_reason
 from qruntime.engine.model_runner import ModelRunner
 from qruntime.engine.piecewise_graphs import PiecewiseGraphs
+from qruntime.engine.step_chunk import pending
 from qruntime.ops import attention
 from qruntime.ops.triton_ops import PagedAttention as FastPagedAttention
 from qruntime.plan import Plan
@@ -42,9 +43,9 @@ class Counted:
     def __init__(self, graphs: MixedGraphs) -> None:
         self.steps, run = 0, graphs.run
 
-        def counted(feeds, meta):
+        def counted(*args, **kwargs):
             self.steps += 1
-            return run(feeds, meta)
+            return run(*args, **kwargs)
 
         graphs.run = counted
 
@@ -126,7 +127,7 @@ def test_the_runner_sends_each_step_where_it_fits(tiny_ckpt, compiled, rng, monk
     calls = []
     for name, graphs in (("mixed", runner.mixed_graphs), ("piecewise", runner.piecewise_graphs)):
         run = graphs.run
-        graphs.run = lambda feeds, meta, name=name, run=run: (calls.append(name), run(feeds, meta))[1]
+        graphs.run = lambda *args, name=name, run=run: (calls.append(name), run(*args))[1]
     eager_steps = []
     monkeypatch.setattr(FastPagedAttention, "prefers_eager", lambda op, meta: meta.query_start[-1] == 13)
     seqs = Sequences(rng, vocab, MAX_SEQS + 1, spec.block_size)
@@ -149,3 +150,31 @@ def test_plans_whose_attention_needs_the_host_are_refused(tiny_ckpt, compiled):
         MixedGraphs(reference, _caches(spec, random.Random(0))[0], (16,), BLOCKS, MAX_CONTEXT, 4, capture=eager_capture)
     per_tensor, _, _ = _fast_attention_plan(compiled(tiny_ckpt, "tensor-fp8"))
     assert "mixes rows" in mixed_unfit_reason(per_tensor)
+
+
+def test_pending_ids_and_every_row_of_some_chunks(tiny_ckpt, compiled, rng):
+    """A step whose chunks end on ids sampled by the step before, still on the device (async
+    scheduling: pending ids), and that wants every row's logits of some chunks (a speculative
+    verification): the eager plan's logits for the resolved ids, on the same rows."""
+    plan, spec, vocab = _fast_attention_plan(compiled(tiny_ckpt, "bf16"))
+    eager, mixed = _runners(plan, spec, (8, 32), rng)
+    count = 4
+    seqs = Sequences(rng, vocab, count, spec.block_size)
+    first = [seqs.chunk(s, rng.randint(2, 6)) for s in range(count)]
+    torch.testing.assert_close(mixed.execute(first), eager.execute(first), atol=1e-4, rtol=0)
+    sampled = torch.tensor([rng.randrange(vocab) for _ in range(count + 2)])
+    rows = rng.sample(range(count + 2), count)  # each chunk's last id is a row of `sampled`
+    resolved = [seqs.chunk(s, rng.randint(1, 5)) for s in range(count)]
+    chunks = [
+        dataclasses.replace(c, token_ids=(*c.token_ids[:-1], pending(row)))
+        for c, row in zip(resolved, rows, strict=True)
+    ]
+    resolved = [
+        dataclasses.replace(c, token_ids=(*c.token_ids[:-1], int(sampled[row])))
+        for c, row in zip(resolved, rows, strict=True)
+    ]
+    wide = [rng.random() < 0.5 for _ in range(count)]
+    want, got = eager.execute(resolved, all_logits=wide), mixed.execute(chunks, all_logits=wide, sampled=sampled)
+    assert got.shape == want.shape == (sum(c.num_tokens if w else 1 for c, w in zip(chunks, wide, strict=True)), vocab)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert _block_diff(eager.kv_cache, mixed.kv_cache) <= {BLOCKS}

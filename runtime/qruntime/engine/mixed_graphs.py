@@ -25,15 +25,18 @@ prompts, which cuDNN's attention runs faster: ops/triton_ops.py PagedAttention.p
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from itertools import accumulate
 
 import torch
 
 from qruntime.engine.graph_capture import Capture, cuda_capture
+from qruntime.engine.mixed_inputs import TOKEN_NAMES, MixedInputs
 from qruntime.engine.piecewise_graphs import qwen3_vl_inputs, smallest_bucket, unfit_reason
-from qruntime.engine.transfer import host_buffer
+from qruntime.engine.sampled_tokens import resolve_pending
+from qruntime.engine.step_chunk import StepChunk
 from qruntime.kv_cache import KVCache
-from qruntime.ops.base import AttentionMetadata, StepContext
+from qruntime.ops.base import AttentionMetadata, StepContext, TableSlots
 from qruntime.plan import GRAPH_INPUTS, Plan
 
 
@@ -51,8 +54,9 @@ def mixed_unfit_reason(plan: Plan) -> str | None:
 
 class MixedGraphs:
     """Whole-step graphs of `plan` for token counts up to max(buckets) and at most max_seqs sequences;
-    `run(feeds, meta)` fills the static inputs and replays the bucket (see the module docstring).
-    `capture` defaults to CUDA graphs in one new pool (cuda_capture); eager_capture runs anywhere."""
+    `run(chunks)` writes the step into the static inputs and replays the bucket (see the module
+    docstring). `capture` defaults to CUDA graphs in one new pool (cuda_capture); eager_capture runs
+    anywhere."""
 
     def __init__(
         self,
@@ -76,25 +80,33 @@ class MixedGraphs:
             raise ValueError(f"token buckets and max_seqs must be positive, got {list(buckets)} and {max_seqs}")
         self.plan, self.kv_cache = plan, kv_cache
         self.buckets, self.max_seqs = tuple(sorted(set(buckets))), max_seqs
+        self.max_context_len = max_context_len
         self.tail = plan.pieces()[-1]
         self.attention = [node.op for node in plan.nodes[: self.tail.start] if node.op.splits_graph]
         device = kv_cache.k[0].device
         block_size = kv_cache.spec.block_size
         # the attention kernels' work list, rewritten before each replay (Op.bounds_work); zeros: no work
-        size = max((op.bounds_work_size(b, max_seqs) for op in self.attention[:1] for b in self.buckets), default=0)
-        self.work = torch.zeros(size, dtype=torch.int32, device=device)
+        work = max((op.bounds_work_size(b, max_seqs) for op in self.attention[:1] for b in self.buckets), default=0)
+        size = self.buckets[-1]
+        self.host = MixedInputs(
+            size,
+            max_seqs,
+            -(-max_context_len // block_size),
+            work,
+            block_size,
+            scratch_block,
+            device.type == "cuda",
+            mrope,
+        )
+        self.wide, self.narrow = self.host.twin(device)  # the buffers the graphs read, as views below
+        views = self.host.views(self.wide, self.narrow)
+        self.work, self.logits_indices = views.pop("work"), views.pop("logits_indices")
+        self.inputs = {**views, **qwen3_vl_inputs(size, device, False, vision)}
         self.meta = AttentionMetadata((), (), (), max_context_len=max_context_len, bounds_only=True, work=self.work)
         self.padding = {"input_ids": 0, "positions": 0, "slot_mapping": scratch_block * block_size}
         self.scratch_block = scratch_block
-        max_blocks = -(-max_context_len // block_size)
-        size = self.buckets[-1]
-        self.inputs = {
-            **{name: torch.full((size,), pad, dtype=torch.int64, device=device) for name, pad in self.padding.items()},
-            "block_tables": torch.full((max_seqs, max_blocks), scratch_block, dtype=torch.int32, device=device),
-            "context_lens": torch.zeros(max_seqs, dtype=torch.int32, device=device),
-            "query_start_loc": torch.zeros(max_seqs + 1, dtype=torch.int32, device=device),  # no sequences
-            **qwen3_vl_inputs(size, device, mrope, vision),
-        }
+        # recorded after each step's copies out of the host buffers (on CPU the copies are done on return)
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None
         self._capture_with = capture if capture is not None else cuda_capture(torch.cuda.graph_pool_handle())
         self.graphs: dict[int, tuple[dict[str, torch.Tensor], object]] = {}
         for bucket in () if lazy else reversed(self.buckets):  # largest first: the smaller ones reuse its memory
@@ -122,15 +134,21 @@ class MixedGraphs:
     def bucket_for(self, tokens: int) -> int | None:
         return smallest_bucket(self.buckets, tokens)
 
-    def fits(self, feeds: Mapping[str, torch.Tensor], meta: AttentionMetadata) -> bool:
-        """Whether a step (ModelRunner.prepare's feeds and metadata) replays a mixed graph."""
-        tables = feeds["block_tables"].shape
-        return (
-            0 < feeds["input_ids"].shape[0] <= self.buckets[-1]
-            and tables[0] <= self.max_seqs
-            and tables[1] <= self.inputs["block_tables"].shape[1]
-            and not any(op.prefers_eager(meta) for op in self.attention[:1])  # every layer's op decides alike
-        )
+    def fits(self, chunks: Sequence[StepChunk]) -> bool:
+        """Whether a step replays a mixed graph: its tokens, sequences and block tables fit, and its
+        attention does not prefer an eager launch (fresh long prompts)."""
+        tokens = sum(c.num_tokens for c in chunks)
+        if not (
+            0 < tokens <= self.buckets[-1]
+            and len(chunks) <= self.max_seqs
+            and all(len(c.block_table) <= self.host.max_blocks for c in chunks)
+        ):
+            return False
+        if not self.attention:
+            return True
+        starts = (0, *accumulate(c.num_tokens for c in chunks))
+        meta = AttentionMetadata(starts, tuple(c.start + c.num_tokens for c in chunks), ())
+        return not self.attention[0].prefers_eager(meta)  # every layer's op decides alike
 
     def _feeds(self, bucket: int) -> dict[str, torch.Tensor]:
         return {name: buf[..., :bucket] if name in self.padding else buf for name, buf in self.inputs.items()}
@@ -147,29 +165,54 @@ class MixedGraphs:
 
         return capture(run_body)
 
-    def run(self, feeds: Mapping[str, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """Logits of a step (ModelRunner.prepare's feeds and metadata) that fits (the caller asked `fits`)."""
-        tokens, seqs = int(feeds["input_ids"].shape[0]), int(feeds["block_tables"].shape[0])
+    @torch.inference_mode()
+    def run(
+        self,
+        chunks: Sequence[StepChunk],
+        all_logits: bool | Sequence[bool] = False,
+        sampled: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits of a step that fits (the caller asked `fits`): each chunk's last row, or with
+        all_logits (one bool per chunk) every row of the chunks it marks (ModelRunner.prepare's rows).
+        `sampled`: the previous step's sampled ids, which the chunks' pending ids name by row."""
+        tokens, seqs = sum(c.num_tokens for c in chunks), len(chunks)
         bucket = self.bucket_for(tokens)
         if bucket is None or seqs > self.max_seqs:
             raise ValueError(f"a step of {tokens} tokens and {seqs} sequences fits no mixed graph")
         if bucket not in self.graphs:  # before the step's inputs are written: the capture resets them
             self.capture(bucket)
-        inputs = self.inputs
-        for name, pad in self.padding.items():
-            buf = inputs[name]
-            buf[..., :tokens].copy_(feeds[name])
-            buf[..., tokens:bucket].fill_(pad)
-        tables = feeds["block_tables"]
-        inputs["block_tables"][:seqs, : tables.shape[1]].copy_(tables)
-        inputs["context_lens"][:seqs].copy_(feeds["context_lens"])
-        inputs["query_start_loc"][: seqs + 1].copy_(feeds["query_start_loc"])
-        inputs["query_start_loc"][seqs + 1 :].fill_(tokens)  # empty sequences after the step's own
+        if self.copied is not None:
+            self.copied.synchronize()  # the last step's copies have read the host buffers
+        step = self.host.fill(chunks, bucket, all_logits)
+        tables = self.inputs["block_tables"][:seqs]
+        meta = AttentionMetadata(
+            step.query_start,
+            step.context_lens,
+            TableSlots(tables, step.context_lens, self.kv_cache.spec.block_size),
+            max_q_len=step.max_q_len,
+            max_context_len=self.max_context_len,
+        )
         if self.attention:
             work = self.attention[0].bounds_work(meta, bucket, self.max_seqs)
-            self.work[: work.size].copy_(host_buffer(work, self.work.device), non_blocking=True)
+            self.host.arrays["work"][: work.size] = work
+        wide, narrow = self.host.spans(seqs)
+        self.wide.copy_(wide, non_blocking=True)  # pinned: asynchronous
+        self.narrow[: narrow.numel()].copy_(narrow, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+        inputs = self.inputs
+        if sampled is not None:
+            ids = inputs["input_ids"][:tokens]
+            ids.copy_(resolve_pending(ids, sampled))
         outputs, replay = self.graphs[bucket]
         replay()
+        feeds = {name: inputs[name][..., :tokens] for name in TOKEN_NAMES}
+        feeds |= {
+            "logits_indices": self.logits_indices[: step.logit_rows],
+            "block_tables": tables,
+            "context_lens": inputs["context_lens"][:seqs],
+            "query_start_loc": inputs["query_start_loc"][: seqs + 1],
+        }
         tail = self.tail
         env = {**self.plan.weights, "": None}
         env.update((name, feeds[name]) for name in tail.reads if name in feeds)

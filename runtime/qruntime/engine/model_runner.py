@@ -24,6 +24,7 @@ from qruntime.engine.piecewise_graphs import PiecewiseGraphs
 from qruntime.engine.sampled_tokens import resolve_pending
 from qruntime.engine.sharded_sampler import VocabShard
 from qruntime.engine.step_chunk import StepChunk
+from qruntime.engine.step_rows import logit_rows, mrope_rows
 from qruntime.engine.transfer import pack
 from qruntime.kv_cache import KVCache
 from qruntime.ops.base import AttentionMetadata, StepContext, TableSlots
@@ -115,9 +116,9 @@ class ModelRunner:
             tables[b, : len(chunk.block_table)] = chunk.block_table
         wide = {
             "input_ids": np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64, tokens),
-            "positions": _mrope_rows(chunks, positions, starts) if self.mrope else positions,
+            "positions": mrope_rows(chunks, positions, starts) if self.mrope else positions,
             "slot_mapping": tables[seq, positions // bs].astype(np.int64) * bs + positions % bs,
-            "logits_indices": _logit_rows(all_logits, lens, starts, seq),
+            "logits_indices": logit_rows(all_logits, lens, starts, seq),
         }
         if self.vision is not None:  # [Nv, 1]: the step's rows holding image tokens
             rows = [starts[b] + np.asarray(c.vision_rows, np.int64) for b, c in enumerate(chunks) if c.vision_rows]
@@ -170,39 +171,15 @@ class ModelRunner:
         images = any(c.vision_rows for c in chunks)  # graphs were captured without image rows: eager
         if self.decode_graphs is not None and not every and not images and self.decode_graphs.fits(chunks, sampled):
             return self.decode_graphs.run(chunks, sampled)
+        mixed = self.mixed_graphs
+        if mixed is not None and all_logits is not True and not images and mixed.fits(chunks):
+            return mixed.run(chunks, all_logits, sampled)
         feeds, meta = self.prepare(chunks, all_logits)
         if sampled is not None:
             feeds["input_ids"] = resolve_pending(feeds["input_ids"], sampled)
         if images:
             return self.plan.run(StepContext(self.kv_cache, meta), feeds)
-        if all_logits is not True and self.mixed_graphs is not None and self.mixed_graphs.fits(feeds, meta):
-            return self.mixed_graphs.run(feeds, meta)
         piecewise = self.piecewise_graphs
         if piecewise is not None and all_logits is not True and piecewise.fits(len(feeds["input_ids"])):
             return piecewise.run(feeds, meta)
         return self.plan.run(StepContext(self.kv_cache, meta), feeds)
-
-
-def _mrope_rows(chunks: Sequence[StepChunk], positions: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """positions [3, T]: each token's position on all three axes, but a chunk's own M-RoPE rows where
-    it carries them (a request with images)."""
-    rows = np.repeat(positions[None], 3, axis=0)
-    for b, chunk in enumerate(chunks):
-        if chunk.mrope is not None:
-            rows[:, starts[b] : starts[b + 1]] = chunk.mrope
-    return rows
-
-
-def _logit_rows(all_logits: bool | Sequence[bool], lens: np.ndarray, starts: np.ndarray, seq: np.ndarray) -> np.ndarray:
-    """The step's token rows whose logits come back (see ModelRunner.prepare)."""
-    tokens = int(starts[-1])
-    if all_logits is True:
-        return np.arange(tokens)
-    if all_logits is False:
-        return starts[1:] - 1
-    every = np.asarray(all_logits, dtype=bool)
-    if every.shape != lens.shape:
-        raise ValueError(f"all_logits has {every.size} entries for {lens.size} chunks")
-    last = np.zeros(tokens, dtype=bool)
-    last[starts[1:] - 1] = True
-    return np.flatnonzero(every[seq] | last)
