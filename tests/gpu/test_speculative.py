@@ -2,9 +2,12 @@
 every method runs, verification steps included, and its greedy tokens are the model's own choices.
 In bf16 a verification step (several positions, piecewise graphs) and a decode step (one position,
 a decode graph) round differently, so plain and speculative greedy may part at a near-tie: each
-token chosen must be, teacher-forced, the argmax up to 2% of the largest logit (as the CPU tier's
-bf16 greedy test), and where a request's tokens first part from plain decoding's, plain's token
-must be such a near-tie too (after that the two continue from different texts)."""
+token chosen must be, teacher-forced, the argmax up to 4% of the largest logit (as
+test_mixed_graphs.py's check: the tiny random model's logits lie within ~1 of each other, where a
+bf16 ulp is 0.8%; at 198143a a verified token was 2.1% below the scored argmax, at bd49390 a mixed
+step's 2.5%, while a wrong row, sequence or context picks tokens tens of percent below it), and
+where a request's tokens first part from plain decoding's, plain's token must be such a near-tie
+too (after that the two continue from different texts)."""
 
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ def _check_greedy(engine, prompts, outputs, plain) -> None:
     for prompt, out, ref in zip(prompts, outputs, plain, strict=True):
         chosen, want = list(out.token_ids), list(ref.token_ids)
         logits = engine.score(prompt + chosen)[len(prompt) - 1 : -1]  # [n, V]
-        tie = 0.02 * float(logits.abs().max())
+        tie = 0.04 * float(logits.abs().max())
         margin = logits.max(-1).values - logits[torch.arange(len(chosen)), torch.tensor(chosen)]
         assert float(margin.max()) <= tie, "a token that is not the model's choice"
         parted = next((i for i, (a, b) in enumerate(zip(chosen, want, strict=True)) if a != b), None)

@@ -10,7 +10,9 @@ decode graphs, the step is written here in place and sent as it will be read.
 Layout: `wide` int64 [4 or 6, size]: input_ids, positions (one row, or three for M-RoPE),
 slot_mapping, logits_indices; `narrow` int32: context_lens [max_seqs], query_start_loc
 [max_seqs + 1], the attention work list [work], block_tables [max_seqs, max_blocks] last, so that a
-step copies the tables of its own sequences' rows and no more. Token rows past the step, up to its
+step copies the tables of its own sequences' rows and no more. Every input starts 16-byte aligned
+(rows and regions padded to it): Triton specializes a pointer on that alignment, and a misaligned
+view would launch kernel variants of their own, compiled mid-serving and not the ones prebuilt. Token rows past the step, up to its
 bucket, hold the padding (token 0 at position 0, writing the scratch block); sequence rows past it
 are empty (context 0, query_start_loc repeating the step's token count). A row's block table is
 written up to its length: what a longer table left after it is never read (every kernel stops at
@@ -30,6 +32,13 @@ from qruntime.engine.step_chunk import StepChunk
 from qruntime.engine.step_rows import logit_rows, mrope_rows
 
 TOKEN_NAMES = ("input_ids", "positions", "slot_mapping")
+ALIGN = 16  # bytes: where each input starts
+
+
+def _aligned(count: int, itemsize: int) -> int:
+    """count rounded up to a whole number of ALIGN bytes of `itemsize` items."""
+    step = ALIGN // itemsize
+    return -(-count // step) * step
 
 
 @dataclass(frozen=True)
@@ -61,8 +70,10 @@ class MixedInputs:
     ) -> None:
         self.size, self.max_seqs, self.max_blocks, self.work = size, max_seqs, max_blocks, work
         self.block_size, self.scratch_block, self.mrope = block_size, scratch_block, mrope
-        self.wide = torch.zeros(6 if mrope else 4, size, dtype=torch.int64, pin_memory=pin)
-        self.narrow = torch.zeros(2 * max_seqs + 1 + work + max_seqs * max_blocks, dtype=torch.int32, pin_memory=pin)
+        # narrow's regions: context_lens, query_start_loc, work, then the tables, each at an aligned start
+        self.starts = tuple(itertools.accumulate((_aligned(n, 4) for n in (max_seqs, max_seqs + 1, work)), initial=0))
+        self.wide = torch.zeros(6 if mrope else 4, _aligned(size, 8), dtype=torch.int64, pin_memory=pin)
+        self.narrow = torch.zeros(self.starts[-1] + max_seqs * max_blocks, dtype=torch.int32, pin_memory=pin)
         self.tensors = self.views(self.wide, self.narrow)
         self.tensors["block_tables"].fill_(scratch_block)
         self.tensors["slot_mapping"].fill_(scratch_block * block_size)
@@ -70,16 +81,16 @@ class MixedInputs:
 
     def views(self, wide: torch.Tensor, narrow: torch.Tensor) -> dict[str, torch.Tensor]:
         """The named inputs as views of a (wide, narrow) pair laid out as this one's (host or device)."""
-        seqs, rows = self.max_seqs, 3 if self.mrope else 1
-        tables = 2 * seqs + 1 + self.work
+        seqs, rows, size = self.max_seqs, 3 if self.mrope else 1, self.size
+        lens, starts, work, tables = self.starts
         return {
-            "input_ids": wide[0],
-            "positions": wide[1 : 1 + rows] if self.mrope else wide[1],
-            "slot_mapping": wide[1 + rows],
-            "logits_indices": wide[2 + rows],
-            "context_lens": narrow[:seqs],
-            "query_start_loc": narrow[seqs : 2 * seqs + 1],
-            "work": narrow[2 * seqs + 1 : tables],
+            "input_ids": wide[0, :size],
+            "positions": wide[1 : 1 + rows, :size] if self.mrope else wide[1, :size],
+            "slot_mapping": wide[1 + rows, :size],
+            "logits_indices": wide[2 + rows, :size],
+            "context_lens": narrow[lens : lens + seqs],
+            "query_start_loc": narrow[starts : starts + seqs + 1],
+            "work": narrow[work : work + self.work],
             "block_tables": narrow[tables:].view(seqs, self.max_blocks),
         }
 
@@ -90,7 +101,7 @@ class MixedInputs:
     def spans(self, seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What a step of `seqs` sequences copies into the twin, two contiguous spans: all of `wide`
         (a few int64 rows of `size`), and `narrow` up to the end of its sequences' block tables."""
-        return self.wide, self.narrow[: 2 * self.max_seqs + 1 + self.work + seqs * self.max_blocks]
+        return self.wide, self.narrow[: self.starts[-1] + seqs * self.max_blocks]
 
     def fill(self, chunks: Sequence[StepChunk], bucket: int, all_logits: bool | Sequence[bool] = False) -> MixedStep:
         """Write the step `chunks`, its token rows padded to `bucket`, into the host buffers (the work
