@@ -300,3 +300,35 @@ def test_kept_is_accepted_drafts_then_the_replacement_or_the_bonus():
         6: None,  # a verified row was not finite
         7: None,  # the row's own token was not finite
     }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_greedy_calls_accept_the_leading_argmax_matches(rng, dtype):
+    """A call of greedy rows alone (its own path, fewer device ops): accepted = the drafts equal to
+    their row's argmax before the first that is not, the replacement that row's argmax, ties going to
+    the first index as torch's argmax; padding rows (any logits, NaN included) never count and a
+    verified row's non-finite logits are flagged. Checked against a per-row Python reading."""
+    gen = _generator(rng)
+    vocab, width, batch = 9, 4, 64
+    logits = torch.randn(batch, width, vocab, generator=gen).to(dtype)
+    logits[rng.randrange(batch), rng.randrange(width), :3] = 5.0  # a three-way tie at the top
+    drafts, flagged = [], []
+    for b in range(batch):
+        k = rng.randint(1, width)
+        d, _ = _row_argmax_drafts(rng, logits[b].float(), k)
+        drafts.append(d)
+        if rng.random() < 0.2:  # padding past k: never read
+            logits[b, k:] = float("nan")
+        bad = rng.random() < 0.1
+        if bad:
+            logits[b, rng.randrange(k), rng.randrange(vocab)] = rng.choice([float("nan"), float("inf")])
+        flagged.append(bad)
+    verdicts = verify_drafts(logits, drafts, [SamplingParams()] * batch, [None] * batch)
+    accepted, replacement = verdicts.accepted.tolist(), verdicts.replacement.tolist()
+    for b, d in enumerate(drafts):
+        best = [int(torch.argmax(logits[b, j].float())) for j in range(len(d))]
+        m = next((j for j, (t, a) in enumerate(zip(d, best, strict=True)) if t != a), len(d))
+        assert accepted[b] == m, (b, d, best)
+        if m < len(d):
+            assert replacement[b] == best[m], b
+    assert verdicts.finite.tolist() == [not bad for bad in flagged]
