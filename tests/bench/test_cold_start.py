@@ -55,8 +55,11 @@ def test_rows_time_each_part_from_spawn_to_first_token_and_serve_to_ready(tiny_c
         # after the first token: the idle work (none on a CPU: no graphs), then the steady speed
         assert row["idle_work_s"] >= 0 and row["decode_ms_batch1"] > 0 and row["prefill_ms"] > 0
         assert row["prefill_tokens"] == min(2000, row["max_model_len"] - 2)
-        # serve loads the same engine and answers /health only once it can serve
-        assert row["serve_ready_s"] > row["load_seconds"]["total"]
+        # serve's time to its first 200 from /health (that it answers only once its engine process
+        # reported "ready" is tests/runtime/serve's to check). Not compared with this row's load: two
+        # processes timed against each other, which a loaded machine reorders (CI at 3cc04ee: serve
+        # ready in 3.47 s, the row's load 4.48 s)
+        assert row["serve_ready_s"] > 0
 
 
 def test_the_disk_read_covers_every_byte_of_the_artifact_once(tiny_ckpt, compiled, monkeypatch):

@@ -28,9 +28,9 @@ def test_an_artifact_is_profiled_per_step_with_its_host_ops(tiny_ckpt, compiled,
     assert report["artifact"] == str(art)
     rows = report["rows"]
     assert [(r["mode"], r["batch"]) for r in rows] == [("plain", 2), (method, 2)]
-    for row in rows:
+    for row, least in zip(rows, (12, 12 // 4), strict=True):  # a verification may keep k + 1 = 4 tokens
         parts = row["parts"]
-        assert row["tokens"] == 2 * 12 and parts["step"]["calls"] == row["steps"] >= 12, row
+        assert row["tokens"] == 2 * 12 and parts["step"]["calls"] == row["steps"] >= least, row
         assert parts["prepare"]["calls"] >= parts["eager"]["calls"] > 0  # CPU: every forward is an eager plan
         profile = row["torch_profile"]
         assert profile["tokens_per_prompt"] == 4 and profile["steps"] >= 4, profile
