@@ -242,11 +242,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     train.add_argument("--target-seconds", type=float, default=210, help="training time of the target")
     train.add_argument("--draft-seconds", type=float, default=75, help="training time of the draft")
+    train.add_argument(
+        "--target-steps", type=int, default=None, help="train the target exactly this many steps (not --target-seconds)"
+    )
+    train.add_argument(
+        "--draft-steps", type=int, default=None, help="train the draft exactly this many steps (not --draft-seconds)"
+    )
     train.add_argument("--recipe", default="ptpc-fp8", help="qcompile recipe of both artifacts (bf16, ...)")
     train.add_argument("--workdir", type=Path, default=Path("/tmp/spec_bench"))
     args = p.parse_args(argv)
     if (args.artifact is None) != args.train:
         p.error("give the target artifact, or --train (not both)")
+    for name in ("target_steps", "draft_steps"):
+        value = getattr(args, name)
+        if value is not None and (value < 1 or not args.train):
+            p.error(f"--{name.replace('_', '-')} {value}: a positive step count, with --train")
     args.batches = [int(b) for b in args.batches.split(",")]
     args.tasks = [t for t in args.tasks.split(",") if t]
     if unknown := set(args.tasks) - set(TASKS):
@@ -277,8 +287,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         began = time.perf_counter()
         log = lambda m: print(f"[{time.perf_counter() - began:6.1f}s] {m}", flush=True)  # noqa: E731
         seconds = {"target": args.target_seconds, "draft": args.draft_seconds}
+        steps = {name: n for name, n in (("target", args.target_steps), ("draft", args.draft_steps)) if n}
         report["training"] = train_pair(
-            TRAIN_PLANS[args.train_plan], args.workdir, torch.device(args.device), seconds, log
+            TRAIN_PLANS[args.train_plan], args.workdir, torch.device(args.device), seconds, log, steps=steps
         )
         artifacts = compile_pair(args.workdir, args.recipe, log)
         args.artifact, args.draft = artifacts["target"], artifacts["draft"]

@@ -85,10 +85,18 @@ TRAIN_PLANS = {
 
 
 def train_pair(
-    plan: TrainPlan, workdir: Path, device: torch.device, seconds: dict[str, float], log: Log, seed: int = 0
+    plan: TrainPlan,
+    workdir: Path,
+    device: torch.device,
+    seconds: dict[str, float],
+    log: Log,
+    seed: int = 0,
+    steps: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """Train the target and the draft under workdir (target/, draft/: HF checkpoints with the same
-    tokenizer files), each for about seconds[name]. Returns the record of the training."""
+    tokenizer files), each for about seconds[name], or for exactly steps[name] steps where given (no
+    probe: two runs then train the same models, up to the device's nondeterminism, where a time
+    budget gives as many steps as the machine of the day manages). Returns the record of the training."""
     import transformers
     from tokenizers import Tokenizer
 
@@ -121,10 +129,15 @@ def train_pair(
     for name, config in configs.items():
         lr = plan.target_lr if name == "target" else plan.draft_lr
         cfg = _config(dirs[name], plan, lr, steps=20, seed=seed)
-        step_s = _probe_step_seconds(config, stream, windows, cfg, device, log)
-        steps = max(8, int(seconds[name] / step_s))
-        cfg = replace(cfg, steps=steps, warmup=min(100, steps // 10), eval_every=max(1, steps // 4))
-        log(f"{name}: {step_s * 1e3:.0f} ms a step -> {steps} steps for {seconds[name]:.0f} s")
+        given = (steps or {}).get(name)
+        if given is not None:
+            count = given
+            log(f"{name}: {count} steps, as given")
+        else:
+            step_s = _probe_step_seconds(config, stream, windows, cfg, device, log)
+            count = max(8, int(seconds[name] / step_s))
+            log(f"{name}: {step_s * 1e3:.0f} ms a step -> {count} steps for {seconds[name]:.0f} s")
+        cfg = replace(cfg, steps=count, warmup=min(100, count // 10), eval_every=max(1, count // 4))
         model = _model(config, device, seed)
         stats = trainer.train(model, stream, windows, cfg, log)
         (dirs[name] / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -135,6 +148,7 @@ def train_pair(
             "parameters": sum(p.numel() for p in model.parameters()),
             "shape": asdict(getattr(plan, name)),
             "train_config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+            "steps_from": "given" if given is not None else f"a {seconds[name]:g} s budget",
             "tokens_seen": cfg.steps * cfg.batch_size * cfg.seq_len,
             "final_train_loss": round(stats["final_train_loss"], 4),
             "heldout_perplexity": round(math.exp(nll), 3),

@@ -57,3 +57,35 @@ def test_edit_prompts_end_with_the_marker_and_the_functions_first_line():
     assert decode(edit.copy) == code.removeprefix("def f(self, x):")
     with pytest.raises(SystemExit, match="only 0 held-out functions"):
         spec_prompts.edit_prompts(encode, decode, sources, count=1, max_tokens=200, longest=400)
+
+
+def test_given_step_counts_train_without_a_probe(tmp_path, monkeypatch):
+    """--target-steps / --draft-steps: each model trains exactly that many steps and no step is timed
+    first (a time budget's count depends on the machine of the day), recorded in the training's
+    record; the tiny plan on CPU."""
+    import spec_train
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("a probe ran though the steps were given")
+
+    monkeypatch.setattr(spec_train, "_probe_step_seconds", no_probe)
+    seconds = {"target": 1.0, "draft": 1.0}
+    record = spec_train.train_pair(
+        spec_train.TRAIN_PLANS["tiny"],
+        tmp_path,
+        spec_bench.torch.device("cpu"),
+        seconds,
+        print,
+        steps={"target": 3, "draft": 2},
+    )
+    for name, steps in (("target", 3), ("draft", 2)):
+        assert record[name]["train_config"]["steps"] == steps and record[name]["steps_from"] == "given", record[name]
+        assert (tmp_path / name / "config.json").is_file()
+
+
+@pytest.mark.parametrize("argv", [["--target-steps", "0", "--train"], ["--draft-steps", "5"]], ids=["zero", "no-train"])
+def test_step_counts_are_refused_unless_positive_and_training(tmp_path, capsys, argv):
+    extra = [] if "--train" in argv else [str(tmp_path)]
+    with pytest.raises(SystemExit) as info:
+        spec_bench.parse_args([*extra, *argv])
+    assert info.value.code == 2 and "a positive step count, with --train" in capsys.readouterr().err
