@@ -81,29 +81,28 @@ def bounds_work(query_start: Sequence[int], context_lens: Sequence[int], tokens:
     of `tokens` rows and `seqs` sequence rows, int32 [work_size]: a header (the prompts' tile count,
     the decode count, the step's rows, 0), the decodes' sequence indices (the decode kernel's, seqs
     slots), then each tile's sequence and tile index (bounds_tiles slots each), heaviest tile first
-    (the most cached positions to walk)."""
-    starts = np.asarray(query_start, dtype=np.int64)
-    q_lens = np.diff(starts)
-    if len(q_lens) > seqs or starts[-1] > tokens:
-        raise ValueError(f"a step of {len(q_lens)} sequences and {starts[-1]} rows exceeds {seqs} and {tokens}")
-    decodes = np.flatnonzero(q_lens == 1)
-    prompts = np.flatnonzero(q_lens > 1)
-    counts = -(-q_lens[prompts] // BOUNDS_BLOCK_M)
-    seq = np.repeat(prompts, counts)
-    tile = np.arange(len(seq)) - np.repeat(np.cumsum(counts) - counts, counts)
-    ends = (
-        np.asarray(context_lens, dtype=np.int64)[seq]
-        - q_lens[seq]
-        + np.minimum((tile + 1) * BOUNDS_BLOCK_M, q_lens[seq])
-    )
-    order = np.argsort(-ends, kind="stable")
+    (the most cached positions to walk). Built in plain Python, a step's host time: for a verification
+    step of one sequence 6 us against numpy's 32 (a dozen array ops' fixed costs), 21 against 40 at
+    64 sequences, 64 against 55 at 256 (this repository's CI-class CPU)."""
+    q_lens = [end - start for start, end in zip(query_start[:-1], query_start[1:], strict=True)]
+    if len(q_lens) > seqs or query_start[-1] > tokens:
+        raise ValueError(f"a step of {len(q_lens)} sequences and {query_start[-1]} rows exceeds {seqs} and {tokens}")
+    decodes = [b for b, n in enumerate(q_lens) if n == 1]
+    block = BOUNDS_BLOCK_M
+    tiles = [  # (cached positions the tile walks, sequence, tile), for every tile of every prompt
+        (context_lens[b] - n + min((t + 1) * block, n), b, t)
+        for b, n in enumerate(q_lens)
+        if n > 1
+        for t in range(-(-n // block))
+    ]
+    tiles.sort(key=lambda tile: -tile[0])  # stable: ties keep the step's order
     grid = bounds_tiles(tokens, seqs)
     work = np.zeros(work_size(tokens, seqs), dtype=np.int32)
-    work[:3] = (len(seq), len(decodes), starts[-1])
+    work[:3] = (len(tiles), len(decodes), query_start[-1])
     work[WORK_HEADER : WORK_HEADER + len(decodes)] = decodes
     base = WORK_HEADER + seqs
-    work[base : base + len(seq)] = seq[order]
-    work[base + grid : base + grid + len(seq)] = tile[order]
+    work[base : base + len(tiles)] = [b for _, b, _ in tiles]
+    work[base + grid : base + grid + len(tiles)] = [t for _, _, t in tiles]
     return work
 
 
