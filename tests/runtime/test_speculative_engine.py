@@ -74,7 +74,9 @@ def test_prompt_lookup_greedy_equals_plain_decoding(request, fixture, compiled, 
     spec = engine.generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     stats = engine.speculative_stats
-    assert stats.verifications > 0 and 0 < stats.accepted < stats.drafted, stats  # some right, some wrong
+    # some right; whether any is wrong is the random weights' luck (CI at 78f089f: 18 of 18 right, seed
+    # 342566018), so rejections are test_scripted_drafts_of_any_acceptance_give_plain_greedy's to cover
+    assert stats.verifications > 0 and 0 < stats.accepted <= stats.drafted, stats
     assert stats.tokens_per_verification > 1
     assert engine.scheduler.block_manager.num_used_blocks == 0
 
