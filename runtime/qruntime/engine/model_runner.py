@@ -19,13 +19,14 @@ import numpy as np
 import torch
 
 from qruntime.engine.cuda_graphs import DecodeGraphs
+from qruntime.engine.decode_rows import DECODE_ROWS_CONTEXT, decode_rows
 from qruntime.engine.mixed_graphs import MixedGraphs
 from qruntime.engine.piecewise_graphs import PiecewiseGraphs
 from qruntime.engine.sampled_tokens import resolve_pending
 from qruntime.engine.sharded_sampler import VocabShard
 from qruntime.engine.step_chunk import StepChunk
 from qruntime.engine.step_rows import logit_rows, mrope_rows
-from qruntime.engine.transfer import pack
+from qruntime.engine.transfer import device_tensor, pack
 from qruntime.kv_cache import KVCache
 from qruntime.ops.base import AttentionMetadata, StepContext, TableSlots
 from qruntime.plan import Plan
@@ -60,6 +61,8 @@ class ModelRunner:
         # [Nv, width] of the compute dtype fed with their rows (Nv = 0 in a step without image tokens)
         self.mrope = mrope
         self.vision = vision
+        # chunks of a few tokens ending at most this far in are run as decode rows (engine/decode_rows.py)
+        self.decode_rows_context = DECODE_ROWS_CONTEXT
         # start-up work a load left for later (graphs captured at first use: qruntime.rank): the warm-up
         # steps, run by idle_work once every graph is captured
         self.warm_up: Callable[[], None] | None = None
@@ -169,8 +172,14 @@ class ModelRunner:
         (step_chunk.pending) name by row. With a vocab_shard, the logits are this rank's columns."""
         every = all_logits if isinstance(all_logits, bool) else any(all_logits)
         images = any(c.vision_rows for c in chunks)  # graphs were captured without image rows: eager
-        if self.decode_graphs is not None and not every and not images and self.decode_graphs.fits(chunks, sampled):
-            return self.decode_graphs.run(chunks, sampled)
+        decode = self.decode_graphs
+        if decode is not None and not every and not images and decode.fits(chunks, sampled):
+            return decode.run(chunks, sampled)
+        if decode is not None and not images:  # short chunks (verifications): one decode row per token
+            rows = decode_rows(chunks, all_logits, self.decode_rows_context)
+            if rows is not None and decode.fits(rows.chunks, sampled):
+                logits = decode.run(rows.chunks, sampled)
+                return logits if rows.keep is None else logits[device_tensor(rows.keep, torch.int64, logits.device)]
         mixed = self.mixed_graphs
         if mixed is not None and all_logits is not True and not images and mixed.fits(chunks):
             return mixed.run(chunks, all_logits, sampled)
