@@ -62,9 +62,12 @@ def test_every_method_on_the_fast_path(gpu_artifact, cuda, rng, method):
     outputs = engine.generate(prompts, params)
     assert all(len(o.token_ids) == 48 for o in outputs)
     stats = engine.speculative_stats
-    assert stats.verifications > 0 and stats.accepted > 0, stats
+    assert stats.verifications > 0 and stats.drafted > 0, stats
+    # the same model drafts: only bf16 near-ties reject. The other drafts of this random model may all
+    # be wrong (0 of 24 layer-skip drafts were right at 0263c94, torch seed 217098246): the verification
+    # path still ran, and the greedy check below holds either way
     if method == "draft-model":
-        assert stats.acceptance_rate > 0.8, stats  # the same model drafts: only bf16 near-ties reject
+        assert stats.acceptance_rate > 0.8, stats
     _check_greedy(engine, prompts, outputs, plain)
     sampled = [SamplingParams(max_tokens=32, temperature=0.8, seed=rng.randrange(1 << 30)) for _ in prompts]
     assert all(o.finish_reason in ("length", "stop") for o in engine.generate(prompts, sampled))
