@@ -32,6 +32,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import safetensors.torch
 import tokenizers
 import torch
@@ -295,14 +296,17 @@ def train(
     return {"final_train_loss": sum(recent) / len(recent), "train_seconds": time.perf_counter() - start}
 
 
-def token_stream(tokenizer: Tokenizer, texts: Sequence[str], vocab_size: int) -> torch.Tensor:
+def token_stream(tokenizer: Tokenizer, texts: Sequence[str], vocab_size: int, chunk: int = 512) -> torch.Tensor:
     """The training texts' token ids in one stream, each text followed by <|endoftext|> (int16 when
-    the vocabulary fits)."""
+    the vocabulary fits). Encoded `chunk` texts at a time into an array each: a corpus of tens of
+    millions of tokens never lives as Python ints or as all its Encoding objects at once."""
     eot = tokenizer.token_to_id(ENDOFTEXT)
-    ids: list[int] = []
-    for encoding in tokenizer.encode_batch(list(texts), add_special_tokens=False):
-        ids += [*encoding.ids, eot]
-    return torch.tensor(ids, dtype=torch.int16 if vocab_size <= 32767 else torch.int32)
+    dtype = np.int16 if vocab_size <= 32767 else np.int32
+    parts = [np.zeros(0, dtype=dtype)]
+    for i in range(0, len(texts), chunk):
+        for encoding in tokenizer.encode_batch(list(texts[i : i + chunk]), add_special_tokens=False):
+            parts.append(np.array([*encoding.ids, eot], dtype=dtype))
+    return torch.from_numpy(np.concatenate(parts))
 
 
 def save_weights(model: torch.nn.Module, out: Path) -> None:
