@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import qruntime  # noqa: E402
 from compile_bench import gpu_report_header, report_header  # noqa: E402
+from qruntime.engine.decode_rows import decode_rows  # noqa: E402
 from qruntime.engine.step_chunk import StepChunk  # noqa: E402
 
 PREFILL_CHUNK = 2048  # tokens of a sequence's context computed a step
@@ -62,6 +63,8 @@ def cell(engine: Any, batch: int, context: int, drafts: int, repeats: int, rng: 
         raise SystemExit(
             f"batch {batch} at context {context} needs {batch * per_seq} KV blocks: give more --kv-cache-gib"
         )
+    if runner.decode_graphs is None:
+        raise SystemExit("verify_rows_bench times CUDA graphs: run it on a GPU (--device cuda)")
     tables = [tuple(range(1 + s * per_seq, 1 + (s + 1) * per_seq)) for s in range(batch)]
     vocab = engine.vocab_size
     tokens = [[rng.randrange(vocab) for _ in range(context + drafts + 1)] for _ in range(batch)]
@@ -72,14 +75,23 @@ def cell(engine: Any, batch: int, context: int, drafts: int, repeats: int, rng: 
     n = drafts + 1
     verify = [StepChunk(tuple(tokens[s][context : context + n]), context, tables[s]) for s in range(batch)]
     decode = [StepChunk((tokens[s][context],), context, tables[s]) for s in range(batch)]
-    default = runner.decode_rows_context
+    replays, run = [], runner.decode_graphs.run
+    runner.decode_graphs.run = lambda rows, *a: (replays.append(len(rows)), run(rows, *a))[1]
+    limits = runner.decode_rows_reads, runner.decode_rows_max
     row: dict[str, Any] = {"batch": batch, "context": context, "drafts": drafts}
-    runner.decode_rows_context = context + n
+    runner.decode_rows_reads, runner.decode_rows_max = 1 << 62, batch * n  # every verification as decode rows
     row["decode_rows_ms"] = time_steps(runner, verify, [True] * batch, repeats)
-    runner.decode_rows_context = 0
+    took_rows = replays.count(batch * n) == repeats + 2
+    runner.decode_rows_reads = 0  # never: the mixed graph
+    replays.clear()
     row["mixed_ms"] = time_steps(runner, verify, [True] * batch, repeats)
-    runner.decode_rows_context = default
+    took_mixed = not replays
+    runner.decode_rows_reads, runner.decode_rows_max = limits
     row["decode_ms"] = time_steps(runner, decode, False, repeats)
+    row["default_path"] = "decode rows" if decode_rows(verify, [True] * batch, *limits) else "mixed"
+    runner.decode_graphs.run = run
+    if not (took_rows and took_mixed):
+        raise SystemExit(f"batch {batch}, context {context}: a timed step did not take the path it timed")
     return row
 
 
@@ -92,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--contexts", default="256,1024,4096")
     p.add_argument("--drafts", type=int, default=4, help="k: a verification step computes k + 1 tokens a request")
     p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--device", default="cuda", help="cpu: the reference ops and no graphs (a smoke test only)")
+    p.add_argument("--device", default="cuda", help="a CUDA device (the paths it times are CUDA graphs)")
     p.add_argument("--kv-cache-gib", type=float, default=16)
     p.add_argument("--workdir", type=Path, default=Path("/tmp/qverifyrows"))
     p.add_argument("--out", type=Path, default=None)
@@ -131,13 +143,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         **memory,
     )
     report["engine"] = {k: engine.description.get(k) for k in ("backend", "cuda_graphs", "mixed_graphs", "kv_cache")}
-    print(f"{'batch':>5} {'context':>7} {'decode rows':>11} {'mixed':>7} {'decode':>7}  (ms a step, k={args.drafts})")
+    print(
+        f"{'batch':>5} {'context':>7} {'decode rows':>11} {'mixed':>7} {'decode':>7} default (ms a step, k={args.drafts})"
+    )
     for batch in batches:
         for context in contexts:
             row = cell(engine, batch, context, args.drafts, args.repeats, rng)
             report["rows"].append(row)
             print(
-                f"{batch:>5} {context:>7} {row['decode_rows_ms']:>11.3f} {row['mixed_ms']:>7.3f} {row['decode_ms']:>7.3f}",
+                f"{batch:>5} {context:>7} {row['decode_rows_ms']:>11.3f} {row['mixed_ms']:>7.3f} {row['decode_ms']:>7.3f} "
+                f"{row['default_path']}",
                 flush=True,
             )
     engine.close()

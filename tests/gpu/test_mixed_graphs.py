@@ -36,7 +36,7 @@ def test_mixed_steps_equal_the_piecewise_graphs(gpu_artifact, cuda, rng):
     engine = qruntime.load(gpu_artifact, device=cuda, num_kv_blocks=256, prefix_cache=False)
     assert "mixed_graphs" in engine.description, engine.description
     runner = engine.runner
-    runner.decode_rows_context = 0  # short chunks stay on the mixed graphs (tests/gpu/test_decode_rows.py)
+    runner.decode_rows_reads = 0  # short chunks stay on the mixed graphs (tests/gpu/test_decode_rows.py)
     mixed, replays = runner.mixed_graphs, []
     run = mixed.run
     mixed.run = lambda chunks, *args: (replays.append(sum(c.num_tokens for c in chunks)), run(chunks, *args))[1]
@@ -63,7 +63,7 @@ def test_an_engine_on_mixed_graphs_generates_the_models_greedy_choices(gpu_artif
     prompts = [[rng.randrange(200) for _ in range(rng.randint(20, 150))] for _ in range(6)]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     engine = qruntime.load(gpu_artifact, device=cuda, num_kv_blocks=256, max_num_batched_tokens=64)
-    engine.runner.decode_rows_context = 0  # a prompt's last short chunk stays on the mixed graphs
+    engine.runner.decode_rows_reads = 0  # a prompt's last short chunk stays on the mixed graphs
     replays = []
     run = engine.runner.mixed_graphs.run
     engine.runner.mixed_graphs.run = lambda chunks, *args: (

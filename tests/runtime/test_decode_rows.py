@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 from qruntime.engine.cuda_graphs import DecodeGraphs
-from qruntime.engine.decode_rows import MAX_ROWS_PER_CHUNK, decode_rows
+from qruntime.engine.decode_rows import MAX_ROWS, MAX_ROWS_PER_CHUNK, decode_rows
 from qruntime.engine.graph_capture import eager_capture
 from qruntime.engine.model_runner import ModelRunner
 from qruntime.engine.step_chunk import StepChunk, pending
@@ -23,7 +23,7 @@ def test_each_token_becomes_a_row_at_its_position_on_the_chunks_table():
     verify = StepChunk((7, 8, 9), 40, (3, 5, 6))
     decode = StepChunk((4,), 12, (1,))
     catch_up = StepChunk((5, 6), 20, (2, 9))
-    rows = decode_rows([verify, decode, catch_up], [True, False, False], max_context=64)
+    rows = decode_rows([verify, decode, catch_up], [True, False, False], max_reads=3 * 43 + 2 * 22)
     assert [(r.token_ids, r.start, r.block_table) for r in rows.chunks] == [
         ((7,), 40, (3, 5, 6)),
         ((8,), 41, (3, 5, 6)),
@@ -33,26 +33,34 @@ def test_each_token_becomes_a_row_at_its_position_on_the_chunks_table():
         ((6,), 21, (2, 9)),
     ]
     assert rows.keep == (0, 1, 2, 3, 5)  # every row of the verification, the last of the others
-    assert decode_rows([verify, decode], [True, True], 64).keep is None
-    assert decode_rows([catch_up], False, 64).keep == (1,)
+    assert decode_rows([verify, decode], [True, True], 1000).keep is None
+    assert decode_rows([catch_up], False, 1000).keep == (1,)
 
 
 def test_m_rope_positions_split_by_row():
     axes = ((10, 11), (20, 21), (30, 31))
-    rows = decode_rows([StepChunk((1, 2), 10, (0,), axes)], [True], 64)
+    rows = decode_rows([StepChunk((1, 2), 10, (0,), axes)], [True], 1000)
     assert [r.mrope for r in rows.chunks] == [((10,), (20,), (30,)), ((11,), (21,), (31,))]
 
 
-def test_chunks_that_are_prefill_work_are_not_split():
+def test_steps_whose_rows_read_too_much_are_not_split():
+    """A chunk of n tokens ending at position e reads n * e context positions as rows; decode rows
+    (one token) count nothing: a plain decode step reads as much either way."""
+    verify, other = StepChunk((1, 2, 3), 40, (0, 1, 2)), StepChunk((4, 5), 20, (3, 4))
+    reads = 3 * 43 + 2 * 22
+    assert decode_rows([verify, other], False, reads) is not None
+    assert decode_rows([verify, other], False, reads - 1) is None
+    assert decode_rows([StepChunk((1,), 999, (0,) * 63), verify], False, 3 * 43) is not None
     long = StepChunk(tuple(range(MAX_ROWS_PER_CHUNK + 1)), 0, (0, 1))
-    assert decode_rows([long], False, 64) is None
-    assert decode_rows([StepChunk((1, 2), 63, (0, 1))], False, 64) is None  # ends past max_context
-    assert decode_rows([StepChunk((1,), 99, (0, 1, 2, 3))], False, 64) is not None  # a decode row is never refused
-    assert decode_rows([StepChunk((1, 2), 62, (0, 1))], False, 64) is not None
-    assert decode_rows([StepChunk((1, 2), 0, (0,), vision_rows=(0,))], False, 64) is None
-    assert decode_rows([StepChunk((1, 2), 0, (0,))], True, 64) is None  # a scoring pass
+    assert decode_rows([long], False, 10**9) is None
+    many = [StepChunk((1, 2), 2 * i, (i,)) for i in range(MAX_ROWS // 2)]
+    assert len(decode_rows(many, False, 10**9).chunks) == MAX_ROWS
+    assert decode_rows([*many, StepChunk((1,), 0, (0,))], False, 10**9) is None
+    assert decode_rows(many, False, 10**9, max_rows=MAX_ROWS - 1) is None
+    assert decode_rows([StepChunk((1, 2), 0, (0,), vision_rows=(0,))], False, 10**9) is None
+    assert decode_rows([StepChunk((1, 2), 0, (0,))], True, 10**9) is None  # a scoring pass
     with pytest.raises(ValueError, match="2 entries for 1 chunks"):
-        decode_rows([StepChunk((1, 2), 0, (0,))], [True, False], 64)
+        decode_rows([StepChunk((1, 2), 0, (0,))], [True, False], 10**9)
 
 
 class _Counted:
@@ -103,7 +111,7 @@ def test_verification_steps_on_decode_graphs_equal_the_eager_plan(tiny_ckpt, com
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=lambda m, sizes=sizes: f"chunks {sizes}: {m}")
         assert _block_diff(eager_cache, graph_cache) <= {BLOCKS}
     assert counted.rows == steps  # each step replayed a decode graph, a row per token
-    runner.decode_rows_context = 0  # no chunk of several tokens is split now: an eager step
+    runner.decode_rows_reads = 0  # no chunk of several tokens is split now: an eager step
     chunks = [seqs.chunk(0, 2)]
     torch.testing.assert_close(runner.execute(chunks, [True]), eager.execute(chunks, [True]), atol=1e-4, rtol=0)
     assert len(counted.rows) == 4

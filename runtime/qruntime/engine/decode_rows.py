@@ -9,7 +9,14 @@ host work (its work list, the eager logits tail) and runs the decode kernel, whi
 decoding runs, so a verified row's logits are computed as a decode step's would be.
 
 The cost is attention's reads: every row reads its whole context, where one query tile of the prefill
-kernel reads it once for the chunk. `max_context` bounds the contexts of the chunks split this way.
+kernel reads it once for the chunk; and a decode graph of many rows runs GEMMs no faster than the
+mixed graph's. Measured on an H200 (bench/verify_rows_bench.py, qwen3-0.6b synthetic ptpc-fp8, k = 4,
+each step waited for, ms decode rows / mixed graph): 1 request at context 128 1.20 / 2.29, at 8192
+3.06 / 9.04 (the prefill kernel reads a long context for 5 queries without splitting it); 8 requests
+at 512 2.14 / 2.49, at 2048 5.41 / 4.29; 32 requests at 128 3.24 / 2.88. Hence the bounds: at most
+MAX_ROWS rows, and at most `max_reads` context positions read by the rows of split chunks together
+(DECODE_ROWS_READS: between 8 x 5 x 512 = 20K, faster, and 8 x 5 x 2048 = 82K, slower; one request
+at 8192, 41K, was 3x faster).
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ from dataclasses import dataclass
 from qruntime.engine.step_chunk import StepChunk
 
 MAX_ROWS_PER_CHUNK = 16  # longer chunks are prefill work: the mixed or piecewise graphs run them
-DECODE_ROWS_CONTEXT = 2048  # the model runner's max_context
+MAX_ROWS = 64  # 160 rows (32 requests) were slower than the mixed graph even at context 128
+DECODE_ROWS_READS = 48 * 1024  # the model runner's max_reads (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -31,9 +39,12 @@ class DecodeRows:
     keep: tuple[int, ...] | None
 
 
-def decode_rows(chunks: Sequence[StepChunk], all_logits: bool | Sequence[bool], max_context: int) -> DecodeRows | None:
-    """`chunks` as one-token rows, or None when some chunk cannot be split: longer than
-    MAX_ROWS_PER_CHUNK, ending past `max_context` with more than one token, or holding image rows.
+def decode_rows(
+    chunks: Sequence[StepChunk], all_logits: bool | Sequence[bool], max_reads: int, max_rows: int = MAX_ROWS
+) -> DecodeRows | None:
+    """`chunks` as one-token rows, or None when they are not worth it: more than max_rows rows, a chunk
+    longer than MAX_ROWS_PER_CHUNK or holding image rows, or the rows of chunks of several tokens
+    reading more than `max_reads` context positions together.
     all_logits (False, or one bool per chunk; True is refused: a scoring pass's rows are whole prompts)
     says which chunks want every row's logits; the others want their last row's. `keep` lists the
     rows to return, in step order (ModelRunner.prepare's rows), or is None when that is every row."""
@@ -42,11 +53,16 @@ def decode_rows(chunks: Sequence[StepChunk], all_logits: bool | Sequence[bool], 
     every = [False] * len(chunks) if all_logits is False else list(all_logits)
     if len(every) != len(chunks):
         raise ValueError(f"all_logits has {len(every)} entries for {len(chunks)} chunks")
+    if sum(c.num_tokens for c in chunks) > max_rows:
+        return None
     rows: list[StepChunk] = []
     keep: list[int] = []
+    reads = 0
     for chunk, wide in zip(chunks, every, strict=True):
         n = chunk.num_tokens
-        if n > MAX_ROWS_PER_CHUNK or chunk.vision_rows or (n > 1 and chunk.start + n > max_context):
+        if n > 1:
+            reads += n * (chunk.start + n)
+        if n > MAX_ROWS_PER_CHUNK or chunk.vision_rows or reads > max_reads:
             return None
         first = len(rows)
         if n == 1:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from qruntime.engine.cuda_graphs import DecodeGraphs
-from qruntime.engine.decode_rows import DECODE_ROWS_CONTEXT, decode_rows
+from qruntime.engine.decode_rows import DECODE_ROWS_READS, MAX_ROWS, decode_rows
 from qruntime.engine.mixed_graphs import MixedGraphs
 from qruntime.engine.piecewise_graphs import PiecewiseGraphs
 from qruntime.engine.sampled_tokens import resolve_pending
@@ -61,8 +61,9 @@ class ModelRunner:
         # [Nv, width] of the compute dtype fed with their rows (Nv = 0 in a step without image tokens)
         self.mrope = mrope
         self.vision = vision
-        # chunks of a few tokens ending at most this far in are run as decode rows (engine/decode_rows.py)
-        self.decode_rows_context = DECODE_ROWS_CONTEXT
+        # steps of short chunks whose rows read at most this many context positions run as decode rows
+        # (engine/decode_rows.py; 0: never)
+        self.decode_rows_reads, self.decode_rows_max = DECODE_ROWS_READS, MAX_ROWS
         # start-up work a load left for later (graphs captured at first use: qruntime.rank): the warm-up
         # steps, run by idle_work once every graph is captured
         self.warm_up: Callable[[], None] | None = None
@@ -176,7 +177,7 @@ class ModelRunner:
         if decode is not None and not every and not images and decode.fits(chunks, sampled):
             return decode.run(chunks, sampled)
         if decode is not None and not images:  # short chunks (verifications): one decode row per token
-            rows = decode_rows(chunks, all_logits, self.decode_rows_context)
+            rows = decode_rows(chunks, all_logits, self.decode_rows_reads, self.decode_rows_max)
             if rows is not None and decode.fits(rows.chunks, sampled):
                 logits = decode.run(rows.chunks, sampled)
                 return logits if rows.keep is None else logits[device_tensor(rows.keep, torch.int64, logits.device)]
