@@ -231,7 +231,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=None, help="prompts per cell (default: the largest batch)")
     p.add_argument("--prompt-tokens", type=int, default=256, help="tokens of each free-generation prompt")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt")
-    p.add_argument("--num-draft-tokens", type=int, default=4, help="k: the most drafts a step verifies")
+    p.add_argument(
+        "--num-draft-tokens", type=int, default=None, help="k: the most drafts a step verifies (default: the method's)"
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (outputs must equal plain ones)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="compute dtype (default: the artifact's on a GPU, float32 on CPU)")

@@ -130,7 +130,7 @@ def test_serve_speculative_reaches_the_engine_process(art, plain, rng):
         "--max-model-len",
         "128",
     ) as server:
-        assert "speculative prompt-lookup, up to 4 draft tokens" in server.stderr  # the load line
+        assert "speculative prompt-lookup, up to 12 draft tokens" in server.stderr  # the load line
         assert _spec_metrics(metrics(server.url))["qruntime_spec_decode_draft_tokens_total"] == 0
         _check_counts(*_serve_until_accepted(server.url, plain, rng))
 

@@ -49,6 +49,15 @@ def test_parse_good_strings(text, expected):
     assert SpeculativeConfig.parse(text) == expected
 
 
+def test_each_method_has_its_default_k():
+    """Prompt lookup drafts 12 unless told (its drafts cost no model step); the model drafters 4."""
+    assert SpeculativeConfig().num_tokens == SpeculativeConfig.parse("prompt-lookup").num_tokens == 12
+    assert SpeculativeConfig("draft-model", draft_model="/d").num_tokens == 4
+    assert SpeculativeConfig("layer-skip").num_tokens == 4
+    assert SpeculativeConfig("layer-skip", num_tokens=7).num_tokens == 7
+    assert SpeculativeConfig.parse("draft-model:draft_model=/d,num_tokens=3").num_tokens == 3
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [

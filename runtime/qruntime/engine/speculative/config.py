@@ -7,19 +7,26 @@ from dataclasses import dataclass, fields
 from qruntime.engine.speculative.proposers import PROPOSERS
 
 MAX_DRAFT_TOKENS = 16  # a verify chunk computes k + 1 positions; more drafts than this never pay
+# num_tokens when not given. Prompt lookup's drafts cost no model step, only verified rows, and where
+# it finds a match most of it is right: on the bench's trained 104M target (H200, ac7551a,
+# bench/results/spec_bench_trained_pl_k_ac7551a_h200.json) k = 4 / 8 / 12 gave 1.47 / 1.94 / 1.98x
+# plain decoding on the edit task at batch 1, 1.18 / 1.47 / 1.58x on free generation, and at batch 8
+# 0.69-0.78 / 0.75-0.82 / 0.80-0.91x. A draft model's k tokens cost k of its steps: 4, as before.
+DEFAULT_NUM_TOKENS = {"prompt-lookup": 12}
+DEFAULT_MODEL_NUM_TOKENS = 4
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """method: a proposer's name (proposers.PROPOSERS). draft_model: the draft artifact's path (method
     draft-model: a smaller Qwen3 with the target's vocabulary). num_tokens: the most draft tokens one step
-    verifies (k; adaptive: each request's k moves between 1 and this with its acceptance, and a
+    verifies (k; None: the method's default, DEFAULT_NUM_TOKENS; adaptive: each request's k moves between 1 and this with its acceptance, and a
     request whose drafts keep failing stops drafting for a while). prompt_lookup_min / _max: the
     n-gram lengths prompt lookup matches, longest first. skip_layers (layer-skip): the decoder layers
     the draft leaves out, instead of those the artifact names."""
 
     method: str = "prompt-lookup"
-    num_tokens: int = 4
+    num_tokens: int | None = None
     adaptive: bool = True
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
@@ -29,6 +36,8 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in PROPOSERS:
             raise ValueError(f"speculative method {self.method!r} is unknown; choose one of {', '.join(PROPOSERS)}")
+        if self.num_tokens is None:
+            object.__setattr__(self, "num_tokens", DEFAULT_NUM_TOKENS.get(self.method, DEFAULT_MODEL_NUM_TOKENS))
         if (self.method == "draft-model") != (self.draft_model is not None):
             raise ValueError(
                 "the draft-model method takes a draft artifact (draft_model=PATH), and only it does"
