@@ -200,6 +200,9 @@ def measure(args: argparse.Namespace, report: dict[str, Any]) -> list[dict[str, 
                     "identical_to_plain": same,
                     "preemptions": cell["preemptions"] + base["preemptions"],
                 }
+                gate = engine.speculator.gate if engine.speculator is not None else None
+                if gate is not None:  # where the engine measured drafting against plain decoding (draft_gate.py)
+                    row["gate_tokens_per_s"] = dict(zip(("plain", "drafting"), gate.rates(batch), strict=True))
                 rows.append(row)
                 print(_line(row), flush=True)
         _release(engine)

@@ -507,4 +507,5 @@ def _speculator(
         return draft
 
     layers = tuple(draft_layers) if draft_layers is not None else None
-    return Speculator(speculative, ProposerContext(load_artifact=load_draft, draft_layers=layers))
+    gate = speculative.gate if speculative.gate is not None else target.device.type == "cuda"
+    return Speculator(speculative, ProposerContext(load_artifact=load_draft, draft_layers=layers), gate=gate)

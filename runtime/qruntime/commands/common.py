@@ -19,7 +19,8 @@ SPECULATIVE_HELP = (
     "down to prompt_lookup_min=2 tokens), draft-model:draft_model=PATH (a smaller artifact with the same "
     "vocabulary drafts) or layer-skip (the model drafts without the decoder layers its artifact names); e.g. "
     "prompt-lookup:num_tokens=6. One step verifies up to num_tokens drafts (1 to 16; default 12 for prompt-lookup, "
-    "4 for the others; adaptive=false keeps that many). Outputs keep the model's distribution (greedy ones are the tokens decoding without it gives); prompt "
+    "4 for the others; adaptive=false keeps that many; on a GPU drafting stops at batch sizes where it is measured "
+    "slower than decoding without it, gate=false drafts anyway). Outputs keep the model's distribution (greedy ones are the tokens decoding without it gives); prompt "
     "lookup pays when the output repeats its prompt. tp = 1 only."
 )
 

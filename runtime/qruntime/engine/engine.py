@@ -27,7 +27,9 @@ sampling: the outputs keep the target's distribution, greedy ones are plain gree
 request keeps the accepted drafts plus one token. Drafts need the newest token on the host, so a
 step that may draft runs synchronously; while every running request's drafting pauses (its drafts
 kept failing, or prompt lookup kept finding nothing: speculative/draft_length.py) steps run
-asynchronously, without drafts, as a plain engine's. Requests whose sampling needs per-position state
+asynchronously, without drafts, as a plain engine's; so do all steps at a batch size where drafting
+was measured slower than plain decoding (speculative/draft_gate.py, on by default on a GPU). Requests
+whose sampling needs per-position state
 (penalties, logit_bias, min_tokens not yet reached, logprobs, structured output, a thinking cap)
 decode one token a step beside the speculating ones.
 """
@@ -269,10 +271,19 @@ class Engine:
         model step that raises fails the requests of its batch. The engine runs on for the others;
         only a device error (the GPU is gone, every later step would fail too) is raised."""
         started = time.perf_counter()
+        measured = self._steady_batch()
+        drafting = self._drafts_due()
+        deltas = self._step(started, drafting)
+        if measured is not None:  # the gate's sample: this step's tokens and time, drafting or not
+            tokens = sum(len(d.token_ids) for d in deltas)
+            self.speculator.measured(measured, drafting, tokens, time.perf_counter() - started)
+        return deltas
+
+    def _step(self, started: float, drafting: bool) -> list[StreamDelta]:
         previous, self._in_flight = self._in_flight, None
-        if not self.async_scheduling or self._drafts_due():
+        if not self.async_scheduling or drafting:
             done = self._complete(previous) if previous is not None else []
-            launched, deltas = self._launch(None, drafting=True)
+            launched, deltas = self._launch(None, drafting=drafting)
             return done + deltas + (self._complete(launched) if launched is not None else [])
         done = []
         if previous is not None and not previous.everywhere:  # tp > 1: its tokens are on rank 0 alone
@@ -628,14 +639,26 @@ class Engine:
 
     def _drafts_due(self) -> bool:
         """Whether some running request may draft at this step (a speculating engine then runs it
-        synchronously: a draft starts from the newest token, which the host must have read)."""
-        if self.speculator is None:
+        synchronously: a draft starts from the newest token, which the host must have read), and the
+        speculator's gate lets a step of this batch draft."""
+        if self.speculator is None or not self.speculator.allows(self.scheduler.num_running):
             return False
         for request in self.scheduler.running:
             t = self._tracked.get(request.request_id)
             if t is not None and self._may_draft(t, request) and self.speculator.due(request.request_id):
                 return True
         return False
+
+    def _steady_batch(self) -> int | None:
+        """The running requests' count when a step now is one the speculator's gate measures: none
+        waiting, every running one past its prompt (a prefill's time would count against whichever
+        mode ran it); None otherwise, or without a gate."""
+        if self.speculator is None or self.speculator.gate is None or self.scheduler.num_waiting:
+            return None
+        running = self.scheduler.running
+        if not running or any(r.num_computed_tokens < len(r.prompt_token_ids) for r in running):
+            return None
+        return len(running)
 
     @staticmethod
     def _may_draft(t: _Tracked, request: Request) -> bool:

@@ -21,7 +21,8 @@ class SpeculativeConfig:
     """method: a proposer's name (proposers.PROPOSERS). draft_model: the draft artifact's path (method
     draft-model: a smaller Qwen3 with the target's vocabulary). num_tokens: the most draft tokens one step
     verifies (k; None: the method's default, DEFAULT_NUM_TOKENS; adaptive: each request's k moves between 1 and this with its acceptance, and a
-    request whose drafts keep failing stops drafting for a while). prompt_lookup_min / _max: the
+    request whose drafts keep failing stops drafting for a while; gate: the engine drafts only at the
+    batch sizes where that is measured to pay). prompt_lookup_min / _max: the
     n-gram lengths prompt lookup matches, longest first. skip_layers (layer-skip): the decoder layers
     the draft leaves out, instead of those the artifact names."""
 
@@ -32,6 +33,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     draft_model: str | None = None
     skip_layers: tuple[int, ...] | None = None  # layer-skip: instead of the artifact's draft layers (experiments)
+    # drafting only at batch sizes where it is measured faster than plain decoding (draft_gate.py); None:
+    # on a CUDA device (a CPU's reference ops time nothing a GPU would). Never without `adaptive`.
+    gate: bool | None = None
 
     def __post_init__(self) -> None:
         if self.method not in PROPOSERS:
@@ -67,7 +71,7 @@ class SpeculativeConfig:
                 if not value.strip():
                     raise ValueError(f"speculative option {key}: expected a value")
                 values[key] = value.strip()
-            elif known[key] == "bool":
+            elif known[key] in ("bool", "bool | None"):
                 if value.strip().lower() not in ("true", "false", "1", "0"):
                     raise ValueError(f"speculative option {key}: expected true or false (got {value!r})")
                 values[key] = value.strip().lower() in ("true", "1")

@@ -12,6 +12,7 @@ import torch
 from qruntime.engine.sampling_params import SamplingParams
 from qruntime.engine.speculative.config import SpeculativeConfig
 from qruntime.engine.speculative.draft import Draft, DraftFor, ProposerContext
+from qruntime.engine.speculative.draft_gate import DraftGate
 from qruntime.engine.speculative.draft_length import DraftLength, StepClock
 from qruntime.engine.speculative.proposers import PROPOSERS
 
@@ -44,12 +45,15 @@ class SpeculativeStats:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, context: ProposerContext | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, context: ProposerContext | None = None, gate: bool = False) -> None:
+        """gate: drafting only at the batch sizes where it is measured to pay (draft_gate.py; never
+        without config.adaptive)."""
         self.config = config
         self.proposer = PROPOSERS[config.method](config, context)
         self.stats = SpeculativeStats()
         self._lengths: dict[str, DraftLength] = {}
         self._clock = StepClock()  # the steps each request's drafting pause counts
+        self.gate = DraftGate(self._clock) if gate and config.adaptive else None
         self._probs: dict[str, torch.Tensor] = {}  # request id -> its pending draft's distributions [k, V]
         self._ahead: dict[str, Draft] = {}  # drafts made before the step was scheduled (draft_ahead)
 
@@ -119,6 +123,16 @@ class Speculator:
         seen yet is)."""
         length = self._lengths.get(request_id)
         return length is None or length.due
+
+    def allows(self, batch: int) -> bool:
+        """Whether a step of `batch` running requests may draft (the gate's verdict; always without one)."""
+        return self.gate is None or self.gate.allows(batch)
+
+    def measured(self, batch: int, drafting: bool, tokens: int, seconds: float) -> None:
+        """A step without prefill of `batch` running requests, drafting or not, emitted `tokens` in
+        `seconds` (for the gate)."""
+        if self.gate is not None:
+            self.gate.record(batch, drafting, tokens, seconds)
 
     def tick(self) -> None:
         """A step was scheduled (drafting or not): every request's pause counts it."""

@@ -1,0 +1,92 @@
+"""DraftGate: drafting only at the batch sizes where it is measured to pay.
+
+A step in which some request may draft runs synchronously (the draft starts from the newest token,
+which the host must have read), while plain decoding launches its next step before reading the last.
+Whether drafting pays for that depends on the model, the GPU and the batch: on the bench's trained
+104M target (H200, ac7551a, bench/results/spec_bench_trained_ac7551a_h200.json) prompt lookup gained
+1.26-1.74x at batch 1 and every method lost 30-50% at batch 8, where plain decoding emits a token
+a request every 0.5 ms. Per-request pauses (draft_length.py) do not see that: the drafts were right.
+
+So the engine measures it. Per batch-size bucket (the next power of two of the running requests),
+the gate keeps exponential averages of output tokens per second over the engine's drafting steps
+and over its plain ones (steps with no prefill in them: Engine.step reports them). A bucket first
+measures PLAIN_PROBE plain steps, then DRAFT_PROBE drafting ones; drafting then goes on while its
+rate is at least KEEP times plain's. Below that the bucket closes for a pause, measured on the
+engine's step clock and longer each time it closes again (FIRST_CLOSE steps, times CLOSE_GROWTH,
+up to MAX_CLOSE); plain steps meanwhile keep plain's average current, and after the pause
+DRAFT_PROBE drafting steps measure again. A bucket where drafting keeps paying never closes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from qruntime.engine.speculative.draft_length import StepClock
+
+PLAIN_PROBE = 4  # plain steps a bucket measures before its first drafting step
+DRAFT_PROBE = 3  # drafting steps measured before (and after each pause) drafting is judged
+KEEP = 0.97  # drafting goes on while its tokens/s is at least this share of plain decoding's
+SMOOTHING = 0.25  # weight of the newest step in an average
+FIRST_CLOSE = 64  # steps
+CLOSE_GROWTH = 4
+MAX_CLOSE = 4096  # steps
+
+
+def bucket_of(batch: int) -> int:
+    """The gate's bucket of `batch` running requests: the next power of two (1, 2, 4, 8, ...)."""
+    return 1 << max(batch - 1, 0).bit_length()
+
+
+@dataclass
+class _Rates:
+    """One bucket's averages (tokens/s; None before a sample) and sample counts, and its pause."""
+
+    plain: float | None = None
+    drafting: float | None = None
+    plain_steps: int = 0
+    drafting_steps: int = 0  # since the last judgement (reset when the bucket closes)
+    closed_until: int = 0  # the step clock's value at which drafting may resume
+    next_close: int = FIRST_CLOSE
+
+
+@dataclass
+class DraftGate:
+    """The engine's gate (see the module docstring); `clock` is the speculator's step clock."""
+
+    clock: StepClock = field(default_factory=StepClock)
+    _buckets: dict[int, _Rates] = field(default_factory=dict)
+
+    def allows(self, batch: int) -> bool:
+        """Whether a step of `batch` running requests may draft."""
+        rates = self._buckets.setdefault(bucket_of(batch), _Rates())
+        if self.clock.now < rates.closed_until or rates.plain_steps < PLAIN_PROBE:
+            return False
+        return rates.drafting_steps < DRAFT_PROBE or self._pays(rates)
+
+    def record(self, batch: int, drafting: bool, tokens: int, seconds: float) -> None:
+        """A step of `batch` running requests (drafting or plain) emitted `tokens` in `seconds`."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        rates = self._buckets.setdefault(bucket_of(batch), _Rates())
+        rate = tokens / seconds
+        if drafting:
+            rates.drafting = rate if rates.drafting is None else (1 - SMOOTHING) * rates.drafting + SMOOTHING * rate
+            rates.drafting_steps += 1
+            if rates.drafting_steps >= DRAFT_PROBE and not self._pays(rates):
+                rates.closed_until = self.clock.now + rates.next_close
+                rates.next_close = min(rates.next_close * CLOSE_GROWTH, MAX_CLOSE)
+                rates.drafting, rates.drafting_steps = None, 0  # measured afresh after the pause
+            elif rates.drafting_steps >= DRAFT_PROBE:
+                rates.next_close = FIRST_CLOSE
+        else:
+            rates.plain = rate if rates.plain is None else (1 - SMOOTHING) * rates.plain + SMOOTHING * rate
+            rates.plain_steps += 1
+
+    def rates(self, batch: int) -> tuple[float | None, float | None]:
+        """(plain, drafting) tokens/s averaged for `batch`'s bucket (None: not measured)."""
+        rates = self._buckets.get(bucket_of(batch), _Rates())
+        return rates.plain, rates.drafting
+
+    @staticmethod
+    def _pays(rates: _Rates) -> bool:
+        return rates.plain is None or rates.drafting is None or rates.drafting >= KEEP * rates.plain
