@@ -95,6 +95,18 @@ def test_drafting_that_pays_stays_open_and_resets_the_pause():
     assert clock.now - start == FIRST_CLOSE
 
 
+def test_a_modes_rate_is_its_tokens_over_its_seconds():
+    """Two slow drafting steps (1 token in 10 ms) then a fast one (30 tokens in 1 ms): 32 tokens in 21
+    ms is slower than plain's 3000 tok/s, though an average of the steps' own rates (100, 100, 30000
+    tok/s) would put it at 7575."""
+    gate, _ = _gate()
+    _plain(gate, 1, 3000.0)
+    for tokens, seconds in ((1, 0.01), (1, 0.01), (30, 0.001)):
+        assert gate.allows(1)
+        gate.record(1, True, tokens, seconds)
+    assert not gate.allows(1)
+
+
 def test_empty_samples_are_ignored():
     gate, _ = _gate()
     gate.record(1, False, tokens=0, seconds=0.01)

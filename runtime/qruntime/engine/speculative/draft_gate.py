@@ -8,8 +8,11 @@ Whether drafting pays for that depends on the model, the GPU and the batch: on t
 a request every 0.5 ms. Per-request pauses (draft_length.py) do not see that: the drafts were right.
 
 So the engine measures it. Per batch-size bucket (the next power of two of the running requests),
-the gate keeps exponential averages of output tokens per second over the engine's drafting steps
-and over its plain ones (steps with no prefill in them: Engine.step reports them). A bucket first
+the gate keeps exponential averages of the tokens and of the seconds of the engine's drafting steps
+and of its plain ones (steps with no prefill in them: Engine.step reports them); a mode's rate is
+its average tokens over its average seconds, the aggregate rate, which an average of each step's
+own tokens/s is not (db0a761, H200: that average put prompt lookup's drafting at batch 8 at 1.24x
+plain, while the cell ran at 0.91x). A bucket first
 measures PLAIN_PROBE plain steps, then DRAFT_PROBE drafting ones; drafting then goes on while its
 rate is at least KEEP times plain's. Below that the bucket closes for a pause, measured on the
 engine's step clock and longer each time it closes again (FIRST_CLOSE steps, times CLOSE_GROWTH,
@@ -38,11 +41,31 @@ def bucket_of(batch: int) -> int:
 
 
 @dataclass
-class _Rates:
-    """One bucket's averages (tokens/s; None before a sample) and sample counts, and its pause."""
+class _Average:
+    """Exponential averages of a mode's step tokens and seconds (None before a sample)."""
 
-    plain: float | None = None
-    drafting: float | None = None
+    tokens: float | None = None
+    seconds: float | None = None
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if self.tokens is None or self.seconds is None:
+            self.tokens, self.seconds = float(tokens), seconds
+        else:
+            self.tokens = (1 - SMOOTHING) * self.tokens + SMOOTHING * tokens
+            self.seconds = (1 - SMOOTHING) * self.seconds + SMOOTHING * seconds
+
+    @property
+    def rate(self) -> float | None:
+        """Tokens per second (None before a sample)."""
+        return None if self.tokens is None or self.seconds is None else self.tokens / self.seconds
+
+
+@dataclass
+class _Rates:
+    """One bucket's averages and sample counts, and its pause."""
+
+    plain: _Average = field(default_factory=_Average)
+    drafting: _Average = field(default_factory=_Average)
     plain_steps: int = 0
     drafting_steps: int = 0  # since the last judgement (reset when the bucket closes)
     closed_until: int = 0  # the step clock's value at which drafting may resume
@@ -68,25 +91,25 @@ class DraftGate:
         if tokens <= 0 or seconds <= 0:
             return
         rates = self._buckets.setdefault(bucket_of(batch), _Rates())
-        rate = tokens / seconds
         if drafting:
-            rates.drafting = rate if rates.drafting is None else (1 - SMOOTHING) * rates.drafting + SMOOTHING * rate
+            rates.drafting.add(tokens, seconds)
             rates.drafting_steps += 1
             if rates.drafting_steps >= DRAFT_PROBE and not self._pays(rates):
                 rates.closed_until = self.clock.now + rates.next_close
                 rates.next_close = min(rates.next_close * CLOSE_GROWTH, MAX_CLOSE)
-                rates.drafting, rates.drafting_steps = None, 0  # measured afresh after the pause
+                rates.drafting, rates.drafting_steps = _Average(), 0  # measured afresh after the pause
             elif rates.drafting_steps >= DRAFT_PROBE:
                 rates.next_close = FIRST_CLOSE
         else:
-            rates.plain = rate if rates.plain is None else (1 - SMOOTHING) * rates.plain + SMOOTHING * rate
+            rates.plain.add(tokens, seconds)
             rates.plain_steps += 1
 
     def rates(self, batch: int) -> tuple[float | None, float | None]:
         """(plain, drafting) tokens/s averaged for `batch`'s bucket (None: not measured)."""
         rates = self._buckets.get(bucket_of(batch), _Rates())
-        return rates.plain, rates.drafting
+        return rates.plain.rate, rates.drafting.rate
 
     @staticmethod
     def _pays(rates: _Rates) -> bool:
-        return rates.plain is None or rates.drafting is None or rates.drafting >= KEEP * rates.plain
+        plain, drafting = rates.plain.rate, rates.drafting.rate
+        return plain is None or drafting is None or drafting >= KEEP * plain
