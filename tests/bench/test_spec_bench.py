@@ -5,6 +5,7 @@ a bench report carries and every greedy output equals plain decoding's."""
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -26,9 +27,10 @@ def test_every_method_task_and_batch_is_measured_and_greedy_outputs_match(tiny_b
     out = tmp_path / "spec.json"
     argv = [str(tiny_bf16), "--draft", str(tiny_bf16), "--methods", "prompt-lookup,draft-model"]
     argv += ["--batches", "1,2", "--max-tokens", "6", "--prompt-tokens", "16", "--device", "cpu", "--threads", "1"]
-    argv += ["--out", str(out)]
+    argv += ["--repeats", "2", "--out", str(out)]
     spec_bench.main(argv)
     report = json.loads(out.read_text())
+    assert report["settings"]["repeats"] == 2
     assert report["benchmark"] == "spec_bench" and report["device"] == "cpu" and "not a target" in report["note"]
     for key in ("date", "command", "git_commit", "machine", "versions", "engine", "settings", "artifacts"):
         assert report[key], key
@@ -43,6 +45,11 @@ def test_every_method_task_and_batch_is_measured_and_greedy_outputs_match(tiny_b
         assert 0 <= row["acceptance_rate"] <= 1 and row["preemptions"] == 0
         assert row["spec_tokens_per_s"] > 0 and row["plain_tokens_per_s"] > 0
         assert row["speedup"] == pytest.approx(row["spec_tokens_per_s"] / row["plain_tokens_per_s"], rel=0.01)
+        for kind in ("spec", "plain"):  # the median of two passes: their mean
+            passes = row[f"{kind}_pass_tokens_per_s"]
+            assert len(passes) == 2 and all(p > 0 for p in passes), row
+            wall = statistics.mean(row["output_tokens"] / p for p in passes)
+            assert row[f"{kind}_tokens_per_s"] == pytest.approx(row["output_tokens"] / wall, rel=0.01), row
         if row["method"] == "draft-model":  # the target drafting for itself: nearly every draft is kept
             assert row["acceptance_rate"] > 0.9 and row["tokens_per_verification"] > 1.5, row
 
