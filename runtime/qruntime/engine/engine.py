@@ -172,6 +172,7 @@ class Engine:
         self._tracked: dict[str, _Tracked] = {}
         self._in_flight: _Launched | None = None  # the step launched last, not read yet (async scheduling)
         self._scheduled = False  # whether the last step() scheduled anything
+        self._admitted = True  # whether the last step() admitted a request or ran a prefill (the draft gate's)
         self._pacer = LaunchPacer()  # its steps' device times: how long a server may hold the next launch
         self._scoring: set[str] = set()  # unfinished requests that asked for prompt logprobs (usually none)
         self._capped: set[str] = set()  # unfinished requests with a thinking cap (usually none)
@@ -271,12 +272,17 @@ class Engine:
         model step that raises fails the requests of its batch. The engine runs on for the others;
         only a device error (the GPU is gone, every later step would fail too) is raised."""
         started = time.perf_counter()
-        measured = self._steady_batch()
+        gated = self.speculator is not None and self.speculator.gate is not None
+        before = self._decoding_ids() if gated else None
         drafting = self._drafts_due()
         deltas = self._step(started, drafting)
-        if measured is not None:  # the gate's sample: this step's tokens and time, drafting or not
-            tokens = sum(len(d.token_ids) for d in deltas)
-            self.speculator.measured(measured, drafting, tokens, time.perf_counter() - started)
+        if gated:  # the gate's sample: this call's tokens and time, drafting or not, when no prefill is in it
+            running = {r.request_id for r in self.scheduler.running}
+            admitted = before is None or not running <= before  # a prefill launched now is read by the next call
+            if not admitted and not self._admitted:
+                tokens = sum(len(d.token_ids) for d in deltas)
+                self.speculator.measured(len(before), drafting, tokens, time.perf_counter() - started)
+            self._admitted = admitted
         return deltas
 
     def _step(self, started: float, drafting: bool) -> list[StreamDelta]:
@@ -649,16 +655,14 @@ class Engine:
                 return True
         return False
 
-    def _steady_batch(self) -> int | None:
-        """The running requests' count when a step now is one the speculator's gate measures: none
-        waiting, every running one past its prompt (a prefill's time would count against whichever
-        mode ran it); None otherwise, or without a gate."""
-        if self.speculator is None or self.speculator.gate is None or self.scheduler.num_waiting:
-            return None
+    def _decoding_ids(self) -> set[str] | None:
+        """The running requests' ids when every one is past its prompt (None: one is prefilling). A
+        step() is a sample of the speculator's gate when it and the call before admitted no request
+        and none was prefilling (a prefill's time would count against whichever mode ran it)."""
         running = self.scheduler.running
-        if not running or any(r.num_computed_tokens < len(r.prompt_token_ids) for r in running):
+        if any(r.num_computed_tokens < len(r.prompt_token_ids) for r in running):
             return None
-        return len(running)
+        return {r.request_id for r in running}
 
     @staticmethod
     def _may_draft(t: _Tracked, request: Request) -> bool:

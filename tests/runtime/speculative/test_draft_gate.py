@@ -166,3 +166,31 @@ def test_an_engine_measures_its_steps_and_a_closed_bucket_decodes_plainly(artifa
     # the prompts' prefill steps are not measured; the closed bucket drafted nothing (FIRST_CLOSE > 24 steps)
     assert engine.speculative_stats.verifications == verified
     assert FIRST_CLOSE > 24
+
+
+def test_calls_that_admit_a_request_or_read_its_prefill_are_not_measured(artifact, rng):
+    """Two requests decode; a third arrives at call ADD: that call admits it (its prefill is in the
+    step it launches) and the next reads that step, so neither is a sample; the calls around them are."""
+    engine = _engine(artifact, SpeculativeConfig(gate=True, prompt_lookup_min=1))
+    samples, calls, measured = [], [0], engine.speculator.measured
+
+    def spy(batch, drafting, tokens, seconds):
+        samples.append((calls[0], batch))
+        measured(batch, drafting, tokens, seconds)
+
+    engine.speculator.measured = spy
+    prompts, params = _prompts(rng, 3), SamplingParams(max_tokens=30, ignore_eos=True)
+    for prompt in prompts[:2]:
+        engine.add_request(prompt, params)
+    add = 10
+    while engine.scheduler.has_unfinished():
+        calls[0] += 1
+        if calls[0] == add:
+            engine.add_request(prompts[2], params)
+        engine.step()
+    at = dict(samples)
+    print("samples (call, batch):", samples)
+    assert 1 not in at and 2 not in at  # the first prefill: admitted at call 1, read at 1 or 2
+    assert add not in at and add + 1 not in at
+    assert any(call < add and batch == 2 for call, batch in samples)
+    assert any(call > add + 1 and batch == 3 for call, batch in samples)
