@@ -144,6 +144,24 @@ def report_header(benchmark: str) -> dict[str, object]:
 SYNTHETIC_WEIGHTS = "synthetic: random bf16 weights of the preset's exact shapes (qcompile synth)"
 
 
+def bench_artifact(
+    parser: argparse.ArgumentParser, artifact: Path | None, preset: str, recipe: str, workdir: Path
+) -> Path:
+    """A bench's artifact: `artifact` when given (it must hold a manifest.json, else parser.error), or
+    a synthetic one of `preset` compiled with `recipe`, written afresh to workdir/PRESET-RECIPE."""
+    if artifact is not None:
+        if not (artifact / "manifest.json").is_file():
+            parser.error(f"--artifact {artifact}: no manifest.json there")
+        return artifact
+    from qcompile.recipe.schema import load_recipe
+    from qcompile.synth.artifact import write_synthetic_artifact
+
+    art = workdir / f"{preset}-{recipe}"
+    shutil.rmtree(art, ignore_errors=True)
+    write_synthetic_artifact(preset, art, load_recipe(recipe), tp=1, progress=False)
+    return art
+
+
 def gpu_report_header(benchmark: str, synthetic: bool = False) -> dict[str, object]:
     """report_header of a GPU run: the GPU, the torch and triton it ran with, and for `synthetic`
     runs what the weights are."""

@@ -40,7 +40,6 @@ import functools
 import gc
 import json
 import random
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -54,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import qruntime  # noqa: E402
-from compile_bench import gpu_report_header, report_header  # noqa: E402
+from compile_bench import bench_artifact, gpu_report_header, report_header  # noqa: E402
 from qruntime import SamplingParams, SpeculativeConfig  # noqa: E402
 from qruntime.engine import engine as engine_module  # noqa: E402
 from qruntime.engine.cuda_graphs import DecodeGraphs  # noqa: E402
@@ -66,9 +65,6 @@ from qruntime.engine.scheduler import Scheduler  # noqa: E402
 from qruntime.engine.speculative.speculator import Speculator  # noqa: E402
 from qruntime.kernels import paged_prefill_attention  # noqa: E402
 from qruntime.plan import Plan  # noqa: E402
-
-from qcompile.recipe.schema import load_recipe  # noqa: E402
-from qcompile.synth.artifact import write_synthetic_artifact  # noqa: E402
 
 PATHS = {"decode_graph": (DecodeGraphs, "run"), "mixed_graph": (MixedGraphs, "run"),
          "piecewise": (PiecewiseGraphs, "run"), "eager": (Plan, "run")}  # fmt: skip
@@ -266,14 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")
-    if args.artifact is not None:
-        art = args.artifact
-        if not (art / "manifest.json").is_file():
-            parser.error(f"--artifact {art}: no manifest.json there")
-    else:
-        art = args.workdir / f"{args.preset}-{args.recipe}"
-        shutil.rmtree(art, ignore_errors=True)
-        write_synthetic_artifact(args.preset, art, load_recipe(args.recipe), tp=1, progress=False)
+    art = bench_artifact(parser, args.artifact, args.preset, args.recipe, args.workdir)
     report = (
         gpu_report_header("spec_step_profile", synthetic=args.artifact is None)
         if args.device == "cuda"

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shutil
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import qruntime  # noqa: E402
-from compile_bench import gpu_report_header, report_header  # noqa: E402
+from compile_bench import bench_artifact, gpu_report_header, report_header  # noqa: E402
 from qruntime.engine.decode_rows import decode_rows  # noqa: E402
 from qruntime.engine.step_chunk import StepChunk  # noqa: E402
 
@@ -114,17 +113,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")
     rng = random.Random(seed)
-    if args.artifact is not None:
-        art = args.artifact
-        if not (art / "manifest.json").is_file():
-            p.error(f"--artifact {art}: no manifest.json there")
-    else:
-        from qcompile.recipe.schema import load_recipe
-        from qcompile.synth.artifact import write_synthetic_artifact
-
-        art = args.workdir / f"{args.preset}-{args.recipe}"
-        shutil.rmtree(art, ignore_errors=True)
-        write_synthetic_artifact(args.preset, art, load_recipe(args.recipe), tp=1, progress=False)
+    art = bench_artifact(p, args.artifact, args.preset, args.recipe, args.workdir)
     cuda = args.device == "cuda"
     report = (
         gpu_report_header("verify_rows_bench", synthetic=args.artifact is None)

@@ -24,3 +24,9 @@ def test_a_cell_the_cache_cannot_hold_is_refused(tmp_path):
     argv = ["--preset", "tiny", "--device", "cpu", "--batches", "64", "--contexts", "500", "--kv-cache-gib", "0.002"]
     with pytest.raises(SystemExit, match="give more --kv-cache-gib"):
         verify_rows_bench.main([*argv, "--workdir", str(tmp_path)])
+
+
+def test_an_artifact_without_a_manifest_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        verify_rows_bench.main(["--artifact", str(tmp_path), "--device", "cpu"])
+    assert exited.value.code == 2 and "no manifest.json there" in capsys.readouterr().err
