@@ -1,7 +1,8 @@
 """Speculative decoding in the engine (fp32 reference path, CPU): greedy outputs identical to plain
 decoding with every draft method and scripted drafts of any acceptance, the KV cache after partial
 acceptance equal to plain decoding's, stops inside accepted drafts, batches mixing speculating and
-non-speculating requests, aborts between a verification and the next, adaptive drafting."""
+non-speculating requests, aborts between a verification and the next, adaptive drafting, and the
+draft gate: which steps it measures, and a closed bucket's steps decoding without drafts."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import qruntime
 import torch
 from qruntime import SamplingParams, SpeculativeConfig
 from qruntime.engine.speculative.config import MAX_DRAFT_TOKENS
+from qruntime.engine.speculative.draft_gate import DRAFT_PROBE, FIRST_CLOSE
 
 
 @pytest.fixture(scope="module")
@@ -328,7 +330,7 @@ def test_steps_run_asynchronously_while_every_request_pauses_drafting(artifact, 
             engine.speculator.proposer.propose = lambda token_ids, k, request=None: ()
         launches, step = _spied(engine), engine.step
         in_flight = []  # after each step(): whether a step was left in flight (launched, not read)
-        engine.step = lambda: (step(), in_flight.append(engine._in_flight is not None))[0]
+        engine.step = lambda e=engine, step=step, seen=in_flight: (step(), seen.append(e._in_flight is not None))[0]
         spec = engine.generate(prompts, params)
         assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
         stats = engine.speculative_stats
@@ -339,3 +341,62 @@ def test_steps_run_asynchronously_while_every_request_pauses_drafting(artifact, 
         else:
             assert stats.accepted > 0 and True in launches and launches.count(False) > 0.3 * len(launches), launches
         assert engine.scheduler.block_manager.num_used_blocks == 0
+
+
+# ---- the draft gate (speculative/draft_gate.py) in an engine ----
+
+
+def test_on_a_cpu_the_gate_is_off_unless_asked(artifact):
+    assert _engine(artifact, SpeculativeConfig()).speculator.gate is None
+    assert _engine(artifact, SpeculativeConfig(gate=True, adaptive=False)).speculator.gate is None
+    assert _engine(artifact, SpeculativeConfig(gate=True)).speculator.gate is not None
+
+
+def test_an_engine_measures_its_steps_and_a_closed_bucket_decodes_plainly(artifact, rng):
+    prompts = _repetitive(rng, 3)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = [o.token_ids for o in _engine(artifact).generate(prompts, params)]
+    engine = _engine(artifact, SpeculativeConfig(gate=True, prompt_lookup_min=1))
+    gate = engine.speculator.gate
+    out = [o.token_ids for o in engine.generate(prompts, params)]
+    assert out == plain
+    plain_rate, drafting_rate = gate.rates(3)
+    assert plain_rate is not None and plain_rate > 0, "the plain probe steps were measured"
+    verified = engine.speculative_stats.verifications
+    # drafting in bucket 4 measured at a tenth of plain's rate, from now on: closed at once
+    for _ in range(DRAFT_PROBE):
+        gate.record(3, True, tokens=1, seconds=10 / plain_rate)
+    assert not gate.allows(3)
+    out = [o.token_ids for o in engine.generate(prompts, params)]
+    assert out == plain
+    # the prompts' prefill steps are not measured; the closed bucket drafted nothing (FIRST_CLOSE > 24 steps)
+    assert engine.speculative_stats.verifications == verified
+    assert FIRST_CLOSE > 24
+
+
+def test_calls_that_admit_a_request_or_read_its_prefill_are_not_measured(artifact, rng):
+    """Two requests decode; a third arrives at call ADD: that call admits it (its prefill is in the
+    step it launches) and the next reads that step, so neither is a sample; the calls around them are."""
+    engine = _engine(artifact, SpeculativeConfig(gate=True, prompt_lookup_min=1))
+    samples, calls, measured = [], [0], engine.speculator.measured
+
+    def spy(batch, drafting, tokens, seconds):
+        samples.append((calls[0], batch))
+        measured(batch, drafting, tokens, seconds)
+
+    engine.speculator.measured = spy
+    prompts, params = _repetitive(rng, 3), SamplingParams(max_tokens=30, ignore_eos=True)
+    for prompt in prompts[:2]:
+        engine.add_request(prompt, params)
+    add = 10
+    while engine.scheduler.has_unfinished():
+        calls[0] += 1
+        if calls[0] == add:
+            engine.add_request(prompts[2], params)
+        engine.step()
+    at = dict(samples)
+    print("samples (call, batch):", samples)
+    assert 1 not in at and 2 not in at  # the first prefill: admitted at call 1, read at 1 or 2
+    assert add not in at and add + 1 not in at
+    assert any(call < add and batch == 2 for call, batch in samples)
+    assert any(call > add + 1 and batch == 3 for call, batch in samples)

@@ -1,16 +1,11 @@
 """The draft gate (engine/speculative/draft_gate.py): per batch bucket, plain steps measured first, then
 drafting ones; drafting closes for a growing pause while it is measured slower than KEEP x plain,
-and stays open where it pays. Then in an engine (CPU, fp32): the steps it measures, and a closed
-bucket's steps run without drafts and still give plain greedy outputs."""
+and stays open where it pays. The gate in an engine: tests/runtime/test_speculative_engine.py."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
-import qruntime
-import torch
-from qruntime import SamplingParams, SpeculativeConfig
+from qruntime import SpeculativeConfig
 from qruntime.engine.speculative.draft_gate import (
     CLOSE_GROWTH,
     DRAFT_PROBE,
@@ -118,79 +113,3 @@ def test_the_config_parses_the_gate():
     assert SpeculativeConfig.parse("prompt-lookup:gate=false").gate is False
     assert SpeculativeConfig.parse("prompt-lookup:gate=1").gate is True
     assert SpeculativeConfig().gate is None
-
-
-# ---- in an engine ----
-
-
-@pytest.fixture(scope="module")
-def artifact(tiny_ckpt, compiled):
-    return compiled(tiny_ckpt, "bf16")
-
-
-def _engine(artifact, speculative=None):
-    return qruntime.load(artifact, device="cpu", dtype=torch.float32, speculative=speculative, num_kv_blocks=128)
-
-
-def _prompts(rng: random.Random, count: int) -> list[list[int]]:
-    prompts = []
-    for _ in range(count):
-        phrase = [rng.randrange(40) for _ in range(rng.randrange(3, 8))]
-        prompts.append((phrase * 6)[: rng.randrange(12, 30)])
-    return prompts
-
-
-def test_on_a_cpu_the_gate_is_off_unless_asked(artifact):
-    assert _engine(artifact, SpeculativeConfig()).speculator.gate is None
-    assert _engine(artifact, SpeculativeConfig(gate=True, adaptive=False)).speculator.gate is None
-    assert _engine(artifact, SpeculativeConfig(gate=True)).speculator.gate is not None
-
-
-def test_an_engine_measures_its_steps_and_a_closed_bucket_decodes_plainly(artifact, rng):
-    prompts = _prompts(rng, 3)
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-    plain = [o.token_ids for o in _engine(artifact).generate(prompts, params)]
-    engine = _engine(artifact, SpeculativeConfig(gate=True, prompt_lookup_min=1))
-    gate = engine.speculator.gate
-    out = [o.token_ids for o in engine.generate(prompts, params)]
-    assert out == plain
-    plain_rate, drafting_rate = gate.rates(3)
-    assert plain_rate is not None and plain_rate > 0, "the plain probe steps were measured"
-    verified = engine.speculative_stats.verifications
-    # drafting in bucket 4 measured at a tenth of plain's rate, from now on: closed at once
-    for _ in range(DRAFT_PROBE):
-        gate.record(3, True, tokens=1, seconds=10 / plain_rate)
-    assert not gate.allows(3)
-    out = [o.token_ids for o in engine.generate(prompts, params)]
-    assert out == plain
-    # the prompts' prefill steps are not measured; the closed bucket drafted nothing (FIRST_CLOSE > 24 steps)
-    assert engine.speculative_stats.verifications == verified
-    assert FIRST_CLOSE > 24
-
-
-def test_calls_that_admit_a_request_or_read_its_prefill_are_not_measured(artifact, rng):
-    """Two requests decode; a third arrives at call ADD: that call admits it (its prefill is in the
-    step it launches) and the next reads that step, so neither is a sample; the calls around them are."""
-    engine = _engine(artifact, SpeculativeConfig(gate=True, prompt_lookup_min=1))
-    samples, calls, measured = [], [0], engine.speculator.measured
-
-    def spy(batch, drafting, tokens, seconds):
-        samples.append((calls[0], batch))
-        measured(batch, drafting, tokens, seconds)
-
-    engine.speculator.measured = spy
-    prompts, params = _prompts(rng, 3), SamplingParams(max_tokens=30, ignore_eos=True)
-    for prompt in prompts[:2]:
-        engine.add_request(prompt, params)
-    add = 10
-    while engine.scheduler.has_unfinished():
-        calls[0] += 1
-        if calls[0] == add:
-            engine.add_request(prompts[2], params)
-        engine.step()
-    at = dict(samples)
-    print("samples (call, batch):", samples)
-    assert 1 not in at and 2 not in at  # the first prefill: admitted at call 1, read at 1 or 2
-    assert add not in at and add + 1 not in at
-    assert any(call < add and batch == 2 for call, batch in samples)
-    assert any(call > add + 1 and batch == 3 for call, batch in samples)
