@@ -75,7 +75,8 @@ class DecodeGraphs:
         self.sampled = torch.zeros(max(size, max_sampled), dtype=torch.int64, device=device)
         # recorded after each step's copies out of self.inputs (on CPU the copies are done on return)
         self.copied = torch.cuda.Event() if cuda else None
-        self._capture_with = capture if capture is not None else cuda_capture(torch.cuda.graph_pool_handle())
+        # how graphs are captured, in this instance's pool (decode_chains.py captures in it too)
+        self.capturer = capture if capture is not None else cuda_capture(torch.cuda.graph_pool_handle())
         self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
         for batch in () if lazy else reversed(self.buckets):  # largest first: the smaller ones reuse its memory
             self.capture(batch)
@@ -85,7 +86,8 @@ class DecodeGraphs:
         """The buckets not captured yet (a lazy instance's), smallest first."""
         return tuple(b for b in self.buckets if b not in self.graphs)
 
-    def _feeds(self, batch: int) -> dict[str, torch.Tensor]:
+    def feeds(self, batch: int) -> dict[str, torch.Tensor]:
+        """The graph inputs of a batch of `batch` rows: views of the buffers."""
         feeds = {name: buf[..., :batch] if name == "positions" else buf[:batch] for name, buf in self.buffers.items()}
         feeds["query_start_loc"] = self.buffers["query_start_loc"][: batch + 1]
         return feeds
@@ -95,15 +97,19 @@ class DecodeGraphs:
         """Capture the graph of bucket `batch` (again if it has one) on padding rows alone. A capture at
         first use comes after other steps, whose rows the buffers still hold: the capture's warm-up
         runs would otherwise write those sequences' KV from stale token ids."""
+        self.stage_padding(batch)
+        step, feeds = StepContext(self.kv_cache, self.meta), self.feeds(batch)
+        outputs, replay = self.capturer(lambda: {"logits": self.plan.run(step, self.resolved(feeds))})
+        self.graphs[batch] = replay, outputs["logits"]
+
+    def stage_padding(self, batch: int) -> None:
+        """Make the buffers' first `batch` rows padding rows (a capture's inputs), synchronously."""
         if self.copied is not None:
             self.copied.synchronize()  # the last step's copies have read the host buffers
         self.inputs.fill((), batch)
         wide, narrow = self.inputs.spans(batch)
         self.wide.copy_(wide)
         self.narrow[: narrow.numel()].copy_(narrow)
-        step, feeds = StepContext(self.kv_cache, self.meta), self._feeds(batch)
-        outputs, replay = self._capture_with(lambda: {"logits": self.plan.run(step, self._resolved(feeds))})
-        self.graphs[batch] = replay, outputs["logits"]
 
     def replay_of(self, batch: int) -> Callable[[], None]:
         """The replay of bucket `batch`'s graph on whatever its buffers hold (benches time it alone),
@@ -112,7 +118,8 @@ class DecodeGraphs:
             self.capture(batch)
         return self.graphs[batch][0]
 
-    def _resolved(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def resolved(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`feeds` with its pending ids read from `sampled` (on the device: inside a graph)."""
         return {**feeds, "input_ids": resolve_pending(feeds["input_ids"], self.sampled)}
 
     def fits(self, chunks: Sequence[StepChunk], sampled: torch.Tensor | None = None) -> bool:
@@ -122,10 +129,10 @@ class DecodeGraphs:
             and (sampled is None or sampled.numel() <= self.sampled.numel())
         )
 
-    @torch.inference_mode()
-    def run(self, chunks: Sequence[StepChunk], sampled: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [len(chunks), V] of a decode step; `sampled`: the previous step's sampled ids, which
-        pending rows read."""
+    def stage(self, chunks: Sequence[StepChunk], sampled: torch.Tensor | None = None) -> int:
+        """Write a decode step's rows (padded to their bucket, which is returned) into the buffers the
+        graphs read, and `sampled` (the previous step's sampled ids, which pending rows read) beside
+        them; the bucket's graph is captured first if it is not yet."""
         batch = len(chunks)
         bucket = self.buckets[bisect_left(self.buckets, batch)]
         if bucket not in self.graphs:  # captured at first use, before the step's rows are written
@@ -140,6 +147,12 @@ class DecodeGraphs:
             self.copied.record()
         if sampled is not None:
             self.sampled[: sampled.numel()].copy_(sampled)
-        replay, logits = self.graphs[bucket]
+        return bucket
+
+    @torch.inference_mode()
+    def run(self, chunks: Sequence[StepChunk], sampled: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [len(chunks), V] of a decode step; `sampled`: the previous step's sampled ids, which
+        pending rows read."""
+        replay, logits = self.graphs[self.stage(chunks, sampled)]
         replay()
-        return logits[:batch]
+        return logits[: len(chunks)]

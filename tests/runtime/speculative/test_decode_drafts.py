@@ -95,3 +95,62 @@ def test_sampled_requests_keep_the_distributions_of_their_tokens(rng):
     for row, token in enumerate(drafts[1].tokens):
         assert drafts[1].probs[row, token] > 0.99  # the logit of 100 holds nearly all the mass
         assert torch.allclose(drafts[1].probs[row].sum(), torch.tensor(1.0))
+
+
+class Chain:
+    """A chain (decode_chains.DecodeChains.run's contract) of the Model's greedy rule, logging its calls,
+    with a NaN peak at each (step, row) of `broken`; `refuse`: it gives None (cannot run them)."""
+
+    def __init__(self, broken: set[tuple[int, int]] = frozenset(), refuse: bool = False) -> None:
+        self.calls: list[tuple[list[int], list[int]]] = []
+        self.broken, self.refuse = broken, refuse
+
+    def __call__(self, chunks, remaining, sampled):
+        self.calls.append(([c.start for c in chunks], list(remaining)))
+        if self.refuse:
+            return None
+        assert all(c.num_tokens == 1 for c in chunks) and min(remaining) >= 1
+        last = resolve_pending(torch.tensor([c.token_ids[0] for c in chunks]), sampled)
+        positions = torch.tensor([c.start for c in chunks])
+        ids, peaks = [], []
+        for step in range(max(remaining)):
+            last = (last * 7 + positions) % VOCAB
+            peak = torch.full((len(chunks),), 100.0)
+            for row in (r for s, r in self.broken if s == step):
+                peak[row] = float("nan")
+            ids.append(last)
+            peaks.append(peak)
+            positions = positions + 1
+        return torch.stack(ids), torch.stack(peaks)
+
+
+def test_greedy_steps_after_the_first_are_one_chain_of_the_requests_still_drafting():
+    model, chain = Model(), Chain()
+    chunks = [StepChunk((3, 4, 9), 10, (0,)), StepChunk((11,), 5, (1,)), StepChunk((2, 8), 0, (2,))]
+    drafts = decode_drafts(model, chunks, [4, 1, 3], _requests(3), chain)
+    assert [list(d.tokens) for d in drafts] == [_expected(9, 12, 4), _expected(11, 5, 1), _expected(8, 1, 3)]
+    assert len(model.steps) == 1  # the first step (what the draft's cache lacks), then the chain
+    assert chain.calls == [([13, 2], [3, 2])]  # request 1 has its one token
+
+
+def test_a_chained_draft_ends_before_a_non_finite_step_and_the_others_go_on():
+    chain = Chain(broken={(1, 0)})  # request 0's third token
+    chunks = [StepChunk((5,), 3, (0,)), StepChunk((6,), 3, (1,))]
+    drafts = decode_drafts(Model(), chunks, [4, 4], _requests(2), chain)
+    assert list(drafts[0].tokens) == _expected(5, 3, 2)
+    assert list(drafts[1].tokens) == _expected(6, 3, 4)
+
+
+def test_steps_are_not_chained_for_sampled_or_biased_requests_or_where_the_chain_cannot_run(rng):
+    chunks = [StepChunk((1,), 0, (0,)), StepChunk((2,), 0, (1,))]
+    generator = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    sampled = [DraftFor("g", SamplingParams(), None), DraftFor("s", SamplingParams(temperature=0.7), generator)]
+    biased = [DraftFor("g", SamplingParams(), None), DraftFor("b", SamplingParams(logit_bias=((3, 1.0),)), None)]
+    for requests in (sampled, biased):
+        model, chain = Model(), Chain()
+        decode_drafts(model, chunks, [3, 3], requests, chain)
+        assert len(model.steps) == 3 and chain.calls == []
+    model, chain = Model(), Chain(refuse=True)
+    drafts = decode_drafts(model, chunks, [3, 2], _requests(2), chain)
+    assert [list(d.tokens) for d in drafts] == [_expected(1, 0, 3), _expected(2, 0, 2)]
+    assert len(model.steps) == 3 and len(chain.calls) == 2  # asked before each step after the first; stepped

@@ -36,6 +36,9 @@ class SpeculativeConfig:
     # drafting only at batch sizes where it is measured faster than plain decoding (draft_gate.py); None:
     # on a CUDA device (a CPU's reference ops time nothing a GPU would). Never without `adaptive`.
     gate: bool | None = None
+    # draft-model and layer-skip with decode graphs: a greedy draft's steps after the first replay as one
+    # chain of decode steps (engine/decode_chains.py); false: one decode graph replay a step (A/B benches)
+    chain: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in PROPOSERS:

@@ -22,6 +22,7 @@ class ProposerOptions(Protocol):
     prompt_lookup_max: int
     draft_model: str | None
     skip_layers: tuple[int, ...] | None
+    chain: bool
 
 
 @dataclass(frozen=True)
@@ -73,11 +74,18 @@ class ProposerContext:
     draft_layers: tuple[int, ...] | None = None  # the artifact's layers to skip (manifest speculative.draft_layers)
 
 
+# chain(chunks, remaining, sampled): token ids and peaks [max(remaining), len(chunks)] of greedy decode
+# steps from one-token chunks, row b's first remaining[b] its own (engine/decode_chains.py), or None
+# where it cannot run them
+Chain = Callable[[Sequence[StepChunk], Sequence[int], torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]
+
+
 def decode_drafts(
     forward: Callable[[Sequence[StepChunk], Sequence[int], torch.Tensor | None], torch.Tensor],
     chunks: Sequence[StepChunk],
     ks: Sequence[int],
     requests: Sequence[DraftFor],
+    chain: Chain | None = None,
 ) -> list[Draft]:
     """Up to ks[i] draft tokens for each request, decoded by a model in batched steps: forward(chunks,
     rows, sampled) gives the logits [len(chunks), V] after each chunk's last token (rows: the
@@ -88,8 +96,11 @@ def decode_drafts(
     distributions drawn from come back with the tokens. The host reads the drawn tokens once, after
     the last step (each step's copy queued behind it), not once a step: the steps queue back to back.
     A request's draft ends before its first token drawn from non-finite logits (the steps after it
-    run on the device all the same, their tokens dropped)."""
+    run on the device all the same, their tokens dropped). With a `chain`, the steps after the
+    first, when every request still drafting is greedy without a logit bias, are one chain of greedy steps instead (one
+    replay on the device), if it can run them."""
     greedy = [r.generator is None or r.params.greedy for r in requests]
+    argmax = [g and not r.params.logit_bias for g, r in zip(greedy, requests, strict=True)]  # what a chain draws
     steps: list[
         tuple[list[int], SampledTokens, list[int], torch.Tensor | None]
     ] = []  # live, drawn, sampled rows, weights
@@ -97,6 +108,12 @@ def decode_drafts(
     live = [i for i, k in enumerate(ks) if k > 0]
     previous = None
     while live:
+        if chain is not None and previous is not None and all(argmax[i] for i in live):
+            remaining = [ks[i] - len(steps) for i in live]
+            made = chain([current[i] for i in live], remaining, previous.ids)
+            if made is not None:
+                steps.extend(_chained(live, remaining, *made))
+                break
         logits = forward([current[i] for i in live], live, None if previous is None else previous.ids)
         params = [requests[i].params for i in live]
         drawn = sample_on_device(logits, params, [None if greedy[i] else requests[i].generator for i in live])
@@ -125,3 +142,28 @@ def decode_drafts(
             if not greedy[i]:
                 probs[i].append(weights[sampled.index(row)])
     return [Draft(tuple(t), torch.stack(p) if p else None) for t, p in zip(tokens, probs, strict=True)]
+
+
+class _ChainStep:
+    """One step of a chain's output as decode_drafts reads a step's drawn tokens: `tolist()` gives the
+    tokens of the rows `rows` of the chain's step `step` (None where not finite), all read in one copy."""
+
+    def __init__(self, tokens: SampledTokens, width: int, step: int, rows: Sequence[int]) -> None:
+        self.tokens, self.offset, self.rows = tokens, width * step, rows
+
+    def tolist(self) -> list[int | None]:
+        read = self.tokens.tolist()
+        return [read[self.offset + row] for row in self.rows]
+
+
+def _chained(
+    live: Sequence[int], remaining: Sequence[int], ids: torch.Tensor, peaks: torch.Tensor
+) -> list[tuple[list[int], _ChainStep, list[int], None]]:
+    """decode_drafts' steps from a chain's ids and peaks [steps, len(live)]: step s holds the requests
+    with more than s tokens to go."""
+    tokens = SampledTokens(ids.reshape(-1), peaks.reshape(-1))
+    width, made = len(live), []
+    for step in range(ids.shape[0]):
+        rows = [row for row, left in enumerate(remaining) if left > step]
+        made.append(([live[row] for row in rows], _ChainStep(tokens, width, step, rows), [], None))
+    return made

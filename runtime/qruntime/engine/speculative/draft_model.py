@@ -4,7 +4,8 @@ drafts k tokens autoregressively, with its own KV cache.
 The draft is a loaded Engine of its own, of which this uses the model runner and the block pool (its
 scheduler never runs). For each request it remembers the tokens whose KV its cache holds; a new
 proposal first computes what is missing (the prompt on the first call; then the tokens the last
-verification kept that the draft did not compute itself), then decodes k - 1 more. Greedy requests
+verification kept that the draft did not compute itself), then decodes k - 1 more: on a GPU, for
+greedy requests, as one replay of a chain of decode steps (decode_chains.py). Greedy requests
 draft greedily; sampled ones draw each draft token from the draft's distribution under the request's
 temperature / top-k / top-p / min-p, with its generator, and return those distributions for the
 verification. A request the draft's pool has no room for gets no draft (it decodes as usual).
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from qruntime.engine.block_manager import NoFreeBlocks
+from qruntime.engine.decode_chains import DecodeChains
 from qruntime.engine.speculative.draft import Draft, DraftFor, decode_drafts
 from qruntime.engine.step_chunk import StepChunk
 
@@ -25,9 +27,13 @@ from qruntime.engine.step_chunk import StepChunk
 class DraftModel:
     batches = True  # propose_batch: every decoding request's drafts in shared steps of the draft model
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, chain: bool = True) -> None:
         self.engine = engine  # the draft artifact's Engine: runner, scheduler.block_manager, max_model_len
         self._computed: dict[str, list[int]] = {}  # request id -> the tokens whose KV the draft's cache holds
+        # greedy draft steps after the first as one replay (decode_chains.py), where the draft's runner
+        # replays decode graphs
+        graphs = engine.runner.decode_graphs if chain else None
+        self.chains = DecodeChains(graphs) if graphs is not None and engine.runner.vocab_shard is None else None
 
     def propose(self, token_ids: Sequence[int], k: int, request: DraftFor | None = None) -> Draft:
         if request is None:
@@ -65,13 +71,21 @@ class DraftModel:
             # [len(step), V]: after each chunk's last token
             return self.engine.runner.execute(list(step), sampled=sampled)
 
-        made = decode_drafts(forward, chunks, ks, requests)
+        made = decode_drafts(forward, chunks, ks, requests, self._chain)
         for row, (index, draft, k) in enumerate(zip(placed, made, ks, strict=True)):
             drafts[index] = draft
             # fed after the first step: each drafted token but the last (k - 1 at most; past a draft
             # that ended early, the steps fed tokens that are not kept, whose KV is not counted)
             self._computed[requests[row].request_id] = computed[row] + list(draft.tokens[: k - 1])
         return drafts
+
+    def _chain(
+        self, chunks: Sequence[StepChunk], remaining: Sequence[int], sampled: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """decode_drafts' chain: greedy steps as one replay of the draft's decode graphs, where they fit."""
+        if self.chains is None or self.engine.runner.decode_graphs is None or not self.chains.fits(chunks, sampled):
+            return None  # no chains, or the runner dropped its graphs
+        return self.chains.run(chunks, remaining, sampled)
 
     def forget(self, request_id: str) -> None:
         """Free the request's blocks in the draft's pool."""

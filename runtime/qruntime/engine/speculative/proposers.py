@@ -28,12 +28,12 @@ def _prompt_lookup(config: ProposerOptions, context: ProposerContext | None = No
 def _draft_model(config: ProposerOptions, context: ProposerContext | None = None) -> Proposer:
     if context is None or config.draft_model is None:
         raise ValueError("the draft-model method needs a draft artifact (draft_model=PATH) and an engine loading it")
-    return DraftModel(context.load_artifact(config.draft_model))
+    return DraftModel(context.load_artifact(config.draft_model), config.chain)
 
 
 def _layer_skip(config: ProposerOptions, context: ProposerContext | None = None) -> Proposer:
     skip = config.skip_layers if config.skip_layers is not None else (context.draft_layers if context else None)
-    return LayerSkipDraft(skip or ())
+    return LayerSkipDraft(skip or (), config.chain)
 
 
 # method name -> builder from the config (read-only: no module-level mutable state)

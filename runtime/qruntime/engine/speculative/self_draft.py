@@ -6,8 +6,8 @@ The draft shares the target's KV cache: the layers it keeps read the KV the targ
 the request's tokens, and write their own for the token being decoded and the drafts after it, in
 blocks the scheduler grows for them (DraftFor.grow); the verification then computes those positions
 again in every layer, so nothing the draft wrote outlives it. Each draft token is one step of the
-reduced plan, greedy or drawn (with its distribution kept for the verification) as for draft-model,
-and the requests of a step draft together (the engine's draft_ahead): one reduced step a draft
+reduced plan, greedy or drawn (with its distribution kept for the verification) as for draft-model
+(greedy steps after the first as one replay of a chain of decode steps, decode_chains.py), and the requests of a step draft together (the engine's draft_ahead): one reduced step a draft
 token for the whole batch, its blocks grown only where that leaves every running request's.
 """
 
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from qruntime.engine.cuda_graphs import DecodeGraphs
+from qruntime.engine.decode_chains import DecodeChains
 from qruntime.engine.sampled_tokens import resolve_pending
 from qruntime.engine.speculative.draft import Draft, DraftFor, decode_drafts
 from qruntime.engine.speculative.layer_skip import skip_layers
@@ -29,7 +30,7 @@ from qruntime.ops.base import StepContext
 class LayerSkipDraft:
     batches = True  # propose_batch: every decoding request's drafts in shared steps of the reduced plan
 
-    def __init__(self, skip: Sequence[int]) -> None:
+    def __init__(self, skip: Sequence[int], chain: bool = True) -> None:
         if not skip:
             raise ValueError(
                 "layer-skip needs layers to skip: this artifact names none (qcompile compile --draft-layers)"
@@ -38,6 +39,8 @@ class LayerSkipDraft:
         self.runner: Any = None
         self.plan: Any = None
         self.graphs: DecodeGraphs | None = None
+        self.chain = chain  # greedy draft steps after the first as one replay (decode_chains.py)
+        self.chains: DecodeChains | None = None
 
     def attach(self, runner: Any) -> None:
         """Build the reduced plan from the target's (ValueError when a listed layer cannot be skipped),
@@ -54,6 +57,8 @@ class LayerSkipDraft:
             self.graphs = DecodeGraphs(
                 self.plan, runner.kv_cache, target.scratch_block, runner.max_context_len, target.buckets, lazy=True
             )
+            if self.chain and runner.vocab_shard is None and not runner.mrope:
+                self.chains = DecodeChains(self.graphs)
 
     def propose(self, token_ids: Sequence[int], k: int, request: DraftFor | None = None) -> Draft:
         if request is None:
@@ -78,7 +83,8 @@ class LayerSkipDraft:
             requests.append(request)
             placed.append(index)
         if chunks:
-            for index, draft in zip(placed, decode_drafts(self._forward, chunks, ks, requests), strict=True):
+            made = decode_drafts(self._forward, chunks, ks, requests, self._chain)
+            for index, draft in zip(placed, made, strict=True):
                 drafts[index] = draft
         return drafts
 
@@ -92,9 +98,17 @@ class LayerSkipDraft:
             feeds["input_ids"] = resolve_pending(feeds["input_ids"], sampled)
         return self.plan.run(StepContext(self.runner.kv_cache, meta), feeds)
 
+    def _chain(
+        self, chunks: Sequence[StepChunk], remaining: Sequence[int], sampled: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """decode_drafts' chain: greedy steps of the reduced plan as one replay, where they fit."""
+        if self.chains is None or not self.chains.fits(chunks, sampled):
+            return None
+        return self.chains.run(chunks, remaining, sampled)
+
     def forget(self, request_id: str) -> None:
         """Nothing is kept per request (the KV it wrote is the request's, rewritten by verification)."""
 
     def close(self) -> None:
-        """The plan's ops and weights are the target's; its decode graphs go."""
-        self.graphs = None
+        """The plan's ops and weights are the target's; its decode graphs and chains go."""
+        self.graphs = self.chains = None
