@@ -61,7 +61,9 @@ def test_an_engine_verifies_drafts_on_decode_graphs(gpu_artifact, cuda, rng):
     prompts = _prompts(rng, 4)
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     plain = qruntime.load(gpu_artifact, device=cuda, num_kv_blocks=256).generate(prompts, params)
-    config = SpeculativeConfig("draft-model", draft_model=str(gpu_artifact))  # the target drafts: most accepted
+    # the target drafts: most accepted. No gate: it may stop drafting after a few probes (12
+    # verifications at 37dfcac, 70% accepted, the fp8 draft and verification paths parting at near-ties)
+    config = SpeculativeConfig("draft-model", draft_model=str(gpu_artifact), gate=False)
     engine = qruntime.load(gpu_artifact, device=cuda, num_kv_blocks=256, speculative=config)
     rows = _recorded(engine.runner.decode_graphs)
     outputs = engine.generate(prompts, params)
