@@ -11,9 +11,14 @@ examples/train_small_qwen3.py never trains on, read from this Python's stdlib):
 Every (task, batch) cell runs the same --num-prompts prompts, `batch` at a time, --max-tokens
 tokens each (EOS ignored, so both engines emit the same count), each engine warmed up on the cell's
 first group before --repeats timed passes (tokens/s of the median pass: two engines both decoding
-plainly differed by up to 17% at batch 1 in single passes of 8 x 128 tokens, db0a761 on an H200). Reported per (method, task, batch): acceptance rate, tokens per
-verification (target step), output tokens/s of the speculating engine and of plain decoding, their
-ratio, and how many outputs equal plain decoding's (all of them, when greedy).
+plainly differed by up to 17% at batch 1 in single passes of 8 x 128 tokens, db0a761 on an H200).
+The plain engine stays loaded, and each method's cell times its passes in turn with plain passes
+(run_cells): the ratio compares passes run side by side. Plain decoding measured alone, before the
+methods, has moved 10,000-15,000 tok/s at batch 8 from call to call, and once ran 40% below a
+speculating engine whose gate had turned drafting off (3615a62, H200). Reported per (method, task,
+batch): acceptance rate, tokens per verification (target step), output tokens/s of the speculating
+engine and of plain decoding beside it, their ratio, and how many outputs equal plain decoding's
+(all of them, when greedy). A method's text form may leave draft_model= out: --draft fills it.
 
     python bench/spec_bench.py ART [--draft DRAFT_ART] [--batches 1,8] [--out FILE]
     python bench/spec_bench.py --train [--train-plan bench] [--recipe ptpc-fp8] --out FILE
@@ -72,7 +77,15 @@ METHODS: Mapping[str, Callable[[argparse.Namespace], SpeculativeConfig]] = {
 
 
 def method_config(name: str, args: argparse.Namespace) -> SpeculativeConfig:
-    return METHODS[name](args) if name in METHODS else SpeculativeConfig.parse(name)
+    """METHODS[name], or the text form, where a draft-model without draft_model= takes --draft."""
+    if name in METHODS:
+        return METHODS[name](args)
+    method, colon, options = name.partition(":")
+    if method.strip() == "draft-model" and "draft_model=" not in options.replace("-", "_"):
+        if args.draft is None:
+            raise SystemExit(f"method {name!r} needs --draft ART or draft_model=PATH")
+        name = f"{method}:{options + ',' if options.strip() else ''}draft_model={args.draft}"
+    return SpeculativeConfig.parse(name)
 
 
 # ---------------------------------------------------------------- measurement
@@ -83,26 +96,41 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def run_cells(
+    engines: Sequence[Any], prompts: list[list[int]], params: list[SamplingParams], batch: int, repeats: int = 1
+) -> list[dict[str, Any]]:
+    """A cell per engine: each warms up on the first group, then `repeats` rounds each time one pass
+    of every engine in turn over every group of `batch` prompts (one generate call each), so that
+    what drifts over a call (clocks, the host) drifts for all of them; tokens/s of the median pass.
+    The outputs are the first pass's; the speculative counts cover every pass."""
+    device = engines[0].runner.device
+    groups = [range(i, min(i + batch, len(prompts))) for i in range(0, len(prompts), batch)]
+    for engine in engines:
+        engine.generate([prompts[i] for i in groups[0]], [params[i] for i in groups[0]])
+    before = [engine.speculative_stats for engine in engines]
+    outputs: list[list[Any]] = [[] for _ in engines]
+    walls: list[list[float]] = [[] for _ in engines]
+    for _ in range(repeats):
+        for e, engine in enumerate(engines):
+            done = []
+            _sync(device)
+            start = time.perf_counter()
+            for group in groups:
+                done += engine.generate([prompts[i] for i in group], [params[i] for i in group])
+            _sync(device)
+            walls[e].append(time.perf_counter() - start)
+            outputs[e] = outputs[e] or done
+    return [_cell(engine, o, w, b) for engine, o, w, b in zip(engines, outputs, walls, before, strict=True)]
+
+
 def run_cell(
     engine, prompts: list[list[int]], params: list[SamplingParams], batch: int, repeats: int = 1
 ) -> dict[str, Any]:
-    """Warm up on the first group, then time `repeats` passes over every group of `batch` prompts (one
-    generate call each); tokens/s of the median pass. The outputs are the first pass's; the speculative
-    counts cover every pass."""
-    device = engine.runner.device
-    groups = [range(i, min(i + batch, len(prompts))) for i in range(0, len(prompts), batch)]
-    engine.generate([prompts[i] for i in groups[0]], [params[i] for i in groups[0]])
-    before = engine.speculative_stats
-    outputs, walls = [], []
-    for _ in range(repeats):
-        done = []
-        _sync(device)
-        start = time.perf_counter()
-        for group in groups:
-            done += engine.generate([prompts[i] for i in group], [params[i] for i in group])
-        _sync(device)
-        walls.append(time.perf_counter() - start)
-        outputs = outputs or done
+    """run_cells of one engine."""
+    return run_cells([engine], prompts, params, batch, repeats)[0]
+
+
+def _cell(engine, outputs: list[Any], walls: list[float], before: Any) -> dict[str, Any]:
     wall = statistics.median(walls)
     after = engine.speculative_stats
     tokens = [tuple(o.token_ids) for o in outputs]
@@ -178,7 +206,6 @@ def measure(args: argparse.Namespace, report: dict[str, Any]) -> list[dict[str, 
         for batch in args.batches:
             baseline[task, batch] = run_cell(plain, prompts, params, batch, args.repeats)
             print(f"plain {task} batch {batch}: {baseline[task, batch]['tokens_per_s']:.1f} tok/s", flush=True)
-    _release(plain)
     if "edit" in tasks:  # does the model copy? the first tokens of its output that a faithful copy has
         outputs = baseline["edit", args.batches[0]]["tokens"]
         copied = [_common_prefix(out, e.copy) for out, e in zip(outputs, edits, strict=True)]
@@ -191,7 +218,8 @@ def measure(args: argparse.Namespace, report: dict[str, Any]) -> list[dict[str, 
         report.setdefault("speculative_engines", {})[name] = engine.description
         for task, prompts in tasks.items():
             for batch in args.batches:
-                cell, base = run_cell(engine, prompts, params, batch, args.repeats), baseline[task, batch]
+                # timed beside the plain engine, pass for pass: its own plain figure for the ratio
+                cell, base = run_cells([engine, plain], prompts, params, batch, args.repeats)
                 same = sum(a == b for a, b in zip(cell["tokens"], base["tokens"], strict=True))
                 row = {
                     "method": name,
@@ -219,6 +247,7 @@ def measure(args: argparse.Namespace, report: dict[str, Any]) -> list[dict[str, 
                 rows.append(row)
                 print(_line(row), flush=True)
         _release(engine)
+    _release(plain)
     return rows
 
 

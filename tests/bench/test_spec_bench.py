@@ -4,6 +4,7 @@ a bench report carries and every greedy output equals plain decoding's."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -98,3 +99,35 @@ def test_step_counts_are_refused_unless_positive_and_training(tmp_path, capsys, 
     with pytest.raises(SystemExit) as info:
         spec_bench.parse_args([*extra, *argv])
     assert info.value.code == 2 and "a positive step count, with --train" in capsys.readouterr().err
+
+
+def test_a_draft_model_method_in_text_form_takes_the_draft_from_the_command_line(tmp_path):
+    args = argparse.Namespace(draft=tmp_path / "d", num_draft_tokens=None)
+    config = spec_bench.method_config("draft-model:chain=false,num_tokens=6", args)
+    assert (config.draft_model, config.chain, config.num_tokens) == (str(tmp_path / "d"), False, 6)
+    assert spec_bench.method_config("draft-model:", args).draft_model == str(tmp_path / "d")
+    given = spec_bench.method_config("draft-model:draft_model=/x", args)
+    assert given.draft_model == "/x"
+    with pytest.raises(SystemExit, match="needs --draft"):
+        spec_bench.method_config("draft-model:chain=false", argparse.Namespace(draft=None, num_draft_tokens=None))
+
+
+class _Engine:
+    """Logs its generate calls; no speculation."""
+
+    speculative_stats = None
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log = name, log
+        self.runner = type("Runner", (), {"device": spec_bench.torch.device("cpu")})()
+
+    def generate(self, prompts, params):
+        self.log.append(self.name)
+        return [type("Out", (), {"token_ids": (1, 2), "num_preemptions": 0})() for _ in prompts]
+
+
+def test_cells_of_several_engines_time_their_passes_in_turn():
+    log: list[str] = []
+    cells = spec_bench.run_cells([_Engine("a", log), _Engine("b", log)], [[1]] * 4, [None] * 4, 2, repeats=3)
+    assert log == ["a", "b"] + ["a", "a", "b", "b"] * 3  # warm-ups, then a pass of each per round
+    assert [len(c["pass_tokens_per_s"]) for c in cells] == [3, 3] and cells[0]["output_tokens"] == 8
