@@ -18,7 +18,8 @@ timers wrapped (at class level) around the parts of a step:
     prepare    ModelRunner.prepare: a step's inputs built on the host and copied (not a decode graph's)
     run_nodes  Plan.run_nodes: eager ops (a mixed or piecewise graph's logits tail; an eager step)
     bounds_work  the attention work list a mixed graph's replay reads, built on the host
-    capture_mixed, capture_decode  graph captures during the timed run (first use)
+    chain      DecodeChains.run: a draft's greedy steps after the first, one graph replay (decode_chains.py)
+    capture_mixed, capture_decode, capture_chain  graph captures during the timed run (first use)
     gpu        CUDA events around ModelRunner.execute: the forward's device span
 
     python bench/spec_step_profile.py --preset qwen3-0.6b --batches 1,8 --out bench/results/spec_step_profile.json
@@ -57,6 +58,7 @@ from compile_bench import bench_artifact, gpu_report_header, report_header  # no
 from qruntime import SamplingParams, SpeculativeConfig  # noqa: E402
 from qruntime.engine import engine as engine_module  # noqa: E402
 from qruntime.engine.cuda_graphs import DecodeGraphs  # noqa: E402
+from qruntime.engine.decode_chains import DecodeChains  # noqa: E402
 from qruntime.engine.engine import Engine  # noqa: E402
 from qruntime.engine.mixed_graphs import MixedGraphs  # noqa: E402
 from qruntime.engine.model_runner import ModelRunner  # noqa: E402
@@ -71,7 +73,8 @@ PATHS = {"decode_graph": (DecodeGraphs, "run"), "mixed_graph": (MixedGraphs, "ru
 PARTS = {"step": (Engine, "step"), "schedule": (Scheduler, "schedule"), "draft": (Speculator, "draft"),
          "draft_ahead": (Speculator, "draft_ahead"), "execute": (ModelRunner, "execute"),
          "complete": (Engine, "_complete"), "prepare": (ModelRunner, "prepare"), "run_nodes": (Plan, "run_nodes"),
-         "capture_mixed": (MixedGraphs, "capture"), "capture_decode": (DecodeGraphs, "capture")}  # fmt: skip
+         "capture_mixed": (MixedGraphs, "capture"), "capture_decode": (DecodeGraphs, "capture"),
+         "chain": (DecodeChains, "run"), "capture_chain": (DecodeChains, "capture")}  # fmt: skip
 MODULE_PARTS = {"sample": "sample_on_device", "verify": "verify_drafts"}  # names in qruntime.engine.engine
 OTHER_PARTS = {"bounds_work": (paged_prefill_attention, "bounds_work")}  # module functions looked up at each call
 
@@ -272,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     report |= source | {"seed": seed, "rows": []}
     methods = [m for m in args.methods.split(",") if m.strip()] + args.method
     print(
-        f"{'mode':>16} {'batch':>5} {'ms/tok':>7} {'steps':>5} {'accept':>6}  step | schedule draft draft_ahead execute sample verify complete gpu (ms per step); paths"
+        f"{'mode':>16} {'batch':>5} {'ms/tok':>7} {'steps':>5} {'accept':>6}  step | schedule draft draft_ahead chain execute sample verify complete gpu (ms per step); paths"
     )
     for batch in (int(b) for b in args.batches.split(",")):
         for mode in ("plain", *methods):
@@ -286,6 +289,7 @@ def main(argv: list[str] | None = None) -> None:
                     "schedule",
                     "draft",
                     "draft_ahead",
+                    "chain",
                     "execute",
                     "sample",
                     "verify",

@@ -42,7 +42,7 @@ def test_plain_is_measured_first_then_drafting_until_judged():
         assert gate.allows(8)  # measuring drafting
         gate.record(8, True, tokens=30, seconds=0.03 / 0.5)  # half plain's rate
     assert not gate.allows(8) and not gate.allows(5)  # 5 and 8 share a bucket
-    assert gate.rates(8)[1] is None  # measured afresh after the pause
+    assert gate.rates(8)[1] == pytest.approx(500.0)  # reported: the rate that closed it (measured afresh after)
     assert not gate.allows(1)  # another bucket: its own plain probe first
     _plain(gate, 1, 400.0)
     assert gate.allows(1)

@@ -70,6 +70,7 @@ class _Rates:
     drafting_steps: int = 0  # since the last judgement (reset when the bucket closes)
     closed_until: int = 0  # the step clock's value at which drafting may resume
     next_close: int = FIRST_CLOSE
+    judged: float | None = None  # the drafting rate of the last judgement that closed the bucket (reports)
 
 
 @dataclass
@@ -95,6 +96,7 @@ class DraftGate:
             rates.drafting.add(tokens, seconds)
             rates.drafting_steps += 1
             if rates.drafting_steps >= DRAFT_PROBE and not self._pays(rates):
+                rates.judged = rates.drafting.rate
                 rates.closed_until = self.clock.now + rates.next_close
                 rates.next_close = min(rates.next_close * CLOSE_GROWTH, MAX_CLOSE)
                 rates.drafting, rates.drafting_steps = _Average(), 0  # measured afresh after the pause
@@ -105,9 +107,11 @@ class DraftGate:
             rates.plain_steps += 1
 
     def rates(self, batch: int) -> tuple[float | None, float | None]:
-        """(plain, drafting) tokens/s averaged for `batch`'s bucket (None: not measured)."""
+        """(plain, drafting) tokens/s averaged for `batch`'s bucket (None: not measured); while the
+        bucket is closed, or until it is measured again after, drafting's is the rate that closed it."""
         rates = self._buckets.get(bucket_of(batch), _Rates())
-        return rates.plain.rate, rates.drafting.rate
+        drafting = rates.drafting.rate
+        return rates.plain.rate, rates.judged if drafting is None else drafting
 
     @staticmethod
     def _pays(rates: _Rates) -> bool:
