@@ -76,6 +76,18 @@ METHODS: Mapping[str, Callable[[argparse.Namespace], SpeculativeConfig]] = {
 }
 
 
+def split_methods(text: str) -> list[str]:
+    """--methods' entries: split at commas, where a piece holding '=' but no ':' is one more option of
+    the entry before ('draft-model:gate=false,chain=false,layer-skip' is two entries)."""
+    methods: list[str] = []
+    for piece in filter(None, (p.strip() for p in text.split(","))):
+        if methods and "=" in piece and ":" not in piece and ":" in methods[-1]:
+            methods[-1] += "," + piece
+        else:
+            methods.append(piece)
+    return methods
+
+
 def method_config(name: str, args: argparse.Namespace) -> SpeculativeConfig:
     """METHODS[name], or the text form, where a draft-model without draft_model= takes --draft."""
     if name in METHODS:
@@ -270,7 +282,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("artifact", type=Path, nargs="?", help="the target artifact (not with --train)")
     p.add_argument("--draft", type=Path, default=None, help="draft artifact of method draft-model")
-    p.add_argument("--methods", default=None, help=f"comma-separated ({', '.join(METHODS)}, or SPEC text)")
+    p.add_argument(
+        "--methods",
+        default=None,
+        help=f"comma-separated ({', '.join(METHODS)}, or SPEC text, whose own commas stay with it: "
+        "'draft-model:gate=false,chain=false,layer-skip' is two)",
+    )
     p.add_argument("--tasks", default="free,edit")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--num-prompts", type=int, default=None, help="prompts per cell (default: the largest batch)")
@@ -329,7 +346,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.methods = "prompt-lookup" + (",draft-model" if args.draft is not None or args.train else "")
         if args.train or _draft_layers(args.artifact) is not None:  # --train compiles the target with them
             args.methods += ",layer-skip"
-    args.methods = [m for m in args.methods.split(",") if m]
+    args.methods = split_methods(args.methods)
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else None)
     args.source = args.source or trainer.stdlib_root()
     return args

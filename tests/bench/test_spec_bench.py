@@ -131,3 +131,12 @@ def test_cells_of_several_engines_time_their_passes_in_turn():
     cells = spec_bench.run_cells([_Engine("a", log), _Engine("b", log)], [[1]] * 4, [None] * 4, 2, repeats=3)
     assert log == ["a", "b"] + ["a", "a", "b", "b"] * 3  # warm-ups, then a pass of each per round
     assert [len(c["pass_tokens_per_s"]) for c in cells] == [3, 3] and cells[0]["output_tokens"] == 8
+
+
+def test_methods_split_at_commas_that_are_not_a_methods_own_options():
+    assert spec_bench.split_methods("draft-model:gate=false,chain=false,layer-skip,prompt-lookup:num_tokens=8,") == [
+        "draft-model:gate=false,chain=false",
+        "layer-skip",
+        "prompt-lookup:num_tokens=8",
+    ]
+    assert spec_bench.split_methods("prompt-lookup,draft-model") == ["prompt-lookup", "draft-model"]
