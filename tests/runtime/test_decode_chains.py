@@ -90,19 +90,23 @@ def test_rows_that_ran_their_steps_stay_inside_their_tables(tiny_ckpt, compiled,
     want, _ = _stepped(eager, [full, other], [1, 4])
     ids, _ = chains.run([full, other], [1, 4])
     assert ids[:1, 0].tolist() == want[0] and ids[:, 1].tolist() == want[1]
+    # the steps it sits out stay at its position: a context past the longest would read past its table
+    assert chains.wide[0, :3, 0].tolist() == [MAX_CONTEXT - 1] * 3 and chains.lens[:3, 0].tolist() == [MAX_CONTEXT] * 3
     assert _block_diff(eager_cache, graph_cache) <= {BLOCKS}
 
 
-def test_chains_refuse_rows_without_a_step_and_m_rope_graphs(tiny_ckpt, compiled, rng):
+def test_chains_refuse_rows_without_a_step_too_many_steps_and_m_rope_graphs(tiny_ckpt, compiled, rng):
     plan, spec, vocab = _fast_attention_plan(compiled(tiny_ckpt, "bf16"))
     _, cache = _caches(spec, rng)
     graphs = DecodeGraphs(plan, cache, BLOCKS, MAX_CONTEXT, BUCKETS, capture=eager_capture, lazy=True)
     chains = DecodeChains(graphs)
     chunk = StepChunk((1,), 0, (0,))
-    with pytest.raises(ValueError, match="at least one step"):
+    with pytest.raises(ValueError, match="runs 1..16 steps"):
         chains.run([chunk, chunk], [2, 0])
-    with pytest.raises(ValueError, match="at least one step"):
+    with pytest.raises(ValueError, match="runs 1..16 steps"):
         chains.run([chunk], [1, 1])
+    with pytest.raises(ValueError, match="runs 1..16 steps"):
+        chains.run([chunk], [17])
     assert not chains.fits([]) and chains.fits([chunk]) and not chains.fits([chunk] * 9)
     assert not chains.fits([StepChunk((1, 2), 0, (0,))])
     vl = DecodeGraphs(plan, cache, BLOCKS, MAX_CONTEXT, BUCKETS, mrope=True, capture=eager_capture, lazy=True)
