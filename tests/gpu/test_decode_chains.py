@@ -1,7 +1,7 @@
 """Chains of greedy decode steps on the GPU (engine/decode_chains.py): one CUDA graph replay gives the
 tokens that replaying the decode graph once a step and taking each step's argmax gives, and the KV
-it writes; draft-model and layer-skip engines draft through chains and still give the model's
-greedy choices.
+it writes; draft-model and layer-skip engines drafting through chains (SpeculativeConfig.chain, off by
+default) still give the model's greedy choices.
 
 Stepped and chained rows run at the same bucket (every row runs every step), so both run the same
 kernels on the same inputs: the tokens must be equal, not merely close."""
@@ -66,8 +66,8 @@ def test_engines_draft_through_chains_and_decode_greedily(gpu_artifact, cuda, rn
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     plain = qruntime.load(gpu_artifact, device=cuda, num_kv_blocks=256).generate(prompts, params)
     config = {
-        "draft-model": SpeculativeConfig("draft-model", draft_model=str(gpu_artifact), gate=False),
-        "layer-skip": SpeculativeConfig("layer-skip", skip_layers=(1,), gate=False),
+        "draft-model": SpeculativeConfig("draft-model", draft_model=str(gpu_artifact), gate=False, chain=True),
+        "layer-skip": SpeculativeConfig("layer-skip", skip_layers=(1,), gate=False, chain=True),
     }[method]
     engine = qruntime.load(gpu_artifact, device=cuda, num_kv_blocks=256, speculative=config)
     outputs = engine.generate(prompts, params)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from qruntime import SpeculativeConfig
 from qruntime.engine.cuda_graphs import DecodeGraphs
 from qruntime.engine.decode_chains import DecodeChains
 from qruntime.engine.graph_capture import eager_capture
@@ -112,3 +113,9 @@ def test_chains_refuse_rows_without_a_step_too_many_steps_and_m_rope_graphs(tiny
     vl = DecodeGraphs(plan, cache, BLOCKS, MAX_CONTEXT, BUCKETS, mrope=True, capture=eager_capture, lazy=True)
     with pytest.raises(ValueError, match="M-RoPE"):
         DecodeChains(vl)
+
+
+def test_chains_are_a_speculative_option_off_by_default():
+    assert SpeculativeConfig().chain is False
+    assert SpeculativeConfig.parse("layer-skip:chain=true").chain is True
+    assert SpeculativeConfig.parse("draft-model:draft_model=/x,chain=1,num_tokens=6").chain is True

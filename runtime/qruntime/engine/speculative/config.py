@@ -37,8 +37,11 @@ class SpeculativeConfig:
     # on a CUDA device (a CPU's reference ops time nothing a GPU would). Never without `adaptive`.
     gate: bool | None = None
     # draft-model and layer-skip with decode graphs: a greedy draft's steps after the first replay as one
-    # chain of decode steps (engine/decode_chains.py); false: one decode graph replay a step (A/B benches)
-    chain: bool = True
+    # chain of decode steps (engine/decode_chains.py) instead of one decode graph replay a step. Off by
+    # default: on the bench's trained pair (H200, 64b5af2) it measured no faster for the draft model
+    # (0.61-0.62x plain either way at batch 1) and slower for layer skip (0.55 against 0.69x on free
+    # generation), and its graphs, captured at first use per step count, cost timed passes at batch 8
+    chain: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in PROPOSERS:

@@ -4,11 +4,12 @@ drafts k tokens autoregressively, with its own KV cache.
 The draft is a loaded Engine of its own, of which this uses the model runner and the block pool (its
 scheduler never runs). For each request it remembers the tokens whose KV its cache holds; a new
 proposal first computes what is missing (the prompt on the first call; then the tokens the last
-verification kept that the draft did not compute itself), then decodes k - 1 more: on a GPU, for
-greedy requests, as one replay of a chain of decode steps (decode_chains.py). Greedy requests
-draft greedily; sampled ones draw each draft token from the draft's distribution under the request's
-temperature / top-k / top-p / min-p, with its generator, and return those distributions for the
-verification. A request the draft's pool has no room for gets no draft (it decodes as usual).
+verification kept that the draft did not compute itself), then decodes k - 1 more (with
+SpeculativeConfig.chain, for greedy requests on a GPU, as one replay of a chain of decode steps:
+decode_chains.py). Greedy requests draft greedily; sampled ones draw each draft token from the
+draft's distribution under the request's temperature / top-k / top-p / min-p, with its generator,
+and return those distributions for the verification. A request the draft's pool has no room for gets
+no draft (it decodes as usual).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from qruntime.engine.step_chunk import StepChunk
 class DraftModel:
     batches = True  # propose_batch: every decoding request's drafts in shared steps of the draft model
 
-    def __init__(self, engine: Any, chain: bool = True) -> None:
+    def __init__(self, engine: Any, chain: bool = False) -> None:
         self.engine = engine  # the draft artifact's Engine: runner, scheduler.block_manager, max_model_len
         self._computed: dict[str, list[int]] = {}  # request id -> the tokens whose KV the draft's cache holds
         # greedy draft steps after the first as one replay (decode_chains.py), where the draft's runner

@@ -7,8 +7,10 @@ the request's tokens, and write their own for the token being decoded and the dr
 blocks the scheduler grows for them (DraftFor.grow); the verification then computes those positions
 again in every layer, so nothing the draft wrote outlives it. Each draft token is one step of the
 reduced plan, greedy or drawn (with its distribution kept for the verification) as for draft-model
-(greedy steps after the first as one replay of a chain of decode steps, decode_chains.py), and the requests of a step draft together (the engine's draft_ahead): one reduced step a draft
-token for the whole batch, its blocks grown only where that leaves every running request's.
+(with SpeculativeConfig.chain, greedy steps after the first are one replay of a chain of decode
+steps: decode_chains.py), and the requests of a step draft together (the engine's draft_ahead): one
+reduced step a draft token for the whole batch, its blocks grown only where that leaves every running
+request's.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from qruntime.ops.base import StepContext
 class LayerSkipDraft:
     batches = True  # propose_batch: every decoding request's drafts in shared steps of the reduced plan
 
-    def __init__(self, skip: Sequence[int], chain: bool = True) -> None:
+    def __init__(self, skip: Sequence[int], chain: bool = False) -> None:
         if not skip:
             raise ValueError(
                 "layer-skip needs layers to skip: this artifact names none (qcompile compile --draft-layers)"
