@@ -1,8 +1,8 @@
 """Chains of greedy decode steps (engine/decode_chains.py) on CPU: the capture is injected (eager_capture
 runs the body where a CUDA graph would replay it; attention is the fast path's op, which Triton's
 interpreter runs), so what a GPU replays runs here: each step's argmax fed to the next on the device,
-positions, context lengths and KV slots advanced from the block tables, rows that ran their steps
-parked on the scratch block. A chain gives the tokens, the peak logits and the KV cache that greedy
+the later steps' positions, KV slots and context lengths staged by the host from the block tables,
+rows that ran their steps parked on the scratch block. A chain gives the tokens, the peak logits and the KV cache that greedy
 steps of the eager plan give, one step at a time over the rows still running."""
 
 from __future__ import annotations
@@ -15,10 +15,8 @@ from qruntime.engine.decode_chains import DecodeChains
 from qruntime.engine.graph_capture import eager_capture
 from qruntime.engine.model_runner import ModelRunner
 from qruntime.engine.step_chunk import StepChunk, pending
-from test_mixed_graphs import _fast_attention_plan
-from test_piecewise_graphs import BLOCKS, MAX_CONTEXT, Sequences, _block_diff, _caches, _scratch_blocks
-
-BUCKETS = (1, 2, 4, 8)
+from test_decode_rows import BUCKETS, graph_runners
+from test_piecewise_graphs import BLOCKS, MAX_CONTEXT, Sequences, _block_diff, _scratch_blocks
 
 
 def _stepped(eager: ModelRunner, chunks: list[StepChunk], remaining: list[int]) -> tuple[list[list[int]], list]:
@@ -38,13 +36,9 @@ def _stepped(eager: ModelRunner, chunks: list[StepChunk], remaining: list[int]) 
 
 
 def test_a_chain_decodes_what_greedy_steps_of_the_plan_decode(tiny_ckpt, compiled, rng):
-    plan, spec, vocab = _fast_attention_plan(compiled(tiny_ckpt, "bf16"))
-    eager_cache, graph_cache = _caches(spec, rng)
-    cpu = torch.device("cpu")
-    eager = ModelRunner(plan, eager_cache, cpu, MAX_CONTEXT)
-    graphs = DecodeGraphs(plan, graph_cache, BLOCKS, MAX_CONTEXT, BUCKETS, max_sampled=8, capture=eager_capture)
-    chains = DecodeChains(graphs)
-    runner = ModelRunner(plan, graph_cache, cpu, MAX_CONTEXT, graphs)
+    spec, vocab, eager, runner = graph_runners(compiled(tiny_ckpt, "bf16"), rng)
+    eager_cache, graph_cache = eager.kv_cache, runner.kv_cache
+    chains = DecodeChains(runner.decode_graphs)
     count = 5
     seqs = Sequences(rng, vocab, count, spec.block_size)
     prompts = [seqs.chunk(s, rng.randint(3, 12)) for s in range(count)]
@@ -78,11 +72,8 @@ def test_a_chain_decodes_what_greedy_steps_of_the_plan_decode(tiny_ckpt, compile
 def test_rows_that_ran_their_steps_stay_inside_their_tables(tiny_ckpt, compiled, rng):
     """A row at the last position of the longest context, with one step to run, beside a row of 4: the
     three steps it sits out write the scratch block and index nothing past its table."""
-    plan, spec, vocab = _fast_attention_plan(compiled(tiny_ckpt, "bf16"))
-    eager_cache, graph_cache = _caches(spec, rng)
-    cpu = torch.device("cpu")
-    eager = ModelRunner(plan, eager_cache, cpu, MAX_CONTEXT)
-    graphs = DecodeGraphs(plan, graph_cache, BLOCKS, MAX_CONTEXT, BUCKETS, capture=eager_capture)
+    spec, vocab, eager, runner = graph_runners(compiled(tiny_ckpt, "bf16"), rng, lazy=True)
+    eager_cache, graph_cache, graphs = eager.kv_cache, runner.kv_cache, runner.decode_graphs
     chains = DecodeChains(graphs)
     size = spec.block_size
     blocks = rng.sample(range(BLOCKS), graphs.max_blocks + 1)
@@ -97,9 +88,8 @@ def test_rows_that_ran_their_steps_stay_inside_their_tables(tiny_ckpt, compiled,
 
 
 def test_chains_refuse_rows_without_a_step_too_many_steps_and_m_rope_graphs(tiny_ckpt, compiled, rng):
-    plan, spec, vocab = _fast_attention_plan(compiled(tiny_ckpt, "bf16"))
-    _, cache = _caches(spec, rng)
-    graphs = DecodeGraphs(plan, cache, BLOCKS, MAX_CONTEXT, BUCKETS, capture=eager_capture, lazy=True)
+    _, _, _, runner = graph_runners(compiled(tiny_ckpt, "bf16"), rng, lazy=True)
+    plan, cache, graphs = runner.plan, runner.kv_cache, runner.decode_graphs
     chains = DecodeChains(graphs)
     chunk = StepChunk((1,), 0, (0,))
     with pytest.raises(ValueError, match="runs 1..16 steps"):
@@ -108,7 +98,7 @@ def test_chains_refuse_rows_without_a_step_too_many_steps_and_m_rope_graphs(tiny
         chains.run([chunk], [1, 1])
     with pytest.raises(ValueError, match="runs 1..16 steps"):
         chains.run([chunk], [17])
-    assert not chains.fits([]) and chains.fits([chunk]) and not chains.fits([chunk] * 9)
+    assert not chains.fits([]) and chains.fits([chunk]) and not chains.fits([chunk] * (BUCKETS[-1] + 1))
     assert not chains.fits([StepChunk((1, 2), 0, (0,))])
     vl = DecodeGraphs(plan, cache, BLOCKS, MAX_CONTEXT, BUCKETS, mrope=True, capture=eager_capture, lazy=True)
     with pytest.raises(ValueError, match="M-RoPE"):

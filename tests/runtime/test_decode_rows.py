@@ -13,6 +13,7 @@ from qruntime.engine.decode_rows import MAX_ROWS, MAX_ROWS_PER_CHUNK, decode_row
 from qruntime.engine.graph_capture import eager_capture
 from qruntime.engine.model_runner import ModelRunner
 from qruntime.engine.step_chunk import StepChunk, pending
+from qruntime.kv_cache import KVCacheSpec
 from test_mixed_graphs import _fast_attention_plan
 from test_piecewise_graphs import BLOCKS, MAX_CONTEXT, Sequences, _block_diff, _caches, _scratch_blocks
 
@@ -74,13 +75,27 @@ class _Counted:
         graphs.run = counted
 
 
-def test_verification_steps_on_decode_graphs_equal_the_eager_plan(tiny_ckpt, compiled, rng):
-    plan, spec, vocab = _fast_attention_plan(compiled(tiny_ckpt, "bf16"))
+def graph_runners(artifact, rng, lazy: bool = False) -> tuple[KVCacheSpec, int, ModelRunner, ModelRunner]:
+    """The artifact's plan with the fast path's attention, run by an eager runner and by a runner on
+    eager-captured decode graphs (BUCKETS), each on its copy of the same random KV cache: (KV spec,
+    vocabulary size, eager runner, graph runner)."""
+    plan, spec, vocab = _fast_attention_plan(artifact)
     eager_cache, graph_cache = _caches(spec, rng)
     cpu = torch.device("cpu")
-    eager = ModelRunner(plan, eager_cache, cpu, MAX_CONTEXT)
-    graphs = DecodeGraphs(plan, graph_cache, BLOCKS, MAX_CONTEXT, BUCKETS, max_sampled=8, capture=eager_capture)
-    runner = ModelRunner(plan, graph_cache, cpu, MAX_CONTEXT, graphs)
+    graphs = DecodeGraphs(
+        plan, graph_cache, BLOCKS, MAX_CONTEXT, BUCKETS, max_sampled=8, capture=eager_capture, lazy=lazy
+    )
+    return (
+        spec,
+        vocab,
+        ModelRunner(plan, eager_cache, cpu, MAX_CONTEXT),
+        ModelRunner(plan, graph_cache, cpu, MAX_CONTEXT, graphs),
+    )
+
+
+def test_verification_steps_on_decode_graphs_equal_the_eager_plan(tiny_ckpt, compiled, rng):
+    spec, vocab, eager, runner = graph_runners(compiled(tiny_ckpt, "bf16"), rng)
+    eager_cache, graph_cache, graphs = eager.kv_cache, runner.kv_cache, runner.decode_graphs
     count = 4
     seqs = Sequences(rng, vocab, count, spec.block_size)
     prompts = [seqs.chunk(s, rng.randint(3, 9)) for s in range(count)]
