@@ -4,6 +4,8 @@ and stays open where it pays. The gate in an engine: tests/runtime/test_speculat
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from qruntime import SpeculativeConfig
 from qruntime.engine.speculative.draft_gate import (
@@ -13,6 +15,7 @@ from qruntime.engine.speculative.draft_gate import (
     KEEP,
     MAX_CLOSE,
     PLAIN_PROBE,
+    PROBE_SHARE,
     DraftGate,
     bucket_of,
 )
@@ -58,7 +61,7 @@ def test_a_losing_bucket_closes_for_growing_pauses_and_reopens():
         opened = clock.now
         for _ in range(DRAFT_PROBE):
             assert gate.allows(4)
-            gate.record(4, True, tokens=40, seconds=0.05)  # 800 tok/s: below KEEP x 1000
+            gate.record(4, True, tokens=40, seconds=0.042)  # 952 tok/s: below KEEP x 1000, a probe loses little
         closed = clock.now
         while not gate.allows(4):
             clock.tick()
@@ -72,7 +75,7 @@ def test_drafting_that_pays_stays_open_and_resets_the_pause():
     gate, clock = _gate()
     _plain(gate, 2, 1000.0)
     for _ in range(DRAFT_PROBE):
-        gate.record(2, True, tokens=2, seconds=2 / 400.0)  # loses: closed for FIRST_CLOSE
+        gate.record(2, True, tokens=2, seconds=2 / 900.0)  # loses a little: closed for FIRST_CLOSE
     assert not gate.allows(2)
     for _ in range(FIRST_CLOSE):
         clock.tick()
@@ -81,13 +84,40 @@ def test_drafting_that_pays_stays_open_and_resets_the_pause():
         gate.record(2, True, tokens=8, seconds=8 / (KEEP * 1000.0 + 1))  # just above the bar
     assert gate.allows(2)
     for _ in range(DRAFT_PROBE + 10):  # it starts losing: closed again, for FIRST_CLOSE (reset), not 4x
-        gate.record(2, True, tokens=2, seconds=2 / 100.0)
+        gate.record(2, True, tokens=2, seconds=2 / 900.0)
         if not gate.allows(2):
             break
     start = clock.now
     while not gate.allows(2):
         clock.tick()
     assert clock.now - start == FIRST_CLOSE
+
+
+def test_a_bucket_losing_badly_pauses_until_its_probe_costs_a_small_share():
+    """Plain: 8 tokens in 0.56 ms a step; drafting: 31 tokens in 5.2 ms (0.41x): a drafting step loses
+    5.2 - 31 / 8 * 0.56 ms, DRAFT_PROBE of them ~9.3 ms, ~16 plain steps: the pause is the steps over
+    which that is PROBE_SHARE of the time, not FIRST_CLOSE."""
+    gate, clock = _gate()
+    for _ in range(PLAIN_PROBE):
+        gate.record(8, False, tokens=8, seconds=0.00056)
+    for _ in range(DRAFT_PROBE):
+        assert gate.allows(8)
+        gate.record(8, True, tokens=31, seconds=0.0052)
+    lost = DRAFT_PROBE * (0.0052 - 31 / 8 * 0.00056)
+    want = math.ceil(lost / (PROBE_SHARE * 0.00056))
+    assert want > 4 * FIRST_CLOSE
+    start = clock.now
+    while not gate.allows(8):
+        clock.tick()
+    assert clock.now - start == want
+    gate2, clock2 = _gate()  # a loss past what MAX_CLOSE covers pauses for MAX_CLOSE
+    for _ in range(PLAIN_PROBE):
+        gate2.record(1, False, tokens=1, seconds=0.0001)
+    for _ in range(DRAFT_PROBE):
+        gate2.record(1, True, tokens=2, seconds=1.0)
+    while not gate2.allows(1):
+        clock2.tick()
+    assert clock2.now == MAX_CLOSE
 
 
 def test_a_modes_rate_is_its_tokens_over_its_seconds():
