@@ -97,8 +97,8 @@ def decode_drafts(
     the last step (each step's copy queued behind it), not once a step: the steps queue back to back.
     A request's draft ends before its first token drawn from non-finite logits (the steps after it
     run on the device all the same, their tokens dropped). With a `chain`, the steps after the
-    first, when every request still drafting is greedy without a logit bias, are one chain of greedy steps instead (one
-    replay on the device), if it can run them."""
+    first, when every request still drafting is greedy without a logit bias, are one chain of greedy
+    steps instead (one replay on the device), if it can run them."""
     greedy = [r.generator is None or r.params.greedy for r in requests]
     argmax = [g and not r.params.logit_bias for g, r in zip(greedy, requests, strict=True)]  # what a chain draws
     steps: list[

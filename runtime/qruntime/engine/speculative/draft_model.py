@@ -33,8 +33,9 @@ class DraftModel:
         self._computed: dict[str, list[int]] = {}  # request id -> the tokens whose KV the draft's cache holds
         # greedy draft steps after the first as one replay (decode_chains.py), where the draft's runner
         # replays decode graphs
-        graphs = engine.runner.decode_graphs if chain else None
-        self.chains = DecodeChains(graphs) if graphs is not None and engine.runner.vocab_shard is None else None
+        runner = engine.runner
+        graphs = runner.decode_graphs if chain and runner.vocab_shard is None and not runner.mrope else None
+        self.chains = DecodeChains(graphs) if graphs is not None else None
 
     def propose(self, token_ids: Sequence[int], k: int, request: DraftFor | None = None) -> Draft:
         if request is None:
