@@ -39,11 +39,11 @@ def test_a_chain_decodes_what_greedy_steps_of_the_plan_decode(tiny_ckpt, compile
     spec, vocab, eager, runner = graph_runners(compiled(tiny_ckpt, "bf16"), rng)
     eager_cache, graph_cache = eager.kv_cache, runner.kv_cache
     chains = DecodeChains(runner.decode_graphs)
-    count = 5
+    count = 4
     seqs = Sequences(rng, vocab, count, spec.block_size)
     prompts = [seqs.chunk(s, rng.randint(3, 12)) for s in range(count)]
     torch.testing.assert_close(runner.execute(prompts), eager.execute(prompts), atol=1e-4, rtol=0)
-    for run in range(3):
+    for run in range(2):
         for block in _scratch_blocks(graph_cache):
             block.fill_(float("nan"))  # were a running row to read it, its tokens would differ
         rows = rng.sample(range(count), rng.randint(1, count))  # fresh buckets and row orders
