@@ -92,7 +92,7 @@ def method_config(name: str, args: argparse.Namespace) -> SpeculativeConfig:
     """METHODS[name], or the text form, where a draft-model without draft_model= takes --draft."""
     if name in METHODS:
         return METHODS[name](args)
-    method, colon, options = name.partition(":")
+    method, _, options = name.partition(":")
     if method.strip() == "draft-model" and "draft_model=" not in options.replace("-", "_"):
         if args.draft is None:
             raise SystemExit(f"method {name!r} needs --draft ART or draft_model=PATH")

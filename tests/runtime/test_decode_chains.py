@@ -99,6 +99,7 @@ def test_chains_refuse_rows_without_a_step_too_many_steps_and_m_rope_graphs(tiny
     with pytest.raises(ValueError, match="runs 1..16 steps"):
         chains.run([chunk], [17])
     assert not chains.fits([]) and chains.fits([chunk]) and not chains.fits([chunk] * (BUCKETS[-1] + 1))
+    assert chains.run_fitting([chunk] * (BUCKETS[-1] + 1), [1] * (BUCKETS[-1] + 1)) is None  # no bucket holds it
     assert not chains.fits([StepChunk((1, 2), 0, (0,))])
     vl = DecodeGraphs(plan, cache, BLOCKS, MAX_CONTEXT, BUCKETS, mrope=True, capture=eager_capture, lazy=True)
     with pytest.raises(ValueError, match="M-RoPE"):

@@ -62,6 +62,12 @@ class DecodeChains:
     def fits(self, chunks: Sequence[StepChunk], sampled: torch.Tensor | None = None) -> bool:
         return bool(chunks) and self.graphs.fits(chunks, sampled)
 
+    def run_fitting(
+        self, chunks: Sequence[StepChunk], remaining: Sequence[int], sampled: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`run`, where the chunks fit the graphs (speculative.draft.decode_drafts' chain); None elsewhere."""
+        return self.run(chunks, remaining, sampled) if self.fits(chunks, sampled) else None
+
     @torch.inference_mode()
     def run(
         self, chunks: Sequence[StepChunk], remaining: Sequence[int], sampled: torch.Tensor | None = None

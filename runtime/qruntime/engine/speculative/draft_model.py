@@ -85,9 +85,9 @@ class DraftModel:
         self, chunks: Sequence[StepChunk], remaining: Sequence[int], sampled: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """decode_drafts' chain: greedy steps as one replay of the draft's decode graphs, where they fit."""
-        if self.chains is None or self.engine.runner.decode_graphs is None or not self.chains.fits(chunks, sampled):
-            return None  # no chains, or the runner dropped its graphs
-        return self.chains.run(chunks, remaining, sampled)
+        if self.chains is None or self.engine.runner.decode_graphs is None:
+            return None  # no chains, or the runner dropped its graphs (their pool is gone)
+        return self.chains.run_fitting(chunks, remaining, sampled)
 
     def forget(self, request_id: str) -> None:
         """Free the request's blocks in the draft's pool."""

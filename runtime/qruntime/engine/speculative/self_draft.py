@@ -85,7 +85,8 @@ class LayerSkipDraft:
             requests.append(request)
             placed.append(index)
         if chunks:
-            made = decode_drafts(self._forward, chunks, ks, requests, self._chain)
+            chain = self.chains.run_fitting if self.chains is not None else None
+            made = decode_drafts(self._forward, chunks, ks, requests, chain)
             for index, draft in zip(placed, made, strict=True):
                 drafts[index] = draft
         return drafts
@@ -99,14 +100,6 @@ class LayerSkipDraft:
         if sampled is not None:
             feeds["input_ids"] = resolve_pending(feeds["input_ids"], sampled)
         return self.plan.run(StepContext(self.runner.kv_cache, meta), feeds)
-
-    def _chain(
-        self, chunks: Sequence[StepChunk], remaining: Sequence[int], sampled: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """decode_drafts' chain: greedy steps of the reduced plan as one replay, where they fit."""
-        if self.chains is None or not self.chains.fits(chunks, sampled):
-            return None
-        return self.chains.run(chunks, remaining, sampled)
 
     def forget(self, request_id: str) -> None:
         """Nothing is kept per request (the KV it wrote is the request's, rewritten by verification)."""
