@@ -187,6 +187,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     report = {
         **report_header("spec_extrapolate"),
         "note": NOTE,
+        "device": f"none: a model computed here from figures measured on {decode.get('machine', {}).get('gpu')}"
+        " (the large target) and on the GPUs of the other inputs (the pair, the draft)",
         "inputs": {
             "decode": str(args.decode),
             "decode_device": decode.get("machine", {}).get("gpu"),

@@ -71,6 +71,7 @@ def test_each_method_is_modelled_from_its_inputs(tmp_path):
     argv = ["--decode", decode, "--spec", spec, "--profile", profile, "--draft-ms", "0.5", "--preset", "qwen3-8b"]
     report = spec_extrapolate.main([*argv, "--out", str(out)])
     assert json.loads(out.read_text())["rows"] == report["rows"]
+    assert "a GPU" in report["device"] and report["device"].startswith("none: a model")
     assert report["inputs"]["layers"] == 36 and report["inputs"]["host_ms"] == pytest.approx(0.4)
     rows = {r["method"]: r for r in report["rows"]}
     assert len(report["rows"]) == 3  # batch 8 is not modelled
