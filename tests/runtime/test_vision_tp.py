@@ -267,16 +267,18 @@ def test_ptpc_fp8_with_an_fp8_tower_at_tp2_is_as_accurate_as_tp1(artifacts, one_
     rank 0's alone too. Each rank quantizes its half of a row-parallel layer's input with its own
     per-token scale, so tp=2 is another FP8 rounding of the text model, not tp=1's numbers: held to
     the unquantized model (the bf16 recipe's tp=1 artifact, float32) within 3 dB of tp=1's SQNR."""
-    prompt = _prompt(3, rng)
+    # the logits of several prompts, pooled: one short prompt's SQNR moved with the draw, and tp=2 once
+    # scored 4.2 dB below tp=1 on one (31b741b's CI; 6 other draws: within 2.0 dB; pooled, 8 draws within 0.7)
+    prompts = [_prompt(images, rng) for images in (3, 1, 3, 0)]
     with qruntime.load(artifacts[1], **ENGINE) as engine:
-        reference = engine.score(prompt)
+        reference = torch.cat([engine.score(p) for p in prompts])
     scored = {}
     for tp in (1, 2):
         recipe = load_recipe("ptpc-fp8", [f"tp={tp}", "vision.scheme=ptpc-fp8"])
         out = tmp_path / f"tp{tp}"
         compile_checkpoint(prepare(artifacts["ckpt"], recipe, tokenizer=False), out, workers=1, progress=False)
         with qruntime.load(out, **ENGINE) as engine:
-            scored[tp] = engine.score(prompt)
+            scored[tp] = torch.cat([engine.score(p) for p in prompts])
     tower = {n: i for n, i in _manifest(tmp_path / "tp2")["tensors"].items() if n.startswith("model.visual.")}
     assert any(info["role"] == "scale" for info in tower.values())
     assert all(info["file"].startswith("weights/rank0/vision-") and "ranks" not in info for info in tower.values())
