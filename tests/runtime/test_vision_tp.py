@@ -268,7 +268,7 @@ def test_ptpc_fp8_with_an_fp8_tower_at_tp2_is_as_accurate_as_tp1(artifacts, one_
     per-token scale, so tp=2 is another FP8 rounding of the text model, not tp=1's numbers: held to
     the unquantized model (the bf16 recipe's tp=1 artifact, float32) within 3 dB of tp=1's SQNR."""
     # the logits of several prompts, pooled: one short prompt's SQNR moved with the draw, and tp=2 once
-    # scored 4.2 dB below tp=1 on one (31b741b's CI; 6 other draws: within 2.0 dB; pooled, 8 draws within 0.7)
+    # scored 4.2 dB below tp=1 on one (67baa5b's CI; 6 other draws: within 2.0 dB; pooled, 8 draws within 0.7)
     prompts = [_prompt(images, rng) for images in (3, 1, 3, 0)]
     with qruntime.load(artifacts[1], **ENGINE) as engine:
         reference = torch.cat([engine.score(p) for p in prompts])
