@@ -15,7 +15,7 @@ import torch
 from qruntime.artifact import read_manifest
 from qruntime.engine.graph_capture import eager_capture
 from qruntime.engine.model_runner import ModelRunner
-from qruntime.engine.piecewise_graphs import PiecewiseGraphs, token_buckets, unfit_reason
+from qruntime.engine.piecewise_graphs import EagerPiece, PiecewiseGraphs, token_buckets, unfit_reason
 from qruntime.engine.step_chunk import StepChunk
 from qruntime.kv_cache import KVCache, KVCacheSpec
 from qruntime.ops import attention
@@ -188,6 +188,34 @@ def test_default_buckets_follow_the_tuner_and_halve_its_gaps_up_to_the_token_bud
     for n in range(129, budget + 1):
         bucket = next(b for b in buckets if b >= n)
         assert bucket - n < n / 2, (n, bucket)
+
+
+def _held(graphs: PiecewiseGraphs) -> dict[int, int]:
+    """Storage address -> bytes of every tensor an eager piece reads or writes at replay, any bucket."""
+    held = [
+        t
+        for stages in graphs.stages.values()
+        for stage in stages
+        if isinstance(stage, EagerPiece)
+        for t in (*stage.rows.values(), *stage.into.values())
+    ]
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+
+
+def test_what_eager_code_reads_lives_in_buffers_every_bucket_and_layer_shares(tiny_ckpt, compiled, rng):
+    """Attention's inputs and the tail's rows are copied into shared static buffers by the piece before
+    them, rather than held where each bucket's capture left them (one of every layer per bucket):
+    more buckets hold no more memory, and the steps still give the eager plan's logits."""
+    plan, spec, vocab = _plan(compiled(tiny_ckpt, "bf16"))
+    largest = 32
+    buckets = sorted(rng.sample(range(4, largest), 3)) + [largest]
+    print("buckets", buckets)
+    eager, piecewise = _runners(plan, spec, buckets, rng)
+    alone = PiecewiseGraphs(plan, _caches(spec, rng)[0], (largest,), BLOCKS, MAX_CONTEXT, capture=eager_capture)
+    many, one = _held(piecewise.piecewise_graphs), _held(alone)
+    assert len(many) == len(one) and sum(many.values()) == sum(one.values())  # not one set per bucket
+    seqs = Sequences(rng, vocab, 3, spec.block_size)
+    _check_same(eager, piecewise, _steps(rng, seqs, largest), atol=1e-4)
 
 
 def test_attention_runs_eagerly_between_the_pieces_on_the_real_rows(tiny_ckpt, compiled, rng, monkeypatch):

@@ -27,15 +27,20 @@ alone, 23 prompts of 64 tokens beside 5 decodes (1,477 tokens) ran the 2048 buck
 GEMMs (H100, qwen3-8b: bench/step_kernels.py); the halves bound the padding by a third rather than
 by double. A speculating engine adds VERIFY_BUCKETS below 128: its verification steps hold k + 1
 tokens a decoding request (5 at batch 1 with 4 drafts), which the 128 bucket ran at ~1.5x a decode
-step's GPU time (H200, qwen3-0.6b synthetic: bench/spec_step_profile.py). More sizes cost memory: each bucket keeps attention's input of every layer (below), so a
-bucket's memory grows with T (qwen3-8b: 36 layers x 8 KiB of q a token, 1.9 GiB for 128..2048).
+step's GPU time (H200, qwen3-0.6b synthetic: bench/spec_step_profile.py). Each size costs its
+captures; their memory is mostly shared (Memory, below).
 
 Memory: the graphs of every bucket share one pool, the largest bucket captured first. A piece's
 output that only later pieces read is let go once they are captured, so later captures reuse its
 memory (a bucket's pieces replay in the order they were captured, and buckets never interleave).
-What eager code touches at replay is held: attention's inputs (per bucket, in the pool) and the
-buffers its outputs are copied into (outside the pool, one per output shape among the outputs
-alive at once, shared by every bucket). At tp > 1 every rank captures the same buckets in the same
+What eager code touches at replay lives in static buffers outside the pool, of max(buckets) rows,
+one per shape among the values alive at once, shared by every bucket and layer: the outputs of
+eager pieces are copied into them, and a captured piece copies what eager code reads after it
+(attention's inputs, the tail's hidden rows) into them as its last kernels. Holding those inputs
+in the pool instead, a bucket's own for every layer, took 36 layers x 8 KiB of q a token on
+qwen3-8b: 1.1 GiB for the buckets 128, 256, ..., 2048 (bench/piecewise_check.py, H100), and
+computed, 1.9 GiB with the halves between them and 7.8 GiB up to 8192: about all of the 10% the
+KV sizing leaves free on an 80 GB GPU. At tp > 1 every rank captures the same buckets in the same
 order and replays the same bucket each step (the pieces hold the all-reduces, which must pair up).
 """
 
@@ -202,6 +207,7 @@ class PiecewiseGraphs:
         static = {**weights, **sequence_feeds}
         static.update((name, buf[..., :bucket] if name in self.padding else buf) for name, buf in self.inputs.items())
         last_piece = {name: i for i, piece in enumerate(self.pieces) for name in piece.reads}
+        eager_reads = {name for piece in self.pieces if piece.eager for name in piece.reads}
         stages: list[Callable[[], None] | EagerPiece] = []
         for i, piece in enumerate(self.pieces):
             inputs = {name: static[name] for name in piece.reads}
@@ -209,10 +215,15 @@ class PiecewiseGraphs:
                 stages.append(self._eager(piece, inputs, step, bucket))
                 static.update(stages[-1].into)
             else:
+                held = tuple(name for name in piece.writes if name in eager_reads)
 
-                def run_piece(piece: Piece = piece, inputs: dict = inputs) -> Outputs:
+                def run_piece(piece: Piece = piece, inputs: dict = inputs, held: tuple = held) -> Outputs:
                     env = {**inputs, "": None}
                     plan.run_nodes(step, env, piece.start, piece.stop)
+                    # what eager code reads at replay, copied (inside the graph) into the shared buffers;
+                    # a value without a row per token (an op's ordering token, empty) stays where it is
+                    rows = [name for name in held if env[name].dim() and env[name].shape[0] == bucket]
+                    env.update((name, self._buffer(name, env[name], piece, bucket)) for name in rows)
                     return {name: env[name] for name in piece.writes}
 
                 outputs, replay = capture(run_piece)
@@ -238,10 +249,13 @@ class PiecewiseGraphs:
 
     def _buffer(self, name: str, value: torch.Tensor, piece: Piece, bucket: int) -> torch.Tensor:
         """The static buffer `name` is copied into, [bucket, ...], holding `value`. Its buffer is one of
-        max(buckets) rows, shared with every output of the same shape whose readers all come before
-        this piece (the assignment is made once, at the first bucket captured)."""
+        max(buckets) rows, shared by every bucket and with every value of the same shape whose readers
+        all come before `piece` (the assignment is made once, at the first bucket captured, and
+        outside a capture: a capture's warm-up runs come first)."""
         if value.dim() == 0 or value.shape[0] != bucket:
-            raise ValueError(f"{name!r}, an output of an eager op that captured nodes read, has no row per token")
+            raise ValueError(
+                f"{name!r}, a value that eager code and captured nodes pass between them, has no row per token"
+            )
         if name not in self._buffer_of:
             shape, dtype = value.shape[1:], value.dtype
             free = [
