@@ -1,7 +1,7 @@
 """fold_router_norm on the GPU, in CUDA graphs: at batch-1 decode the AddRMSNorm before each fused
 MoE runs inside the MoE's one-token routing launch (moe_routing.moe_router_one's rms); the
 engine's greedy tokens are those of an engine that launches the norms, and their logprobs agree to
-the rounding that the two sums of squares' orders allow (kernels/gemv_prologue.py)."""
+the rounding that the two sums of squares' orders allow (kernels/row_rmsnorm.py)."""
 
 from __future__ import annotations
 

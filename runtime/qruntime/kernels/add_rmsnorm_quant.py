@@ -44,9 +44,9 @@ from qruntime.kernels.dynamic_quant import (
     use_hw_casts,
 )
 from qruntime.kernels.fp8_gemm import SplitKPartials, check_partials
-from qruntime.kernels.gemv_prologue import rms_rstd
 from qruntime.kernels.moe_combine import PairRows
 from qruntime.kernels.pdl import launch_options, wait_for_inputs
+from qruntime.kernels.row_rmsnorm import rms_rstd
 
 
 @triton.jit

@@ -38,8 +38,8 @@ from qruntime.kernels.dynamic_quant import (
     rows_of,
     use_hw_casts,
 )
-from qruntime.kernels.gemv_prologue import normed_value, row_rstd
 from qruntime.kernels.pdl import launch_options, wait_for_inputs
+from qruntime.kernels.row_rmsnorm import normed_value, row_rstd
 
 MAX_EXPERTS = 4096  # the router row is one register tile
 MAX_ROUTER_TILE = 4096  # router weights a program of moe_router_one holds per step of its H loop
@@ -179,7 +179,7 @@ def _router_one_kernel(
     wait_for_inputs(PDL)
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty  # the model dtype, which F.linear's logits are in
     rstd = 0.0
-    if RMS:  # gemv_prologue.py: the norm kernel's arithmetic; program 0 writes residual_out
+    if RMS:  # row_rmsnorm.py: the norm kernel's arithmetic; program 0 writes residual_out
         rstd = row_rstd(x_ptr, r_ptr, ro_ptr, nw_ptr, H, eps, tl.program_id(0) == 0, RMS_BLOCK, RMS_CHUNKS, HW)
     # ---- logits of this program's experts: fp32 dot products over H, rounded as F.linear's output;
     # the row's max |x| on the way (every program reads all of x)
@@ -385,7 +385,7 @@ def moe_router_one(
     tail is the top-k alone. Returns what moe_route_quant_one does (fp8: as moe_route_quant's).
     rms: (residual [1, H], norm weight [H], residual_out [1, H], eps): x is then AddRMSNorm's x, and
     the token routed and quantized is y = rms_norm(x + residual), which every program computes with
-    add_rmsnorm's arithmetic (kernels/gemv_prologue.py) and program 0 stores x + residual at
+    add_rmsnorm's arithmetic (kernels/row_rmsnorm.py) and program 0 stores x + residual at
     residual_out: the norm's launch saved."""
     fnuz = fnuz_format(fp8)
     if router_w.dtype != x.dtype or router_w.dim() != 2 or router_w.shape[1] != x.shape[-1]:

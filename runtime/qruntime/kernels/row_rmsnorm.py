@@ -1,6 +1,7 @@
-"""AddRMSNorm of one token's row, computed inside the GEMV launch that reads it instead of in a
-launch of its own: the fused MoE's one-token routing launch (moe_routing.moe_router_one's rms),
-whose every program reads the whole row for its router rows anyway.
+"""AddRMSNorm of one token's row, op for op as the norm kernel computes it (add_rmsnorm_quant.py
+takes its rstd from here), for a launch that reads the row anyway and so folds the norm in instead
+of paying a launch for it: the fused MoE's one-token routing launch (moe_routing.moe_router_one's
+rms), whose every program reads the whole row for its router rows.
 
 Each program normalizes the row with the arithmetic of add_rmsnorm_quant.py's kernel, op for op:
 h = D(x + residual), the fp32 sum of squares of h over the same tiles in the same order, rstd =
