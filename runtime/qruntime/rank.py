@@ -28,6 +28,7 @@ from qruntime.artifact import ArtifactFormatError, artifact_path
 from qruntime.comm.all_reduce import AllReducePolicy, AllReducer
 from qruntime.early_prebuild import EarlyPrebuild
 from qruntime.engine.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
+from qruntime.engine.graph_capture import cuda_capture
 from qruntime.engine.mixed_graphs import MixedGraphs, mixed_unfit_reason
 from qruntime.engine.model_runner import ModelRunner
 from qruntime.engine.piecewise_graphs import PiecewiseGraphs, token_buckets, unfit_reason
@@ -332,14 +333,19 @@ def build_rank(
     if cuda_graphs:
         buckets = [b for b in DEFAULT_BUCKETS if b <= config.max_num_seqs] or [config.max_num_seqs]
         lap("kv_cache")
-        graphs = DecodeGraphs(plan, kv_cache, blocks, max_model_len, buckets, mrope=mrope, vision=vision, lazy=lazy)
+        # one memory pool for every graph: the step kinds never run at once (one stream, one step at a
+        # time), so what a mixed step's graph frees inside it a piecewise or decode graph can use
+        capture = cuda_capture(torch.cuda.graph_pool_handle())
+        graphs = DecodeGraphs(
+            plan, kv_cache, blocks, max_model_len, buckets, mrope=mrope, vision=vision, capture=capture, lazy=lazy
+        )
         lap("decode_graphs")
         # a plan that mixes rows (per-tensor activation scales) runs its other steps eagerly instead (as
         # a Qwen3-VL engine runs its steps holding image rows)
         if unfit_reason(plan) is None:
             tokens = token_buckets(config.max_num_batched_tokens, verify=config.small_step_graphs)
             piecewise = PiecewiseGraphs(
-                plan, kv_cache, tokens, blocks, max_model_len, mrope=mrope, vision=vision, lazy=lazy
+                plan, kv_cache, tokens, blocks, max_model_len, capture, mrope, vision, lazy=lazy
             )
             lap("piecewise_graphs")
             if mixed_unfit_reason(plan) is None:  # whole-step graphs where attention launches from bounds
@@ -350,8 +356,9 @@ def build_rank(
                     blocks,
                     max_model_len,
                     config.max_num_seqs,
-                    mrope=mrope,
-                    vision=vision,
+                    capture,
+                    mrope,
+                    vision,
                     lazy=lazy,
                 )
                 lap("mixed_graphs")

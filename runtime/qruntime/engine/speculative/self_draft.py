@@ -57,7 +57,13 @@ class LayerSkipDraft:
         target = runner.decode_graphs
         if target is not None:
             self.graphs = DecodeGraphs(
-                self.plan, runner.kv_cache, target.scratch_block, runner.max_context_len, target.buckets, lazy=True
+                self.plan,
+                runner.kv_cache,
+                target.scratch_block,
+                runner.max_context_len,
+                target.buckets,
+                capture=target.capturer,  # the target's pool: draft and target steps take turns
+                lazy=True,
             )
             if self.chain and runner.vocab_shard is None and not runner.mrope:
                 self.chains = DecodeChains(self.graphs)
