@@ -284,7 +284,9 @@ def load(
     count) at the first step that needs it, and an idle server (or a caller of engine.idle_work)
     captures the rest, largest first, then runs the warm-up steps; the load returns as soon as the
     KV cache is allocated. "load" captures all of them and runs the warm-up steps before returning,
-    so that no step pays a capture (benchmarks of steady speed use it).
+    so that no step pays a capture (benchmarks of steady speed use it). A speculating engine's draft
+    follows the same choice: with "first-use" its graphs (a layer-skip draft's decode graphs, a
+    draft model's every graph) are the idle work's once the target's are done.
     The engine's description["load_seconds"] says where the load's time went (LoadClock.phases).
     """
     if graph_capture not in GRAPH_CAPTURE:
@@ -416,9 +418,7 @@ def load(
         description["graph_seconds"] = dict(built.graph_seconds)
     if config.synthetic:
         description["weights"] = "SYNTHETIC: random values made on the device (qcompile synth --artifact)"
-    clock.mark("done")
-    description["load_seconds"] = clock.phases()
-    return Engine(
+    engine = Engine(
         built.runner,
         scheduler,
         tokenizer,
@@ -429,6 +429,15 @@ def load(
         speculator=speculator,
         vision=vision,
     )
+    try:
+        while graph_capture == "load" and speculator is not None and speculator.idle_work():
+            pass  # the draft's graphs too (a layer-skip draft's exist once the engine attached it)
+    except BaseException:
+        engine.close()
+        raise
+    clock.mark("done")
+    engine.description["load_seconds"] = clock.phases()
+    return engine
 
 
 def _check_target(manifest: dict, root: Path, device: torch.device) -> None:
@@ -495,7 +504,7 @@ def _speculator(
             num_kv_blocks=target.num_kv_blocks,
             kv_cache_memory=memory,
             small_step_graphs=True,
-            graph_capture="load",  # its steps come from the target's, which does no idle work for it
+            graph_capture=target.graph_capture,  # at first use: the target's idle work does the rest
         )
         if draft.vocab_size != vocab_size or tuple(draft.tokenizer.eos_token_ids) != tuple(tokenizer.eos_token_ids):
             draft.close()

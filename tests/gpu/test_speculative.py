@@ -72,3 +72,29 @@ def test_every_method_on_the_fast_path(gpu_artifact, cuda, rng, method):
     sampled = [SamplingParams(max_tokens=32, temperature=0.8, seed=rng.randrange(1 << 30)) for _ in prompts]
     assert all(o.finish_reason in ("length", "stop") for o in engine.generate(prompts, sampled))
     engine.close()
+
+
+@pytest.mark.parametrize("method", ["layer-skip", "draft-model"])
+def test_a_drafts_graphs_wait_for_idle_work_or_come_at_load(gpu_artifact, cuda, rng, method):
+    """A draft's graphs (the layer-skip plan's decode graphs, the draft model's every graph) are captured
+    at load with graph_capture="load"; by default at first use, then by the engine's idle work. The
+    tokens are the same either way (the same kernels on the same shapes)."""
+    config = {
+        "layer-skip": SpeculativeConfig("layer-skip", skip_layers=(1,)),
+        "draft-model": SpeculativeConfig("draft-model", draft_model=str(gpu_artifact)),
+    }[method]
+    prompts = _prompts(rng, 3)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    sizes = {"num_kv_blocks": 256, "speculative": config}
+    with qruntime.load(gpu_artifact, device=cuda, graph_capture="load", **sizes) as eager:
+        assert not eager.speculator.has_idle_work() and not eager.idle_work()
+        want = [o.token_ids for o in eager.generate(prompts, params)]
+    with qruntime.load(gpu_artifact, device=cuda, **sizes) as lazy:
+        assert lazy.speculator.has_idle_work()  # nothing of the draft's captured at load
+        assert [o.token_ids for o in lazy.generate(prompts, params)] == want
+        rounds = 0
+        while lazy.idle_work():
+            rounds += 1
+            assert rounds < 200, "idle work that never ends"
+        assert not lazy.speculator.has_idle_work() and not lazy.runner.has_idle_work()
+        assert [o.token_ids for o in lazy.generate(prompts, params)] == want

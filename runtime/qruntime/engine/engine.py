@@ -697,16 +697,24 @@ class Engine:
 
     def idle_work(self) -> bool:
         """Do one piece of the start-up work the load left for later (load's graph_capture="first-use":
-        a graph not captured yet, largest first, then the warm-up steps) when no request is
-        unfinished, so that the work never delays one; returns whether any is left. A serving loop
-        calls it while idle; `while engine.idle_work(): pass` finishes the start-up at once."""
-        if self._closed or not self.runner.has_idle_work():
+        a graph not captured yet, largest first, then the warm-up steps; then a speculating engine's
+        draft's, Proposer.idle_work) when no request is unfinished, so that the work never delays
+        one; returns whether any is left. A serving loop calls it while idle; `while
+        engine.idle_work(): pass` finishes the start-up at once."""
+        if self._closed or not self._has_idle_work():
             return False
         if self.has_unfinished():
             return True
-        if self.workers is not None:  # every rank, at the same point of its steps
-            return self.workers.idle_work(self.runner)
-        return self.runner.idle_work()
+        if not self.runner.has_idle_work():
+            self.speculator.idle_work()
+        elif self.workers is not None:  # every rank, at the same point of its steps
+            self.workers.idle_work(self.runner)
+        else:
+            self.runner.idle_work()
+        return self._has_idle_work()
+
+    def _has_idle_work(self) -> bool:
+        return self.runner.has_idle_work() or (self.speculator is not None and self.speculator.has_idle_work())
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:

@@ -64,6 +64,14 @@ class Proposer(Protocol):
         """The target's model runner, once it is built (a draft that runs the target's own plan)."""
         ...
 
+    def has_idle_work(self) -> bool:
+        """Whether start-up work was left for later (graphs captured at first use: a draft's)."""
+        ...
+
+    def idle_work(self) -> bool:
+        """Do one piece of that work, for an engine with nothing to run; returns whether any is left."""
+        ...
+
 
 @dataclass(frozen=True)
 class ProposerContext:

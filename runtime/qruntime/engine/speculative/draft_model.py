@@ -100,6 +100,14 @@ class DraftModel:
     def attach(self, runner: Any) -> None:
         """The draft has its own runner."""
 
+    def has_idle_work(self) -> bool:
+        return self.engine.runner.has_idle_work()
+
+    def idle_work(self) -> bool:
+        """The draft engine's start-up work (its graphs, largest first, then its warm-up steps): its
+        scheduler never has a request, so the engine does it whenever it is asked."""
+        return self.engine.idle_work()
+
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     """Length of the longest common prefix of a and b, at most limit."""

@@ -78,3 +78,9 @@ class PromptLookup:
 
     def attach(self, runner: object) -> None:
         """No model."""
+
+    def has_idle_work(self) -> bool:
+        return False
+
+    def idle_work(self) -> bool:
+        return False

@@ -107,6 +107,15 @@ class LayerSkipDraft:
             feeds["input_ids"] = resolve_pending(feeds["input_ids"], sampled)
         return self.plan.run(StepContext(self.runner.kv_cache, meta), feeds)
 
+    def has_idle_work(self) -> bool:
+        return self.graphs is not None and bool(self.graphs.pending)
+
+    def idle_work(self) -> bool:
+        """Capture the largest decode bucket of the reduced plan not captured yet."""
+        if self.has_idle_work():
+            self.graphs.capture(self.graphs.pending[-1])
+        return self.has_idle_work()
+
     def forget(self, request_id: str) -> None:
         """Nothing is kept per request (the KV it wrote is the request's, rewritten by verification)."""
 

@@ -158,6 +158,13 @@ class Speculator:
         """Give the proposer the target's model runner (the engine does, once built)."""
         self.proposer.attach(runner)
 
+    def has_idle_work(self) -> bool:
+        return self.proposer.has_idle_work()
+
+    def idle_work(self) -> bool:
+        """One piece of the proposer's start-up work (Proposer.idle_work); whether any is left."""
+        return self.proposer.idle_work()
+
     def close(self) -> None:
         """Release what the proposer holds (a draft model's engine)."""
         self.proposer.close()
