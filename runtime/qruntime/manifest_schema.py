@@ -53,13 +53,38 @@ def key_path(where: str, key: str) -> str:
     return f"{where}[{json.dumps(clip(key))}]"
 
 
+class _Invalid(Exception):
+    """A node's refusal on its way up to Node.check: what the value must be, and the path below the
+    checked node, innermost first ('.name' a field, '[i]' an index, '["key"]' a map key). Paths are
+    built only for a refused value: a manifest lists thousands of tensor parts (qwen3-235b-a22b: 4 MB),
+    and formatting every item's path took most of a read."""
+
+    def __init__(self, expected: str, step: str | None = None) -> None:
+        super().__init__(expected)
+        self.expected = expected
+        self.path = [] if step is None else [step]
+
+
+def _joined(where: str, path: list[str]) -> str:
+    for step in reversed(path):
+        where = where + step if step[0] == "[" else f"{where}{step}" if where else step[1:]
+    return where
+
+
 class Node:
-    """One schema node: `check(value, where)` raises SchemaError naming `where`."""
+    """One schema node: `check(value, where)` raises SchemaError naming `where` and the field below it."""
 
     def describe(self) -> str:
         raise NotImplementedError
 
     def check(self, value: Any, where: str) -> None:
+        try:
+            self.validate(value)
+        except _Invalid as exc:
+            raise SchemaError(_joined(where, exc.path), exc.expected) from None
+
+    def validate(self, value: Any) -> None:
+        """Raise _Invalid where `value` breaks the node (its path relative to this node)."""
         raise NotImplementedError
 
 
@@ -73,14 +98,14 @@ class Int(Node):
         kind = "a power of two" if self.pow2 else "an integer"
         return f"{kind} in {self.lo}..{self.hi}"
 
-    def check(self, value: Any, where: str) -> None:
+    def validate(self, value: Any) -> None:
         if (
             isinstance(value, bool)
             or not isinstance(value, int)
             or not self.lo <= value <= self.hi
             or (self.pow2 and value & (value - 1))
         ):
-            raise SchemaError(where, self.describe())
+            raise _Invalid(self.describe())
 
 
 @dataclass(frozen=True)
@@ -88,9 +113,9 @@ class Num(Node):
     def describe(self) -> str:
         return "a finite number"
 
-    def check(self, value: Any, where: str) -> None:
+    def validate(self, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise SchemaError(where, self.describe())
+            raise _Invalid(self.describe())
 
 
 @dataclass(frozen=True)
@@ -106,13 +131,13 @@ class Str(Node):
             return f"{self.hex_len} lowercase hex digits"
         return f"a string of at most {self.max_len} characters"
 
-    def check(self, value: Any, where: str) -> None:
+    def validate(self, value: Any) -> None:
         if not isinstance(value, str) or len(value) > self.max_len:
-            raise SchemaError(where, self.describe())
+            raise _Invalid(self.describe())
         if self.choices and value not in self.choices:
-            raise SchemaError(where, self.describe())
+            raise _Invalid(self.describe())
         if self.hex_len and (len(value) != self.hex_len or value.strip("0123456789abcdef")):
-            raise SchemaError(where, self.describe())
+            raise _Invalid(self.describe())
 
 
 @dataclass(frozen=True)
@@ -120,9 +145,9 @@ class Bool(Node):
     def describe(self) -> str:
         return "true or false"
 
-    def check(self, value: Any, where: str) -> None:
+    def validate(self, value: Any) -> None:
         if not isinstance(value, bool):
-            raise SchemaError(where, self.describe())
+            raise _Invalid(self.describe())
 
 
 @dataclass(frozen=True)
@@ -134,14 +159,14 @@ class Opt(Node):
     def describe(self) -> str:
         return f"null or {self.node.describe()}"
 
-    def check(self, value: Any, where: str) -> None:
+    def validate(self, value: Any) -> None:
         if value is not None:
             try:
-                self.node.check(value, where)
-            except SchemaError as exc:
-                if exc.where != where:
+                self.node.validate(value)
+            except _Invalid as exc:
+                if exc.path:  # a field inside the value is named
                     raise
-                raise SchemaError(where, self.describe()) from None
+                raise _Invalid(self.describe()) from None
 
 
 @dataclass(frozen=True)
@@ -152,11 +177,16 @@ class List(Node):
     def describe(self) -> str:
         return f"a list, each item {self.item.describe()}"
 
-    def check(self, value: Any, where: str) -> None:
+    def validate(self, value: Any) -> None:
         if not isinstance(value, list) or len(value) > self.max_len:
-            raise SchemaError(where, self.describe())
+            raise _Invalid(self.describe())
+        validate = self.item.validate
         for index, item in enumerate(value):
-            self.item.check(item, f"{where}[{index}]")
+            try:
+                validate(item)
+            except _Invalid as exc:
+                exc.path.append(f"[{index}]")
+                raise
 
 
 @dataclass(frozen=True)
@@ -166,11 +196,15 @@ class Tuple(Node):
     def describe(self) -> str:
         return "a list of " + ", ".join(n.describe() for n in self.items)
 
-    def check(self, value: Any, where: str) -> None:
+    def validate(self, value: Any) -> None:
         if not isinstance(value, list) or len(value) != len(self.items):
-            raise SchemaError(where, self.describe())
+            raise _Invalid(self.describe())
         for index, (node, item) in enumerate(zip(self.items, value, strict=True)):
-            node.check(item, f"{where}[{index}]")
+            try:
+                node.validate(item)
+            except _Invalid as exc:
+                exc.path.append(f"[{index}]")
+                raise
 
 
 @dataclass(frozen=True)
@@ -184,15 +218,19 @@ class Obj(Node):
         need = f" with {', '.join(self.required)}" if self.required else ""
         return f"an object{need}"
 
-    def check(self, value: Any, where: str) -> None:
+    def validate(self, value: Any) -> None:
         if not isinstance(value, dict):
-            raise SchemaError(where, self.describe())
+            raise _Invalid(self.describe())
         for name in self.required:
             if name not in value:
-                raise SchemaError(f"{where}.{name}" if where else name, "present")
+                raise _Invalid("present", f".{name}")
         for name, node in self.fields.items():
             if name in value:
-                node.check(value[name], f"{where}.{name}" if where else name)
+                try:
+                    node.validate(value[name])
+                except _Invalid as exc:
+                    exc.path.append(f".{name}")
+                    raise
 
 
 @dataclass(frozen=True)
@@ -205,13 +243,18 @@ class Map(Node):
     def describe(self) -> str:
         return f"an object, each value {self.value.describe()}"
 
-    def check(self, value: Any, where: str) -> None:
+    def validate(self, value: Any) -> None:
         if not isinstance(value, dict) or len(value) > self.max_len:
-            raise SchemaError(where, self.describe())
+            raise _Invalid(self.describe())
+        validate = self.value.validate
         for key, item in value.items():
             if len(key) > 1024:
-                raise SchemaError(key_path(where, key), "a key of at most 1024 characters")
-            self.value.check(item, key_path(where, key))
+                raise _Invalid("a key of at most 1024 characters", key_path("", key))
+            try:
+                validate(item)
+            except _Invalid as exc:
+                exc.path.append(key_path("", key))
+                raise
 
 
 SHAPE = List(Int(), max_len=8)

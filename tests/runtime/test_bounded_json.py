@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Any
 
 import pytest
 from qruntime.bounded_json import MAX_DEPTH, JSONLimitError, check, loads
@@ -78,3 +79,54 @@ def test_a_container_after_numbers_is_still_walked():
     inner = "[" * 70 + "1" + "]" * 70
     with pytest.raises(JSONLimitError, match="nested more than 64 levels"):
         loads(f'{{"prompt": [1, 2, 3, {inner}]}}', what="request body")
+
+
+def _random_document(rng: random.Random, depth: int) -> Any:
+    """Nested dicts and lists of numbers and strings, some strings with surrogates (lone or paired)."""
+    if depth == 0 or rng.random() < 0.3:
+        pick = rng.random()
+        if pick < 0.3:
+            return rng.choice([1, -2.5, True, None])
+        text = "".join(
+            rng.choice(["a", "é", "\\", '"', "\U0001f600", "\ud800", "\udfff"]) for _ in range(rng.randrange(4))
+        )
+        return text if rng.random() < 0.5 or not any(0xD800 <= ord(c) <= 0xDFFF for c in text) else "plain"
+    if rng.random() < 0.5:
+        return [_random_document(rng, depth - 1) for _ in range(rng.randrange(3))]
+    return {f"k{i}": _random_document(rng, depth - 1) for i in range(rng.randrange(3))}
+
+
+def test_loads_refuses_exactly_what_the_named_walk_refuses():
+    """loads walks (naming the place) only documents that may break a bound; over random documents,
+    as str and as UTF-8, UTF-16 or surrogate-passing UTF-8 bytes, it refuses what json.loads + check
+    refuses, with check's message, and returns json.loads' value otherwise."""
+    seed = random.randrange(1 << 30)
+    print("seed", seed)
+    rng = random.Random(seed)
+    refused = accepted = 0
+    for _ in range(400):
+        doc = _random_document(rng, rng.randrange(1, 7))
+        text = json.dumps(doc, ensure_ascii=rng.random() < 0.5)
+        inputs = [text, text.encode("utf-8", "surrogatepass"), text.encode("utf-16", "surrogatepass")]
+        max_depth = rng.randrange(1, 7)
+        for raw in inputs:
+            want = json.loads(raw)
+            try:
+                check(want, what="doc", max_depth=max_depth)
+                expected = None
+            except JSONLimitError as exc:
+                expected = str(exc)
+            try:
+                got = loads(raw, what="doc", max_depth=max_depth)
+            except JSONLimitError as exc:
+                assert str(exc) == expected, raw
+                refused += 1
+            else:
+                assert expected is None and got == want, raw
+                accepted += 1
+    assert refused > 100 and accepted > 100, (refused, accepted)
+
+
+def test_an_escaped_backslash_before_u_d800_is_text():
+    assert loads('{"a": "\\\\ud800"}', what="doc") == {"a": "\\ud800"}
+    assert loads(b'{"a": "\\\\ud800"}', what="doc") == {"a": "\\ud800"}
