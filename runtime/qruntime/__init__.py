@@ -46,18 +46,20 @@ def load(path: str | Path, *args: Any, **kwargs: Any) -> Engine:
     (qruntime.read_ahead), while this call imports torch and the engine, which takes seconds in a
     fresh process; description["load_seconds"]["imports"] is that import's time. Right after torch,
     the artifact's kernels start building (qruntime.early_prebuild), before the engine's imports."""
+    from qruntime.artifact import read_manifest_or_none
     from qruntime.read_ahead import ReadAhead
 
-    with ReadAhead.of_artifact(path):
+    manifest = read_manifest_or_none(path)  # once: the read-ahead, the early build and the load use it
+    with ReadAhead.of_artifact(path, manifest):
         started = time.perf_counter()
         from qruntime.early_prebuild import start_early  # imports torch
 
-        early = start_early(path, args, kwargs)
+        early = start_early(path, args, kwargs, manifest)
         try:
             from qruntime.loader import load as load_artifact
 
             imports = time.perf_counter() - started
-            engine = load_artifact(path, *args, **kwargs, started_prebuild=early)
+            engine = load_artifact(path, *args, **kwargs, started_prebuild=early, manifest=manifest)
         finally:
             if early is not None:  # a no-op once the load took it over and waited for it
                 early.cancel()

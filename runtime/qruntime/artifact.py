@@ -106,6 +106,18 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
     return manifest
 
 
+def read_manifest_or_none(path: str | Path) -> dict[str, Any] | None:
+    """read_manifest of a local artifact, read once for a load's early work (the read-ahead, the early
+    kernel build) and the load itself; None for a hub URL or whatever read_manifest refuses (the load
+    reads it again and says what is wrong)."""
+    if str(path).startswith("hf://"):
+        return None
+    try:
+        return read_manifest(path)
+    except (ArtifactFormatError, OSError, ValueError):
+        return None
+
+
 def check_artifact_dir(root: str | Path) -> None:
     """What read_manifest checks first, cheaply (no file is read): `root` is a directory holding a
     manifest.json. Raises ArtifactFormatError saying what `root` is instead: missing, not a

@@ -42,12 +42,14 @@ class EarlyPrebuild:
             self.build.cancel()
 
 
-def start_early(path: str | Path, args: tuple[Any, ...], kwargs: dict[str, Any]) -> EarlyPrebuild | None:
+def start_early(
+    path: str | Path, args: tuple[Any, ...], kwargs: dict[str, Any], manifest: dict[str, Any] | None = None
+) -> EarlyPrebuild | None:
     """The kernel build for `qruntime.loader.load(path, *args, **kwargs)`, started now; None where
     the load will not build kernels ahead: not a one-rank local artifact, or its device, dtype and
     backend (decided as the loader decides them, qruntime.load_options) not the Triton backend on
     an NVIDIA GPU, or prebuild_kernels off; also where the arguments or the artifact are wrong
-    (the load reports them)."""
+    (the load reports them). `manifest`: the artifact's read_manifest, where the caller has it."""
     from qruntime.artifact import ArtifactFormatError, read_manifest
     from qruntime.kernel_prebuild import default_jobs, start_prebuild
     from qruntime.load_options import resolve_backend, resolve_device, resolve_dtype
@@ -61,7 +63,7 @@ def start_early(path: str | Path, args: tuple[Any, ...], kwargs: dict[str, Any])
     try:
         if device is not None and torch.device(device).type != "cuda":
             return None  # decided before CUDA is touched (a CPU or a sharded load never initialises it here)
-        manifest = read_manifest(Path(path))
+        manifest = manifest if manifest is not None else read_manifest(Path(path))
         if manifest.get("tp", 1) != 1:
             return None
         resolved = resolve_device(device)

@@ -214,6 +214,7 @@ def load(
     prebuild_kernels: bool = True,
     graph_capture: str = "first-use",
     started_prebuild: EarlyPrebuild | None = None,
+    manifest: dict[str, Any] | None = None,
 ) -> Engine:
     """Load a qcompile artifact and return an Engine.
 
@@ -279,7 +280,9 @@ def load(
     to trust). description["kernel_prebuild"] reports it. started_prebuild: that build, already
     started for this call by qruntime.load (qruntime.early_prebuild.start_early, right after torch's
     import, before this module's); taken over when it fits what the load decides, else cancelled
-    (the caller cancels it when the load fails before it is taken over).
+    (the caller cancels it when the load fails before it is taken over). manifest: the local
+    artifact's read_manifest, as qruntime.load read it once for its read-ahead and early build (None:
+    read here).
     graph_capture (with cuda_graphs): "first-use" captures each graph (a decode batch size, a token
     count) at the first step that needs it, and an idle server (or a caller of engine.idle_work)
     captures the rest, largest first, then runs the warm-up steps; the load returns as soon as the
@@ -299,7 +302,8 @@ def load(
         verify = False  # pull has checked every file's sha256
     else:
         root = Path(path)
-    manifest = read_manifest(root)
+    if manifest is None or is_hub_url(path):
+        manifest = read_manifest(root)
     require(manifest, root, "kv_cache", "spec.vocab_size", "spec.max_position_embeddings")
     tp = _check_tp(tp, manifest, root)
     if speculative is not None and tp > 1:

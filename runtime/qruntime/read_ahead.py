@@ -29,6 +29,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from qruntime.artifact import ArtifactFormatError, artifact_path, read_manifest
 
@@ -48,11 +49,12 @@ class WeightFile:
     size: int
 
 
-def weight_files(root: str | Path) -> list[WeightFile]:
-    """The artifact's weight files, in the manifest's order of names; [] for anything that is not a
-    readable local artifact (the load itself then says what is wrong)."""
+def weight_files(root: str | Path, manifest: dict[str, Any] | None = None) -> list[WeightFile]:
+    """The artifact's weight files, in the manifest's order of names (`manifest`: root's, as
+    read_manifest gave it; None: read here); [] for anything that is not a readable local artifact
+    (the load itself then says what is wrong)."""
     try:
-        manifest = read_manifest(root)
+        manifest = manifest if manifest is not None else read_manifest(root)
         listed = manifest["files"]
         names = sorted(rel for rel in listed if rel.startswith(WEIGHTS_DIR) and rel.endswith(".safetensors"))
         paths = [artifact_path(root, rel, listed=listed) for rel in names]
@@ -124,9 +126,10 @@ class ReadAhead:
         ]
 
     @classmethod
-    def of_artifact(cls, path: str | Path) -> ReadAhead:
-        """For a local artifact directory (a hub URL or a bad artifact: nothing to read)."""
-        files = [] if str(path).startswith("hf://") else weight_files(path)
+    def of_artifact(cls, path: str | Path, manifest: dict[str, Any] | None = None) -> ReadAhead:
+        """For a local artifact directory (a hub URL or a bad artifact: nothing to read); `manifest`
+        its read_manifest, where the caller has it."""
+        files = [] if str(path).startswith("hf://") else weight_files(path, manifest)
         memory = available_memory()
         total = sum(f.size for f in files)
         return cls(files, total if memory is None else min(total, int(memory * MEMORY_SHARE)))

@@ -155,7 +155,7 @@ def test_a_rank_that_builds_nothing_ahead_cancels_the_build(art, gpus, config):
 def test_load_hands_its_build_to_the_loader_and_cancels_one_a_failed_load_never_took(art, monkeypatch):
     builds = []
 
-    def start(path, args, kwargs):
+    def start(path, args, kwargs, manifest=None):
         builds.append(FakeBuild())
         return EarlyPrebuild(Path(path), torch.device("cuda", 0), builds[-1])
 
@@ -168,3 +168,13 @@ def test_load_hands_its_build_to_the_loader_and_cancels_one_a_failed_load_never_
     assert builds[-1].cancelled >= 1 and builds[-1].adopted == 0
     assert "kernel_prebuild" not in engine.description
     engine.close()
+
+
+def test_a_manifest_given_is_not_read_again(art, gpus, monkeypatch):
+    """qruntime.load reads the manifest once and hands it to start_early, which then reads none."""
+    import qruntime.artifact
+
+    manifest = qruntime.artifact.read_manifest(art)
+    monkeypatch.setattr(qruntime.artifact, "read_manifest", lambda root: pytest.fail(f"{root}: read again"))
+    assert start_early(art, (), {}, manifest) is not None
+    assert gpus[-1]["listed"] == frozenset(manifest["files"])

@@ -9,8 +9,11 @@ import shutil
 import sys
 import threading
 import time
+import types
 
 import pytest
+import qruntime
+from qruntime.artifact import ArtifactFormatError
 from qruntime.read_ahead import ReadAhead, WeightFile, available_memory, chunks, read_chunk, weight_files
 
 
@@ -202,3 +205,41 @@ def test_idle_io_puts_each_reading_thread_and_only_it_in_the_idle_class(art, idl
     pass_.join()
     assert classes and set(classes) == ({3} if idle_io else {_io_class()})
     assert _io_class() != 3  # the loading thread keeps its class
+
+
+def _count_manifest_parses(monkeypatch) -> list[str]:
+    """The documents qruntime.artifact parses from now on (each manifest.json read)."""
+    import qruntime.artifact as artifact
+
+    parsed, loads = [], artifact.bounded_json.loads
+    monkeypatch.setattr(
+        artifact.bounded_json, "loads", lambda raw, **kw: (parsed.append(kw["what"]), loads(raw, **kw))[1]
+    )
+    return parsed
+
+
+def test_a_load_reads_its_manifest_once(art, monkeypatch):
+    """qruntime.load reads manifest.json once, for the read-ahead, the early kernel build and the loader
+    (for qwen3-235b-a22b's 4 MB manifest a read is a fifth of a second here)."""
+    parsed = _count_manifest_parses(monkeypatch)
+    engine = qruntime.load(art, "cpu", num_kv_blocks=16)
+    assert parsed == [str(art / "manifest.json")]
+    assert engine.generate([[1, 2, 3]], qruntime.SamplingParams(max_tokens=2))[0].token_ids
+    parsed.clear()
+    with pytest.raises(ArtifactFormatError, match="manifest.json"):  # a bad path: the loader says what is wrong
+        qruntime.load(art / "manifest.json", "cpu", num_kv_blocks=16)
+    assert parsed == []
+
+
+def test_serves_engine_process_hands_the_load_its_manifest(art, monkeypatch):
+    """engine_spawn.run_engine reads the manifest once, for its read-ahead and early build, and hands
+    it to the load it runs (qruntime.loader.load's manifest)."""
+    from qruntime.artifact import read_manifest
+    from qruntime.serve import engine_spawn
+
+    parsed, seen = _count_manifest_parses(monkeypatch), []
+    module = types.ModuleType("fake_engine_entry")
+    module.main = lambda conn, load_kwargs, *rest: seen.append(load_kwargs)
+    monkeypatch.setitem(sys.modules, "fake_engine_entry", module)
+    engine_spawn.run_engine(("fake_engine_entry", "main"), "conn", {"path": art}, 1, 2)
+    assert len(parsed) == 1 and seen[0]["manifest"] == read_manifest(art)

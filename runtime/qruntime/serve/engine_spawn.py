@@ -58,14 +58,17 @@ def run_engine(entry: tuple[str, str], conn: Connection, load_kwargs: dict[str, 
     """In the child: read the artifact's weights ahead (one pass, its thread then ends) while it
     imports the engine side, torch included (seconds), and start building its kernels as soon as
     torch is imported (qruntime.early_prebuild), then run it."""
+    from qruntime.artifact import read_manifest_or_none
     from qruntime.read_ahead import ReadAhead
 
-    ReadAhead.of_artifact(load_kwargs["path"]).start()
+    manifest = read_manifest_or_none(load_kwargs["path"])  # once: the read-ahead, the early build, the load
+    ReadAhead.of_artifact(load_kwargs["path"], manifest).start()
     from qruntime.early_prebuild import start_early  # imports torch
 
-    early = start_early(load_kwargs["path"], (), load_kwargs)
+    early = start_early(load_kwargs["path"], (), load_kwargs, manifest)
+    load_kwargs = {**load_kwargs, "manifest": manifest}
     if early is not None:
-        load_kwargs = {**load_kwargs, "started_prebuild": early}
+        load_kwargs["started_prebuild"] = early
     try:
         module, name = entry
         getattr(importlib.import_module(module), name)(conn, load_kwargs, *args)
