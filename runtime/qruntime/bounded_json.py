@@ -54,11 +54,11 @@ def _may_hold_lone_surrogates(raw: str | bytes) -> bool:
             raw.encode("utf-8")
         except UnicodeEncodeError:
             return True
-        return _SURROGATE_ESCAPE.search(raw) is not None
+        return "\\u" in raw and _SURROGATE_ESCAPE.search(raw) is not None  # the scan only past a cheap find
     raw = bytes(raw)
     if json.detect_encoding(raw) != "utf-8":  # UTF-16/32 or a BOM: the walk decides
         return True
-    return _SURROGATE_BYTES.search(raw) is not None
+    return (b"\\u" in raw or b"\xed" in raw) and _SURROGATE_BYTES.search(raw) is not None
 
 
 def _deeper_than(value: Any, max_depth: int) -> bool:

@@ -180,13 +180,14 @@ class List(Node):
     def validate(self, value: Any) -> None:
         if not isinstance(value, list) or len(value) > self.max_len:
             raise _Invalid(self.describe())
-        validate = self.item.validate
-        for index, item in enumerate(value):
-            try:
+        validate, index = self.item.validate, 0
+        try:  # one try for the list (its items are many), the index counted for a refused one
+            for item in value:
                 validate(item)
-            except _Invalid as exc:
-                exc.path.append(f"[{index}]")
-                raise
+                index += 1
+        except _Invalid as exc:
+            exc.path.append(f"[{index}]")
+            raise
 
 
 @dataclass(frozen=True)
@@ -199,12 +200,14 @@ class Tuple(Node):
     def validate(self, value: Any) -> None:
         if not isinstance(value, list) or len(value) != len(self.items):
             raise _Invalid(self.describe())
-        for index, (node, item) in enumerate(zip(self.items, value, strict=True)):
-            try:
+        index = 0
+        try:
+            for node, item in zip(self.items, value, strict=True):
                 node.validate(item)
-            except _Invalid as exc:
-                exc.path.append(f"[{index}]")
-                raise
+                index += 1
+        except _Invalid as exc:
+            exc.path.append(f"[{index}]")
+            raise
 
 
 @dataclass(frozen=True)
