@@ -39,7 +39,7 @@ import qruntime
 import qruntime.read_ahead as read_ahead
 art, device, variant = sys.argv[1], sys.argv[2], sys.argv[3]
 if variant == "none":
-    read_ahead.weight_files = lambda root: []
+    read_ahead.weight_files = lambda root, manifest=None: []
 elif variant.startswith(("threads=", "idle=")):
     read_ahead.THREADS = int(variant.split("=", 1)[1])
     read_ahead.IDLE_IO = variant.startswith("idle=")
@@ -48,7 +48,7 @@ elif variant == "libs-first":
     libs = sorted(glob.glob(f"{site}/torch/lib/*.so*")) + sorted(glob.glob(f"{site}/nvidia/*/lib/*.so*"))
     extra = [read_ahead.WeightFile(Path(p), os.path.getsize(p)) for p in libs]
     weights = read_ahead.weight_files
-    read_ahead.weight_files = lambda root: extra + weights(root)
+    read_ahead.weight_files = lambda root, manifest=None: extra + weights(root, manifest)
     read_ahead.THREADS = 8
 engine = qruntime.load(art, device=device, prebuild_kernels=False)
 import torch
