@@ -43,7 +43,8 @@ def test_sampling_fields_give_the_engines_tokens_whole_and_streamed(client, refe
     (free,) = reference.generate([prompt], SamplingParams(max_tokens=1))
     banned = free.token_ids[0]  # what greedy picks first: its -100 bias must change the reply
     fields = {
-        "logit_bias": {str(banned): -100, str(rng.randrange(200)): rng.uniform(-3, 3)},
+        # another token than the banned one: drawn equal (1 in 200), its small bias replaced the -100
+        "logit_bias": {str(banned): -100, str(rng.choice([t for t in range(200) if t != banned])): rng.uniform(-3, 3)},
         "presence_penalty": rng.uniform(-2, 2),
         "frequency_penalty": rng.uniform(-2, 2),
     }
